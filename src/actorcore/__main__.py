@@ -1,0 +1,5 @@
+import sys
+
+from actorcore.cli import main
+
+sys.exit(main())

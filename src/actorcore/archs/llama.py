@@ -1,0 +1,3 @@
+from actorcore.archs.spec import ArchSpec
+
+SPEC = ArchSpec(model_type="llama")

@@ -1,0 +1,5 @@
+import dataclasses
+
+from actorcore.archs.llama import SPEC as LLAMA
+
+SPEC = dataclasses.replace(LLAMA, model_type="mistral")

@@ -1,0 +1,238 @@
+"""Packed (padding-free) batches: pure tensor-in, tensor-out functions.
+
+Legend for shape suffixes: ``T`` tokens of the packed batch, ``B`` sequences, ``S`` padded length.
+
+A packed batch concatenates every sequence; ``cu_seqlens`` marks where each starts. Padding added for
+sequence parallelism (``pad_to_multiple``) forms one extra trailing segment of its own, so real tokens
+never attend to it and it never attends to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Sequences concatenated along one token axis.
+
+    ``cu_seqlens`` has ``B + 1`` entries (plus one more when ``num_padding > 0``: the padding segment).
+    ``position_ids`` is ``[T]`` for text models, ``[3, T]`` / ``[4, T]`` for M-RoPE models.
+    ``multimodal`` holds per-batch vision inputs (concatenated in sequence order) for VLMs.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    num_padding: int = 0
+    multimodal: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """All tokens, padding included (the length of every ``[T]`` tensor)."""
+        return int(self.input_ids.shape[-1])
+
+    @property
+    def num_real_tokens(self) -> int:
+        return self.num_tokens - self.num_padding
+
+    @property
+    def num_sequences(self) -> int:
+        """Real sequences (the padding segment is not one)."""
+        return int(self.cu_seqlens.numel()) - 1 - (1 if self.num_padding else 0)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        bounds = self.cu_seqlens.tolist()
+        return [b - a for a, b in zip(bounds[: self.num_sequences], bounds[1 : self.num_sequences + 1])]
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        def move(x: Any) -> Any:
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+            multimodal={k: move(v) for k, v in self.multimodal.items()},
+        )
+
+
+def _check_ids(ids: torch.Tensor, what: str) -> None:
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor of token ids, got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{what} must hold integer token ids, got dtype {ids.dtype}; convert with .long()")
+
+
+def cu_seqlens_from_lengths(lengths: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """``[0, l0, l0+l1, ...]`` as int32."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+    if len(lengths):
+        out[1:] = torch.cumsum(torch.as_tensor(list(lengths), dtype=torch.int64), 0).to(device=device)
+    return out
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position ids ``[T]`` restarting at 0 at every segment start."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=total)
+    return torch.arange(total, device=cu_seqlens.device) - starts
+
+
+def pack(sequences: Sequence[torch.Tensor]) -> PackedBatch:
+    """Concatenate 1-D id tensors into one packed batch with per-sequence position ids."""
+    if isinstance(sequences, torch.Tensor):
+        raise ValueError("pack() takes a list of 1-D id tensors; for a padded [B, S] tensor use pack_padded()")
+    if len(sequences) == 0:
+        raise ValueError("pack() got an empty list: pass at least one sequence of token ids")
+    for i, ids in enumerate(sequences):
+        _check_ids(ids, f"sequence {i}")
+        if ids.dim() != 1:
+            raise ValueError(f"sequence {i} has shape {tuple(ids.shape)}; each sequence must be a 1-D tensor of ids")
+        if ids.numel() == 0:
+            raise ValueError(f"sequence {i} is empty; drop zero-length sequences before packing")
+    device = sequences[0].device
+    lengths = [int(s.numel()) for s in sequences]
+    input_ids = torch.cat([s.to(device=device, dtype=torch.long) for s in sequences])
+    cu_seqlens = cu_seqlens_from_lengths(lengths, device=device)
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=positions_from_cu_seqlens(cu_seqlens, input_ids.numel()),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(lengths),
+    )
+
+
+def _check_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
+        )
+    mask = attention_mask
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must contain only 0 and 1")
+    mask = mask.to(torch.long)
+    lengths = mask.sum(-1)
+    if bool((lengths == 0).any()):
+        row = int((lengths == 0).nonzero()[0])
+        raise ValueError(f"row {row} of attention_mask is all zeros: every sequence needs at least one token")
+    # Holes: the ones of a row must be contiguous (left or right padding only).
+    first = mask.argmax(-1)
+    idx = torch.arange(mask.shape[-1], device=mask.device)
+    contiguous = (idx >= first[:, None]) & (idx < (first + lengths)[:, None])
+    if not bool((contiguous.long() == mask).all()):
+        row = int((contiguous.long() != mask).any(-1).nonzero()[0])
+        raise ValueError(
+            f"row {row} of attention_mask has holes; only left- or right-padded rows (one contiguous run of 1s) "
+            "can be packed"
+        )
+    return mask.bool()
+
+
+def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
+    """Pack a left- or right-padded ``[B, S]`` batch, dropping the padding."""
+    _check_ids(input_ids, "input_ids")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} is empty")
+    mask = _check_mask(attention_mask, input_ids)
+    return pack([row[keep] for row, keep in zip(input_ids, mask)])
+
+
+def unpack(values_T: torch.Tensor, batch: PackedBatch, padding_value: float = 0.0) -> torch.Tensor:
+    """Per-token values ``[T, ...]`` -> right-padded ``[B, S_max, ...]`` (padding tokens dropped)."""
+    if values_T.shape[0] not in (batch.num_tokens, batch.num_real_tokens):
+        raise ValueError(
+            f"values have {values_T.shape[0]} tokens but the batch has {batch.num_real_tokens} "
+            f"(+{batch.num_padding} padding)"
+        )
+    lengths = batch.seq_lens
+    out = values_T.new_full((len(lengths), max(lengths), *values_T.shape[1:]), padding_value)
+    bounds = batch.cu_seqlens.tolist()
+    for i, n in enumerate(lengths):
+        out[i, :n] = values_T[bounds[i] : bounds[i] + n]
+    return out
+
+
+def segment_ids(batch: PackedBatch) -> torch.Tensor:
+    """``[T]`` index of the segment (sequence, or the padding segment) each token belongs to."""
+    lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=batch.device), lengths,
+                                   output_size=batch.num_tokens)
+
+
+def sequence_start_mask(batch: PackedBatch) -> torch.Tensor:
+    """``[T]`` bool, True at the first token of every segment."""
+    starts = torch.zeros(batch.num_tokens, dtype=torch.bool, device=batch.device)
+    starts[batch.cu_seqlens[:-1].long()] = True
+    return starts
+
+
+def next_token_labels(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels for the position that predicts each next token, never crossing a sequence boundary.
+
+    Returns ``(labels_T, valid_T)``: ``labels_T[t] = input_ids[t + 1]`` when ``t + 1`` is in the same real
+    sequence, else ``IGNORE_INDEX`` (last token of a sequence, and every padding token).
+    """
+    labels = torch.full_like(batch.input_ids, IGNORE_INDEX)
+    labels[:-1] = batch.input_ids[1:]
+    ends = batch.cu_seqlens[1:].long() - 1
+    labels[ends] = IGNORE_INDEX
+    if batch.num_padding:
+        labels[batch.num_real_tokens :] = IGNORE_INDEX
+    return labels, labels != IGNORE_INDEX
+
+
+def shift_to_scored_token(predicting_T: torch.Tensor) -> torch.Tensor:
+    """Move values from the predicting position ``t`` to the scored token ``t + 1``; 0 at position 0.
+
+    Combined with ``next_token_labels`` (which zeroes cross-sequence predictions), every sequence's first
+    token ends up 0.
+    """
+    out = torch.zeros_like(predicting_T)
+    out[1:] = predicting_T[:-1]
+    return out
+
+
+def pad_to_multiple(batch: PackedBatch, multiple: int, pad_token_id: int = 0) -> PackedBatch:
+    """Append a padding segment so the token count is a multiple of ``multiple`` (no-op if it already is)."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    if batch.num_padding:
+        raise ValueError("batch is already padded; pad the unpadded batch once")
+    extra = (-batch.num_tokens) % multiple
+    if extra == 0:
+        return batch
+    device = batch.device
+    pos = batch.position_ids
+    pad_pos = torch.arange(extra, device=device, dtype=pos.dtype)
+    if pos.dim() == 2:
+        pad_pos = pad_pos.expand(pos.shape[0], extra)
+    cu = torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([batch.num_tokens + extra])])
+    return dataclasses.replace(
+        batch,
+        input_ids=torch.cat([batch.input_ids, batch.input_ids.new_full((extra,), pad_token_id)]),
+        position_ids=torch.cat([pos, pad_pos], dim=-1),
+        cu_seqlens=cu,
+        max_seqlen=max(batch.max_seqlen, extra),
+        num_padding=extra,
+    )
+
+
+def unpad(values_T: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Drop the padding segment's values from a ``[T, ...]`` tensor."""
+    return values_T[: batch.num_real_tokens]

@@ -1,0 +1,65 @@
+"""``actorcore`` command line: ``demo``, ``convert``, ``verify``, ``bench``. Only the CLI prints."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from actorcore.demo import run_demo
+
+    return run_demo(model_path=args.model, seed=args.seed, sp_size=args.sp, device=args.device)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from actorcore.mcore.convert_cli import main as convert_main
+
+    return convert_main(args.convert_args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / f"{args.name}.py"
+    if not script.exists():
+        print(f"error: no benchmark {args.name!r} (looked for {script}); run from a source checkout", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.bench_args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="actorcore", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="packed vs padded log-probs on a tiny model (or --model PATH)")
+    demo.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded tiny model)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--sp", type=int, default=2, help="sequence-parallel size for the SP rows (0 to skip)")
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    demo.set_defaults(func=_demo)
+
+    convert = sub.add_parser("convert", help="hf-to-mcore / mcore-to-hf checkpoint conversion", add_help=False)
+    convert.add_argument("convert_args", nargs=argparse.REMAINDER)
+    convert.set_defaults(func=_convert)
+
+    bench = sub.add_parser("bench", help="run a benchmark script from bench/ (GPU)")
+    bench.add_argument("name", help="benchmark name, e.g. logprob")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

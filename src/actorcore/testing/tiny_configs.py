@@ -1,0 +1,70 @@
+"""Tiny, odd-sized configs for every registered architecture (hidden 64, 4 heads, 2 kv heads, vocab 131,
+intermediate 88, 2 layers; MoE: 4 experts, top-2). Built from configs with a fixed seed; no downloads."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=131,
+    hidden_size=64,
+    intermediate_size=88,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True)
+
+# One entry per registered model_type: only what differs from COMMON.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": dict(sliding_window=7),
+    "qwen2": {},
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(head_dim=16, **MOE, decoder_sparse_step=1, mlp_only_layers=[1]),
+    "gemma2": dict(head_dim=16, sliding_window=5, final_logit_softcapping=3.0, attn_logit_softcapping=5.0,
+                   tie_word_embeddings=True, query_pre_attn_scalar=16),
+    "gemma3_text": dict(head_dim=16, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                        tie_word_embeddings=True, query_pre_attn_scalar=16),
+    "phi3": dict(tie_word_embeddings=False),
+    "olmo2": {},
+    "apertus": {},
+}
+
+
+def tiny_config(model_type: str, **overrides: Any):
+    """A fresh config object (never shared between models: attention settings live on it)."""
+    from transformers import AutoConfig
+
+    if model_type not in TINY_CONFIGS:
+        raise KeyError(f"no tiny config for {model_type!r}; add one to actorcore.testing.tiny_configs")
+    kwargs = {**COMMON, **copy.deepcopy(TINY_CONFIGS[model_type]), **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    return config
+
+
+def build_tiny_model(model_type: str, *, task: str = "causal_lm", seed: int = 0, dtype=torch.float32,
+                     attn_implementation: str = "eager", **overrides: Any):
+    """Seeded random-weight model. ``task``: ``causal_lm`` or ``token_classification`` (a 1-label critic)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    if task == "causal_lm":
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    elif task == "token_classification":
+        config.num_labels = 1
+        model = AutoModelForTokenClassification.from_config(config, attn_implementation=attn_implementation,
+                                                            dtype=dtype)
+    else:
+        raise ValueError(f"task must be 'causal_lm' or 'token_classification', got {task!r}")
+    return model.eval()
