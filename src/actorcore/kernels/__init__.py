@@ -1,0 +1,6 @@
+"""Kernel layer: model-agnostic compute (log-prob/entropy heads, tiled MLP).
+
+Nothing heavy is imported here; import the submodule you need, e.g.
+``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch
+(and triton lazily, when a triton backend is chosen); they never import model code.
+"""
