@@ -236,3 +236,17 @@ def pad_to_multiple(batch: PackedBatch, multiple: int, pad_token_id: int = 0) ->
 def unpad(values_T: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """Drop the padding segment's values from a ``[T, ...]`` tensor."""
     return values_T[: batch.num_real_tokens]
+
+
+def shard_bounds(total: int, sp_rank: int, sp_size: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``sp_rank``'s contiguous shard of ``total`` tokens (``total % sp_size == 0``)."""
+    if total % sp_size:
+        raise ValueError(f"{total} tokens do not split over sp_size={sp_size}; pad_to_multiple() first")
+    size = total // sp_size
+    return sp_rank * size, (sp_rank + 1) * size
+
+
+def shard_for_sp(x: torch.Tensor, sp_rank: int, sp_size: int, dim: int = -1) -> torch.Tensor:
+    """Rank ``sp_rank``'s contiguous shard of ``x`` along its token dimension ``dim``."""
+    start, end = shard_bounds(x.shape[dim], sp_rank, sp_size)
+    return x.narrow(dim, start, end - start)

@@ -29,6 +29,8 @@ class ArchSpec:
     attention: str = "self_attn"
     mlp: str = "mlp"
     mlp_kind: str = "gated"
+    # The critic's 1-output head on ``...ForTokenClassification`` models.
+    value_head: str = "score"
     # Config field holding a final-logit softcap (Gemma 2); applied exactly by the log-prob head.
     final_logit_softcap_field: str | None = None
     # Config fields that must be falsy/None for this spec to be valid, with the reason if they are not.

@@ -1,0 +1,45 @@
+"""actorcore: the model layer for RL on LLMs and VLMs.
+
+Small public API, imported lazily: ``import actorcore`` loads neither transformers nor megatron.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "PackedBatch": "actorcore.batch",
+    "pack": "actorcore.batch",
+    "pack_padded": "actorcore.batch",
+    "unpack": "actorcore.batch",
+    "pad_to_multiple": "actorcore.batch",
+    "next_token_labels": "actorcore.batch",
+    "shard_for_sp": "actorcore.batch",
+    "compute_logprobs": "actorcore.hf.logprobs",
+    "compute_values": "actorcore.hf.logprobs",
+    "LogProbOutput": "actorcore.hf.logprobs",
+    "linear_logprob_entropy": "actorcore.kernels.logprob",
+    "ParallelContext": "actorcore.parallel",
+    "patch_model": "actorcore.hf.patch",
+    "PatchHandle": "actorcore.hf.patch",
+    "get_spec": "actorcore.archs",
+    "registered_model_types": "actorcore.archs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'actorcore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,1 @@
+"""Hugging Face route: packed attention, compute_logprobs / compute_values, patching."""

@@ -1,0 +1,161 @@
+"""Packed attention for Hugging Face models, through ``transformers``' official extension points.
+
+``actorcore_packed`` is registered in ``AttentionInterface`` (and a no-mask function in
+``AttentionMaskInterface``, since packing is described by ``cu_seq_lens_*`` kwargs, not by a mask).
+Registration happens on first use, never on import. A model is switched to it per instance, for the
+duration of a call (``packed_attention``), by setting ``_attn_implementation`` on the configs its attention
+modules read, and restoring them afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections import Counter
+from typing import Any, Iterator
+
+import torch
+
+from actorcore.kernels.varlen_attention import varlen_causal_attention
+
+logger = logging.getLogger(__name__)
+
+PACKED_ATTENTION = "actorcore_packed"
+
+# Calls per registered implementation name: how tests and the self-check prove the packed path ran.
+CALLS: Counter[str] = Counter()
+
+
+class PackingNotAppliedError(RuntimeError):
+    """The packed attention did not run where it should have (e.g. a transformers change bypassed it)."""
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """Packed attention needs no mask tensor: ``cu_seq_lens_*`` describe the sequences."""
+    return None
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` function: q/k/v ``[1, heads, T, H]`` -> ``([1, T, N, H], None)``."""
+    CALLS[PACKED_ATTENTION] += 1
+    cu_seqlens, max_seqlen = packing_kwargs(kwargs)
+    out_TNH = attend_packed(query, key, value, cu_seqlens, max_seqlen, scaling=scaling, dropout=dropout,
+                            sliding_window=sliding_window, softcap=softcap, module=module, kwargs=kwargs)
+    return out_TNH.unsqueeze(0), None
+
+
+def packing_kwargs(kwargs: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    """Read the explicit packing metadata; refuse to guess it."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q = kwargs.get("max_length_q")
+    if cu_q is None or max_q is None:
+        raise PackingNotAppliedError(
+            "actorcore packed attention was called without cu_seq_lens_q / max_length_q; call the model through "
+            "actorcore.compute_logprobs / compute_values (or pass the packing kwargs explicitly)"
+        )
+    if cu_k is not None and cu_k is not cu_q and not torch.equal(cu_k, cu_q):
+        raise ValueError("packed attention needs cu_seq_lens_k == cu_seq_lens_q (no KV cache in training)")
+    return cu_q, int(max_q)
+
+
+def attend_packed(query, key, value, cu_seqlens, max_seqlen, *, scaling, dropout, sliding_window, softcap,
+                  module, kwargs) -> torch.Tensor:
+    """Shared by the plain and the sequence-parallel attention: ``[1, heads, T, H]`` inputs -> ``[T, N, H]``."""
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise NotImplementedError("attention sinks are not supported by actorcore's packed attention")
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects batch size 1 (all sequences packed), got {query.shape[0]}")
+    q_TNH = query[0].transpose(0, 1)
+    k_TKH = key[0].transpose(0, 1)
+    v_TKH = value[0].transpose(0, 1)
+    p = dropout if module.training else 0.0
+    return varlen_causal_attention(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale=scaling,
+                                   sliding_window=sliding_window, softcap=softcap, dropout=p)
+
+
+@functools.cache
+def register_attention(name: str = PACKED_ATTENTION, fn: Any = packed_attention_forward) -> str:
+    """Register an attention function and its no-mask function with transformers (once per name)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, _no_mask)
+    return name
+
+
+def attention_configs(layers: Any, attention_attr: str) -> list[Any]:
+    """The distinct config objects the decoder's attention modules read their implementation from."""
+    configs: dict[int, Any] = {}
+    for layer in layers:
+        attn = getattr(layer, attention_attr, None)
+        config = getattr(attn, "config", None)
+        if config is None:
+            raise PackingNotAppliedError(
+                f"decoder layer {type(layer).__name__} has no '{attention_attr}.config'; this transformers "
+                "version lays attention out differently from what actorcore's arch spec expects"
+            )
+        configs[id(config)] = config
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def attention_implementation(configs: list[Any], name: str) -> Iterator[None]:
+    """Set ``_attn_implementation`` on exactly these configs (not their sub-configs); restore on exit."""
+    saved = [c.__dict__.get("_attn_implementation_internal") for c in configs]
+    for c in configs:
+        c.__dict__["_attn_implementation_internal"] = name
+    try:
+        yield
+    finally:
+        for c, old in zip(configs, saved):
+            c.__dict__["_attn_implementation_internal"] = old
+
+
+def current_implementations(configs: list[Any]) -> set[str | None]:
+    return {c.__dict__.get("_attn_implementation_internal") for c in configs}
+
+
+@contextlib.contextmanager
+def packed_attention(decoder: torch.nn.Module, configs: list[Any], name: str) -> Iterator[None]:
+    """Switch ``configs`` to ``name`` for one forward, including the recomputation in backward.
+
+    With Hugging Face activation checkpointing, layers are re-run during backward, after this context has
+    exited; the layers' ``_gradient_checkpointing_func`` is wrapped (per instance, for this forward) so that
+    the recomputation runs under the same switch and sees the same attention as the original forward.
+    """
+    wrapped = []
+    for module in decoder.modules():
+        original = module.__dict__.get("_gradient_checkpointing_func")
+        if original is not None and getattr(module, "gradient_checkpointing", False):
+            module._gradient_checkpointing_func = _recompute_under(original, configs, name)
+            wrapped.append((module, original))
+    try:
+        with attention_implementation(configs, name):
+            yield
+    finally:
+        for module, original in wrapped:
+            module._gradient_checkpointing_func = original
+
+
+def _recompute_under(checkpoint_fn: Any, configs: list[Any], name: str) -> Any:
+    def checkpoint_with_switch(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        def switched(*a: Any, **k: Any) -> Any:
+            with attention_implementation(configs, name):
+                return fn(*a, **k)
+
+        return checkpoint_fn(switched, *args, **kwargs)
+
+    return checkpoint_with_switch

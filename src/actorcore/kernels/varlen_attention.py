@@ -1,0 +1,142 @@
+"""Causal attention over packed variable-length sequences, choosing the fastest available backend.
+
+Legend: ``T`` packed tokens, ``N`` query heads, ``K`` key/value heads, ``H`` head dim.
+
+Backends, in order of preference:
+- ``flash_attn``: flash-attn's varlen kernel (CUDA, when installed); supports windows, softcap, dropout.
+- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA only; no softcap, no dropout).
+- ``segments``: one SDPA call per sequence (any device); an exact eager softmax when softcapping.
+Every backend implements the same function: causal within each segment of ``cu_seqlens``, nothing across
+segments, an optional sliding window where query ``i`` sees key ``j`` iff ``0 <= i - j < window``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flash_attn", "torch_varlen", "segments")
+
+
+@functools.cache
+def _has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+@functools.cache
+def _has_torch_varlen() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_backend(device: torch.device, softcap: float | None, dropout: float) -> str:
+    """The backend ``auto`` resolves to for these arguments."""
+    if device.type == "cuda":
+        if _has_flash_attn():
+            return "flash_attn"
+        if _has_torch_varlen() and softcap is None and dropout == 0.0:
+            return "torch_varlen"
+    return "segments"
+
+
+def varlen_causal_attention(
+    q_TNH: torch.Tensor,
+    k_TKH: torch.Tensor,
+    v_TKH: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Packed causal attention; returns ``[T, N, H]`` in the input dtype."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    T, N, H = q_TNH.shape
+    K = k_TKH.shape[1]
+    if N % K:
+        raise ValueError(f"{N} query heads cannot share {K} key/value heads evenly")
+    if not cu_seqlens.is_cuda and int(cu_seqlens[-1]) != T:  # no device sync on the hot GPU path
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but there are {T} tokens")
+    scale = H**-0.5 if scale is None else scale
+    if backend == "auto":
+        backend = choose_backend(q_TNH.device, softcap, dropout)
+    if backend == "flash_attn":
+        return _flash_attn(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window, softcap, dropout)
+    if backend == "torch_varlen":
+        if softcap is not None or dropout:
+            raise ValueError("the torch_varlen backend supports neither softcap nor dropout; use 'segments'")
+        return _torch_varlen(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window)
+    return _segments(q_TNH, k_TKH, v_TKH, cu_seqlens, scale, sliding_window, softcap, dropout)
+
+
+def _flash_attn(q, k, v, cu, max_seqlen, scale, window, softcap, dropout):
+    from flash_attn import flash_attn_varlen_func
+
+    cu = cu.to(torch.int32)
+    return flash_attn_varlen_func(
+        q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scale, causal=True,
+        window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap or 0.0,
+    )
+
+
+def _torch_varlen(q, k, v, cu, max_seqlen, scale, window):
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = cu.to(torch.int32)
+    # Causality is expressed as a window with no right context.
+    window_size = (window - 1 if window else -1, 0)
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size,
+                       enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _segment_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    i = torch.arange(length, device=device)
+    diff = i[:, None] - i[None, :]
+    allowed = diff >= 0
+    if window:
+        allowed &= diff < window
+    return allowed
+
+
+def _segments(q, k, v, cu, scale, window, softcap, dropout):
+    """Reference-quality path: exact per-sequence attention (SDPA, or an eager softmax with softcap)."""
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        q_NLH = q[start:end].transpose(0, 1)
+        k_NLH = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        v_NLH = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        length = end - start
+        needs_window = window is not None and window < length
+        if softcap is None:
+            mask = _segment_mask(length, window, q.device) if needs_window else None
+            o = F.scaled_dot_product_attention(q_NLH, k_NLH, v_NLH, attn_mask=mask, is_causal=mask is None,
+                                               dropout_p=dropout, scale=scale)
+        else:
+            scores = torch.matmul(q_NLH, k_NLH.transpose(-1, -2)) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            mask = _segment_mask(length, window, q.device)
+            scores = scores.masked_fill(~mask, -math.inf)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            if dropout:
+                probs = F.dropout(probs, p=dropout)
+            o = torch.matmul(probs, v_NLH)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)

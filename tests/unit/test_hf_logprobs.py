@@ -1,0 +1,204 @@
+"""HF route, one process: packed compute_logprobs / compute_values against an unpatched padded forward,
+per token, for every registered text architecture."""
+
+import pytest
+import torch
+
+import actorcore as ac
+from actorcore.archs import UnsupportedArchitectureError, get_spec, registered_model_types
+from actorcore.hf.attention import CALLS, PACKED_ATTENTION, PackingNotAppliedError
+from actorcore.testing.reference import (
+    logprobs_from_logits,
+    padded_logits,
+    padded_to_packed,
+    reference_logprobs,
+    right_padded,
+)
+from actorcore.testing.tiny_configs import TINY_CONFIGS, build_tiny_model
+from actorcore.testing.tolerances import TOL
+
+TEXT_ARCHS = [m for m in registered_model_types() if get_spec(m).vision is None]
+LENGTHS = [1, 2, 23, 5, 40, 9]  # very different lengths, including 1 and 2
+
+
+def _sequences(seed=0, lengths=LENGTHS, vocab=131):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+
+
+def _max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+def test_every_registered_architecture_has_a_tiny_config():
+    missing = [m for m in registered_model_types() if m not in TINY_CONFIGS and get_spec(m).vision is None]
+    assert not missing, f"architectures without a tiny config in actorcore.testing.tiny_configs: {missing}"
+
+
+def test_unregistered_architecture_is_refused_with_the_list():
+    with pytest.raises(UnsupportedArchitectureError, match="registered: .*llama"):
+        get_spec("not_a_model")
+
+
+@pytest.mark.parametrize("model_type", TEXT_ARCHS)
+def test_packed_equals_padded_hf_per_token(model_type):
+    model = build_tiny_model(model_type)
+    seqs = _sequences()
+    for left in (False, True):
+        ids, mask = right_padded(seqs, left=left)
+        batch = ac.pack_padded(ids, mask)
+        for temperature in (1.0, 0.7):
+            with torch.no_grad():
+                out = ac.compute_logprobs(model, batch, temperature=temperature)
+                ref_lp, ref_ent = reference_logprobs(model, ids, mask, temperature)
+            assert out.log_probs.dtype == torch.float32 and out.log_probs.shape == (sum(LENGTHS),)
+            assert _max_diff(out.log_probs, ref_lp) <= TOL["packed_vs_hf_fp32"]
+            assert _max_diff(out.entropy, ref_ent) <= TOL["packed_vs_hf_fp32"]
+            starts = batch.cu_seqlens[:-1].long()
+            assert torch.all(out.log_probs[starts] == 0) and torch.all(out.entropy[starts] == 0)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_close(got, want, tol):
+    assert got.keys() == want.keys()
+    for name in want:
+        scale = want[name].abs().max().clamp(min=1e-30)
+        rel = ((got[name] - want[name]).abs().max() / scale).item()
+        assert rel <= tol, f"{name}: relative grad difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("model_type", TEXT_ARCHS)
+def test_parameter_gradients_match_padded_hf(model_type):
+    model = build_tiny_model(model_type)
+    seqs = _sequences(seed=1)
+    ids, mask = right_padded(seqs)
+    batch = ac.pack_padded(ids, mask)
+    g = torch.Generator().manual_seed(2)
+    w_lp, w_ent = torch.randn(batch.num_tokens, generator=g), torch.randn(batch.num_tokens, generator=g)
+
+    out = ac.compute_logprobs(model, batch, temperature=0.7)
+    ((out.log_probs * w_lp).sum() + (out.entropy * w_ent).sum()).backward()
+    packed = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    lp, ent = logprobs_from_logits(padded_logits(model, ids, mask), ids, mask, 0.7)
+    lp, ent = padded_to_packed(lp, mask), padded_to_packed(ent, mask)
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    _assert_grads_close(packed, _grads(model), TOL["grad_packed_vs_hf_fp32_rel"])
+
+
+def test_packed_attention_ran_and_plain_forward_is_unchanged():
+    model = build_tiny_model("qwen2")
+    ids, mask = right_padded(_sequences())
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        calls = CALLS[PACKED_ATTENTION]
+        ac.compute_logprobs(model, ac.pack_padded(ids, mask))
+        assert CALLS[PACKED_ATTENTION] - calls == model.config.num_hidden_layers
+        assert model.config._attn_implementation == "eager"
+        calls = CALLS[PACKED_ATTENTION]
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert CALLS[PACKED_ATTENTION] == calls  # the plain forward does not touch the packed attention
+    assert torch.equal(before, after)
+
+
+def test_bypassed_packed_attention_is_an_error(monkeypatch):
+    model = build_tiny_model("llama")
+    # Simulate a transformers version that ignores the registered implementation.
+    monkeypatch.setattr("actorcore.hf.logprobs.packed_attention",
+                        lambda decoder, configs, name: __import__("contextlib").nullcontext())
+    with pytest.raises(PackingNotAppliedError, match="bypassed"):
+        ac.compute_logprobs(model, ac.pack(_sequences()))
+
+
+def test_bf16_model_uses_fp32_logits():
+    model = build_tiny_model("qwen3", dtype=torch.bfloat16)
+    batch = ac.pack(_sequences())
+    captured = {}
+
+    def keep_hidden(module, inputs, output):
+        captured["hidden"] = output.last_hidden_state[0]
+
+    model.model.register_forward_hook(keep_hidden)
+    with torch.no_grad():
+        out = ac.compute_logprobs(model, batch)
+    hidden, weight = captured["hidden"], model.lm_head.weight
+    assert hidden.dtype == torch.bfloat16
+    labels = torch.cat([batch.input_ids[1:], batch.input_ids[:1]])
+    fp32_logits = hidden.float() @ weight.float().T
+    bf16_logits = (hidden @ weight.T).float()
+
+    def scored(logits):
+        lp = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
+        keep = torch.ones_like(lp, dtype=torch.bool)
+        keep[batch.cu_seqlens[1:].long() - 1] = False
+        return ac.batch.shift_to_scored_token(torch.where(keep, lp, 0.0))
+
+    err_fused = _max_diff(out.log_probs, scored(fp32_logits))
+    err_naive = _max_diff(scored(bf16_logits), scored(fp32_logits))
+    assert err_fused <= TOL["fused_head_bf16_vs_fp32_logits"]
+    assert err_fused < err_naive
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_activation_checkpointing_and_grad_modes(model_type):
+    model = build_tiny_model(model_type)
+    batch = ac.pack(_sequences(seed=3))
+    with torch.no_grad():
+        ref = ac.compute_logprobs(model, batch)
+    model.train()
+    out = ac.compute_logprobs(model, batch)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    for reentrant in (False, True):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        calls = CALLS[PACKED_ATTENTION]
+        out = ac.compute_logprobs(model, batch)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+        # forward + recomputation in backward both ran the packed attention
+        assert CALLS[PACKED_ATTENTION] - calls == 2 * model.config.num_hidden_layers
+        assert _max_diff(out.log_probs.detach(), ref.log_probs) <= TOL["packed_vs_hf_fp32"]
+        _assert_grads_close(_grads(model), want, TOL["grad_packed_vs_hf_fp32_rel"])
+        model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("model_type", [m for m in TEXT_ARCHS if m not in ("gemma3_text", "olmo2")])
+def test_values_equal_padded_critic(model_type):
+    try:
+        critic = build_tiny_model(model_type, task="token_classification")
+    except ValueError as exc:  # no ...ForTokenClassification class for this architecture
+        pytest.skip(str(exc).splitlines()[0])
+    ids, mask = right_padded(_sequences(seed=4), left=True)
+    with torch.no_grad():
+        values = ac.compute_values(critic, ac.pack_padded(ids, mask))
+        ref = padded_logits(critic, ids, mask)[..., 0].float()
+    assert values.dtype == torch.float32
+    assert _max_diff(values, padded_to_packed(ref, mask)) <= TOL["packed_vs_hf_fp32"]
+
+
+def test_values_need_a_critic():
+    with pytest.raises(ValueError, match="1-output 'score' head"):
+        ac.compute_values(build_tiny_model("llama"), ac.pack(_sequences()))
+
+
+def test_entropy_can_be_skipped():
+    out = ac.compute_logprobs(build_tiny_model("llama"), ac.pack(_sequences()), entropy=False)
+    assert out.entropy is None
+
+
+@pytest.mark.parametrize("temperature", [0, -1.0, "1"])
+def test_bad_temperature(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        ac.compute_logprobs(build_tiny_model("llama"), ac.pack(_sequences()), temperature=temperature)
+
+
+def test_bad_batch_and_out_of_vocab_ids():
+    model = build_tiny_model("llama")
+    with pytest.raises(ValueError, match="PackedBatch"):
+        ac.compute_logprobs(model, torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="vocabulary has 131"):
+        ac.compute_logprobs(model, ac.pack([torch.tensor([1, 500])]))
