@@ -107,13 +107,22 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     else:
         switch = packed_attention(decoder, configs, register_attention())
     cu = work.cu_seqlens
-    if "inputs_embeds" not in decoder_kwargs:
-        decoder_kwargs["input_ids"] = input_ids.unsqueeze(0)
+    kwargs: dict[str, Any] = dict(
+        input_ids=input_ids.unsqueeze(0),
+        position_ids=position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids.unsqueeze(1),
+        use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=work.max_seqlen,
+        max_length_k=work.max_seqlen,
+    )
+    if spec.vision is not None:
+        from actorcore.hf.vlm import vlm_decoder_inputs
+
+        kwargs.update(vlm_decoder_inputs(model, spec, work, parallel))
+    kwargs.update(decoder_kwargs)
+    if "inputs_embeds" in kwargs:
+        kwargs.pop("input_ids")
     calls_before = sum(CALLS.values())
     with switch:
-        out = decoder(position_ids=position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids.unsqueeze(1),
-                      use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=work.max_seqlen,
-                      max_length_k=work.max_seqlen, **decoder_kwargs)
+        out = decoder(**kwargs)
     if sum(CALLS.values()) - calls_before < len(layers):
         raise PackingNotAppliedError(
             f"packed attention ran {sum(CALLS.values()) - calls_before} times for {len(layers)} layers: the "
