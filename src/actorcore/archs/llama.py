@@ -1,3 +1,4 @@
 from actorcore.archs.spec import ArchSpec
+from actorcore.mcore.rules import DENSE_RULES, McoreSpec
 
-SPEC = ArchSpec(model_type="llama")
+SPEC = ArchSpec(model_type="llama", mcore=McoreSpec(rules=DENSE_RULES))

@@ -1,5 +1,10 @@
 import dataclasses
 
 from actorcore.archs.llama import SPEC as LLAMA
+from actorcore.mcore.rules import DENSE_RULES, QKV_BIAS_RULES, McoreSpec
 
-SPEC = dataclasses.replace(LLAMA, model_type="qwen2")
+# Qwen2 always has q/k/v biases (no config field says so).
+SPEC = dataclasses.replace(
+    LLAMA, model_type="qwen2",
+    mcore=McoreSpec(rules=DENSE_RULES + QKV_BIAS_RULES, config_overrides=dict(add_qkv_bias=True)),
+)

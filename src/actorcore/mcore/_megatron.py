@@ -1,0 +1,20 @@
+"""The one place that checks megatron-core is importable (it is an optional dependency)."""
+
+from __future__ import annotations
+
+import functools
+
+
+class MegatronNotInstalledError(ImportError):
+    pass
+
+
+@functools.cache
+def require_megatron() -> None:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        raise MegatronNotInstalledError(
+            "the Megatron-Core route needs megatron-core: pip install 'actorcore[megatron]' "
+            f"(megatron-core>=0.16); import failed with: {exc}"
+        ) from exc

@@ -1,0 +1,383 @@
+"""Hugging Face config <-> Megatron-Core ``TransformerConfig`` (+ ``GPTModel`` arguments), as a field table.
+
+``FIELDS`` holds the one-to-one fields (both directions). Compound facts that span several HF fields (RoPE
+scaling, the dense/MoE layer pattern, router scoring, activation, sliding window, MLA) have one small
+converter each, which names the HF fields it consumes. Every HF field that is neither in the table, nor
+consumed by a converter, nor known to be irrelevant to the model's math is listed in a warning.
+Anything that would change the math and has no exact Megatron counterpart raises
+``UnsupportedConfigError`` (nothing is silently approximated, e.g. unknown RoPE scaling is never treated
+as linear).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from actorcore.archs import get_spec
+from actorcore.archs.spec import UnsupportedArchitectureError
+from actorcore.mcore.parallel import McoreParallel
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedConfigError(UnsupportedArchitectureError):
+    """The HF config uses a feature the Megatron route cannot reproduce exactly."""
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+@dataclass(frozen=True)
+class Field:
+    """``hf`` (first present of ``hf_aliases`` too) <-> ``mcore``; ``model_arg``: a GPTModel argument."""
+
+    hf: str
+    mcore: str
+    model_arg: bool = False
+    hf_aliases: tuple[str, ...] = ()
+    to_mcore: Callable[[Any], Any] = _same
+    to_hf: Callable[[Any], Any] = _same
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf,) + self.hf_aliases
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("num_hidden_layers", "num_layers"),
+    Field("hidden_size", "hidden_size"),
+    Field("num_attention_heads", "num_attention_heads"),
+    Field("intermediate_size", "ffn_hidden_size"),
+    Field("rms_norm_eps", "layernorm_epsilon"),
+    Field("attention_dropout", "attention_dropout", to_mcore=float),
+    Field("initializer_range", "init_method_std"),
+    Field("vocab_size", "vocab_size", model_arg=True),
+    Field("max_position_embeddings", "max_sequence_length", model_arg=True),
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", model_arg=True, to_mcore=bool),
+    # MoE
+    Field("num_experts", "num_moe_experts", hf_aliases=("num_local_experts", "n_routed_experts")),
+    Field("num_experts_per_tok", "moe_router_topk"),
+    Field("moe_intermediate_size", "moe_ffn_hidden_size"),
+    Field("routed_scaling_factor", "moe_router_topk_scaling_factor", to_mcore=float),
+    Field("n_group", "moe_router_num_groups"),
+    Field("topk_group", "moe_router_group_topk"),
+    # MLA
+    Field("q_lora_rank", "q_lora_rank"),
+    Field("kv_lora_rank", "kv_lora_rank"),
+    Field("qk_nope_head_dim", "qk_head_dim"),
+    Field("qk_rope_head_dim", "qk_pos_emb_head_dim"),
+    Field("v_head_dim", "v_head_dim"),
+)
+
+# HF fields with no effect on the model's math (generation, bookkeeping, outputs).
+IRRELEVANT = frozenset({
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "output_router_logits", "dtype", "torch_dtype",
+    "transformers_version", "architectures", "model_type", "_name_or_path", "id2label", "label2id",
+    "return_dict", "output_hidden_states", "output_attentions", "problem_type", "chunk_size_feed_forward",
+    "is_encoder_decoder", "tokenizer_class", "num_labels", "_attn_implementation_autoset", "router_aux_loss_coef",
+    "tie_encoder_decoder", "max_window_layers", "classifier_dropout",
+})
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
+
+
+def _get(hf: Any, name: str, default: Any = None) -> Any:
+    return getattr(hf, name, default)
+
+
+def _has(hf: Any, name: str) -> bool:
+    """A field the config class really stores (not an ``attribute_map`` alias)."""
+    return name in hf.to_dict()
+
+
+def _rope_parameters(hf: Any) -> dict[str, Any]:
+    params = _get(hf, "rope_parameters") or _get(hf, "rope_scaling") or {}
+    params = dict(params)
+    if "rope_theta" not in params and _get(hf, "rope_theta") is not None:
+        params["rope_theta"] = _get(hf, "rope_theta")
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+# Megatron's llama3 RoPE scaling takes only the factor; the other three are fixed at these values.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _convert_rope(hf: Any, mla: bool) -> tuple[dict, dict]:
+    """(TransformerConfig fields, GPTModel args) for RoPE; refuses what Megatron cannot reproduce."""
+    p = _rope_parameters(hf)
+    kind = p["rope_type"]
+    theta = p.get("rope_theta", 10000.0)
+    cfg: dict[str, Any] = {}
+    model: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": theta}
+    if _get(hf, "partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"partial_rotary_factor={_get(hf, 'partial_rotary_factor')} is not supported")
+    if kind == "default":
+        pass
+    elif kind == "linear" and not mla:
+        model["seq_len_interpolation_factor"] = float(p["factor"])
+    elif kind == "llama3" and not mla:
+        odd = {k: p.get(k) for k, v in _LLAMA3_FIXED.items() if float(p.get(k, v)) != v}
+        if odd:
+            raise UnsupportedConfigError(
+                f"llama3 RoPE scaling with {odd}: Megatron-Core fixes these at {_LLAMA3_FIXED} (only the factor is "
+                "configurable), so it would not reproduce this model"
+            )
+        model.update(rope_scaling=True, rope_scaling_factor=float(p["factor"]))
+    elif kind == "yarn" and mla:
+        cfg.update(rope_type="yarn", rotary_scaling_factor=float(p["factor"]),
+                   original_max_position_embeddings=int(p["original_max_position_embeddings"]),
+                   beta_fast=float(p.get("beta_fast", 32.0)), beta_slow=float(p.get("beta_slow", 1.0)),
+                   mscale=float(p.get("mscale", 1.0)), mscale_all_dim=float(p.get("mscale_all_dim", 0.0)))
+    else:
+        raise UnsupportedConfigError(
+            f"RoPE scaling type {kind!r} ({p}) has no exact Megatron-Core counterpart on this route "
+            "(supported: default, linear, llama3 with Megatron's fixed frequencies; yarn for MLA models)"
+        )
+    if mla:
+        cfg["rotary_base"] = theta
+        cfg.setdefault("rope_type", "rope")
+    return cfg, model
+
+
+def _moe_layer_pattern(hf: Any, num_layers: int) -> list[int]:
+    """1 for MoE layers, 0 for dense ones (Qwen: decoder_sparse_step + mlp_only_layers; DeepSeek: first_k_dense_replace)."""
+    step = _get(hf, "decoder_sparse_step", 1) or 1
+    dense = set(_get(hf, "mlp_only_layers", None) or [])
+    first_dense = _get(hf, "first_k_dense_replace", 0) or 0
+    moe_freq = _get(hf, "moe_layer_freq", 1) or 1
+    return [0 if (i in dense or (i + 1) % step or i < first_dense or (i - first_dense) % moe_freq) else 1
+            for i in range(num_layers)]
+
+
+def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool) -> dict[str, Any]:
+    if not num_experts:
+        return {}
+    cfg: dict[str, Any] = {
+        "moe_layer_freq": _moe_layer_pattern(hf, _get(hf, "num_hidden_layers")),
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+    }
+    scoring = _get(hf, "scoring_func", "softmax")
+    if scoring == "softmax":
+        # norm_topk_prob (absent on Mixtral, which always renormalises): top-k of the logits, softmax over
+        # them == softmax, top-k, renormalise. Without it: softmax over all experts, then top-k.
+        cfg["moe_router_pre_softmax"] = not _get(hf, "norm_topk_prob", True)
+    elif scoring == "sigmoid":
+        cfg["moe_router_score_function"] = "sigmoid"
+        cfg["moe_router_enable_expert_bias"] = _get(hf, "topk_method", "noaux_tc") == "noaux_tc"
+        if not _get(hf, "norm_topk_prob", True):
+            raise UnsupportedConfigError("sigmoid router scoring without norm_topk_prob is not supported")
+    else:
+        raise UnsupportedConfigError(f"router scoring_func={scoring!r} is not supported (softmax, sigmoid)")
+    if _get(hf, "router_jitter_noise", 0.0):
+        raise UnsupportedConfigError(f"router_jitter_noise={_get(hf, 'router_jitter_noise')} (random routing "
+                                     "noise) has no Megatron-Core counterpart")
+    shared = _get(hf, "shared_expert_intermediate_size", 0) or 0
+    if _get(hf, "n_shared_experts"):
+        shared = _get(hf, "n_shared_experts") * _get(hf, "moe_intermediate_size")
+    if shared:
+        cfg["moe_shared_expert_intermediate_size"] = shared
+    # RL default: no load-balancing loss (it would change the gradients); opt in with aux_loss=True.
+    coeff = _get(hf, "router_aux_loss_coef", 0.0) if aux_loss else 0.0
+    cfg["moe_aux_loss_coeff"] = coeff
+    cfg["moe_router_load_balancing_type"] = "aux_loss" if coeff else "none"
+    return cfg
+
+
+def _convert_attention_extras(hf: Any, spec_overrides: dict) -> dict[str, Any]:
+    cfg: dict[str, Any] = {}
+    if _get(hf, "attention_bias", False) and not spec_overrides.get("add_qkv_bias"):
+        raise UnsupportedConfigError("attention_bias=True puts a bias on o_proj too; Megatron-Core can only add it "
+                                     "together with biases on every MLP linear (add_bias_linear)")
+    if _has(hf, "qkv_bias"):
+        cfg["add_qkv_bias"] = bool(_get(hf, "qkv_bias"))
+    if _get(hf, "mlp_bias", False):
+        raise UnsupportedConfigError("mlp_bias=True is not supported on the Megatron route")
+    use_window = _get(hf, "use_sliding_window", True)
+    window = _get(hf, "sliding_window", None)
+    if use_window and window:
+        # HF: query i sees keys j with i - window < j <= i; Megatron's window_size is (left, right).
+        cfg["window_size"] = (int(window) - 1, 0)
+    layer_types = _get(hf, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types) and "window_size" not in cfg:
+        raise UnsupportedConfigError(f"per-layer attention types {sorted(set(layer_types))} are not supported")
+    if layer_types and "window_size" in cfg and any(t != "sliding_attention" for t in layer_types):
+        raise UnsupportedConfigError("mixing sliding and full attention layers is not supported")
+    if (_get(hf, "pretraining_tp", 1) or 1) != 1:
+        raise UnsupportedConfigError("pretraining_tp != 1 is not supported")
+    return cfg
+
+
+def _activation(hf: Any) -> dict[str, Any]:
+    act = _get(hf, "hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise UnsupportedConfigError(f"hidden_act={act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
+    return {"activation_func": torch.nn.functional.silu, "gated_linear_unit": True}
+
+
+# Fields the compound converters read (so they are not reported as unknown).
+CONSUMED = frozenset({
+    "num_key_value_heads", "head_dim", "hidden_act", "rope_theta", "rope_scaling", "rope_parameters",
+    "partial_rotary_factor", "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace", "moe_layer_freq",
+    "scoring_func", "norm_topk_prob", "topk_method", "router_jitter_noise", "shared_expert_intermediate_size",
+    "n_shared_experts", "attention_bias", "mlp_bias", "use_sliding_window", "sliding_window", "layer_types",
+    "pretraining_tp", "qkv_bias", "num_nextn_predict_layers", "rope_interleave", "qk_head_dim",
+})
+
+
+def _first_present(hf: Any, field: Field) -> tuple[str, Any] | None:
+    for name in field.hf_names:
+        value = _get(hf, name, None)
+        if value is not None:
+            return name, value
+    return None
+
+
+def warn_unknown_fields(hf: Any) -> list[str]:
+    """HF fields this converter does not understand (logged as a warning)."""
+    from transformers import PretrainedConfig
+
+    known = set(IRRELEVANT) | set(CONSUMED) | {n for f in FIELDS for n in f.hf_names}
+    base = set(PretrainedConfig().to_dict())
+    unknown = sorted(k for k in hf.to_dict() if k not in known and k not in base)
+    if unknown:
+        logger.warning("%s: HF config fields not understood by the Megatron converter (ignored): %s",
+                       hf.model_type, ", ".join(unknown))
+    return unknown
+
+
+def _table_values(hf: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    cfg: dict[str, Any] = {}
+    model: dict[str, Any] = {}
+    for field in FIELDS:
+        found = _first_present(hf, field)
+        if found is not None:
+            (model if field.model_arg else cfg)[field.mcore] = field.to_mcore(found[1])
+    return cfg, model
+
+
+def mcore_fields(hf_config: Any, *, aux_loss: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(TransformerConfig keyword arguments, GPTModel keyword arguments) for an HF config (no parallel sizes)."""
+    spec = get_spec(hf_config.model_type)
+    if spec.mcore is None:
+        raise UnsupportedArchitectureError(f"{spec.model_type} has no Megatron-Core mapping")
+    warn_unknown_fields(hf_config)
+    cfg, model = _table_values(hf_config)
+    mla = cfg.get("kv_lora_rank") is not None
+    heads = cfg["num_attention_heads"]
+    cfg["num_query_groups"] = _get(hf_config, "num_key_value_heads", None) or heads
+    if not mla:
+        cfg["kv_channels"] = _get(hf_config, "head_dim", None) or cfg["hidden_size"] // heads
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            cfg.pop(name, None)
+    else:
+        cfg["multi_latent_attention"] = True
+    cfg.update(normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0)
+    cfg.update(_activation(hf_config))
+    extras = _convert_attention_extras(hf_config, spec.mcore.config_overrides)
+    cfg.update(extras)
+    rope_cfg, rope_model = _convert_rope(hf_config, mla)
+    cfg.update(rope_cfg)
+    model.update(rope_model)
+    cfg.update(_convert_moe(hf_config, cfg.get("num_moe_experts"), aux_loss))
+    mtp = _get(hf_config, "num_nextn_predict_layers", 0) or 0
+    if mtp:
+        cfg["mtp_num_layers"] = mtp
+    cfg.update({k: v for k, v in spec.mcore.config_overrides.items() if k not in extras})
+    return cfg, model
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
+    """Vocabulary rounded up so every tensor-parallel size dividing ``multiple`` splits it evenly."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def hf_to_mcore_config(hf_config: Any, parallel: McoreParallel | None = None, dtype: torch.dtype = torch.float32,
+                       *, aux_loss: bool = False, **overrides: Any):
+    """The ``TransformerConfig`` (or ``MLATransformerConfig``) for an HF config at a parallel layout.
+
+    ``overrides`` are TransformerConfig fields set last (e.g. ``recompute_granularity``).
+    """
+    from actorcore.mcore._megatron import require_megatron
+
+    require_megatron()
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    parallel = parallel or McoreParallel()
+    cfg, _ = mcore_fields(hf_config, aux_loss=aux_loss)
+    if cfg.get("num_moe_experts") and parallel.tp > 1:
+        raise UnsupportedConfigError("MoE with tensor parallelism needs sequence parallelism, which actorcore's "
+                                     "Megatron route does not enable yet: use tp=1 with ep for MoE models")
+    cfg.update(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=1,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    cfg.update(overrides)
+    cls = MLATransformerConfig if cfg.get("multi_latent_attention") else TransformerConfig
+    return cls(**cfg)
+
+
+def gpt_model_args(hf_config: Any, vocab_multiple: int = 128) -> dict[str, Any]:
+    """``GPTModel`` keyword arguments (vocabulary padded to ``vocab_multiple``)."""
+    _, model = mcore_fields(hf_config)
+    model["vocab_size"] = padded_vocab_size(model["vocab_size"], vocab_multiple)
+    return model
+
+
+def mcore_to_hf_config(transformer_config: Any, model_args: dict[str, Any], model_type: str,
+                       vocab_size: int) -> dict[str, Any]:
+    """HF config fields back from a TransformerConfig + GPTModel args (the table, reversed).
+
+    ``vocab_size`` is the unpadded HF vocabulary. Returns a dict for ``AutoConfig.for_model(model_type, **d)``.
+    """
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type)
+    out: dict[str, Any] = {}
+    for field in FIELDS:
+        source = model_args if field.model_arg else dataclasses.asdict(transformer_config)
+        if field.mcore in source and source[field.mcore] is not None:
+            name = next((n for n in field.hf_names if _has(defaults, n)), None)
+            if name is not None:
+                out[name] = field.to_hf(source[field.mcore])
+    out["vocab_size"] = vocab_size
+    tc = transformer_config
+    if not tc.multi_latent_attention:
+        out["num_key_value_heads"] = tc.num_query_groups
+        out["head_dim"] = tc.kv_channels
+    rope: dict[str, Any] = {"rope_theta": float(model_args.get("rotary_base", 10000.0)), "rope_type": "default"}
+    if model_args.get("seq_len_interpolation_factor"):
+        rope.update(rope_type="linear", factor=model_args["seq_len_interpolation_factor"])
+    if model_args.get("rope_scaling"):
+        rope.update(rope_type="llama3", factor=model_args["rope_scaling_factor"], **_LLAMA3_FIXED)
+    out["rope_parameters"] = rope
+    if tc.window_size is not None:
+        out["sliding_window"] = tc.window_size[0] + 1
+    if tc.num_moe_experts:
+        pattern = tc.moe_layer_freq if isinstance(tc.moe_layer_freq, list) else [1] * tc.num_layers
+        if _has(defaults, "mlp_only_layers"):
+            out.update(decoder_sparse_step=1, mlp_only_layers=[i for i, f in enumerate(pattern) if not f])
+        elif _has(defaults, "first_k_dense_replace"):
+            out["first_k_dense_replace"] = pattern.index(1) if 1 in pattern else tc.num_layers
+        if _has(defaults, "norm_topk_prob") and tc.moe_router_score_function == "softmax":
+            out["norm_topk_prob"] = not tc.moe_router_pre_softmax
+        if tc.moe_shared_expert_intermediate_size and _has(defaults, "shared_expert_intermediate_size"):
+            out["shared_expert_intermediate_size"] = tc.moe_shared_expert_intermediate_size
+    return out

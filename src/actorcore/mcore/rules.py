@@ -1,0 +1,160 @@
+"""Weight-mapping rules between Hugging Face and Megatron-Core names, as data (no megatron import).
+
+A rule maps one Megatron parameter (a name pattern) to the Hugging Face tensor(s) it is made of, says how
+they combine (``transform``) and how the result is distributed (``parallel``). Patterns use ``{layer}``
+(global decoder layer index) and ``{expert}`` (global expert index). The arch specs hold tuples of rules;
+generic code in ``mcore/`` reads them. Names are the on-disk safetensors names.
+
+Parallel styles:
+  ``column``      split over tensor-parallel ranks along dim 0 (each HF part separately, then merged)
+  ``row``         split over tensor-parallel ranks along dim 1
+  ``vocab``       split along dim 0 over tensor-parallel ranks after padding the vocabulary
+  ``replicated``  the full tensor on every rank
+  ``expert``      whole tensor on the expert-parallel rank that owns ``{expert}`` (expert TP is 1)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+PARALLEL_STYLES = ("column", "row", "vocab", "replicated", "expert")
+# rename: one tensor as is; qkv: q, k, v fused per query group; gate_up: [gate; up] stacked on dim 0.
+TRANSFORMS = ("rename", "qkv", "gate_up")
+_PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    parts = _PLACEHOLDER.split(pattern)
+    out = []
+    for i, part in enumerate(parts):
+        out.append(f"(?P<{part}>\\d+)" if i % 2 else re.escape(part))
+    return re.compile("".join(out) + r"\Z")
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """One Megatron parameter and the HF tensor(s) it is built from."""
+
+    mcore_name: str
+    hf_names: tuple[str, ...]
+    transform: str = "rename"
+    parallel: str = "replicated"
+    # Tied embeddings: when the config ties input and output embeddings, read/write this HF name instead
+    # (HF checkpoints do not store the tied lm_head).
+    tied_hf_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.parallel not in PARALLEL_STYLES:
+            raise ValueError(f"{self.mcore_name}: parallel {self.parallel!r} is not one of {PARALLEL_STYLES}")
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"{self.mcore_name}: transform {self.transform!r} is not one of {TRANSFORMS}")
+        expected = {"rename": 1, "qkv": 3, "gate_up": 2}[self.transform]
+        if len(self.hf_names) != expected:
+            raise ValueError(f"{self.mcore_name}: transform {self.transform} takes {expected} HF names")
+        if ("{expert}" in self.mcore_name) != (self.parallel == "expert"):
+            raise ValueError(f"{self.mcore_name}: exactly the per-expert rules use parallel='expert'")
+
+    def match_mcore(self, name: str) -> dict[str, int] | None:
+        found = _pattern_regex(self.mcore_name).match(name)
+        return {k: int(v) for k, v in found.groupdict().items()} if found else None
+
+    def match_hf(self, name: str) -> dict[str, int] | None:
+        for pattern in self.hf_names + ((self.tied_hf_name,) if self.tied_hf_name else ()):
+            found = _pattern_regex(pattern).match(name)
+            if found:
+                return {k: int(v) for k, v in found.groupdict().items()}
+        return None
+
+    def hf_names_for(self, indices: dict[str, int], tied: bool = False) -> tuple[str, ...]:
+        names = (self.tied_hf_name,) if tied and self.tied_hf_name else self.hf_names
+        return tuple(n.format(**indices) for n in names)
+
+
+@dataclass(frozen=True)
+class McoreSpec:
+    """The Megatron part of an arch spec.
+
+    ``config_overrides``: TransformerConfig fields fixed by the architecture (not read from the HF config),
+    e.g. ``add_qkv_bias=True`` for Qwen2. ``refused``: why this architecture cannot use the Megatron route
+    (then ``rules`` is empty and every entry point raises with this reason).
+    """
+
+    rules: tuple[WeightRule, ...] = ()
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    refused: str | None = None
+
+    def rule_for_mcore(self, name: str) -> tuple[WeightRule, dict[str, int]]:
+        hits = [(r, idx) for r in self.rules if (idx := r.match_mcore(name)) is not None]
+        if len(hits) != 1:
+            raise KeyError(f"Megatron parameter {name!r} matches {len(hits)} mapping rules (need exactly 1)")
+        return hits[0]
+
+    def rules_for_hf(self, name: str) -> list[tuple[WeightRule, dict[str, int]]]:
+        return [(r, idx) for r in self.rules if (idx := r.match_hf(name)) is not None]
+
+
+# ---- Rule sets shared by the spec files (compose them with tuple concatenation). ----------------------
+
+_L = "model.layers.{layer}."
+_M = "decoder.layers.{layer}."
+
+EMBEDDING_RULES = (
+    WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), parallel="vocab"),
+    WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    WeightRule("output_layer.weight", ("lm_head.weight",), parallel="vocab",
+               tied_hf_name="model.embed_tokens.weight"),
+)
+
+ATTENTION_RULES = (
+    WeightRule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
+    WeightRule(_M + "self_attention.linear_qkv.weight",
+               (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
+               transform="qkv", parallel="column"),
+    WeightRule(_M + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), parallel="row"),
+    WeightRule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
+)
+
+QKV_BIAS_RULES = (
+    WeightRule(_M + "self_attention.linear_qkv.bias",
+               (_L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
+               transform="qkv", parallel="column"),
+)
+
+QK_NORM_RULES = (
+    WeightRule(_M + "self_attention.q_layernorm.weight", (_L + "self_attn.q_norm.weight",)),
+    WeightRule(_M + "self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",)),
+)
+
+
+def gated_mlp_rules(hf_prefix: str, mcore_prefix: str, *, parallel: str = "column",
+                    gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> tuple[WeightRule, ...]:
+    """fc1 = [gate; up], fc2 = down. ``parallel='expert'`` for routed experts (whole tensors per expert)."""
+    row = "expert" if parallel == "expert" else "row"
+    return (
+        WeightRule(mcore_prefix + "linear_fc1.weight", (hf_prefix + f"{gate}.weight", hf_prefix + f"{up}.weight"),
+                   transform="gate_up", parallel=parallel),
+        WeightRule(mcore_prefix + "linear_fc2.weight", (hf_prefix + f"{down}.weight",), parallel=row),
+    )
+
+
+DENSE_MLP_RULES = gated_mlp_rules(_L + "mlp.", _M + "mlp.")
+
+DENSE_RULES = EMBEDDING_RULES + ATTENTION_RULES + DENSE_MLP_RULES
+
+
+def moe_rules(hf_moe: str = "mlp.", *, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
+              router: str = "gate") -> tuple[WeightRule, ...]:
+    """Router + per-expert rules for ``model.layers.{layer}.<hf_moe>experts.{expert}.*`` checkpoints."""
+    return (
+        WeightRule(_M + "mlp.router.weight", (_L + hf_moe + f"{router}.weight",)),
+        *gated_mlp_rules(_L + hf_moe + "experts.{expert}.", _M + "mlp.experts.local_experts.{expert}.",
+                         parallel="expert", gate=gate, up=up, down=down),
+    )
+
+
+SHARED_EXPERT_RULES = (
+    *gated_mlp_rules(_L + "mlp.shared_expert.", _M + "mlp.shared_experts."),
+    WeightRule(_M + "mlp.shared_experts.gate_weight", (_L + "mlp.shared_expert_gate.weight",)),
+)
