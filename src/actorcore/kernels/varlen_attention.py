@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import logging
 import math
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,10 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "flash_attn", "torch_varlen", "segments")
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+# Calls per backend actually run: lets tests prove which kernel ran.
+BACKEND_CALLS: Counter[str] = Counter()
 
 
 @functools.cache
@@ -39,9 +44,9 @@ def _has_torch_varlen() -> bool:
     return True
 
 
-def choose_backend(device: torch.device, softcap: float | None, dropout: float) -> str:
-    """The backend ``auto`` resolves to for these arguments."""
-    if device.type == "cuda":
+def choose_backend(device: torch.device, dtype: torch.dtype, softcap: float | None, dropout: float) -> str:
+    """The backend ``auto`` resolves to for these arguments (flash kernels take 16-bit inputs only)."""
+    if device.type == "cuda" and dtype in FLASH_DTYPES:
         if _has_flash_attn():
             return "flash_attn"
         if _has_torch_varlen() and softcap is None and dropout == 0.0:
@@ -73,7 +78,8 @@ def varlen_causal_attention(
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but there are {T} tokens")
     scale = H**-0.5 if scale is None else scale
     if backend == "auto":
-        backend = choose_backend(q_TNH.device, softcap, dropout)
+        backend = choose_backend(q_TNH.device, q_TNH.dtype, softcap, dropout)
+    BACKEND_CALLS[backend] += 1
     if backend == "flash_attn":
         return _flash_attn(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window, softcap, dropout)
     if backend == "torch_varlen":
