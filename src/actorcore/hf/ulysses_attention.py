@@ -1,0 +1,66 @@
+"""Ulysses sequence-parallel attention, registered in transformers' ``AttentionInterface``.
+
+Legend: ``L`` this rank's tokens, ``T`` all tokens of the (padded) packed batch, ``N`` / ``K`` query / kv
+heads, ``n`` / ``k`` this rank's heads, ``H`` head dim.
+
+transformers calls it with this rank's token shard, ``[1, heads, L, H]``. It exchanges q/k/v for all tokens
+of this rank's heads, runs the same packed attention as the one-process path on the FULL batch's
+``cu_seq_lens_q`` (every sequence complete, nothing across sequences), and exchanges the output back.
+The SP group comes from the module: ``patch_model`` records which attention modules belong to which
+``ParallelContext`` (per instance; nothing global is switched).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from actorcore.hf.attention import CALLS, PackingNotAppliedError, attend_packed, packing_kwargs
+from actorcore.parallel.ulysses import head_to_sequence_sharded, replicate_kv_heads, sequence_to_head_sharded
+
+ULYSSES_ATTENTION = "actorcore_ulysses"
+
+# Attention module -> the ParallelContext it was patched with (weak: dropping the model drops the entry).
+CONTEXTS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+class PatchNotAppliedError(PackingNotAppliedError):
+    """A patch applied by ``patch_model`` did not run where it should have."""
+
+
+def ulysses_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` function: q/k/v ``[1, heads, L, H]`` -> ``([1, L, N, H], None)``."""
+    CALLS[ULYSSES_ATTENTION] += 1
+    ctx = CONTEXTS.get(module)
+    if ctx is None:
+        raise PatchNotAppliedError(
+            f"{type(module).__name__} runs Ulysses attention but was not patched by actorcore.patch_model "
+            "(was the config shared with another model? build each model from its own config)"
+        )
+    cu_seqlens, max_seqlen = packing_kwargs(kwargs)
+    sp, group = ctx.sp_size, ctx.sp_group
+    q_LNH, k_LKH, v_LKH = (x[0].transpose(0, 1) for x in (query, key, value))
+    local = q_LNH.shape[0]
+    if not cu_seqlens.is_cuda and int(cu_seqlens[-1]) != local * sp:  # no device sync on the GPU path
+        raise ValueError(f"cu_seq_lens_q covers {int(cu_seqlens[-1])} tokens but {sp} ranks hold {local} each; "
+                         "pass the full padded batch's cu_seqlens (compute_logprobs does)")
+    q_TnH = sequence_to_head_sharded(q_LNH, group, sp)
+    k_TkH = sequence_to_head_sharded(replicate_kv_heads(k_LKH, sp), group, sp)
+    v_TkH = sequence_to_head_sharded(replicate_kv_heads(v_LKH, sp), group, sp)
+    out_TnH = attend_packed(*(x.transpose(0, 1).unsqueeze(0) for x in (q_TnH, k_TkH, v_TkH)), cu_seqlens,
+                            max_seqlen, scaling=scaling, dropout=dropout, sliding_window=sliding_window,
+                            softcap=softcap, module=module, kwargs=kwargs)
+    return head_to_sequence_sharded(out_TnH, group, sp).unsqueeze(0), None

@@ -1,0 +1,91 @@
+"""Every collective actorcore issues, as autograd functions over explicit groups.
+
+All of them are built on ``all_to_all_single`` with equal splits, which gloo (CPU) and NCCL both provide.
+The layout convention: a tensor whose leading dim is the group size, ``x[s]`` being the block exchanged
+with rank ``s``. An all-to-all over that layout sends ``x[s]`` to rank ``s`` and puts what rank ``s`` sent
+into ``out[s]``; it is its own adjoint, so its backward is the same all-to-all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _group_size(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def all_to_all_blocks(x_S: torch.Tensor, group: Any) -> torch.Tensor:
+    """Exchange block ``x_S[s]`` with rank ``s`` (no autograd). ``x_S.shape[0]`` must be the group size."""
+    size = _group_size(group)
+    if x_S.shape[0] != size:
+        raise ValueError(f"all_to_all_blocks needs a leading dim equal to the group size {size}, got "
+                         f"{tuple(x_S.shape)}")
+    x_S = x_S.contiguous()
+    out = torch.empty_like(x_S)
+    dist.all_to_all_single(out, x_S, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_S: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return all_to_all_blocks(x_S, group)
+
+    @staticmethod
+    def backward(ctx, grad_S: torch.Tensor):
+        return all_to_all_blocks(grad_S, ctx.group), None
+
+
+def all_to_all(x_S: torch.Tensor, group: Any) -> torch.Tensor:
+    """Differentiable block exchange (see the module docstring for the layout)."""
+    return _AllToAll.apply(x_S, group)
+
+
+def all_gather_blocks(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[size, *local.shape]``: every rank's ``local`` in rank order (no autograd)."""
+    size = _group_size(group)
+    return all_to_all_blocks(local.unsqueeze(0).expand(size, *local.shape), group)
+
+
+def reduce_scatter_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum of every rank's ``x``, split along dim 0: rank ``r`` gets block ``r`` (no autograd).
+
+    The sum runs in rank order on every rank, so the result is deterministic.
+    """
+    size = _group_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"reduce_scatter_sum: dim 0 ({x.shape[0]}) does not split over {size} ranks")
+    received_S = all_to_all_blocks(x.reshape(size, x.shape[0] // size, *x.shape[1:]), group)
+    out = received_S[0].clone()
+    for s in range(1, size):
+        out += received_S[s]
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_T: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        gathered = all_gather_blocks(local_T, group)
+        return gathered.reshape(gathered.shape[0] * gathered.shape[1], *gathered.shape[2:])
+
+    @staticmethod
+    def backward(ctx, grad_T: torch.Tensor):
+        return reduce_scatter_sum(grad_T, ctx.group), None
+
+
+def gather_sp(local_T: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """All-gather this rank's ``[T / sp, ...]`` outputs along dim 0 into the full ``[T, ...]`` on every rank.
+
+    Backward reduce-scatters (SUM) the incoming gradients: every rank computes the same loss on the full
+    outputs, so each shard's gradient is ``sp`` times the single-process one, and the parameter gradients
+    averaged over the SP group (as FSDP2/DDP do) equal the single-process gradients.
+    """
+    if ctx.sp_size == 1:
+        return local_T
+    return _GatherSequence.apply(local_T, ctx.sp_group)

@@ -1,0 +1,118 @@
+"""``ParallelContext``: the process groups a call runs under, passed in explicitly.
+
+There are no module-level groups and no ``set_/get_`` globals: every function that communicates takes a
+context (or a group) as an argument. Sizes and ranks are read once, at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+AXES = ("dp", "sp", "tp", "pp", "ep", "cp")
+
+
+def _size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Groups for each parallel axis (``None``: that axis has size 1 and this process is rank 0 on it).
+
+    ``sp`` is Ulysses sequence parallelism; ``dp`` data parallelism (the FSDP axis may span dp and sp).
+    """
+
+    dp_group: Any = None
+    sp_group: Any = None
+    tp_group: Any = None
+    pp_group: Any = None
+    ep_group: Any = None
+    cp_group: Any = None
+    _sizes: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _ranks: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            group = getattr(self, f"{axis}_group")
+            if group is not None and not dist.is_initialized():
+                raise ValueError(f"{axis}_group was given but torch.distributed is not initialized")
+            self._sizes[axis] = _size(group)
+            self._ranks[axis] = _rank(group)
+            if self._ranks[axis] < 0:
+                raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the {axis} "
+                                 "group it was given; pass the group this rank belongs to")
+
+    @classmethod
+    def from_device_mesh(cls, mesh: Any, **axis_names: str | None) -> "ParallelContext":
+        """Groups from named axes of a ``DeviceMesh``: ``from_device_mesh(mesh, sp="sp", dp="dp")``.
+
+        Axis names are the caller's (a mesh may call its sequence axis "ulysses"); axes not named get no group.
+        """
+        unknown = set(axis_names) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown parallel axes {sorted(unknown)}; valid keywords are {', '.join(AXES)}")
+        names = tuple(mesh.mesh_dim_names or ())
+        groups = {}
+        for axis, name in axis_names.items():
+            if name is None:
+                continue
+            if name not in names:
+                raise ValueError(f"{axis}={name!r} is not an axis of the device mesh; its axes are {names}")
+            groups[f"{axis}_group"] = mesh.get_group(name)
+        return cls(**groups)
+
+    # Sizes and ranks: 1 and 0 for axes without a group.
+    @property
+    def dp_size(self) -> int:
+        return self._sizes["dp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self._ranks["dp"]
+
+    @property
+    def sp_size(self) -> int:
+        return self._sizes["sp"]
+
+    @property
+    def sp_rank(self) -> int:
+        return self._ranks["sp"]
+
+    @property
+    def tp_size(self) -> int:
+        return self._sizes["tp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self._ranks["tp"]
+
+    @property
+    def pp_size(self) -> int:
+        return self._sizes["pp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self._ranks["pp"]
+
+    @property
+    def ep_size(self) -> int:
+        return self._sizes["ep"]
+
+    @property
+    def ep_rank(self) -> int:
+        return self._ranks["ep"]
+
+    @property
+    def cp_size(self) -> int:
+        return self._sizes["cp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self._ranks["cp"]
