@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -150,14 +150,12 @@ def _final_logit_softcap(model: Any, spec: ArchSpec) -> float | None:
     return float(value) if value else None
 
 
-def _output_weight(model: Any) -> torch.Tensor:
-    head = model.get_output_embeddings()
+def _check_lm_head(model: Any, head: Any) -> None:
     if head is None or not hasattr(head, "weight"):
         raise ValueError(f"{type(model).__name__} has no output embedding (lm head); compute_logprobs needs a "
                          "...ForCausalLM model")
     if getattr(head, "bias", None) is not None:
         raise ValueError("the lm head has a bias, which actorcore's fused log-prob head does not support")
-    return head.weight
 
 
 def _check_temperature(temperature: float) -> float:
@@ -166,26 +164,54 @@ def _check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
+def call_as_forward(module: torch.nn.Module, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` as ``module``'s forward, so hooks on the module run around it.
+
+    FSDP2 unshards a module's parameters in its forward pre-hook and arranges their gradient reduction in its
+    post-hook; calling sub-modules or reading ``module.weight`` outside ``module(...)`` would see shards.
+    The instance's ``forward`` is replaced for this one call and restored.
+    """
+    had_own = "forward" in module.__dict__
+    own = module.__dict__.get("forward")
+    module.forward = fn
+    try:
+        return module()
+    finally:
+        if had_own:
+            module.forward = own
+        else:
+            del module.forward
+
+
 def compute_logprobs(model: Any, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True,
                      parallel: Any = None, **decoder_kwargs: Any) -> LogProbOutput:
     """Exact per-token log-probs (and entropy) of ``batch`` under ``model``, float32 ``[T]``.
 
     ``log_probs[t] = log softmax(logits_{t-1} / temperature)[input_ids[t]]`` within each sequence; 0 at every
     sequence's first token. Differentiable (actor update) or under ``torch.no_grad()`` (old/ref log-probs).
+    Runs as the model's forward (FSDP2 / DDP hooks apply).
     """
     temperature = _check_temperature(temperature)
-    spec = spec_for_model(model)
+    spec_for_model(model)
     batch = _check_inputs(model, batch)
-    weight_VD = _output_weight(model)
+    return call_as_forward(model, lambda: logprobs_inside_forward(
+        model, batch, temperature=temperature, entropy=entropy, parallel=parallel, **decoder_kwargs))
+
+
+def logprobs_inside_forward(model: Any, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True,
+                            parallel: Any = None, **decoder_kwargs: Any) -> LogProbOutput:
+    """``compute_logprobs`` for callers already inside the model's forward (e.g. a patched forward)."""
+    spec = spec_for_model(model)
+    head = model.get_output_embeddings()
+    _check_lm_head(model, head)
     softcap = _final_logit_softcap(model, spec)
 
     hidden_TD, work = run_decoder(model, spec, batch, parallel, **decoder_kwargs)
     labels_T, valid_T = next_token_labels(work)
     if _sp_size(parallel) > 1:
         labels_T = shard_for_sp(labels_T, int(parallel.sp_rank), _sp_size(parallel))
-    logprob_T, entropy_T = linear_logprob_entropy(
-        hidden_TD, weight_VD, labels_T.clamp(min=0), temperature=temperature, entropy=entropy, softcap=softcap
-    )
+    logprob_T, entropy_T = call_as_forward(head, lambda: linear_logprob_entropy(
+        hidden_TD, head.weight, labels_T.clamp(min=0), temperature=temperature, entropy=entropy, softcap=softcap))
     logprob_T = _finish(_gather(logprob_T, parallel), valid_T, work)
     if entropy_T is not None:
         entropy_T = _finish(_gather(entropy_T, parallel), valid_T, work)
@@ -212,10 +238,17 @@ def compute_values(model: Any, batch: PackedBatch, parallel: Any = None, **decod
             f"compute_values needs a critic with a 1-output '{spec.value_head}' head (e.g. "
             f"AutoModelForTokenClassification with num_labels=1); {type(model).__name__} has {head!r}"
         )
+    return call_as_forward(model, lambda: _values_inside_forward(model, spec, head, batch, parallel, decoder_kwargs))
+
+
+def _values_inside_forward(model, spec, head, batch, parallel, decoder_kwargs) -> torch.Tensor:
     hidden_TD, work = run_decoder(model, spec, batch, parallel, **decoder_kwargs)
     dropout = getattr(model, "dropout", None)
     if isinstance(dropout, torch.nn.Module):
         hidden_TD = dropout(hidden_TD)
-    bias = head.bias.float() if head.bias is not None else None
-    values_T = torch.nn.functional.linear(hidden_TD.float(), head.weight.float(), bias)[:, 0]
-    return unpad(_gather(values_T, parallel), work)
+
+    def value_head() -> torch.Tensor:
+        bias = head.bias.float() if head.bias is not None else None
+        return torch.nn.functional.linear(hidden_TD.float(), head.weight.float(), bias)[:, 0]
+
+    return unpad(_gather(call_as_forward(head, value_head), parallel), work)
