@@ -69,6 +69,12 @@ class PatchHandle:
     def sp_size(self) -> int:
         return 1 if self.parallel is None else int(self.parallel.sp_size)
 
+    def add_undo(self, undo: Callable[[], None]) -> None:
+        """Register one more restore step (for wrappers such as ``compat.verl`` that change more)."""
+        if self.reverted:
+            raise ValueError("this patch was already reverted")
+        self._undo.append(undo)
+
     def revert(self) -> None:
         """Restore every attribute the patch replaced, in reverse order."""
         if self.reverted:

@@ -1,0 +1,1 @@
+"""Entry points shaped like other frameworks' APIs (verl), built on actorcore's own API."""

@@ -1,0 +1,173 @@
+"""Ulysses SP on gloo (2 and 4 processes): per-token log-probs, entropy and values equal one process's, and
+parameter gradients averaged over the SP group equal one process's (the gradient contract).
+
+Lengths 7 + 12 + 4 = 23 tokens: not a multiple of 2 or 4 (a padding segment is added), and the shard edges
+(12 at sp=2; 6, 12, 18 at sp=4) fall inside sequences, so a shard's last token is scored against the next
+shard's first. The tiny configs have 4 heads and 2 kv heads: sp=4 replicates kv heads. Each spawned run
+checks several things at once to keep process start-up (the dominant cost) low.
+"""
+
+import pytest
+import torch
+
+from actorcore.testing.distributed import run_distributed
+from actorcore.testing.tolerances import TOL
+
+LENGTHS = (7, 12, 4)
+ARCHS = ("llama", "gemma2")  # gemma2: sliding window, attention softcap, GeGLU, tied head
+
+
+def _sequences():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 131, (n,), generator=g) for n in LENGTHS]
+
+
+def _loss_weights(num_tokens):
+    """Positive per-token weights: no cancellation, so relative gradient errors are well conditioned (a
+    scalar bias gradient summed from mixed-sign terms could be near zero)."""
+    g = torch.Generator().manual_seed(12)
+    return 0.5 + torch.rand(3, num_tokens, generator=g)
+
+
+def _grad_rel_diffs(reference, model, sp_group, sp_size):
+    """max |avg_sp(grad) - grad_ref| / max |grad_ref| per parameter."""
+    import torch.distributed as dist
+
+    diffs = {}
+    for (name, p_ref), (_, p) in zip(reference.named_parameters(), model.named_parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=sp_group)
+        g /= sp_size
+        diffs[name] = ((g - p_ref.grad).abs().max() / p_ref.grad.abs().max().clamp(min=1e-30)).item()
+    return diffs
+
+
+def _check_arch(model_type, ctx):
+    import actorcore as ac
+    from actorcore.hf.attention import CALLS
+    from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    batch = ac.pack(_sequences())
+    w = _loss_weights(batch.num_tokens)
+    result = {}
+    # Actor: the reference model stays unpatched in the same process (patches are per instance).
+    reference, actor = build_tiny_model(model_type, seed=3), build_tiny_model(model_type, seed=3)
+    handle = ac.patch_model(actor, parallel=ctx)
+    ref = ac.compute_logprobs(reference, batch, temperature=0.7)
+    before = CALLS[ULYSSES_ATTENTION]
+    out = ac.compute_logprobs(actor, batch, temperature=0.7, parallel=ctx)
+    result["ulysses_calls"] = CALLS[ULYSSES_ATTENTION] - before
+    result["num_layers"] = actor.config.num_hidden_layers
+    result["logprob"] = (out.log_probs - ref.log_probs).abs().tolist()
+    result["entropy"] = (out.entropy - ref.entropy).abs().tolist()
+    ((w[0] * ref.log_probs).sum() + (w[1] * ref.entropy).sum()).backward()
+    ((w[0] * out.log_probs).sum() + (w[1] * out.entropy).sum()).backward()
+    result["actor_grads"] = _grad_rel_diffs(reference, actor, ctx.sp_group, ctx.sp_size)
+    # The reference model is untouched by the actor's patch.
+    result["reference_impl"] = reference.config._attn_implementation
+    handle.revert()
+    result["reverted_impl"] = actor.config._attn_implementation
+
+    # Critic.
+    reference = build_tiny_model(model_type, task="token_classification", seed=4)
+    critic = build_tiny_model(model_type, task="token_classification", seed=4)
+    ac.patch_model(critic, parallel=ctx)
+    ref_v = ac.compute_values(reference, batch)
+    out_v = ac.compute_values(critic, batch, parallel=ctx)
+    result["value"] = (out_v - ref_v).abs().tolist()
+    (w[2] * ref_v).sum().backward()
+    (w[2] * out_v).sum().backward()
+    result["critic_grads"] = _grad_rel_diffs(reference, critic, ctx.sp_group, ctx.sp_size)
+    return result
+
+
+def _bypass_is_caught(model_type, ctx):
+    """Simulate a transformers version that ignores the patched implementation: the self-check must fire."""
+    import actorcore as ac
+    from actorcore.hf.patch import PatchNotAppliedError
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    model = build_tiny_model(model_type)
+    ac.patch_model(model, parallel=ctx)
+    model.config.__dict__["_attn_implementation_internal"] = "eager"  # behind the patch's back
+    try:
+        ac.compute_logprobs(model, ac.pack(_sequences()), parallel=ctx)
+    except PatchNotAppliedError as exc:
+        return str(exc)
+    return None
+
+
+def _unpatched_is_refused(model_type, ctx):
+    import actorcore as ac
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    try:
+        ac.compute_logprobs(build_tiny_model(model_type), ac.pack(_sequences()), parallel=ctx)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _verl_compat_under_sp(ctx):
+    """compat.verl's patched forward under SP equals the one-process compute_logprobs (shifted to verl's
+    predicting-position alignment)."""
+    import actorcore as ac
+    from actorcore.compat.verl import apply_monkey_patch
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    seqs = _sequences()
+    batch = ac.pack(seqs)
+    ref = ac.compute_logprobs(build_tiny_model("qwen3", seed=5), batch, temperature=0.8)
+    model = build_tiny_model("qwen3", seed=5)
+    apply_monkey_patch(model, ulysses_sp_size=ctx.sp_size, use_fused_kernels=True, parallel=ctx)
+    out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], temperature=0.8)
+    want = torch.zeros_like(ref.log_probs)
+    want[:-1] = ref.log_probs[1:]
+    want[(batch.cu_seqlens[1:] - 1).long()] = 0.0  # the last token of each sequence predicts nothing
+    return (out.log_probs[0] - want).abs().max().item()
+
+
+def _sp_worker(rank, world_size, archs):
+    import torch.distributed as dist
+
+    from actorcore.parallel import ParallelContext
+
+    ctx = ParallelContext(sp_group=dist.new_group(list(range(world_size))))
+    results = {arch: _check_arch(arch, ctx) for arch in archs}
+    results["bypass"] = _bypass_is_caught(archs[0], ctx)
+    results["unpatched"] = _unpatched_is_refused(archs[0], ctx)
+    if world_size == 2:
+        results["verl"] = _verl_compat_under_sp(ctx)
+    return results
+
+
+def _assert_results(results, sp_size):
+    tol, grad_tol = TOL["sp_vs_single_fp32"], TOL["grad_sp_vs_single_fp32_rel"]
+    for rank, res in enumerate(results):
+        for arch in ARCHS:
+            r = res[arch]
+            where = f"sp={sp_size} rank {rank} {arch}"
+            assert r["ulysses_calls"] == r["num_layers"], f"{where}: Ulysses attention did not run in every layer"
+            for key in ("logprob", "entropy", "value"):
+                assert len(r[key]) == sum(LENGTHS)
+                worst = max(r[key])
+                assert worst <= tol, f"{where}: {key} max |Δ| {worst:.2e} at token {r[key].index(worst)}"
+            for key in ("actor_grads", "critic_grads"):
+                for name, rel in r[key].items():
+                    assert rel <= grad_tol, f"{where}: {key} {name} relative diff {rel:.2e}"
+            assert r["reference_impl"] == "eager" and r["reverted_impl"] == "eager"
+        assert res["bypass"] and "did not take effect" in res["bypass"], res["bypass"]
+        assert res["unpatched"] and "patch_model" in res["unpatched"], res["unpatched"]
+        if sp_size == 2:
+            assert res["verl"] <= tol, f"verl compat under SP: max |Δ| {res['verl']:.2e}"
+
+
+@pytest.mark.dist
+def test_ulysses_sp2_matches_one_process():
+    _assert_results(run_distributed(_sp_worker, 2, args=(ARCHS,)), sp_size=2)
+
+
+@pytest.mark.dist
+def test_ulysses_sp4_replicated_kv_heads_matches_one_process():
+    _assert_results(run_distributed(_sp_worker, 4, args=(ARCHS,)), sp_size=4)
