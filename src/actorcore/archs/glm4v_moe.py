@@ -1,0 +1,7 @@
+import dataclasses
+
+from actorcore.archs.glm4v import SPEC as GLM4V
+
+# GLM-4.5V: GLM-4V with a sparse MoE text decoder (the first config.text_config.first_k_dense_replace layers
+# dense).
+SPEC = dataclasses.replace(GLM4V, model_type="glm4v_moe", mlp_kind="moe")

@@ -1,0 +1,153 @@
+"""Decoder inputs for vision-language models on packed batches (called by ``run_decoder``).
+
+Legend: ``T`` tokens of the packed batch as run (padding for SP included), ``D`` text hidden size, ``N``
+visual tokens (image and video placeholders) of the batch.
+
+Order of work, the same on every rank of an SP group:
+1. the vision tower runs once over all images and all videos of the batch (never sequence-parallel: every
+   rank runs it on the same inputs, so the features agree; a batch without images skips it on every rank);
+2. the features replace the placeholder embeddings of the FULL packed sequence (``masked_scatter`` in
+   packed order, which is sequence order, which is the order of the processor outputs);
+3. only then the embeddings, and Qwen3-VL's DeepStack inputs (visual-position mask and per-layer visual
+   features), are cut to this rank's contiguous token shard. Position ids were computed per sequence at
+   packing time (``actorcore.vlm_batch``) and ``run_decoder`` shards them.
+
+Gradients: each rank's shard of the embeddings back-propagates into the shared vision-tower output, so the
+vision tower's parameter gradients, summed (or averaged, under the SP gradient contract) over the group, are
+the single-process gradients, like every decoder parameter's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from actorcore.archs import ArchSpec
+from actorcore.archs._vision import VisionSpec
+from actorcore.batch import PackedBatch, shard_bounds
+from actorcore.vlm_batch import IMAGE, TOKEN_TYPES_KEY, VIDEO, vision_spec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VisualFeatures:
+    """Merged vision-tower outputs for the whole batch, in placeholder order."""
+
+    image_ND: torch.Tensor | None = None
+    video_ND: torch.Tensor | None = None
+    # Qwen3-VL DeepStack: one ``[N_image, D]`` / ``[N_video, D]`` tensor per decoder layer it feeds.
+    deepstack_image: list[torch.Tensor] = field(default_factory=list)
+    deepstack_video: list[torch.Tensor] = field(default_factory=list)
+
+
+def _cat(parts: Any) -> torch.Tensor:
+    return torch.cat(list(parts), dim=0) if isinstance(parts, (list, tuple)) else parts
+
+
+def _run_tower(base: Any, method: str, pixels: torch.Tensor, grid: torch.Tensor,
+               vision: VisionSpec) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out = getattr(base, method)(pixels, grid)
+    merged = getattr(out, "pooler_output", None)
+    if merged is None:
+        raise ValueError(f"{type(base).__name__}.{method} returned {type(out).__name__} without pooler_output; "
+                         "this transformers version returns vision features differently from what actorcore reads")
+    deepstack = []
+    if vision.deepstack:
+        layers = getattr(out, "deepstack_features", None)
+        if layers is None:
+            raise ValueError(f"{type(base).__name__}.{method} returned no deepstack_features, which this "
+                             "architecture's spec says it has")
+        deepstack = [_cat(layer) for layer in layers]
+    return _cat(merged), deepstack
+
+
+def visual_features(base: Any, vision: VisionSpec, multimodal: dict[str, Any]) -> VisualFeatures:
+    """Run the vision tower over every image, then every video, of the batch (nothing if there are none)."""
+    features = VisualFeatures()
+    if multimodal.get("pixel_values") is not None:
+        features.image_ND, features.deepstack_image = _run_tower(
+            base, vision.image_features, multimodal["pixel_values"], multimodal["image_grid_thw"], vision)
+    if multimodal.get("pixel_values_videos") is not None:
+        if vision.video_features is None:
+            raise ValueError("this architecture has no video input; drop pixel_values_videos")
+        features.video_ND, features.deepstack_video = _run_tower(
+            base, vision.video_features, multimodal["pixel_values_videos"], multimodal["video_grid_thw"], vision)
+    return features
+
+
+def token_types_of(work: PackedBatch) -> torch.Tensor:
+    """``[T]`` token types of the batch as run (the SP padding segment is text)."""
+    types = work.multimodal.get(TOKEN_TYPES_KEY)
+    if types is None:
+        raise ValueError("this batch has no mm_token_type_ids: pack VLM batches with "
+                         "actorcore.vlm_batch.pack_multimodal / pack_multimodal_padded")
+    if types.numel() > work.num_tokens:
+        raise ValueError(f"mm_token_type_ids has {types.numel()} entries for {work.num_tokens} tokens")
+    return torch.nn.functional.pad(types.to(work.device), (0, work.num_tokens - types.numel()))
+
+
+def _scatter(embeds_TD: torch.Tensor, mask_T: torch.Tensor, features_ND: torch.Tensor | None,
+             name: str) -> torch.Tensor:
+    tokens = int(mask_T.sum())
+    have = 0 if features_ND is None else int(features_ND.shape[0])
+    if tokens != have:
+        raise ValueError(f"the batch has {tokens} {name} tokens but the vision tower produced {have} {name} "
+                         f"features: {name} tokens and features do not match")
+    if features_ND is None:
+        return embeds_TD
+    if features_ND.shape[-1] != embeds_TD.shape[-1]:
+        raise ValueError(f"{name} features have width {features_ND.shape[-1]}, text embeddings {embeds_TD.shape[-1]}")
+    return embeds_TD.masked_scatter(mask_T[:, None], features_ND.to(embeds_TD.dtype))
+
+
+def deepstack_inputs(image_mask_T: torch.Tensor, video_mask_T: torch.Tensor,
+                     features: VisualFeatures) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Visual-position mask ``[T]`` and per-layer features ``[N, D]`` in token order (images and videos joint)."""
+    visual_T = image_mask_T | video_mask_T
+    layers = max(len(features.deepstack_image), len(features.deepstack_video))
+    joint = []
+    for layer in range(layers):
+        ref = (features.deepstack_image or features.deepstack_video)[layer]
+        out_ND = ref.new_zeros(int(visual_T.sum()), ref.shape[-1])
+        if features.deepstack_image:
+            out_ND = out_ND.index_put((image_mask_T[visual_T].nonzero()[:, 0],), features.deepstack_image[layer])
+        if features.deepstack_video:
+            out_ND = out_ND.index_put((video_mask_T[visual_T].nonzero()[:, 0],), features.deepstack_video[layer])
+        joint.append(out_ND)
+    return visual_T, joint
+
+
+def vlm_decoder_inputs(model: Any, spec: ArchSpec, work: PackedBatch, parallel: Any) -> dict[str, Any]:
+    """Keyword arguments for the language model: this rank's ``inputs_embeds`` (and DeepStack inputs)."""
+    vision = vision_spec(model)
+    from actorcore.hf.logprobs import resolve
+
+    base = resolve(model, vision.base_model)
+    types_T = token_types_of(work)
+    image_mask_T, video_mask_T = types_T == IMAGE, types_T == VIDEO
+    features = visual_features(base, vision, work.multimodal)
+    embeds_TD = model.get_input_embeddings()(work.input_ids)
+    embeds_TD = _scatter(embeds_TD, image_mask_T, features.image_ND, "image")
+    embeds_TD = _scatter(embeds_TD, video_mask_T, features.video_ND, "video")
+    has_deepstack = vision.deepstack and (features.image_ND is not None or features.video_ND is not None)
+    if has_deepstack:
+        visual_T, deepstack_ND = deepstack_inputs(image_mask_T, video_mask_T, features)
+
+    sp_size = 1 if parallel is None else int(parallel.sp_size)
+    if sp_size > 1:
+        start, end = shard_bounds(work.num_tokens, int(parallel.sp_rank), sp_size)
+        embeds_TD = embeds_TD[start:end]
+        if has_deepstack:
+            before = int(visual_T[:start].sum())
+            local = int(visual_T[start:end].sum())
+            deepstack_ND = [layer[before: before + local] for layer in deepstack_ND]
+            visual_T = visual_T[start:end]
+    kwargs: dict[str, Any] = {"inputs_embeds": embeds_TD.unsqueeze(0)}
+    if has_deepstack:
+        kwargs["visual_pos_masks"] = visual_T.unsqueeze(0)
+        kwargs["deepstack_visual_embeds"] = deepstack_ND
+    return kwargs
