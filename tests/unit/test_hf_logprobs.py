@@ -202,3 +202,20 @@ def test_bad_batch_and_out_of_vocab_ids():
         ac.compute_logprobs(model, torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match="vocabulary has 131"):
         ac.compute_logprobs(model, ac.pack([torch.tensor([1, 500])]))
+
+
+def test_bf16_model_gradients_track_fp32_model():
+    """Actor update in bf16: gradients exist in bf16 and follow the fp32 model's within bf16 rounding."""
+    fp32 = build_tiny_model("llama")
+    bf16 = build_tiny_model("llama", dtype=torch.bfloat16)
+    bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in fp32.state_dict().items()})
+    fp32.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in fp32.state_dict().items()})
+    batch = ac.pack(_sequences(seed=6))
+    for model in (fp32, bf16):
+        out = ac.compute_logprobs(model, batch)
+        assert out.log_probs.dtype == torch.float32
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+    for (name, p32), p16 in zip(fp32.named_parameters(), bf16.parameters()):
+        assert p16.grad.dtype == torch.bfloat16 and torch.isfinite(p16.grad).all()
+        rel = ((p16.grad.float() - p32.grad).norm() / p32.grad.norm()).item()
+        assert rel < 5e-2, f"{name}: bf16 gradient off by {rel:.2e} (relative norm)"
