@@ -79,12 +79,17 @@ def visual_features(base: Any, vision: VisionSpec, multimodal: dict[str, Any]) -
     return features
 
 
-def token_types_of(work: PackedBatch) -> torch.Tensor:
-    """``[T]`` token types of the batch as run (the SP padding segment is text)."""
+def token_types_of(model: Any, vision: VisionSpec, work: PackedBatch) -> torch.Tensor:
+    """``[T]`` token types of the batch as run (the SP padding segment is text).
+
+    A batch packed without ``mm_token_type_ids`` (``actorcore.pack`` of text) gets them from the placeholder
+    token ids, so placeholders without pixels are still caught as a token/feature mismatch.
+    """
+    from actorcore.vlm_batch import token_types
+
     types = work.multimodal.get(TOKEN_TYPES_KEY)
     if types is None:
-        raise ValueError("this batch has no mm_token_type_ids: pack VLM batches with "
-                         "actorcore.vlm_batch.pack_multimodal / pack_multimodal_padded")
+        types = token_types(work.input_ids[: work.num_real_tokens], work.multimodal, model.config, vision, "batch")
     if types.numel() > work.num_tokens:
         raise ValueError(f"mm_token_type_ids has {types.numel()} entries for {work.num_tokens} tokens")
     return torch.nn.functional.pad(types.to(work.device), (0, work.num_tokens - types.numel()))
@@ -127,7 +132,7 @@ def vlm_decoder_inputs(model: Any, spec: ArchSpec, work: PackedBatch, parallel: 
     from actorcore.hf.logprobs import resolve
 
     base = resolve(model, vision.base_model)
-    types_T = token_types_of(work)
+    types_T = token_types_of(model, vision, work)
     image_mask_T, video_mask_T = types_T == IMAGE, types_T == VIDEO
     features = visual_features(base, vision, work.multimodal)
     embeds_TD = model.get_input_embeddings()(work.input_ids)

@@ -107,7 +107,7 @@ def build_tiny_vlm(model_type: str, *, seed: int = 0, dtype=torch.float32, attn_
     return model.eval()
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: tensors have no single truth value
 class SyntheticSample:
     """One processor-like sample: ``input_ids [L]`` and its multimodal inputs (may be empty: text only)."""
 
