@@ -105,6 +105,9 @@ EMBEDDING_RULES = (
     WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
     WeightRule("output_layer.weight", ("lm_head.weight",), parallel="vocab",
                tied_hf_name="model.embed_tokens.weight"),
+    # Critics (``...ForTokenClassification``): the 1-output score head, replicated.
+    WeightRule("value_head.weight", ("score.weight",)),
+    WeightRule("value_head.bias", ("score.bias",)),
 )
 
 ATTENTION_RULES = (

@@ -3,7 +3,7 @@
 Never applied by library code: tests (and the CPU conversion CLI path, which calls ``apply`` explicitly
 when CUDA is absent) opt in with ``with cpu_shims(): ...`` or ``apply()``. Each shim answers one measured
 failure (see shared NOTES.md): megatron asks ``torch.cuda`` for the current device, synchronises, opens
-CUDA streams, builds a few tensors on ``device="cuda"`` in the pipeline schedule, and its MoE router
+CUDA streams, moves the tied embedding with ``.cuda()``, builds a few tensors on ``device="cuda"`` in the pipeline schedule, and its MoE router
 references TransformerEngine's ``te_general_gemm`` when TE is absent (0.16.1 bug).
 """
 
@@ -77,6 +77,8 @@ def apply() -> None:
     _set(torch.cuda, "current_stream", lambda *a, **k: _NullStream())
     _set(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
     _set(torch.Tensor, "record_stream", lambda self, *a, **k: None)
+    # Tied embeddings across pipeline stages: LanguageModule moves the shared weight with ``.cuda()``.
+    _set(torch.Tensor, "cuda", lambda self, *a, **k: self)
     _set(moe_utils, "te_general_gemm", None)
     _set(schedules, "torch", _cpu_device_torch(torch))
 

@@ -1,0 +1,277 @@
+"""Load HF safetensors into a sharded Megatron model and export it back as HF-named full tensors.
+
+Loading streams tensor by tensor: each rank opens the safetensors files lazily and reads, per parameter it
+holds, only its slice of each HF tensor (``safe_open(...).get_slice``). Problems (missing, extra,
+mis-shaped tensors) are collected on every rank and reported together in one ``CheckpointMismatchError``.
+Export splits each local parameter into its HF parts, gathers them over TP / EP (``collectives``) and
+yields full HF tensors; ``gather_hf_state_dict`` also gathers over pipeline stages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any, Iterator
+
+import torch
+
+from actorcore.mcore import collectives
+from actorcore.mcore.model import mcore_spec_for
+from actorcore.mcore.parallel import McoreGroups
+from actorcore.mcore.rules import WeightRule
+from actorcore.mcore.transforms import local_experts, merge_parts, split_parts, tp_dim, tp_range
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be read (damaged file, missing index, bad config)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint's tensors do not match the model: names the missing, extra and mis-shaped tensors."""
+
+
+# ---- reading --------------------------------------------------------------------------------------
+
+
+class SafetensorsReader:
+    """Lazy, sliced access to the tensors of an HF checkpoint directory (single file or sharded index)."""
+
+    def __init__(self, directory: str) -> None:
+        from safetensors import safe_open
+
+        self.directory = directory
+        index_path = os.path.join(directory, "model.safetensors.index.json")
+        single = os.path.join(directory, "model.safetensors")
+        self._files: dict[str, Any] = {}
+        self.file_of: dict[str, str] = {}
+        if os.path.exists(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from None
+            files = sorted(set(weight_map.values()))
+        elif os.path.exists(single):
+            files, weight_map = ["model.safetensors"], None
+        else:
+            raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+        for name in files:
+            path = os.path.join(directory, name)
+            try:
+                handle = safe_open(path, framework="pt")
+                keys = list(handle.keys())
+            except Exception as exc:  # noqa: BLE001 - safetensors raises several types for damaged files
+                raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+            self._files[name] = handle
+            for key in keys:
+                if weight_map is not None and weight_map.get(key) != name:
+                    continue
+                self.file_of[key] = name
+        if weight_map is not None:
+            absent = sorted(k for k, v in weight_map.items() if self.file_of.get(k) != v)
+            if absent:
+                raise CheckpointError(f"{directory}: tensors listed in the index are not in their files: "
+                                      f"{', '.join(absent[:10])}")
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def _slice(self, name: str):
+        return self._files[self.file_of[name]].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tensor, or rows/columns ``[start, stop)`` of ``dim`` (only that part is read)."""
+        try:
+            part = self._slice(name)
+            if dim is None:
+                return part[:]
+            index = (slice(None),) * dim + (slice(start, stop),)
+            return part[index]
+        except Exception as exc:  # noqa: BLE001 - truncated data surfaces here
+            raise CheckpointError(f"{os.path.join(self.directory, self.file_of[name])}: cannot read {name} ({exc})") from None
+
+
+# ---- names and shapes ------------------------------------------------------------------------------
+
+
+def _tensors(chunk: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in chunk.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state"):
+            yield name, tensor
+
+
+def global_mcore_name(chunk: Any, local_name: str, groups: McoreGroups) -> str:
+    """Local parameter name -> name with global layer and expert indices (what the rules match)."""
+    found = _LAYER.match(local_name)
+    if found:
+        layer = chunk.decoder.layers[int(found.group(1))].layer_number - 1
+        local_name = f"decoder.layers.{layer}." + local_name[found.end():]
+    found = _EXPERT.search(local_name)
+    if found:
+        num_experts = chunk.config.num_moe_experts
+        expert = local_experts(num_experts, groups.ep_rank, groups.ep_size)[int(found.group(1))]
+        local_name = local_name[: found.start()] + f".local_experts.{expert}." + local_name[found.end():]
+    return local_name
+
+
+def _head_counts(config: Any, tp_size: int) -> dict[str, int]:
+    return {"num_heads": config.num_attention_heads // tp_size, "num_query_groups": config.num_query_groups // tp_size}
+
+
+def _hf_part_shapes(rule: WeightRule, local_shape: torch.Size, config: Any, tp_size: int,
+                    hf_vocab: int) -> list[tuple[int, ...]]:
+    """Full HF shapes of a rule's parts, derived from this rank's parameter shape."""
+    meta = torch.empty(local_shape, device="meta")
+    parts = split_parts(rule.transform, meta, **_head_counts(config, tp_size))
+    shapes = []
+    for part in parts:
+        shape = list(part.shape)
+        dim = tp_dim(rule.parallel)
+        if rule.parallel == "vocab":
+            shape[0] = hf_vocab
+        elif dim is not None:
+            shape[dim] *= tp_size
+        shapes.append(tuple(shape))
+    return shapes
+
+
+def _is_tied(rule: WeightRule, hf_config: Any) -> bool:
+    return bool(rule.tied_hf_name and getattr(hf_config, "tie_word_embeddings", False))
+
+
+# ---- load ------------------------------------------------------------------------------------------
+
+
+def _read_part(reader: SafetensorsReader, name: str, rule: WeightRule, groups: McoreGroups,
+               local_rows: int) -> torch.Tensor:
+    dim = tp_dim(rule.parallel)
+    if dim is None:
+        return reader.read(name)
+    if rule.parallel == "vocab":
+        start = groups.tp_rank * local_rows
+        real = reader.shape(name)[0]
+        rows = reader.read(name, 0, min(start, real), min(start + local_rows, real))
+        if rows.shape[0] < local_rows:
+            rows = torch.cat([rows, rows.new_zeros(local_rows - rows.shape[0], *rows.shape[1:])])
+        return rows
+    full = reader.shape(name)[dim]
+    start, stop = tp_range(full, groups.tp_rank, groups.tp_size)
+    return reader.read(name, dim, start, stop)
+
+
+def load_hf_into_mcore(chunks: list[Any], hf_dir: str, groups: McoreGroups, *, progress: bool = False) -> None:
+    """Fill every parameter of this rank's model chunks from the HF checkpoint in ``hf_dir``.
+
+    Collective over the world group (every rank must call it): the consumed tensor names are compared
+    with the checkpoint so extra tensors are reported, and all ranks raise the same error.
+    """
+    hf_config = chunks[0].actorcore_hf_config
+    spec = mcore_spec_for(hf_config)
+    reader = SafetensorsReader(hf_dir)
+    problems: list[str] = []
+    consumed: set[str] = set()
+    items = [(chunk, name, tensor) for chunk in chunks for name, tensor in _tensors(chunk)]
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc="load HF -> Megatron", unit="tensor")
+    for chunk, local_name, param in items:
+        name = global_mcore_name(chunk, local_name, groups)
+        try:
+            rule, indices = spec.rule_for_mcore(name)
+        except KeyError as exc:
+            problems.append(str(exc.args[0]))
+            continue
+        hf_names = rule.hf_names_for(indices, tied=_is_tied(rule, hf_config))
+        shapes = _hf_part_shapes(rule, param.shape, chunk.config, groups.tp_size, hf_config.vocab_size)
+        parts = []
+        for hf_name, expected in zip(hf_names, shapes):
+            if hf_name not in reader:
+                problems.append(f"missing tensor {hf_name} (for Megatron {name})")
+                continue
+            consumed.add(hf_name)
+            found = reader.shape(hf_name)
+            if found != expected:
+                problems.append(f"tensor {hf_name} has shape {list(found)}, expected {list(expected)}")
+                continue
+            parts.append(_read_part(reader, hf_name, rule, groups, param.shape[0]))
+        if len(parts) != len(hf_names):
+            continue
+        local = merge_parts(rule.transform, parts, **_head_counts(chunk.config, groups.tp_size))
+        with torch.no_grad():
+            param.copy_(local)
+    everything = collectives.all_gather_object((sorted(consumed), problems), groups.world_group)
+    used = set().union(*(set(c) for c, _ in everything))
+    problems = sorted(set(p for _, ps in everything for p in ps))
+    extra = sorted(reader.names() - used)
+    if extra:
+        problems.append(f"unexpected tensors not used by the {hf_config.model_type} model: {', '.join(extra)}")
+    if problems:
+        raise CheckpointMismatchError(f"{hf_dir} does not match the {hf_config.model_type} model: "
+                                      + "; ".join(problems))
+
+
+# ---- export ----------------------------------------------------------------------------------------
+
+
+def export_mcore_to_hf(chunks: list[Any], groups: McoreGroups) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF-named tensors of this pipeline stage, gathered over TP and EP (every rank of the stage
+    gets them; all ranks of a TP / EP group must iterate together)."""
+    hf_config = chunks[0].actorcore_hf_config
+    spec = mcore_spec_for(hf_config)
+    for chunk in chunks:
+        counts = _head_counts(chunk.config, groups.tp_size)
+        for local_name, tensor in _tensors(chunk):
+            name = global_mcore_name(chunk, local_name, groups)
+            rule, indices = spec.rule_for_mcore(name)
+            if _is_tied(rule, hf_config):
+                continue  # HF stores the tied lm_head only as the embedding
+            parts = split_parts(rule.transform, tensor.detach(), **counts)
+            if rule.parallel == "expert":
+                per_rank = len(local_experts(chunk.config.num_moe_experts, groups.ep_rank, groups.ep_size))
+                local_index = indices["expert"] - groups.ep_rank * per_rank
+                gathered = [collectives.all_gather_tensor(p, groups.ep_group) for p in parts]
+                for rank in range(groups.ep_size):
+                    names = rule.hf_names_for({**indices, "expert": rank * per_rank + local_index})
+                    for hf_name, ranks in zip(names, gathered):
+                        yield hf_name, ranks[rank]
+                continue
+            for hf_name, part in zip(rule.hf_names_for(indices), parts):
+                if tp_dim(rule.parallel) is None or groups.tp_size == 1:
+                    full = part
+                else:
+                    full = torch.cat(collectives.all_gather_tensor(part, groups.tp_group), dim=tp_dim(rule.parallel))
+                if rule.parallel == "vocab":
+                    full = full[: hf_config.vocab_size]
+                yield hf_name, full.clone()
+
+
+def gather_hf_state_dict(chunks: list[Any], groups: McoreGroups) -> dict[str, torch.Tensor]:
+    """The whole model as HF-named tensors on every rank (gathered over TP, EP and pipeline stages)."""
+    stage = dict(export_mcore_to_hf(chunks, groups))
+    merged: dict[str, torch.Tensor] = {}
+    for part in collectives.all_gather_object(stage, groups.pp_group):
+        merged.update(part)
+    return merged
+
+
+def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], hf_config: Any, out_dir: str) -> None:
+    """Write ``model.safetensors`` + ``config.json`` into an existing directory (callers make it atomic)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in sorted(state_dict.items())}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    hf_config.save_pretrained(out_dir)

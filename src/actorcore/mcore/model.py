@@ -1,0 +1,115 @@
+"""Build Megatron-Core ``GPTModel`` chunks (one per pipeline stage, several with virtual stages) from an HF config.
+
+Layers come from Megatron's local spec with the core attention swapped for ``PackedCoreAttention`` (or
+TransformerEngine's when TE is installed), so packed THD batches run everywhere. The model returns the
+final hidden states instead of logits: log-probs are computed by the fused vocabulary-parallel kernel
+from the output-layer weight, and a critic (``value_head=True``) has a replicated ``value_head`` [1, D]
+instead of an output layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+from typing import Any
+
+import torch
+
+from actorcore.archs import get_spec
+from actorcore.archs.spec import UnsupportedArchitectureError
+from actorcore.mcore._megatron import require_megatron
+from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
+from actorcore.mcore.parallel import McoreParallel
+
+logger = logging.getLogger(__name__)
+
+
+def mcore_spec_for(hf_config: Any):
+    """The arch's Megatron part, or a clear error saying why there is none."""
+    spec = get_spec(hf_config.model_type)
+    if spec.mcore is None or spec.mcore.refused:
+        reason = spec.mcore.refused if spec.mcore is not None else "no Megatron-Core mapping rules are declared"
+        raise UnsupportedArchitectureError(f"{spec.model_type} is not supported on the Megatron-Core route: {reason}")
+    return spec.mcore
+
+
+def _core_attention_module() -> type:
+    if importlib.util.find_spec("transformer_engine") is not None:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        return TEDotProductAttention
+    from actorcore.mcore.attention import PackedCoreAttention
+
+    return PackedCoreAttention
+
+
+def _with_core_attention(layer_spec: Any, core_attention: type) -> Any:
+    attention = layer_spec.submodules.self_attention
+    submodules = dataclasses.replace(attention.submodules, core_attention=core_attention)
+    attention = dataclasses.replace(attention, submodules=submodules)
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules,
+                                                                          self_attention=attention))
+
+
+class _ReturnHidden(torch.nn.Module):
+    """Stands in for the output layer of a critic: GPTModel then returns the final hidden states."""
+
+    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+        return hidden_states, None
+
+
+def _return_hidden(hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+    return hidden_states, None
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype:
+    """The dtype an HF config declares (``dtype`` / ``torch_dtype``), float32 when it declares none."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    return getattr(torch, value) if isinstance(value, str) else value
+
+
+def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype: torch.dtype | None = None, *,
+                    value_head: bool = False, vocab_multiple: int = 128, **config_overrides: Any) -> list[Any]:
+    """The model chunks this rank holds (``len == vp or 1``), after ``initialize_megatron``.
+
+    Each chunk is a ``GPTModel`` whose forward returns hidden states ``[B, S, D]`` on the last stage.
+    ``dtype`` defaults to the checkpoint's (``checkpoint_dtype``), which keeps conversion bit-exact.
+    """
+    require_megatron()
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    mcore_spec_for(hf_config)
+    parallel = parallel or McoreParallel()
+    dtype = dtype or checkpoint_dtype(hf_config)
+    config = hf_to_mcore_config(hf_config, parallel, dtype, **config_overrides)
+    model_args = gpt_model_args(hf_config, vocab_multiple)
+    if model_args["vocab_size"] % parallel.tp:
+        raise ValueError(f"padded vocabulary {model_args['vocab_size']} does not split over tp={parallel.tp}")
+    if value_head:
+        model_args["share_embeddings_and_output_weights"] = False
+    core_attention = _core_attention_module()
+    chunks = []
+    for vp_stage in range(parallel.vp or 1):
+        stage = vp_stage if parallel.vp else None
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                           vp_stage=stage)
+        block = dataclasses.replace(block, layer_specs=[_with_core_attention(s, core_attention)
+                                                        for s in block.layer_specs])
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        model = GPTModel(config, block, pre_process=pre, post_process=post, vp_stage=stage, **model_args)
+        if post:
+            if value_head:
+                model.output_layer = _ReturnHidden()
+                model.value_head = torch.nn.Linear(config.hidden_size, 1, dtype=dtype)
+            else:
+                # Per-instance: the fused kernel consumes hidden states and the output weight directly.
+                model.output_layer.forward = _return_hidden
+        model.actorcore_hf_config = hf_config
+        model.actorcore_value_head = value_head
+        # Megatron's local norms are created in float32; every parameter takes the model dtype (as Float16Module does).
+        chunks.append(model.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=dtype))
+    return chunks

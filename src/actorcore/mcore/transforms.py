@@ -1,0 +1,107 @@
+"""Pure tensor transforms between HF and Megatron layouts, and tensor-/expert-parallel slicing.
+
+No collectives, no I/O. Sharding is applied to each HF part *before* merging (a Megatron rank holds
+``[gate_r; up_r]``, not a contiguous slice of ``[gate; up]``); for QKV both orders agree because the fused
+layout is grouped by query group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
+    """HF q [N*H, ...], k [K*H, ...], v [K*H, ...] -> Megatron [K * (N/K + 2) * H, ...] grouped per query group."""
+    groups = num_query_groups
+    q_g = q.reshape(groups, -1, *q.shape[1:])
+    k_g = k.reshape(groups, -1, *k.shape[1:])
+    v_g = v.reshape(groups, -1, *v.shape[1:])
+    return torch.cat([q_g, k_g, v_g], dim=1).reshape(-1, *q.shape[1:])
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_query_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``merge_qkv`` (head counts of this tensor, i.e. local counts for a TP shard)."""
+    groups = num_query_groups
+    per_group = num_heads // groups + 2
+    head_dim = qkv.shape[0] // (groups * per_group)
+    grouped = qkv.reshape(groups, per_group * head_dim, *qkv.shape[1:])
+    q_rows = (per_group - 2) * head_dim
+    q, k, v = torch.split(grouped, [q_rows, head_dim, head_dim], dim=1)
+    return (q.reshape(-1, *qkv.shape[1:]), k.reshape(-1, *qkv.shape[1:]), v.reshape(-1, *qkv.shape[1:]))
+
+
+def merge_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.cat([gate, up], dim=0)
+
+
+def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return gate, up
+
+
+def merge_parts(transform: str, parts: list[torch.Tensor], *, num_heads: int, num_query_groups: int) -> torch.Tensor:
+    if transform == "rename":
+        return parts[0]
+    if transform == "qkv":
+        return merge_qkv(*parts, num_query_groups=num_query_groups)
+    if transform == "gate_up":
+        return merge_gate_up(*parts)
+    raise ValueError(f"unknown transform {transform!r}")
+
+
+def split_parts(transform: str, tensor: torch.Tensor, *, num_heads: int, num_query_groups: int) -> list[torch.Tensor]:
+    if transform == "rename":
+        return [tensor]
+    if transform == "qkv":
+        return list(split_qkv(tensor, num_heads, num_query_groups))
+    if transform == "gate_up":
+        return list(split_gate_up(tensor))
+    raise ValueError(f"unknown transform {transform!r}")
+
+
+def tp_dim(parallel: str) -> int | None:
+    """Tensor dimension split over TP ranks for a parallel style (None: not split)."""
+    return {"column": 0, "vocab": 0, "row": 1}.get(parallel)
+
+
+def tp_range(full: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, stop) of ``rank``'s equal slice of a dimension of length ``full``."""
+    if full % size:
+        raise ValueError(f"dimension of length {full} cannot be split evenly over {size} tensor-parallel ranks")
+    step = full // size
+    return rank * step, (rank + 1) * step
+
+
+def shard_for_tp(tensor: torch.Tensor, parallel: str, rank: int, size: int, padded_rows: int | None = None) -> torch.Tensor:
+    """This TP rank's slice. ``vocab``: rows padded with zeros to ``padded_rows`` first."""
+    if parallel == "vocab" and padded_rows is not None and padded_rows != tensor.shape[0]:
+        tensor = pad_vocab(tensor, padded_rows)
+    dim = tp_dim(parallel)
+    if dim is None or size == 1:
+        return tensor
+    start, stop = tp_range(tensor.shape[dim], rank, size)
+    return tensor.narrow(dim, start, stop - start)
+
+
+def unshard_for_tp(shards: list[torch.Tensor], parallel: str, vocab_size: int | None = None) -> torch.Tensor:
+    """Inverse of ``shard_for_tp`` given every rank's slice in rank order (vocab padding removed)."""
+    dim = tp_dim(parallel)
+    full = shards[0] if dim is None else torch.cat(shards, dim=dim)
+    if parallel == "vocab" and vocab_size is not None:
+        full = full[:vocab_size]
+    return full
+
+
+def pad_vocab(tensor: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    if padded_rows < tensor.shape[0]:
+        raise ValueError(f"padded vocabulary {padded_rows} is smaller than {tensor.shape[0]}")
+    pad = tensor.new_zeros(padded_rows - tensor.shape[0], *tensor.shape[1:])
+    return torch.cat([tensor, pad], dim=0)
+
+
+def local_experts(num_experts: int, ep_rank: int, ep_size: int) -> range:
+    """Global indices of the experts an EP rank holds (contiguous blocks, as Megatron lays them out)."""
+    if num_experts % ep_size:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over {ep_size} expert-parallel ranks")
+    per_rank = num_experts // ep_size
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
