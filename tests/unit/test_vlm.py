@@ -2,9 +2,9 @@
 registered vision-language architecture; packing; DeepStack; clear errors.
 
 The batch mixes a one-image sequence, a text-only one, a two-image one (different grids), a video one and a
-short text-only one. GLM-4V's HF forward cannot take images and videos in one batch (its video frames use the
-image token, and its placeholder mask counts them as images), so for GLM the HF reference runs the video
-sequences as a second padded batch; actorcore packs them all together.
+short text-only one. GLM-4V's HF forward cannot take images and videos in one batch, so for GLM the HF
+reference runs the video sequences as a second padded batch (``reference_groups``); actorcore packs them all
+together.
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import torch
 import actorcore as ac
 from actorcore.archs import UnsupportedArchitectureError, get_spec, registered_model_types
 from actorcore.hf.attention import CALLS, PACKED_ATTENTION
-from actorcore.testing.reference import logprobs_from_logits
+from actorcore.testing.reference_vlm import reference_groups, reference_logprobs_vlm
 from actorcore.testing.tiny_vlm import (
     IMAGE_TOKEN,
     TINY_VLM_CONFIGS,
@@ -33,28 +33,6 @@ TOL_VLM = TOL["vlm_packed_vs_hf_fp32"]
 
 def _pack(model, samples):
     return pack_multimodal(model, [s.input_ids for s in samples], [s.multimodal for s in samples])
-
-
-def _reference_groups(model, samples):
-    vision = get_spec(model.config.model_type).vision
-    if vision.video_token_field == vision.image_token_field:
-        with_video = [s for s in samples if "pixel_values_videos" in s.multimodal]
-        return [g for g in ([s for s in samples if s not in with_video], with_video) if g]
-    return [samples]
-
-
-def reference_logprobs_vlm(model, samples, temperature=1.0):
-    """Packed-order ``[T]`` log-probs and entropy from unpatched HF padded forwards (the model's own merging,
-    position ids and masks)."""
-    per_sample = {}
-    for group in _reference_groups(model, samples):
-        b = padded_processor_batch(group)
-        logits = model(**b, use_cache=False).logits
-        lp, ent = logprobs_from_logits(logits, b["input_ids"], b["attention_mask"], temperature)
-        for row, s in enumerate(group):
-            n = s.input_ids.numel()
-            per_sample[id(s)] = (lp[row, :n], ent[row, :n])
-    return (torch.cat([per_sample[id(s)][0] for s in samples]), torch.cat([per_sample[id(s)][1] for s in samples]))
 
 
 def _max_diff(a, b):
@@ -132,7 +110,7 @@ def test_positions_are_the_models_mrope_per_sequence(model_type):
     samples = mixed_samples(model)
     batch = _pack(model, samples)
     bounds = batch.cu_seqlens.tolist()
-    for i, group in enumerate(_reference_groups(model, samples)):
+    for i, group in enumerate(reference_groups(model, samples)):
         b = padded_processor_batch(group)
         extra = {"second_per_grid_ts": b["second_per_grid_ts"]} if "second_per_grid_ts" in b else {}
         want_3BS, _ = model.model.get_rope_index(
@@ -287,3 +265,11 @@ def test_kimi_vl_is_refused_with_the_reason():
         spec_for_model(fake)
     with pytest.raises(UnsupportedArchitectureError, match="not shipped"):
         pack_multimodal(fake, [torch.tensor([3, 4])], [None])
+
+
+def test_demo_vlm_row_agrees_with_hf():
+    from actorcore.demo_vlm import vlm_row
+
+    row = vlm_row(seed=1)
+    assert row["sequences"] == 3 and row["tokens"] > 0 and row["seconds"] > 0
+    assert row["max_abs_diff_logprob"] <= TOL_VLM and row["max_abs_diff_entropy"] <= TOL_VLM
