@@ -125,7 +125,14 @@ def _verl_compat_under_sp(ctx):
     want = torch.zeros_like(ref.log_probs)
     want[:-1] = ref.log_probs[1:]
     want[(batch.cu_seqlens[1:] - 1).long()] = 0.0  # the last token of each sequence predicts nothing
-    return (out.log_probs[0] - want).abs().max().item()
+    # Without fused kernels: full logits, gathered over SP, equal one process's per token.
+    reference = build_tiny_model("qwen3", seed=5)
+    apply_monkey_patch(reference, use_fused_kernels=False)
+    with_logits = build_tiny_model("qwen3", seed=5)
+    apply_monkey_patch(with_logits, ulysses_sp_size=ctx.sp_size, use_fused_kernels=False, sp_group=ctx.sp_group)
+    args = dict(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None])
+    logits_diff = (with_logits(**args).logits - reference(**args).logits).abs().max().item()
+    return max((out.log_probs[0] - want).abs().max().item(), logits_diff)
 
 
 def _sp_worker(rank, world_size, archs):

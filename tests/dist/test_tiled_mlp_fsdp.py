@@ -1,4 +1,4 @@
-"""Tiled MLP under FSDP2 (gloo, 2 processes, float64) with gradient accumulation over two micro-batches:
+"""Tiled MLP under FSDP2 (gloo, 2 processes; float64, and bf16 mixed precision) with gradient accumulation over two micro-batches:
 log-probs are bitwise the untiled FSDP2 model's, accumulated gradients equal the untiled ones and one
 process's, and the tiled path demonstrably ran (recompute reads the parameters FSDP unsharded)."""
 
@@ -10,6 +10,7 @@ from actorcore.testing.distributed import run_distributed
 MICRO_BATCHES = ([40, 23], [9, 61, 17])  # 63 and 87 tokens: 3 shards of 32 tokens, the last one short
 SHARDS = 3
 GRAD_REL_FP64 = 1e-12
+BF16_LOGPROB, BF16_GRAD_REL = 1e-3, 2e-2  # bf16 rounding: tiled sums parameter grads in fp32
 
 
 def _micro_batches():
@@ -24,13 +25,39 @@ def _loss(model, seqs):
     return -(out.log_probs.sum() + 0.1 * out.entropy.sum()), out.log_probs.detach()
 
 
-def _fsdp(model):
-    from torch.distributed.fsdp import fully_shard
+def _fsdp(model, bf16=False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mp_policy": policy} if bf16 else {}
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
+
+
+def _bf16_mixed_precision(rank):
+    """bf16 compute (FSDP2 mixed precision), fp32 reduce: tiled and untiled agree to bf16 rounding."""
+    import actorcore as ac
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    plain = _fsdp(build_tiny_model("llama", seed=9), bf16=True)
+    tiled = build_tiny_model("llama", seed=9)
+    ac.patch_model(tiled, tiled_mlp_shards=SHARDS)
+    tiled = _fsdp(tiled, bf16=True)
+    worst_logprob = 0.0
+    for i, seqs in enumerate(_micro_batches()):
+        for model in (plain, tiled):
+            model.set_requires_gradient_sync(i == len(MICRO_BATCHES) - 1)
+        loss_plain, lp_plain = _loss(plain, seqs)
+        loss_tiled, lp_tiled = _loss(tiled, seqs)
+        worst_logprob = max(worst_logprob, (lp_plain - lp_tiled).abs().max().item())
+        loss_plain.backward()
+        loss_tiled.backward()
+    grad_rel = max(((q.grad.full_tensor() - p.grad.full_tensor()).abs().max()
+                    / p.grad.full_tensor().abs().max()).item()
+                   for p, q in zip(plain.parameters(), tiled.parameters()))
+    return worst_logprob, grad_rel
 
 
 def _worker(rank, world_size, model_type):
@@ -56,7 +83,8 @@ def _worker(rank, world_size, model_type):
         loss_tiled.backward()
     grads = {n: (p.grad.full_tensor(), q.grad.full_tensor())
              for (n, p), (_, q) in zip(plain.named_parameters(), tiled.named_parameters())}
-    return {"bitwise": bitwise, "tiled_calls": MLP_CALLS[TILED_MLP] - calls,
+    tiled_calls = MLP_CALLS[TILED_MLP] - calls
+    return {"bf16": _bf16_mixed_precision(rank), "bitwise": bitwise, "tiled_calls": tiled_calls,
             "expected_calls": len(micro) * tiled.config.num_hidden_layers, "grads": grads}
 
 
@@ -73,6 +101,8 @@ def test_tiled_mlp_under_fsdp2_with_gradient_accumulation():
     for rank, r in enumerate(results):
         assert all(r["bitwise"]), f"rank {rank}: tiled log-probs differ from untiled under FSDP2"
         assert r["tiled_calls"] == r["expected_calls"], f"rank {rank}: tiled MLP ran {r['tiled_calls']} times"
+        bf16_logprob, bf16_grad_rel = r["bf16"]
+        assert bf16_logprob <= BF16_LOGPROB and bf16_grad_rel <= BF16_GRAD_REL, r["bf16"]
         for name, p in reference.named_parameters():
             plain, tiled = r["grads"][name]
             scale = p.grad.abs().max()
