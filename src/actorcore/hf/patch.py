@@ -126,7 +126,8 @@ def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None) -> No
         if spec.mlp_kind == "moe":
             raise ValueError(
                 f"tiled MLP does not support {spec.model_type}: its MLP is a mixture of experts (mlp_kind='moe'), "
-                "whose routing is not a plain per-token function we recompute; pass tiled_mlp_shards=None"
+                "whose blocks route tokens to experts (and may return router outputs), which tiled recompute does "
+                "not cover; pass tiled_mlp_shards=None (Ulysses SP alone works for MoE models)"
             )
 
 
