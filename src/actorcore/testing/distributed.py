@@ -23,17 +23,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict,
-            backend: str) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
@@ -44,17 +41,15 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict[str, str] | None = None,
-                    backend: str = "gloo") -> list[Any]:
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; return results by rank.
+def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict[str, str] | None = None) -> list[Any]:
+    """Spawn ``world_size`` gloo processes running ``fn(rank, world_size, *args)``; return results by rank.
 
-    ``backend="nccl"`` puts rank ``r`` on GPU ``r`` (GPU tests only).
     ``fn`` must be importable (module level). Results travel through ``torch.save``; a failure on any rank
     raises ``RuntimeError`` with that rank's traceback.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
-        ctx = mp.spawn(_worker, args=(world_size, port, out_dir, fn, args, env or {}, backend), nprocs=world_size,
+        ctx = mp.spawn(_worker, args=(world_size, port, out_dir, fn, args, env or {}), nprocs=world_size,
                        join=False)
         errors = []
         try:
