@@ -4,7 +4,8 @@ Never applied by library code: tests (and the CPU conversion CLI path, which cal
 when CUDA is absent) opt in with ``with cpu_shims(): ...`` or ``apply()``. Each shim answers one measured
 failure (see shared NOTES.md): megatron asks ``torch.cuda`` for the current device, synchronises, opens
 CUDA streams, moves the tied embedding with ``.cuda()``, builds a few tensors on ``device="cuda"`` in the pipeline schedule, and its MoE router
-references TransformerEngine's ``te_general_gemm`` when TE is absent (0.16.1 bug).
+references TransformerEngine's ``te_general_gemm`` when TE is absent (0.16.1 bug), and the all-to-all token
+dispatcher keeps its split sizes as tensors when they are already on the CPU.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class _NullStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, *args: Any, **kwargs: Any) -> None:
-        return None
+    def record_event(self, *args: Any, **kwargs: Any) -> "_NullStream":
+        return self  # an "event" that is already complete: synchronize() is a no-op
 
 
 def _cpu_device_torch(real: types.ModuleType) -> types.SimpleNamespace:
@@ -70,6 +71,12 @@ def apply() -> None:
         return
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        # On the GPU the all-to-all split sizes become host lists here; CPU tensors would stay tensors,
+        # which all_to_all_single rejects as split sizes.
+        return tensor.tolist() if as_numpy and torch.is_tensor(tensor) else tensor
 
     _set(torch.cuda, "current_device", lambda: torch.device("cpu"))
     _set(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -80,6 +87,7 @@ def apply() -> None:
     # Tied embeddings across pipeline stages: LanguageModule moves the shared weight with ``.cuda()``.
     _set(torch.Tensor, "cuda", lambda self, *a, **k: self)
     _set(moe_utils, "te_general_gemm", None)
+    _set(token_dispatcher, "maybe_move_tensor_to_cpu", move_to_cpu)
     _set(schedules, "torch", _cpu_device_torch(torch))
 
 

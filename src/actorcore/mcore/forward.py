@@ -1,0 +1,182 @@
+"""Per-token log-probs, entropy and values of a Megatron model on packed (THD) batches.
+
+Runs through Megatron's pipeline schedule (``get_forward_backward_func``), one packed batch per
+micro-batch, forward-only or forward-backward. The last stage turns final hidden states into per-token
+float32 log-probs/entropy with the vocabulary-parallel fused kernel (no ``[T, V]`` logits); results are
+broadcast over the pipeline group so every rank returns them, aligned exactly like the HF route
+(value at the scored token, 0 at each sequence's first token, padding dropped).
+
+Legend: ``T`` packed tokens, ``D`` hidden, ``V`` vocabulary (this TP rank's rows).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+
+from actorcore.batch import PackedBatch, next_token_labels, pad_to_multiple, shift_to_scored_token, unpad
+from actorcore.hf.logprobs import LogProbOutput
+from actorcore.kernels.logprob import linear_logprob_entropy_vocab_parallel
+from actorcore.mcore import collectives
+from actorcore.mcore.parallel import McoreGroups
+
+
+def packed_seq_params(batch: PackedBatch):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch.cu_seqlens.to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(batch.max_seqlen),
+                           max_seqlen_kv=int(batch.max_seqlen))
+
+
+def prepare_batch(batch: PackedBatch, chunk: Any) -> PackedBatch:
+    """Pad to the token multiple the layout needs (TP with sequence parallelism, 2*CP); move to the model device."""
+    config = chunk.config
+    multiple = (config.tensor_model_parallel_size if config.sequence_parallel else 1) * (
+        2 * config.context_parallel_size if config.context_parallel_size > 1 else 1)
+    if batch.position_ids.dim() != 1:
+        raise ValueError("the Megatron route takes text batches with 1-D position ids")
+    if not batch.num_padding:
+        batch = pad_to_multiple(batch, multiple)
+    device = next(chunk.parameters()).device
+    return batch.to(device)
+
+
+def _output_weight_shard(chunk: Any, vocab_size: int, groups: McoreGroups) -> tuple[torch.Tensor, int]:
+    """This TP rank's rows of the output weight without the vocabulary padding, and its first vocab id."""
+    weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights \
+        else chunk.output_layer.weight
+    rows = weight.shape[0]
+    start = groups.tp_rank * rows
+    real = max(0, min(rows, vocab_size - start))
+    return weight[:real], start
+
+
+def _hidden_TD(output: torch.Tensor) -> torch.Tensor:
+    # GPTModel returns [B=1, T, D] (its output layer passes hidden states through).
+    return output.reshape(-1, output.shape[-1])
+
+
+def logprobs_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, groups: McoreGroups, *,
+                         temperature: float, entropy: bool) -> LogProbOutput:
+    """The last stage's head: fused vocabulary-parallel log-prob/entropy, aligned to the scored token."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    vocab_size = chunk.actorcore_hf_config.vocab_size
+    weight, start = _output_weight_shard(chunk, vocab_size, groups)
+    labels_T, valid_T = next_token_labels(batch)
+    # Hidden states are replicated over TP: the backward all-reduce sums each rank's partial gradient.
+    hidden_TD = copy_to_tensor_model_parallel_region(hidden_TD, group=groups.tp_group)
+    logprob_T, entropy_T = linear_logprob_entropy_vocab_parallel(
+        hidden_TD, weight, labels_T.clamp(min=0), vocab_start=start,
+        tp_group=groups.tp_group if groups.tp_size > 1 else None, temperature=temperature, entropy=entropy)
+
+    def finish(x: torch.Tensor) -> torch.Tensor:
+        kept = torch.where(valid_T, x.float(), torch.zeros((), dtype=torch.float32, device=x.device))
+        return shift_to_scored_token(unpad(kept, batch))
+
+    return LogProbOutput(log_probs=finish(logprob_T), entropy=None if entropy_T is None else finish(entropy_T))
+
+
+def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Critic head, in float32, at each token itself (as the HF critic)."""
+    head = chunk.value_head
+    values = torch.nn.functional.linear(hidden_TD.float(), head.weight.float(),
+                                        None if head.bias is None else head.bias.float())
+    return unpad(values.squeeze(-1), batch)
+
+
+def _forward_step(batches: list[PackedBatch], groups: McoreGroups, head: Callable, data_iterator: Any, model: Any):
+    index = next(data_iterator)
+    batch = batches[index]
+    output = model(batch.input_ids.unsqueeze(0), batch.position_ids.unsqueeze(0), None,
+                   packed_seq_params=packed_seq_params(batch))
+
+    def loss_func(output_tensor: torch.Tensor):
+        return head(model, _hidden_TD(output_tensor), batch, index)
+
+    return output, loss_func
+
+
+def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], groups: McoreGroups, head: Callable, *,
+                 forward_only: bool) -> list[Any]:
+    """One micro-batch per packed batch; ``head(model, hidden_TD, batch, index) -> (loss, data)`` on the last
+    stage. Returns the ``data`` of every micro-batch on the last pipeline stage (empty elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batches = [prepare_batch(b, chunks[0]) for b in batches]
+    for chunk in chunks:
+        chunk.train(not forward_only)
+    step = functools.partial(_forward_step, batches, groups, head)
+    iterators = [iter(range(len(batches))) for _ in chunks]
+    max_tokens = max(b.num_tokens for b in batches)
+    if groups.pp_size > 1 and any(b.num_tokens != max_tokens for b in batches):
+        raise ValueError("with pipeline parallelism every micro-batch must have the same token count: pad the "
+                         "packed batches to a common length (pad_to_multiple) first")
+    for chunk in chunks:
+        chunk.config.variable_seq_lengths = False
+    return get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches), seq_length=max_tokens,
+        micro_batch_size=1, forward_only=forward_only)
+
+
+def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int], groups: McoreGroups) -> list[torch.Tensor]:
+    """Every rank gets the last stage's per-micro-batch ``[T]`` float32 tensors."""
+    out = []
+    last = groups.pp_size - 1
+    for tensor, length in zip(tensors, shapes):
+        buffer = tensor.detach().clone() if tensor is not None else torch.empty(length, dtype=torch.float32)
+        out.append(collectives.broadcast_tensor(buffer, last, groups.pp_group))
+    return out
+
+
+def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatch], groups: McoreGroups, *,
+                     temperature: float = 1.0, entropy: bool = True,
+                     loss_fn: Callable[[LogProbOutput, PackedBatch], torch.Tensor] | None = None):
+    """Per-token float32 log-probs (and entropy) of each packed batch under the Megatron model.
+
+    Without ``loss_fn``: forward only, returns a ``LogProbOutput`` (a list for a list of batches) on every
+    rank. With ``loss_fn(output, batch) -> scalar``: forward and backward through the pipeline schedule
+    (gradients accumulate in the parameters; Megatron averages the loss over micro-batches); outputs are
+    returned detached.
+    """
+    single = isinstance(batches, PackedBatch)
+    batch_list = [batches] if single else list(batches)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+    def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, index: int):
+        out = logprobs_from_hidden(model, hidden_TD, batch, groups, temperature=temperature, entropy=entropy)
+        loss = loss_fn(out, batch) if loss_fn is not None else hidden_TD.sum() * 0.0
+        data = {"log_probs": out.log_probs.detach(), "entropy": None if out.entropy is None else out.entropy.detach()}
+        return loss, data
+
+    forward_only = loss_fn is None
+    with torch.set_grad_enabled(not forward_only):
+        data = run_schedule(chunks, batch_list, groups, head, forward_only=forward_only)
+    lengths = [b.num_real_tokens for b in batch_list]
+    log_probs = _share_from_last_stage([d["log_probs"] for d in data] or [None] * len(lengths), lengths, groups)
+    ent = None
+    if entropy:
+        ent = _share_from_last_stage([d["entropy"] for d in data] or [None] * len(lengths), lengths, groups)
+    outputs = [LogProbOutput(log_probs=lp, entropy=None if ent is None else ent[i]) for i, lp in enumerate(log_probs)]
+    return outputs[0] if single else outputs
+
+
+def compute_values(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatch], groups: McoreGroups):
+    """Per-token float32 values ``[T]`` from a critic built with ``build_gpt_model(..., value_head=True)``."""
+    single = isinstance(batches, PackedBatch)
+    batch_list = [batches] if single else list(batches)
+
+    def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, index: int):
+        values = values_from_hidden(model, hidden_TD, batch)
+        return hidden_TD.sum() * 0.0, {"values": values.detach()}
+
+    with torch.no_grad():
+        data = run_schedule(chunks, batch_list, groups, head, forward_only=True)
+    lengths = [b.num_real_tokens for b in batch_list]
+    values = _share_from_last_stage([d["values"] for d in data] or [None] * len(lengths), lengths, groups)
+    return values[0] if single else values
