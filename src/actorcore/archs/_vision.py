@@ -24,12 +24,18 @@ class VisionSpec:
     """
 
     base_model: str = "model"
+    # The vision tower module (relative to ``base_model``) and its config (relative to the task model's config).
+    tower: str = "visual"
     # The model's own per-sequence M-RoPE function: (input_ids [1, L], mm_token_type_ids [1, L], grids) ->
     # (position_ids [3, 1, L], deltas).
     rope_index: str = "get_rope_index"
-    # Run the vision tower: (pixels, grid_thw) -> output with ``pooler_output`` (merged features, split per item).
+    # Runs the vision tower: (pixels [P, C*t*p*p], grid_thw [I, 3]) -> output with ``pooler_output`` (merged
+    # features, split per grid row). actorcore calls it ONCE per batch, on the images and the videos together
+    # (each item attends only to itself inside the tower), so every rank issues the same collectives.
     image_features: str = "get_image_features"
-    video_features: str | None = "get_video_features"
+    # GLM-4V's tower sees a video as single-frame grids ``[1, h, w]`` repeated ``t`` times (its
+    # ``get_video_features`` flattens them); the Qwen towers take ``[t, h, w]`` as is.
+    video_tower_grids_per_frame: bool = False
     image_token_field: str = "image_token_id"
     video_token_field: str | None = "video_token_id"
     # Extra per-video inputs the rope-index function reads (Qwen2.5-VL: seconds per temporal grid step).

@@ -8,5 +8,5 @@ from actorcore.archs.qwen2_vl import SPEC as QWEN2_VL
 SPEC = dataclasses.replace(
     QWEN2_VL, model_type="glm4v", mlp_kind="fused_gated",
     vision=dataclasses.replace(QWEN2_VL.vision, video_token_field="image_token_id",
-                               video_frames_in_separate_runs=True),
+                               video_frames_in_separate_runs=True, video_tower_grids_per_frame=True),
 )

@@ -4,8 +4,12 @@ Legend: ``T`` tokens of the packed batch as run (padding for SP included), ``D``
 visual tokens (image and video placeholders) of the batch.
 
 Order of work, the same on every rank of an SP group:
-1. the vision tower runs once over all images and all videos of the batch (never sequence-parallel: every
-   rank runs it on the same inputs, so the features agree; a batch without images skips it on every rank);
+1. the vision tower runs once over all images and videos of the batch together (never
+   sequence-parallel: every rank runs it on the same inputs, so the features agree). A batch without images
+   or videos skips it on every rank of the SP group (they share the batch), unless ranks may disagree about
+   running it: when the tower's parameters are FSDP2-sharded (its forward all-gathers them) or the context
+   has a data-parallel axis, it then runs on one dummy image whose features enter the embeddings multiplied
+   by 0, so every rank issues the same collectives and no rank hangs (the result is unchanged);
 2. the features replace the placeholder embeddings of the FULL packed sequence (``masked_scatter`` in
    packed order, which is sequence order, which is the order of the processor outputs);
 3. only then the embeddings, and Qwen3-VL's DeepStack inputs (visual-position mask and per-layer visual
@@ -65,18 +69,68 @@ def _run_tower(base: Any, method: str, pixels: torch.Tensor, grid: torch.Tensor,
     return _cat(merged), deepstack
 
 
+def tower_grids(video_grid_I3: torch.Tensor, vision: VisionSpec) -> torch.Tensor:
+    """The grids the tower sees for videos (GLM-4V: one ``[1, h, w]`` grid per frame)."""
+    if not vision.video_tower_grids_per_frame:
+        return video_grid_I3
+    frames = torch.repeat_interleave(video_grid_I3[:, 1:], video_grid_I3[:, 0], dim=0)
+    return torch.cat([frames.new_ones(frames.shape[0], 1), frames], dim=1)
+
+
 def visual_features(base: Any, vision: VisionSpec, multimodal: dict[str, Any]) -> VisualFeatures:
-    """Run the vision tower over every image, then every video, of the batch (nothing if there are none)."""
-    features = VisualFeatures()
+    """One vision-tower call over every image and then every video of the batch (none if there are none).
+
+    Images and videos go through the tower together: each item attends only to itself there, so this equals
+    separate image and video calls, and every rank (and every FSDP shard) runs the tower the same number of
+    times. The merged rows are split back: image tokens first, then video tokens.
+    """
+    pixels, grids = [], []
     if multimodal.get("pixel_values") is not None:
-        features.image_ND, features.deepstack_image = _run_tower(
-            base, vision.image_features, multimodal["pixel_values"], multimodal["image_grid_thw"], vision)
+        pixels.append(multimodal["pixel_values"])
+        grids.append(multimodal["image_grid_thw"])
     if multimodal.get("pixel_values_videos") is not None:
-        if vision.video_features is None:
-            raise ValueError("this architecture has no video input; drop pixel_values_videos")
-        features.video_ND, features.deepstack_video = _run_tower(
-            base, vision.video_features, multimodal["pixel_values_videos"], multimodal["video_grid_thw"], vision)
-    return features
+        pixels.append(multimodal["pixel_values_videos"])
+        grids.append(tower_grids(multimodal["video_grid_thw"], vision))
+    if not pixels:
+        return VisualFeatures()
+    widths = {p.shape[-1] for p in pixels}
+    if len(widths) != 1:
+        raise ValueError(f"image and video patches have different widths {sorted(widths)}; they must come from "
+                         "the same processor")
+    merged_ND, deepstack = _run_tower(base, vision.image_features, torch.cat(pixels), torch.cat(grids), vision)
+    merge = int(base.config.vision_config.spatial_merge_size)
+    image_rows = 0
+    if multimodal.get("image_grid_thw") is not None:
+        image_rows = int(multimodal["image_grid_thw"].prod(-1).sum()) // merge**2
+    has_images, has_videos = multimodal.get("pixel_values") is not None, multimodal.get("pixel_values_videos") is not None
+    return VisualFeatures(
+        image_ND=merged_ND[:image_rows] if has_images else None,
+        video_ND=merged_ND[image_rows:] if has_videos else None,
+        deepstack_image=[layer[:image_rows] for layer in deepstack] if has_images else [],
+        deepstack_video=[layer[image_rows:] for layer in deepstack] if has_videos else [],
+    )
+
+
+def tower_must_run(base: Any, vision: VisionSpec, parallel: Any) -> bool:
+    """Whether a batch without images must still run the vision tower (see the module docstring)."""
+    from torch.distributed.tensor import DTensor
+
+    from actorcore.hf.logprobs import resolve
+
+    if parallel is not None and int(getattr(parallel, "dp_size", 1)) > 1:
+        return True
+    return any(isinstance(p, DTensor) for p in resolve(base, vision.tower).parameters())
+
+
+def dummy_visual_term(base: Any, vision: VisionSpec, config: Any) -> torch.Tensor:
+    """``0 * (features of one minimal blank image)``: a scalar zero that depends on every tower parameter."""
+    vc = config.vision_config
+    merge = int(vc.spatial_merge_size)
+    patch_dim = int(vc.in_channels * vc.temporal_patch_size * vc.patch_size**2)
+    grid = torch.tensor([[1, merge, merge]], device=base.device)
+    pixels = torch.zeros(merge * merge, patch_dim, device=base.device)
+    merged, deepstack = _run_tower(base, vision.image_features, pixels, grid, vision)
+    return 0.0 * (merged.sum() + sum(layer.sum() for layer in deepstack))
 
 
 def token_types_of(model: Any, vision: VisionSpec, work: PackedBatch) -> torch.Tensor:
@@ -136,6 +190,8 @@ def vlm_decoder_inputs(model: Any, spec: ArchSpec, work: PackedBatch, parallel: 
     image_mask_T, video_mask_T = types_T == IMAGE, types_T == VIDEO
     features = visual_features(base, vision, work.multimodal)
     embeds_TD = model.get_input_embeddings()(work.input_ids)
+    if features.image_ND is None and features.video_ND is None and tower_must_run(base, vision, parallel):
+        embeds_TD = embeds_TD + dummy_visual_term(base, vision, model.config).to(embeds_TD.dtype)
     embeds_TD = _scatter(embeds_TD, image_mask_T, features.image_ND, "image")
     embeds_TD = _scatter(embeds_TD, video_mask_T, features.video_ND, "video")
     has_deepstack = vision.deepstack and (features.image_ND is not None or features.video_ND is not None)
