@@ -296,3 +296,41 @@ def test_text_only_batch_runs_a_dummy_image_when_ranks_may_disagree(monkeypatch)
     (out.log_probs.sum() + out.entropy.sum()).backward()
     tower_grads = [p.grad for n, p in model.named_parameters() if n.startswith("model.visual.")]
     assert tower_grads and all(g is not None and not bool(g.any()) for g in tower_grads)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_vlm_critic_values_match_padded_hf(model_type):
+    """A VLM critic (transformers has no ...VL ForTokenClassification): the conditional-generation model with a
+    1-output ``score`` head; values are the head on the decoder's last hidden state."""
+    model = build_tiny_vlm(model_type, seed=2)
+    torch.manual_seed(3)
+    model.score = torch.nn.Linear(model.config.text_config.hidden_size, 1)
+    samples = mixed_samples(model, seed=2)
+    with torch.no_grad():
+        values = ac.compute_values(model, _pack(model, samples))
+        b = padded_processor_batch(samples)
+        hidden = model.model(**b, use_cache=False).last_hidden_state
+        want = model.score(hidden.float())[..., 0][b["attention_mask"].bool()]
+    assert values.shape == want.shape and _max_diff(values, want) <= TOL_VLM
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")  # 5.24 renamed it; 5.17 has only this
+def test_gradient_checkpointing_vlm_matches():
+    model = build_tiny_vlm("qwen3_vl", seed=4)
+    samples = mixed_samples(model, seed=4)
+    batch = _pack(model, samples)
+    grads = []
+    for checkpointing in (False, True):
+        model.zero_grad(set_to_none=True)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()  # HF checkpoints only in training mode; the tiny configs have no dropout
+        calls = CALLS[PACKED_ATTENTION]
+        out = ac.compute_logprobs(model, batch)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+        layers = model.config.text_config.num_hidden_layers
+        assert CALLS[PACKED_ATTENTION] - calls == layers * (2 if checkpointing else 1)  # recomputed in backward
+        grads.append(_grads(model))
+    for name, want in grads[0].items():
+        rel = ((grads[1][name] - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
+        assert rel <= TOL["grad_packed_vs_hf_fp32_rel"], f"{name}: {rel:.2e}"
