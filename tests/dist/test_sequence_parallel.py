@@ -15,6 +15,7 @@ from actorcore.testing.tolerances import TOL
 
 LENGTHS = (7, 12, 4)
 ARCHS = ("llama", "gemma2")  # gemma2: sliding window, attention softcap, GeGLU, tied head
+SP2_ARCHS = ARCHS + ("qwen3_moe",)  # MoE MLPs are token-wise: SP needs nothing from them
 
 
 def _sequences():
@@ -149,10 +150,10 @@ def _sp_worker(rank, world_size, archs):
     return results
 
 
-def _assert_results(results, sp_size):
+def _assert_results(results, sp_size, archs):
     tol, grad_tol = TOL["sp_vs_single_fp32"], TOL["grad_sp_vs_single_fp32_rel"]
     for rank, res in enumerate(results):
-        for arch in ARCHS:
+        for arch in archs:
             r = res[arch]
             where = f"sp={sp_size} rank {rank} {arch}"
             assert r["ulysses_calls"] == r["num_layers"], f"{where}: Ulysses attention did not run in every layer"
@@ -172,9 +173,18 @@ def _assert_results(results, sp_size):
 
 @pytest.mark.dist
 def test_ulysses_sp2_matches_one_process():
-    _assert_results(run_distributed(_sp_worker, 2, args=(ARCHS,)), sp_size=2)
+    _assert_results(run_distributed(_sp_worker, 2, args=(SP2_ARCHS,)), sp_size=2, archs=SP2_ARCHS)
 
 
 @pytest.mark.dist
 def test_ulysses_sp4_replicated_kv_heads_matches_one_process():
-    _assert_results(run_distributed(_sp_worker, 4, args=(ARCHS,)), sp_size=4)
+    _assert_results(run_distributed(_sp_worker, 4, args=(ARCHS,)), sp_size=4, archs=ARCHS)
+
+
+def test_lengths_put_shard_edges_inside_sequences():
+    """Guards the test data: every SP shard edge splits a sequence, and the total needs padding."""
+    starts = set(torch.tensor(LENGTHS).cumsum(0).tolist()) | {0}
+    for sp in (2, 4):
+        padded = -(-sum(LENGTHS) // sp) * sp
+        assert sum(LENGTHS) % sp
+        assert all(edge not in starts for edge in range(padded // sp, sum(LENGTHS), padded // sp))
