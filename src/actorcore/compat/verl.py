@@ -98,8 +98,9 @@ def apply_monkey_patch(model: torch.nn.Module, ulysses_sp_size: int = 1, use_rem
     ``ulysses_sp_size``: Ulysses SP degree (needs ``sp_group`` or ``parallel`` of that size and remove-padding);
     ``use_remove_padding``: packed ``(1, total_nnz)`` inputs, boundaries from ``position_ids``;
     ``use_fused_kernels``: the forward returns ``log_probs`` / ``entropy`` without materialising logits;
-    ``fused_kernels_backend``: None/"torch"/"triton" (actorcore picks Triton on CUDA when installed, the
-    chunked torch kernel otherwise); ``use_tiled_mlp`` / ``tiled_mlp_shards``: tiled MLP.
+    ``fused_kernels_backend``: None/"torch"/"triton", accepted for compatibility; actorcore chooses the kernel
+    itself (Triton on CUDA when installed, its chunked torch kernel otherwise), and "triton" is refused where
+    triton is not installed; ``use_tiled_mlp`` / ``tiled_mlp_shards``: tiled MLP.
     Returns the ``PatchHandle``; ``handle.revert()`` restores the model.
     """
     ctx = _context(ulysses_sp_size, sp_group, parallel)
