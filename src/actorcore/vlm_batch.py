@@ -59,14 +59,14 @@ def _as_1d(x: torch.Tensor, length: int, what: str) -> torch.Tensor:
     return x
 
 
-def token_types(ids_L: torch.Tensor, inputs: Mapping[str, Any], config: Any, vision: VisionSpec,
+def token_types(ids_L: torch.Tensor, given: Any, has_video: bool, config: Any, vision: VisionSpec,
                 where: str) -> torch.Tensor:
-    """``mm_token_type_ids`` of one sequence ``[L]`` (given, checked; or derived from distinct token ids)."""
+    """``mm_token_type_ids`` of one sequence ``[L]``: ``given`` (checked against the ids), or derived from the
+    placeholder ids when they tell images and videos apart."""
     image_id = int(getattr(config, vision.image_token_field))
     video_id = int(getattr(config, vision.video_token_field)) if vision.video_token_field else None
-    given = inputs.get(TOKEN_TYPES_KEY)
     if given is None:
-        if video_id == image_id and any(k in inputs for k in VIDEO_PATCH_KEYS):
+        if video_id == image_id and has_video:
             raise ValueError(f"{where}: this model writes video frames with the image token, so only "
                              "mm_token_type_ids tells them apart; pass the processor's mm_token_type_ids")
         types = torch.zeros_like(ids_L, dtype=torch.int32)
@@ -88,6 +88,10 @@ def token_types(ids_L: torch.Tensor, inputs: Mapping[str, Any], config: Any, vis
         raise ValueError(f"{where}: {int(untyped.sum())} image/video placeholder tokens are marked as text in "
                          "mm_token_type_ids")
     return types.to(torch.int32)
+
+
+def _has_video(inputs: Mapping[str, Any]) -> bool:
+    return any(inputs.get(k) is not None for k in VIDEO_PATCH_KEYS)
 
 
 def _runs(types_L: torch.Tensor, kind: int) -> list[int]:
@@ -197,7 +201,8 @@ def pack_multimodal(model: Any, sequences: Sequence[torch.Tensor],
         where = f"sequence {i}"
         inputs = {k: torch.as_tensor(v) for k, v in (inputs or {}).items() if v is not None}
         ids = ids.to(device=batch.device, dtype=torch.long)
-        types = token_types(ids, inputs, config, vision, where).to(batch.device)
+        types = token_types(ids, inputs.get(TOKEN_TYPES_KEY), _has_video(inputs), config, vision, where)
+        types = types.to(batch.device)
         check_sequence(ids, types, inputs, config, vision, where)
         positions.append(rope_positions(model, vision, ids, types, inputs))
         types_all.append(types)
@@ -242,10 +247,8 @@ def pack_multimodal_padded(model: Any, input_ids: torch.Tensor, attention_mask: 
     rows_ids = [row[keep] for row, keep in zip(input_ids, mask)]
     rows_types = []
     for b, ids in enumerate(rows_ids):
-        row_inputs = {} if types_BS is None else {TOKEN_TYPES_KEY: torch.as_tensor(types_BS)[b][mask[b]]}
-        if types_BS is None and any(k in processor_outputs for k in VIDEO_PATCH_KEYS):
-            row_inputs["pixel_values_videos"] = processor_outputs["pixel_values_videos"]  # only for the check
-        rows_types.append(token_types(ids, row_inputs, config, vision, f"row {b}"))
+        given = None if types_BS is None else torch.as_tensor(types_BS)[b][mask[b]]
+        rows_types.append(token_types(ids, given, _has_video(processor_outputs), config, vision, f"row {b}"))
     per_row: list[dict[str, Any]] = [{TOKEN_TYPES_KEY: t} for t in rows_types]
     for name, patch_key, grid_key, row_keys, kind in (
         ("image", "pixel_values", "image_grid_thw", IMAGE_KEYS, IMAGE),

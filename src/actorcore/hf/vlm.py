@@ -143,7 +143,8 @@ def token_types_of(model: Any, vision: VisionSpec, work: PackedBatch) -> torch.T
 
     types = work.multimodal.get(TOKEN_TYPES_KEY)
     if types is None:
-        types = token_types(work.input_ids[: work.num_real_tokens], work.multimodal, model.config, vision, "batch")
+        has_video = work.multimodal.get("pixel_values_videos") is not None
+        types = token_types(work.input_ids[: work.num_real_tokens], None, has_video, model.config, vision, "batch")
     if types.numel() > work.num_tokens:
         raise ValueError(f"mm_token_type_ids has {types.numel()} entries for {work.num_tokens} tokens")
     return torch.nn.functional.pad(types.to(work.device), (0, work.num_tokens - types.numel()))
