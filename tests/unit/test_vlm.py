@@ -334,3 +334,19 @@ def test_gradient_checkpointing_vlm_matches():
     for name, want in grads[0].items():
         rel = ((grads[1][name] - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
         assert rel <= TOL["grad_packed_vs_hf_fp32_rel"], f"{name}: {rel:.2e}"
+
+
+def test_pack_and_pack_padded_take_multimodal_inputs():
+    model = build_tiny_vlm("qwen2_vl")
+    samples = mixed_samples(model)
+    want = _pack(model, samples)
+    b = padded_processor_batch(samples)
+    rest = {k: v for k, v in b.items() if k not in ("input_ids", "attention_mask")}
+    for got in (ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples], model=model),
+                ac.pack_padded(b["input_ids"], b["attention_mask"], model=model, **rest)):
+        assert torch.equal(got.position_ids, want.position_ids) and torch.equal(got.input_ids, want.input_ids)
+        assert all(torch.equal(got.multimodal[k], want.multimodal[k]) for k in want.multimodal)
+    with pytest.raises(ValueError, match="need model"):
+        ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples])
+    with pytest.raises(ValueError, match="need model"):
+        ac.pack_padded(b["input_ids"], b["attention_mask"], **rest)
