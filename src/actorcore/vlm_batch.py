@@ -99,7 +99,11 @@ def _runs(types_L: torch.Tensor, kind: int) -> list[int]:
     return [len(list(group)) for key, group in itertools.groupby(types_L.tolist()) if key == kind]
 
 
-def _check_grid(grid_I3: torch.Tensor, pixels_P: torch.Tensor | None, merge: int, name: str, where: str) -> None:
+def check_grid(grid_I3: torch.Tensor | None, pixels_P: torch.Tensor | None, merge: int, name: str,
+               where: str) -> None:
+    """Grids are ``[I, 3]``, positive, spatially divisible by the merge size, and describe the pixel rows."""
+    if grid_I3 is None:
+        raise ValueError(f"{where}: {name} pixels given without {name}_grid_thw")
     if grid_I3.dim() != 2 or grid_I3.shape[1] != 3:
         raise ValueError(f"{where}: {name}_grid_thw has shape {tuple(grid_I3.shape)}; expected [num_{name}s, 3]")
     if bool((grid_I3 <= 0).any()) or bool((grid_I3[:, 1:] % merge != 0).any()):
@@ -142,7 +146,7 @@ def check_sequence(ids_L: torch.Tensor, types_L: torch.Tensor, inputs: Mapping[s
                 raise ValueError(f"{where}: {sum(runs)} {name} tokens but no {name} inputs ({patch_key}, "
                                  f"{grid_key}): image tokens and features do not match")
             continue
-        _check_grid(grid, pixels, merge, name, where)
+        check_grid(grid, pixels, merge, name, where)
         expected = _expected_runs(grid, merge, separate)
         if sum(runs) != sum(expected):
             raise ValueError(f"{where}: {sum(runs)} {name} tokens but the {name} grids {grid.tolist()} give "
@@ -260,7 +264,7 @@ def pack_multimodal_padded(model: Any, input_ids: torch.Tensor, attention_mask: 
             continue
         patch_ends = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
         pixels = processor_outputs.get(patch_key)
-        _check_grid(grid, pixels, merge, name, "batch")
+        check_grid(grid, pixels, merge, name, "batch")
         for b, sl in enumerate(slices):
             if sl.start == sl.stop:
                 continue

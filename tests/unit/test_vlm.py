@@ -220,6 +220,11 @@ def test_grids_not_matching_pixels_is_an_error(qwen2_vl):
                                                  "pixel_values": batch.multimodal["pixel_values"][:8]})
     with pytest.raises(ValueError, match="image tokens and features do not match"):
         ac.compute_logprobs(qwen2_vl, bad)
+    # and a batch edited after packing is checked again before the tower runs
+    bad = dataclasses.replace(batch, multimodal={**batch.multimodal,
+                                                 "pixel_values": batch.multimodal["pixel_values"][:15]})
+    with pytest.raises(ValueError, match="describe 16 patches but the pixel tensor has 15 rows"):
+        ac.compute_logprobs(qwen2_vl, bad)
 
 
 def test_adjacent_images_without_text_between_is_an_error(qwen2_vl):

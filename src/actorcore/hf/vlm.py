@@ -32,7 +32,8 @@ import torch
 from actorcore.archs import ArchSpec
 from actorcore.archs._vision import VisionSpec
 from actorcore.batch import PackedBatch, shard_bounds
-from actorcore.vlm_batch import IMAGE, TOKEN_TYPES_KEY, VIDEO, vision_spec
+from actorcore.hf.logprobs import resolve
+from actorcore.vlm_batch import IMAGE, TOKEN_TYPES_KEY, VIDEO, check_grid, token_types, vision_spec
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +85,17 @@ def visual_features(base: Any, vision: VisionSpec, multimodal: dict[str, Any]) -
     separate image and video calls, and every rank (and every FSDP shard) runs the tower the same number of
     times. The merged rows are split back: image tokens first, then video tokens.
     """
+    merge = int(base.config.vision_config.spatial_merge_size)
     pixels, grids = [], []
-    if multimodal.get("pixel_values") is not None:
-        pixels.append(multimodal["pixel_values"])
-        grids.append(multimodal["image_grid_thw"])
-    if multimodal.get("pixel_values_videos") is not None:
-        pixels.append(multimodal["pixel_values_videos"])
-        grids.append(tower_grids(multimodal["video_grid_thw"], vision))
+    for name, patch_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
+                                      ("video", "pixel_values_videos", "video_grid_thw")):
+        if multimodal.get(patch_key) is None and multimodal.get(grid_key) is None:
+            continue
+        if multimodal.get(patch_key) is None:
+            raise ValueError(f"batch: {grid_key} given without {patch_key}")
+        check_grid(multimodal.get(grid_key), multimodal[patch_key], merge, name, "batch")
+        pixels.append(multimodal[patch_key])
+        grids.append(multimodal[grid_key] if name == "image" else tower_grids(multimodal[grid_key], vision))
     if not pixels:
         return VisualFeatures()
     widths = {p.shape[-1] for p in pixels}
@@ -98,7 +103,6 @@ def visual_features(base: Any, vision: VisionSpec, multimodal: dict[str, Any]) -
         raise ValueError(f"image and video patches have different widths {sorted(widths)}; they must come from "
                          "the same processor")
     merged_ND, deepstack = _run_tower(base, vision.image_features, torch.cat(pixels), torch.cat(grids), vision)
-    merge = int(base.config.vision_config.spatial_merge_size)
     image_rows = 0
     if multimodal.get("image_grid_thw") is not None:
         image_rows = int(multimodal["image_grid_thw"].prod(-1).sum()) // merge**2
@@ -114,8 +118,6 @@ def visual_features(base: Any, vision: VisionSpec, multimodal: dict[str, Any]) -
 def tower_must_run(base: Any, vision: VisionSpec, parallel: Any) -> bool:
     """Whether a batch without images must still run the vision tower (see the module docstring)."""
     from torch.distributed.tensor import DTensor
-
-    from actorcore.hf.logprobs import resolve
 
     if parallel is not None and int(getattr(parallel, "dp_size", 1)) > 1:
         return True
@@ -139,8 +141,6 @@ def token_types_of(model: Any, vision: VisionSpec, work: PackedBatch) -> torch.T
     A batch packed without ``mm_token_type_ids`` (``actorcore.pack`` of text) gets them from the placeholder
     token ids, so placeholders without pixels are still caught as a token/feature mismatch.
     """
-    from actorcore.vlm_batch import token_types
-
     types = work.multimodal.get(TOKEN_TYPES_KEY)
     if types is None:
         has_video = work.multimodal.get("pixel_values_videos") is not None
@@ -184,8 +184,6 @@ def deepstack_inputs(image_mask_T: torch.Tensor, video_mask_T: torch.Tensor,
 def vlm_decoder_inputs(model: Any, spec: ArchSpec, work: PackedBatch, parallel: Any) -> dict[str, Any]:
     """Keyword arguments for the language model: this rank's ``inputs_embeds`` (and DeepStack inputs)."""
     vision = vision_spec(model)
-    from actorcore.hf.logprobs import resolve
-
     base = resolve(model, vision.base_model)
     types_T = token_types_of(model, vision, work)
     image_mask_T, video_mask_T = types_T == IMAGE, types_T == VIDEO
