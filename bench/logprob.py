@@ -8,7 +8,9 @@ Implementations, side by side, all bf16 inputs:
   naive   bf16 matmul -> [N, V] logits (rounded to bf16), fp32 log_softmax + entropy
   torch   actorcore chunked torch backend (fp32 logits per chunk, recompute in backward)
   triton  actorcore Triton backend (default configuration, what backend="auto" runs)
-  liger   Liger-Kernel fused linear cross-entropy (no entropy; temperature folded into hidden)
+  liger   Liger-Kernel fused linear cross-entropy, reduction="sum" for fwd+bwd: the gradient is computed
+          in the forward, which only a scalar loss allows (no entropy; temperature folded into hidden)
+  liger_tok  the same with reduction="none": per-token losses and upstream grads, recompute in backward
   cce     cut-cross-entropy linear_cross_entropy (no entropy; temperature folded into hidden)
 
 Time: median of CUDA-event timed runs after a warm-up. TFLOP/s counts 2NHV (forward) or 6NHV
@@ -39,7 +41,7 @@ SHAPES = [
 ]
 TEMPERATURES = (1.0, 0.7)
 IMPLS = ("naive", "torch", "triton", "liger", "cce")
-NO_ENTROPY = {"liger", "cce"}
+NO_ENTROPY = {"liger", "liger_tok", "cce"}
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -79,6 +81,12 @@ def _liger(h, w, y, temperature, loss_reduction):
     return -loss, None
 
 
+def _liger_per_token(h, w, y, temperature, loss_reduction):
+    """Liger with reduction="none": per-token losses and per-token upstream grads (what RL needs);
+    Liger then recomputes the logits in backward, like we do."""
+    return _liger(h, w, y, temperature, "none")
+
+
 def _cce(h, w, y, temperature, loss_reduction):
     from cut_cross_entropy import linear_cross_entropy
 
@@ -93,13 +101,14 @@ def get_impl(name):
         "torch": _ours("torch"),
         "triton": _ours("triton"),
         "liger": _liger,
+        "liger_tok": _liger_per_token,
         "cce": _cce,
     }[name]
 
 
 def available(name) -> str | None:
     try:
-        if name == "liger":
+        if name in ("liger", "liger_tok"):
             import liger_kernel.transformers.functional  # noqa: F401
         elif name == "cce":
             import cut_cross_entropy  # noqa: F401
@@ -343,6 +352,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="time Triton kernel configurations, then exit")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--shapes", default=None, help="N:H:V,... (default: the issue's five shapes)")
+    ap.add_argument("--temps", default=None, help="comma-separated temperatures (default 1.0,0.7)")
     ap.add_argument("--fit", action="store_true", help="probe the largest N that fits for torch/triton/liger")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="write markdown tables of the results here")
@@ -358,7 +368,7 @@ def main(argv=None):
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")]
-    temps = TEMPERATURES
+    temps = tuple(float(t) for t in args.temps.split(",")) if args.temps else TEMPERATURES
     if args.quick:
         shapes, temps = shapes[:1], (1.0,)
     impls = args.impls.split(",")
