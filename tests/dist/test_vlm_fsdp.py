@@ -27,19 +27,18 @@ def _loss(model, samples):
 
 
 def _fsdp_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from actorcore.testing.tiny_vlm import build_tiny_vlm
 
+    # An explicit CPU mesh: on a machine with CUDA, FSDP2 would otherwise pick the GPU as its device.
+    mesh = init_device_mesh("cpu", (world_size,))
     model = build_tiny_vlm(MODEL_TYPE, seed=6)
     tower_calls = []
     model.model.visual.register_forward_hook(lambda *a: tower_calls.append(1))
-    for block in model.model.visual.blocks:
-        fully_shard(block)
-    fully_shard(model.model.visual)
-    for layer in model.model.language_model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    for module in [*model.model.visual.blocks, model.model.visual, *model.model.language_model.layers, model]:
+        fully_shard(module, mesh=mesh)
     _loss(model, _batches(model)[rank]).backward()  # FSDP averages gradients over ranks
     return {"tower_calls": len(tower_calls),
             "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}}
