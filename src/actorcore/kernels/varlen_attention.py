@@ -105,8 +105,18 @@ def _torch_varlen(q, k, v, cu, max_seqlen, scale, window):
     cu = cu.to(torch.int32)
     # Causality is expressed as a window with no right context.
     window_size = (window - 1 if window else -1, 0)
-    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size,
-                       enable_gqa=k.shape[1] != q.shape[1])
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] and _varlen_takes_enable_gqa() else {}
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size, **gqa)
+
+
+@functools.cache
+def _varlen_takes_enable_gqa() -> bool:
+    """torch 2.11's ``varlen_attn`` takes GQA directly and has no ``enable_gqa``; later versions ask for it."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def _segment_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:

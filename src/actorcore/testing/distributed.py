@@ -30,7 +30,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # A file rendezvous in the run's own directory: no port to race for with other runs.
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                                world_size=world_size)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
