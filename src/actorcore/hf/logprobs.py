@@ -173,14 +173,19 @@ def call_as_forward(module: torch.nn.Module, fn: Callable[[], Any]) -> Any:
     """
     had_own = "forward" in module.__dict__
     own = module.__dict__.get("forward")
-    module.forward = fn
+    module.forward = _run_thunk
     try:
-        return module()
+        # Passed as a keyword, not as no arguments: torch 2.11's FSDP2 root pre-forward indexes args[0].
+        return module(actorcore_thunk=fn)
     finally:
         if had_own:
             module.forward = own
         else:
             del module.forward
+
+
+def _run_thunk(actorcore_thunk: Callable[[], Any]) -> Any:
+    return actorcore_thunk()
 
 
 def compute_logprobs(model: Any, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True,
