@@ -18,6 +18,8 @@ _EXPORTS = {
     "pad_to_multiple": "actorcore.batch",
     "next_token_labels": "actorcore.batch",
     "shard_for_sp": "actorcore.batch",
+    "pack_multimodal": "actorcore.vlm_batch",
+    "pack_multimodal_padded": "actorcore.vlm_batch",
     "compute_logprobs": "actorcore.hf.logprobs",
     "compute_values": "actorcore.hf.logprobs",
     "LogProbOutput": "actorcore.hf.logprobs",
