@@ -1,4 +1,4 @@
-"""Kernel layer: model-agnostic compute (log-prob/entropy heads, tiled MLP).
+"""Kernel layer: model-agnostic compute (e.g. the fused log-prob/entropy head in ``logprob/``).
 
 Nothing heavy is imported here; import the submodule you need, e.g.
 ``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch

@@ -52,8 +52,13 @@ def select_engine(backend: str, hidden_TD: torch.Tensor):
             raise ValueError(f"backend='triton' cannot run here: {why}; use backend='torch' or 'auto'")
     elif not ok:
         return _TORCH_ENGINE
-    from actorcore.kernels.logprob.triton_backend import TRITON_ENGINE
-
+    try:
+        from actorcore.kernels.logprob.triton_backend import TRITON_ENGINE
+    except ImportError as err:  # triton present but unusable (e.g. a broken install)
+        if backend == "triton":
+            raise ValueError(f"backend='triton' cannot run here: importing triton failed: {err}") from err
+        logger.warning("triton import failed (%s); using the chunked torch backend", err)
+        return _TORCH_ENGINE
     return TRITON_ENGINE
 
 
