@@ -219,3 +219,27 @@ def test_bf16_model_gradients_track_fp32_model():
         assert p16.grad.dtype == torch.bfloat16 and torch.isfinite(p16.grad).all()
         rel = ((p16.grad.float() - p32.grad).norm() / p32.grad.norm()).item()
         assert rel < 5e-2, f"{name}: bf16 gradient off by {rel:.2e} (relative norm)"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_wrapper_recomputes_with_packed_attention(reentrant):
+    """Layers wrapped by torch's checkpoint_wrapper (as FSDP2 recipes do) recompute under the packed switch."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    model = build_tiny_model("qwen3")
+    batch = ac.pack(_sequences(seed=7))
+    out = ac.compute_logprobs(model, batch)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=impl)
+    model.train()
+    calls = CALLS[PACKED_ATTENTION]
+    out = ac.compute_logprobs(model, batch)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    assert CALLS[PACKED_ATTENTION] - calls == 2 * model.config.num_hidden_layers
+    got = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in _grads(model).items()}
+    _assert_grads_close(got, want, TOL["grad_packed_vs_hf_fp32_rel"])

@@ -132,22 +132,34 @@ def current_implementations(configs: list[Any]) -> set[str | None]:
 def packed_attention(decoder: torch.nn.Module, configs: list[Any], name: str) -> Iterator[None]:
     """Switch ``configs`` to ``name`` for one forward, including the recomputation in backward.
 
-    With Hugging Face activation checkpointing, layers are re-run during backward, after this context has
-    exited; the layers' ``_gradient_checkpointing_func`` is wrapped (per instance, for this forward) so that
-    the recomputation runs under the same switch and sees the same attention as the original forward.
+    With activation checkpointing, layers are re-run during backward, after this context has exited. The
+    checkpoint functions (Hugging Face's per-layer ``_gradient_checkpointing_func``, and torch's
+    ``checkpoint_wrapper``'s ``checkpoint_fn``) are wrapped, per instance and for this forward, so that the
+    recomputation runs under the same switch and sees the same attention as the original forward.
     """
     wrapped = []
     for module in decoder.modules():
-        original = module.__dict__.get("_gradient_checkpointing_func")
-        if original is not None and getattr(module, "gradient_checkpointing", False):
-            module._gradient_checkpointing_func = _recompute_under(original, configs, name)
-            wrapped.append((module, original))
+        for attr in _checkpoint_function_attrs(module):
+            original = module.__dict__[attr]
+            setattr(module, attr, _recompute_under(original, configs, name))
+            wrapped.append((module, attr, original))
     try:
         with attention_implementation(configs, name):
             yield
     finally:
-        for module, original in wrapped:
-            module._gradient_checkpointing_func = original
+        for module, attr, original in wrapped:
+            setattr(module, attr, original)
+
+
+def _checkpoint_function_attrs(module: torch.nn.Module) -> list[str]:
+    """Instance attributes holding the function that (re)runs a checkpointed layer."""
+    attrs = []
+    if module.__dict__.get("_gradient_checkpointing_func") is not None and getattr(module, "gradient_checkpointing",
+                                                                                   False):
+        attrs.append("_gradient_checkpointing_func")
+    if "checkpoint_fn" in module.__dict__ and hasattr(module, "_checkpoint_wrapped_module"):
+        attrs.append("checkpoint_fn")
+    return attrs
 
 
 def _recompute_under(checkpoint_fn: Any, configs: list[Any], name: str) -> Any:
