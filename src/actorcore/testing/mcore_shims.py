@@ -72,6 +72,7 @@ def apply() -> None:
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
         # On the GPU the all-to-all split sizes become host lists here; CPU tensors would stay tensors,
@@ -89,6 +90,10 @@ def apply() -> None:
     _set(moe_utils, "te_general_gemm", None)
     _set(token_dispatcher, "maybe_move_tensor_to_cpu", move_to_cpu)
     _set(schedules, "torch", _cpu_device_torch(torch))
+    if not filesystem_async.HAVE_PSUTIL:
+        # The checkpoint writer's worker only logs its memory use with psutil (an undeclared dependency of
+        # megatron-core 0.16.1); without it the forked worker dies and the save waits forever.
+        _set(filesystem_async, "_process_memory", lambda: 0)
 
 
 def revert() -> None:

@@ -1,0 +1,202 @@
+"""``actorcore convert``: HF <-> Megatron-Core checkpoints (the only module of mcore/ that prints).
+
+  actorcore convert hf-to-mcore SRC_HF_DIR DST_DIR [--tp N --pp N --ep N]
+  actorcore convert mcore-to-hf SRC_MCORE_DIR DST_HF_DIR
+
+hf-to-mcore writes a Megatron distributed checkpoint (loadable at any layout); with a layout bigger than
+one rank it runs one gloo process per rank (CPU). mcore-to-hf loads in one process and writes
+``model.safetensors`` + config. Output goes to a temporary directory next to DST, renamed at the end: a
+failure leaves nothing behind. Damaged or incomplete input is a one-line error and exit code 2.
+On machines without CUDA the test-only CPU shims for megatron-core are applied for the run and reverted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import traceback
+from typing import Any, Iterator
+
+USER_ERRORS = (ValueError, OSError, KeyError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="actorcore convert", description="HF <-> Megatron-Core checkpoints")
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors directory -> Megatron distributed checkpoint")
+    to_mcore.add_argument("src", help="HF model directory (config.json + safetensors)")
+    to_mcore.add_argument("dst", help="output directory (must not exist)")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size used for the conversion")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    to_mcore.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
+    to_mcore.add_argument("--vocab-multiple", type=int, default=128,
+                          help="pad the vocabulary to a multiple of this (must be divisible by every TP size used)")
+    to_hf = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors + config")
+    to_hf.add_argument("src", help="directory written by hf-to-mcore")
+    to_hf.add_argument("dst", help="output directory (must not exist)")
+    return parser
+
+
+@contextlib.contextmanager
+def _atomic_output(dst: str) -> Iterator[str]:
+    """A temporary directory next to ``dst``, renamed to ``dst`` on success and removed on failure."""
+    dst = os.path.abspath(dst)
+    if os.path.exists(dst):
+        raise FileExistsError(f"{dst} already exists; choose a new output directory")
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    try:
+        yield tmp
+        os.rename(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _megatron_runtime(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """A gloo world (created here if none exists) and, without CUDA, megatron's CPU shims; undone after."""
+    import torch
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    shims = contextlib.nullcontext()
+    if not torch.cuda.is_available():
+        from actorcore.testing.mcore_shims import cpu_shims
+
+        shims = cpu_shims()
+    try:
+        with shims:
+            yield
+    finally:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hf_to_mcore_rank(rank: int, world_size: int, port: int, src: str, out: str, sizes: tuple[int, int, int],
+                      vocab_multiple: int) -> None:
+    from transformers import AutoConfig
+
+    from actorcore.mcore.checkpoint import CheckpointError, load_hf_into_mcore
+    from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    try:
+        hf_config = AutoConfig.from_pretrained(src)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{src}: cannot read the HF config ({_first_line(exc)})") from None
+    tp, pp, ep = sizes
+    parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
+    with _megatron_runtime(rank, world_size, port):
+        groups = initialize_megatron(parallel)
+        chunks = build_gpt_model(hf_config, parallel, vocab_multiple=vocab_multiple)
+        load_hf_into_mcore(chunks, src, groups, progress=rank == 0)
+        save_mcore_checkpoint(chunks, out, src, vocab_multiple)
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, error_dir: str, args: tuple) -> None:
+    try:
+        _hf_to_mcore_rank(rank, world_size, port, *args)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
+        user = isinstance(exc, USER_ERRORS)
+        with open(os.path.join(error_dir, f"rank{rank}"), "w") as f:
+            f.write(("user:" if user else "bug:") + (_first_line(exc) if user else traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _hf_to_mcore(args: argparse.Namespace) -> None:
+    from actorcore.mcore.parallel import McoreParallel
+
+    parallel = McoreParallel(tp=args.tp, pp=args.pp, ep=args.ep)
+    if args.vocab_multiple % args.tp:
+        raise ValueError(f"--vocab-multiple {args.vocab_multiple} must be divisible by --tp {args.tp}")
+    world = parallel.world_size
+    with _atomic_output(args.dst) as out:
+        task = (os.path.abspath(args.src), out, (args.tp, args.pp, args.ep), args.vocab_multiple)
+        if world == 1:
+            _hf_to_mcore_rank(0, 1, _free_port(), *task)
+            return
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as error_dir:
+            try:
+                mp.spawn(_spawned_rank, args=(world, _free_port(), error_dir, task), nprocs=world, join=True)
+            except Exception:  # noqa: BLE001 - the ranks wrote what went wrong
+                messages = [open(os.path.join(error_dir, n)).read() for n in sorted(os.listdir(error_dir))]
+                user = [m[5:] for m in messages if m.startswith("user:")]
+                if user:
+                    raise ValueError(user[0]) from None
+                raise RuntimeError("conversion failed:\n" + "\n".join(m[4:] for m in messages)) from None
+
+
+def _mcore_to_hf(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from actorcore.mcore.checkpoint import export_mcore_to_hf, save_hf_checkpoint
+    from actorcore.mcore.dist_checkpoint import HF_DIR, copy_hf_side_files, load_mcore_checkpoint, read_mcore_metadata
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    src = os.path.abspath(args.src)
+    meta, hf_config = read_mcore_metadata(src)
+    with _atomic_output(args.dst) as out, _megatron_runtime(0, 1, _free_port()):
+        groups = initialize_megatron(McoreParallel())
+        chunks = build_gpt_model(hf_config, McoreParallel(), vocab_multiple=int(meta["vocab_multiple"]))
+        load_mcore_checkpoint(chunks, src)
+        # One process holds the whole model: this stage's export is every tensor, gathered one by one.
+        state = dict(tqdm(export_mcore_to_hf(chunks, groups), desc="export Megatron -> HF", unit="tensor"))
+        copy_hf_side_files(os.path.join(src, HF_DIR), out)
+        save_hf_checkpoint(state, hf_config, out)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        from actorcore.mcore._megatron import require_megatron
+
+        require_megatron()
+        if args.direction == "hf-to-mcore":
+            _hf_to_mcore(args)
+        else:
+            _mcore_to_hf(args)
+    except USER_ERRORS as exc:
+        print(f"error: {_first_line(exc)}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"error: {_first_line(exc)}", file=sys.stderr)
+        return 2
+    print(f"wrote {os.path.abspath(args.dst)}")
+    return 0
+
+
+def _entry() -> Any:  # pragma: no cover - for `python -m actorcore.mcore.convert_cli`
+    return sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _entry()

@@ -1,0 +1,135 @@
+"""``actorcore convert``: HF -> Megatron dist checkpoint (at TP / PP / EP) -> HF is bit-exact; damaged input
+gives a one-line error, exit code 2 and no output."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+
+def _convert(argv: list[str]) -> int:
+    from actorcore.mcore.convert_cli import main
+
+    return main(argv)
+
+
+def _tiny(tmp_path, model_type: str, name: str = "hf", **overrides) -> str:
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    directory = str(tmp_path / name)
+    build_tiny_model(model_type, seed=11, **overrides).save_pretrained(directory)
+    return directory
+
+
+def _assert_same_checkpoint(a: str, b: str) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    ref, got = load_file(os.path.join(a, "model.safetensors")), load_file(os.path.join(b, "model.safetensors"))
+    assert sorted(ref) == sorted(got)
+    for name, tensor in ref.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+    config_a, config_b = AutoConfig.from_pretrained(a).to_dict(), AutoConfig.from_pretrained(b).to_dict()
+    config_a.pop("_name_or_path"), config_b.pop("_name_or_path")
+    assert config_a == config_b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type,layout", [
+    ("qwen3", []),
+    ("qwen2", ["--tp", "2"]),
+    ("qwen3_moe", ["--ep", "2"]),
+    ("mixtral", ["--pp", "2"]),
+])
+def test_cli_roundtrip_is_bit_exact(tmp_path, model_type, layout, capsys):
+    src = _tiny(tmp_path, model_type)
+    mcore, back = str(tmp_path / "mcore"), str(tmp_path / "back")
+    assert _convert(["hf-to-mcore", src, mcore, *layout]) == 0
+    assert os.path.exists(os.path.join(mcore, "metadata.json"))
+    assert _convert(["mcore-to-hf", mcore, back]) == 0  # loads at TP=PP=EP=1 whatever layout wrote it
+    _assert_same_checkpoint(src, back)
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no temporary directory left
+
+
+def _rewrite(directory: str, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _expect_error(tmp_path, capsys, argv: list[str], *fragments: str) -> None:
+    dst = argv[2]
+    assert _convert(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    err = errors[0]
+    for fragment in fragments:
+        assert fragment in err, err
+    assert not os.path.exists(dst)
+    assert [p for p in os.listdir(os.path.dirname(dst)) if p.startswith(".")] == []
+
+
+def test_cli_missing_tensor(tmp_path, capsys):
+    src = _tiny(tmp_path, "llama")
+    _rewrite(src, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    _expect_error(tmp_path, capsys, ["hf-to-mcore", src, str(tmp_path / "out")],
+                  "missing tensor model.layers.1.self_attn.k_proj.weight")
+
+
+def test_cli_wrong_shape(tmp_path, capsys):
+    src = _tiny(tmp_path, "llama")
+    _rewrite(src, lambda t: t.__setitem__("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 87)))
+    _expect_error(tmp_path, capsys, ["hf-to-mcore", src, str(tmp_path / "out")],
+                  "model.layers.0.mlp.down_proj.weight has shape [64, 87], expected [64, 88]")
+
+
+def test_cli_extra_tensor(tmp_path, capsys):
+    src = _tiny(tmp_path, "llama")
+    _rewrite(src, lambda t: t.__setitem__("model.layers.0.self_attn.rotary.inv_freq", torch.zeros(8)))
+    _expect_error(tmp_path, capsys, ["hf-to-mcore", src, str(tmp_path / "out")],
+                  "unexpected tensors", "model.layers.0.self_attn.rotary.inv_freq")
+
+
+def test_cli_damaged_safetensors(tmp_path, capsys):
+    src = _tiny(tmp_path, "llama")
+    path = os.path.join(src, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    _expect_error(tmp_path, capsys, ["hf-to-mcore", src, str(tmp_path / "out")], "model.safetensors")
+
+
+def test_cli_damaged_mcore_checkpoint(tmp_path, capsys):
+    src = _tiny(tmp_path, "llama")
+    mcore = str(tmp_path / "mcore")
+    assert _convert(["hf-to-mcore", src, mcore]) == 0
+    for name in os.listdir(mcore):
+        if name.endswith(".distcp"):
+            os.remove(os.path.join(mcore, name))
+    _expect_error(tmp_path, capsys, ["mcore-to-hf", mcore, str(tmp_path / "back")], "cannot load the Megatron checkpoint")
+
+
+def test_cli_not_an_mcore_checkpoint(tmp_path, capsys):
+    src = _tiny(tmp_path, "llama")
+    _expect_error(tmp_path, capsys, ["mcore-to-hf", src, str(tmp_path / "back")], "not an actorcore Megatron checkpoint")
+
+
+def test_cli_refused_architecture(tmp_path, capsys):
+    src = _tiny(tmp_path, "gemma2")
+    _expect_error(tmp_path, capsys, ["hf-to-mcore", src, str(tmp_path / "out")],
+                  "gemma2 is not supported on the Megatron-Core route", "softcapping")
+
+
+def test_cli_refuses_existing_output(tmp_path, capsys):
+    src = _tiny(tmp_path, "llama")
+    assert _convert(["hf-to-mcore", src, src]) == 2
+    assert "already exists" in capsys.readouterr().err
