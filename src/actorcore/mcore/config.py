@@ -361,7 +361,14 @@ def mcore_to_hf_config(transformer_config: Any, model_args: dict[str, Any], mode
     tc = transformer_config
     if not tc.multi_latent_attention:
         out["num_key_value_heads"] = tc.num_query_groups
-        out["head_dim"] = tc.kv_channels
+        derived = tc.kv_channels * tc.num_attention_heads == tc.hidden_size
+        if derived and getattr(defaults, "head_dim", None) is None:
+            pass  # the config class derives it as hidden_size / num_attention_heads
+        elif _has(defaults, "head_dim"):
+            out["head_dim"] = tc.kv_channels
+        else:
+            raise UnsupportedConfigError(f"{model_type} configs have no head_dim field; kv_channels="
+                                         f"{tc.kv_channels} != hidden_size / num_attention_heads")
     rope: dict[str, Any] = {"rope_theta": float(model_args.get("rotary_base", 10000.0)), "rope_type": "default"}
     if model_args.get("seq_len_interpolation_factor"):
         rope.update(rope_type="linear", factor=model_args["seq_len_interpolation_factor"])

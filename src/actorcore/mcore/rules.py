@@ -61,7 +61,8 @@ class WeightRule:
         return {k: int(v) for k, v in found.groupdict().items()} if found else None
 
     def match_hf(self, name: str) -> dict[str, int] | None:
-        for pattern in self.hf_names + ((self.tied_hf_name,) if self.tied_hf_name else ()):
+        """Indices if ``name`` is one of this rule's own HF tensors (the tied alias belongs to its own rule)."""
+        for pattern in self.hf_names:
             found = _pattern_regex(pattern).match(name)
             if found:
                 return {k: int(v) for k, v in found.groupdict().items()}

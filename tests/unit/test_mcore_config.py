@@ -1,0 +1,189 @@
+"""HF config -> TransformerConfig field table: tiny configs, and the typed-in real configs of Qwen2.5-7B,
+Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V3 (config.json values, no downloads), field by field."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from transformers import AutoConfig  # noqa: E402
+
+from actorcore.mcore.config import (  # noqa: E402
+    UnsupportedConfigError,
+    gpt_model_args,
+    hf_to_mcore_config,
+    mcore_fields,
+    mcore_to_hf_config,
+)
+from actorcore.mcore.parallel import McoreParallel  # noqa: E402
+
+QWEN2_5_7B = dict(
+    attention_dropout=0.0, bos_token_id=151643, eos_token_id=151643, hidden_act="silu", hidden_size=3584,
+    initializer_range=0.02, intermediate_size=18944, max_position_embeddings=131072, max_window_layers=28,
+    num_attention_heads=28, num_hidden_layers=28, num_key_value_heads=4, rms_norm_eps=1e-06, rope_theta=1000000.0,
+    sliding_window=131072, tie_word_embeddings=False, use_cache=True, use_sliding_window=False, vocab_size=152064,
+)
+QWEN3_8B = dict(
+    attention_bias=False, attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645, head_dim=128,
+    hidden_act="silu", hidden_size=4096, initializer_range=0.02, intermediate_size=12288,
+    max_position_embeddings=40960, max_window_layers=36, num_attention_heads=32, num_hidden_layers=36,
+    num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000, sliding_window=None,
+    tie_word_embeddings=False, use_cache=True, use_sliding_window=False, vocab_size=151936,
+)
+QWEN3_30B_A3B = dict(
+    attention_bias=False, attention_dropout=0.0, bos_token_id=151643, decoder_sparse_step=1, eos_token_id=151645,
+    head_dim=128, hidden_act="silu", hidden_size=2048, initializer_range=0.02, intermediate_size=6144,
+    max_position_embeddings=40960, max_window_layers=48, mlp_only_layers=[], moe_intermediate_size=768,
+    norm_topk_prob=True, num_attention_heads=32, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48,
+    num_key_value_heads=4, output_router_logits=False, rms_norm_eps=1e-06, rope_scaling=None,
+    rope_theta=1000000.0, router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False,
+    use_cache=True, use_sliding_window=False, vocab_size=151936,
+)
+DEEPSEEK_V3 = dict(
+    attention_bias=False, attention_dropout=0.0, aux_loss_alpha=0.001, bos_token_id=0, eos_token_id=1, ep_size=1,
+    first_k_dense_replace=3, hidden_act="silu", hidden_size=7168, initializer_range=0.02, intermediate_size=18432,
+    kv_lora_rank=512, max_position_embeddings=163840, moe_intermediate_size=2048, moe_layer_freq=1, n_group=8,
+    n_routed_experts=256, n_shared_experts=1, norm_topk_prob=True, num_attention_heads=128, num_experts_per_tok=8,
+    num_hidden_layers=61, num_key_value_heads=128, num_nextn_predict_layers=1, q_lora_rank=1536,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, rms_norm_eps=1e-06,
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                      original_max_position_embeddings=4096, type="yarn"),
+    rope_theta=10000, routed_scaling_factor=2.5, scoring_func="sigmoid", seq_aux=True, tie_word_embeddings=False,
+    topk_group=4, topk_method="noaux_tc", use_cache=True, v_head_dim=128, vocab_size=129280,
+)
+
+
+def _check(tc, expected: dict) -> None:
+    for name, value in expected.items():
+        assert getattr(tc, name) == value, f"{name}: {getattr(tc, name)!r} != {value!r}"
+
+
+def test_qwen2_5_7b():
+    hf = AutoConfig.for_model("qwen2", **QWEN2_5_7B)
+    tc = hf_to_mcore_config(hf, McoreParallel(tp=2), torch.bfloat16)
+    _check(tc, dict(num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4, kv_channels=128,
+                    ffn_hidden_size=18944, layernorm_epsilon=1e-6, add_qkv_bias=True, add_bias_linear=False,
+                    qk_layernorm=False, gated_linear_unit=True, normalization="RMSNorm", window_size=None,
+                    num_moe_experts=None, tensor_model_parallel_size=2, params_dtype=torch.bfloat16, bf16=True,
+                    hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02))
+    assert tc.activation_func is torch.nn.functional.silu
+    assert gpt_model_args(hf) == dict(vocab_size=152064, max_sequence_length=131072,
+                                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                                      rotary_base=1000000.0)
+
+
+def test_qwen3_8b():
+    hf = AutoConfig.for_model("qwen3", **QWEN3_8B)
+    tc = hf_to_mcore_config(hf)
+    _check(tc, dict(num_layers=36, hidden_size=4096, num_attention_heads=32, num_query_groups=8, kv_channels=128,
+                    ffn_hidden_size=12288, qk_layernorm=True, add_qkv_bias=False, window_size=None))
+    assert gpt_model_args(hf)["rotary_base"] == 1000000
+    assert gpt_model_args(hf)["vocab_size"] == 151936  # already a multiple of 128
+
+
+def test_qwen3_30b_a3b():
+    hf = AutoConfig.for_model("qwen3_moe", **QWEN3_30B_A3B)
+    tc = hf_to_mcore_config(hf, McoreParallel(ep=8))
+    _check(tc, dict(num_layers=48, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+                    moe_layer_freq=[1] * 48, moe_router_pre_softmax=False, moe_router_score_function="softmax",
+                    moe_shared_expert_intermediate_size=None, moe_aux_loss_coeff=0.0,
+                    moe_router_load_balancing_type="none", expert_model_parallel_size=8,
+                    expert_tensor_parallel_size=1, moe_token_dispatcher_type="alltoall", qk_layernorm=True,
+                    num_query_groups=4, kv_channels=128))
+    # Aux loss is opt-in (RL default off); then it takes the HF coefficient.
+    assert hf_to_mcore_config(hf, aux_loss=True).moe_aux_loss_coeff == 0.001
+
+
+def test_deepseek_v3_mla(caplog):
+    hf = AutoConfig.for_model("deepseek_v3", **DEEPSEEK_V3)
+    with caplog.at_level(logging.WARNING, logger="actorcore.mcore.config"):
+        tc = hf_to_mcore_config(hf)
+    _check(tc, dict(multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                    qk_pos_emb_head_dim=64, v_head_dim=128, num_layers=61, num_attention_heads=128,
+                    num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                    moe_shared_expert_intermediate_size=2048, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_router_num_groups=8, moe_router_group_topk=4,
+                    moe_router_topk_scaling_factor=2.5, moe_layer_freq=[0, 0, 0] + [1] * 58, mtp_num_layers=1,
+                    rope_type="yarn", rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
+                    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, rotary_base=10000))
+    # Fields the converter does not understand are named in one warning, not dropped silently.
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "ep_size" in warning and "seq_aux" in warning and "aux_loss_alpha" in warning
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"])
+def test_tiny_configs_two_way(model_type):
+    from actorcore.testing.tiny_configs import tiny_config
+
+    hf = tiny_config(model_type)
+    tc = hf_to_mcore_config(hf)
+    args = gpt_model_args(hf)
+    assert tc.num_layers == 2 and tc.hidden_size == 64 and tc.num_attention_heads == 4 and tc.num_query_groups == 2
+    assert args["vocab_size"] == 256  # 131 padded to a multiple of 128
+    back = mcore_to_hf_config(tc, args, model_type, vocab_size=hf.vocab_size)
+    rebuilt = AutoConfig.for_model(model_type, **back)
+    for name, value in back.items():
+        original = getattr(hf, name)
+        assert original == value or (name == "mlp_only_layers" and not original and not value), name
+    assert mcore_fields(rebuilt) == mcore_fields(hf)
+
+
+def test_mistral_sliding_window_maps_to_window_size():
+    from actorcore.testing.tiny_configs import tiny_config
+
+    assert hf_to_mcore_config(tiny_config("mistral")).window_size == (6, 0)  # sliding_window=7
+
+
+def test_router_normalisation():
+    from actorcore.testing.tiny_configs import tiny_config
+
+    assert hf_to_mcore_config(tiny_config("qwen2_moe")).moe_router_pre_softmax is True  # norm_topk_prob=False
+    assert hf_to_mcore_config(tiny_config("qwen2_moe")).moe_shared_expert_gate is True
+    assert hf_to_mcore_config(tiny_config("mixtral")).moe_router_pre_softmax is False  # always renormalises
+    assert hf_to_mcore_config(tiny_config("qwen3_moe")).moe_layer_freq == [1, 0]  # mlp_only_layers=[1]
+
+
+def test_rope_scaling_mapped_exactly_or_refused():
+    from actorcore.testing.tiny_configs import tiny_config
+
+    linear = tiny_config("llama", rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=5e5))
+    assert gpt_model_args(linear)["seq_len_interpolation_factor"] == 4.0
+    llama3 = tiny_config("llama", max_position_embeddings=16384,
+                         rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                              high_freq_factor=4.0, original_max_position_embeddings=8192,
+                                              rope_theta=5e5))
+    args = gpt_model_args(llama3)
+    assert args["rope_scaling"] is True and args["rope_scaling_factor"] == 8.0 and args["rotary_base"] == 5e5
+    odd = tiny_config("llama", max_position_embeddings=16384,
+                      rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192, rope_theta=5e5))
+    with pytest.raises(UnsupportedConfigError, match="low_freq_factor"):
+        gpt_model_args(odd)
+    for kind in ("dynamic", "yarn", "longrope"):
+        params = dict(rope_type=kind, factor=2.0, rope_theta=1e4, original_max_position_embeddings=128)
+        if kind == "longrope":
+            params.update(short_factor=[1.0] * 8, long_factor=[1.0] * 8)
+        with pytest.raises(UnsupportedConfigError, match=kind):
+            hf_to_mcore_config(tiny_config("llama", rope_parameters=params))
+
+
+def test_refusals_are_clear():
+    from actorcore.archs.spec import UnsupportedArchitectureError
+    from actorcore.testing.tiny_configs import tiny_config
+
+    with pytest.raises(UnsupportedConfigError, match="o_proj"):
+        hf_to_mcore_config(tiny_config("llama", attention_bias=True))
+    with pytest.raises(UnsupportedConfigError, match="hidden_act"):
+        hf_to_mcore_config(tiny_config("llama", hidden_act="gelu_new"))
+    with pytest.raises(UnsupportedConfigError, match="tensor parallelism"):
+        hf_to_mcore_config(tiny_config("qwen3_moe"), McoreParallel(tp=2))
+    from actorcore.mcore.model import mcore_spec_for
+
+    for model_type, reason in [("gemma2", "softcapping"), ("phi3", "fused"), ("olmo2", "post-norm"),
+                               ("apertus", "xIELU"), ("deepseek_v3", "MLA")]:
+        with pytest.raises(UnsupportedArchitectureError, match=reason):
+            mcore_spec_for(tiny_config(model_type))

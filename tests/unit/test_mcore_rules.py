@@ -1,0 +1,123 @@
+"""Mapping rules as data: completeness (every HF tensor matched by exactly one rule, every Megatron arch),
+pure transforms (QKV / gate-up merge and split, TP / EP slicing) exact, rule validation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from actorcore.archs import get_spec, registered_model_types
+from actorcore.mcore import transforms as T
+from actorcore.mcore.rules import McoreSpec, WeightRule
+
+
+def megatron_archs() -> list[str]:
+    return [m for m in registered_model_types() if get_spec(m).mcore is not None and not get_spec(m).mcore.refused]
+
+
+def test_megatron_archs_and_refusals_are_declared():
+    assert sorted(megatron_archs()) == ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+    for model_type in registered_model_types():
+        mcore = get_spec(model_type).mcore
+        if mcore is not None:  # None: not on the Megatron route (mcore_spec_for says so)
+            assert bool(mcore.rules) != bool(mcore.refused), model_type
+
+
+def _disk_names(model, tmp_path) -> list[str]:
+    from safetensors import safe_open
+
+    model.save_pretrained(str(tmp_path))
+    with safe_open(os.path.join(str(tmp_path), "model.safetensors"), "pt") as f:
+        return list(f.keys())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("task", ["causal_lm", "token_classification"])
+def test_every_hf_tensor_matched_by_exactly_one_rule(model_type, task, tmp_path):
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    spec = get_spec(model_type).mcore
+    names = _disk_names(build_tiny_model(model_type, task=task), tmp_path)
+    assert names
+    for name in names:
+        hits = spec.rules_for_hf(name)
+        assert len(hits) == 1, f"{model_type}: {name} matched by {len(hits)} rules"
+    # And every rule's HF side is used by some tensor of a model that has the feature (no dead rules for
+    # the features this tiny config exercises).
+    used = {id(rule) for name in names for rule, _ in spec.rules_for_hf(name)}
+    mcore_names = {rule.mcore_name for rule in spec.rules if id(rule) in used}
+    assert any("linear_qkv.weight" in n for n in mcore_names)
+
+
+def test_rule_patterns_resolve_indices():
+    spec = get_spec("mixtral").mcore
+    rule, idx = spec.rule_for_mcore("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight")
+    assert idx == {"layer": 1, "expert": 3} and rule.parallel == "expert" and rule.transform == "gate_up"
+    assert rule.hf_names_for(idx) == ("model.layers.1.block_sparse_moe.experts.3.w1.weight",
+                                      "model.layers.1.block_sparse_moe.experts.3.w3.weight")
+    with pytest.raises(KeyError, match="matches 0 mapping rules"):
+        spec.rule_for_mcore("decoder.layers.0.self_attention.unknown.weight")
+    tied, _ = spec.rule_for_mcore("output_layer.weight")
+    assert tied.hf_names_for({}, tied=True) == ("model.embed_tokens.weight",)
+
+
+def test_rules_validate_themselves():
+    with pytest.raises(ValueError, match="parallel"):
+        WeightRule("a.weight", ("b.weight",), parallel="diagonal")
+    with pytest.raises(ValueError, match="takes 3 HF names"):
+        WeightRule("a.weight", ("q", "k"), transform="qkv")
+    with pytest.raises(ValueError, match="per-expert"):
+        WeightRule("decoder.layers.{layer}.mlp.experts.local_experts.{expert}.w", ("x.{expert}",))
+    duplicate = McoreSpec(rules=(WeightRule("a.weight", ("b.weight",)), WeightRule("a.weight", ("c.weight",))))
+    with pytest.raises(KeyError, match="matches 2"):
+        duplicate.rule_for_mcore("a.weight")
+
+
+def test_merge_split_qkv_is_grouped_and_exact():
+    heads, groups, dim, hidden = 4, 2, 3, 5
+    q = torch.arange(heads * dim * hidden, dtype=torch.float32).reshape(heads * dim, hidden)
+    k = -torch.arange(groups * dim * hidden, dtype=torch.float32).reshape(groups * dim, hidden) - 1
+    v = k - 1000
+    fused = T.merge_qkv(q, k, v, groups)
+    # Group 0 holds q heads 0-1, then k head 0, then v head 0.
+    assert torch.equal(fused[: 2 * dim], q[: 2 * dim])
+    assert torch.equal(fused[2 * dim: 3 * dim], k[:dim])
+    assert torch.equal(fused[3 * dim: 4 * dim], v[:dim])
+    for a, b in zip(T.split_qkv(fused, heads, groups), (q, k, v)):
+        assert torch.equal(a, b)
+    # Sharding the parts then merging == slicing the fused tensor (the layout is per query group).
+    for rank in range(2):
+        parts = [T.shard_for_tp(x, "column", rank, 2) for x in (q, k, v)]
+        assert torch.equal(T.merge_qkv(*parts, groups // 2), T.shard_for_tp(fused, "column", rank, 2))
+    bias = T.merge_qkv(q[:, 0], k[:, 0], v[:, 0], groups)
+    assert torch.equal(bias, fused[:, 0])
+
+
+def test_gate_up_shards_each_part():
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    shards = [T.merge_gate_up(T.shard_for_tp(gate, "column", r, 2), T.shard_for_tp(up, "column", r, 2))
+              for r in range(2)]
+    assert torch.equal(shards[0], torch.cat([gate[:3], up[:3]]))
+    back = [T.split_gate_up(s) for s in shards]
+    assert torch.equal(torch.cat([b[0] for b in back]), gate) and torch.equal(torch.cat([b[1] for b in back]), up)
+
+
+def test_tp_slicing_styles_round_trip():
+    x = torch.randn(10, 6)
+    for style in ("column", "row", "replicated"):
+        shards = [T.shard_for_tp(x, style, r, 2) for r in range(2)]
+        assert torch.equal(T.unshard_for_tp(shards, style), x)
+    assert T.shard_for_tp(x, "row", 1, 2).shape == (10, 3)
+    vocab = [T.shard_for_tp(x, "vocab", r, 2, padded_rows=16) for r in range(2)]
+    assert vocab[1].shape == (8, 6) and torch.equal(vocab[1][2:], torch.zeros(6, 6))
+    assert torch.equal(T.unshard_for_tp(vocab, "vocab", vocab_size=10), x)
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        T.shard_for_tp(torch.randn(5, 2), "column", 0, 2)
+
+
+def test_expert_ranges():
+    assert list(T.local_experts(8, 1, 4)) == [2, 3]
+    with pytest.raises(ValueError, match="experts"):
+        T.local_experts(6, 0, 4)
