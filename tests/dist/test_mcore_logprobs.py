@@ -27,7 +27,8 @@ def _batches(pad_to: int | None = None):
     return batches
 
 
-def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
+def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, ep: int, directory: str,
+            overrides: dict) -> dict:
     from actorcore.hf.logprobs import compute_logprobs as hf_compute_logprobs
     from actorcore.mcore.checkpoint import load_hf_into_mcore
     from actorcore.mcore.forward import compute_logprobs
@@ -37,7 +38,7 @@ def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, ep: i
     from actorcore.testing.tiny_configs import build_tiny_model
 
     mcore_shims.apply()
-    hf = build_tiny_model(model_type, seed=5)
+    hf = _tiny_hf(model_type, **overrides)
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     groups = initialize_megatron(parallel)
     chunks = build_gpt_model(hf.config, parallel)
@@ -69,12 +70,20 @@ def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, ep: i
             "ref": [(o.log_probs, o.entropy) for o in ref], "grads": grads}
 
 
-def _run(model_type: str, tp: int, pp: int, ep: int) -> None:
+def _tiny_hf(model_type: str, **overrides):
+    from test_mcore_roundtrip import randomize_constant_tensors
+
     from actorcore.testing.tiny_configs import build_tiny_model
 
+    model = build_tiny_model(model_type, seed=5, **overrides)
+    randomize_constant_tensors(model, seed=1)
+    return model
+
+
+def _run(model_type: str, tp: int, pp: int, ep: int, **overrides) -> None:
     with tempfile.TemporaryDirectory() as directory:
-        build_tiny_model(model_type, seed=5).save_pretrained(directory)
-        results = run_distributed(_worker, tp * pp * ep, args=(model_type, tp, pp, ep, directory))
+        _tiny_hf(model_type, **overrides).save_pretrained(directory)
+        results = run_distributed(_worker, tp * pp * ep, args=(model_type, tp, pp, ep, directory, overrides))
     tol = TOL["mcore_vs_hf_fp32"]
     seen_grads = set()
     for rank, result in enumerate(results):
@@ -104,6 +113,20 @@ def test_logprobs_dense_pp2():
 @pytest.mark.slow
 def test_logprobs_moe_ep2():
     _run("qwen3_moe", tp=1, pp=1, ep=2)
+
+
+@pytest.mark.slow
+def test_logprobs_mla_moe_ep2():
+    """DeepSeek-V3: MLA, sigmoid grouped routing with a (random) score-correction bias, shared experts."""
+    _run("deepseek_v3", tp=1, pp=1, ep=2)
+
+
+@pytest.mark.slow
+def test_logprobs_mla_yarn_rope():
+    """DeepSeek's yarn RoPE (with mscale on the softmax scale) maps exactly."""
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0,
+                mscale=0.9, mscale_all_dim=0.8, rope_theta=10000.0)
+    _run("deepseek_v3", tp=1, pp=1, ep=1, max_position_embeddings=512, rope_parameters=yarn)
 
 
 def _vp_worker(rank: int, world_size: int, directory: str) -> dict:

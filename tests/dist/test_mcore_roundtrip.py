@@ -13,7 +13,7 @@ from actorcore.testing.distributed import run_distributed
 pytest.importorskip("megatron.core")
 
 DENSE = ["llama", "mistral", "qwen2", "qwen3"]
-MOE = ["qwen2_moe", "qwen3_moe", "mixtral"]
+MOE = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"]
 
 
 def megatron_archs() -> list[str]:
@@ -22,10 +22,23 @@ def megatron_archs() -> list[str]:
     return [m for m in registered_model_types() if get_spec(m).mcore is not None and not get_spec(m).mcore.refused]
 
 
+def randomize_constant_tensors(model, seed: int = 0) -> None:
+    """Norm weights (ones), biases and DeepSeek's expert bias (zeros) get distinct random values, so a
+    mapping that swapped two of them could not pass."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point() and tensor.numel() > 1 and bool((tensor == tensor.flatten()[0]).all()):
+                noise = torch.randn(tensor.shape, generator=gen) * 0.1
+                tensor.copy_((tensor.float() + noise).to(tensor.dtype))
+
+
 def _save_tiny(model_type: str, directory: str, **overrides) -> None:
     from actorcore.testing.tiny_configs import build_tiny_model
 
-    build_tiny_model(model_type, seed=3, **overrides).save_pretrained(directory)
+    model = build_tiny_model(model_type, seed=3, **overrides)
+    randomize_constant_tensors(model)
+    model.save_pretrained(directory)
 
 
 def _roundtrip_worker(rank: int, world_size: int, cases: list[tuple], root: str) -> dict:

@@ -115,14 +115,16 @@ def test_deepseek_v3_mla(caplog):
     assert "ep_size" in warning and "seq_aux" in warning and "aux_loss_alpha" in warning
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral",
+                                        "deepseek_v3"])
 def test_tiny_configs_two_way(model_type):
     from actorcore.testing.tiny_configs import tiny_config
 
     hf = tiny_config(model_type)
     tc = hf_to_mcore_config(hf)
     args = gpt_model_args(hf)
-    assert tc.num_layers == 2 and tc.hidden_size == 64 and tc.num_attention_heads == 4 and tc.num_query_groups == 2
+    assert tc.num_layers == 2 and tc.hidden_size == 64 and tc.num_attention_heads == 4
+    assert tc.num_query_groups == hf.num_key_value_heads
     assert args["vocab_size"] == 256  # 131 padded to a multiple of 128
     back = mcore_to_hf_config(tc, args, model_type, vocab_size=hf.vocab_size)
     rebuilt = AutoConfig.for_model(model_type, **back)
@@ -177,6 +179,10 @@ def test_refusals_are_clear():
 
     with pytest.raises(UnsupportedConfigError, match="o_proj"):
         hf_to_mcore_config(tiny_config("llama", attention_bias=True))
+    with pytest.raises(UnsupportedConfigError, match="rope_interleave"):
+        hf_to_mcore_config(tiny_config("deepseek_v3", rope_interleave=False))
+    with pytest.raises(UnsupportedConfigError, match="ranks groups"):
+        hf_to_mcore_config(tiny_config("deepseek_v3", n_group=2, topk_group=2))
     with pytest.raises(UnsupportedConfigError, match="hidden_act"):
         hf_to_mcore_config(tiny_config("llama", hidden_act="gelu_new"))
     with pytest.raises(UnsupportedConfigError, match="tensor parallelism"):
@@ -184,6 +190,6 @@ def test_refusals_are_clear():
     from actorcore.mcore.model import mcore_spec_for
 
     for model_type, reason in [("gemma2", "softcapping"), ("phi3", "fused"), ("olmo2", "post-norm"),
-                               ("apertus", "xIELU"), ("deepseek_v3", "MLA")]:
+                               ("apertus", "xIELU")]:
         with pytest.raises(UnsupportedArchitectureError, match=reason):
             mcore_spec_for(tiny_config(model_type))

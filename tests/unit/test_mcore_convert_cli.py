@@ -45,6 +45,7 @@ def _assert_same_checkpoint(a: str, b: str) -> None:
     ("qwen2", ["--tp", "2"]),
     ("qwen3_moe", ["--ep", "2"]),
     ("mixtral", ["--pp", "2"]),
+    ("deepseek_v3", ["--ep", "2"]),
 ])
 def test_cli_roundtrip_is_bit_exact(tmp_path, model_type, layout, capsys):
     src = _tiny(tmp_path, model_type)

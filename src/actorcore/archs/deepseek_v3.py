@@ -1,17 +1,26 @@
 from actorcore.archs.spec import ArchSpec
-from actorcore.mcore.rules import McoreSpec
+from actorcore.mcore.rules import (
+    DENSE_MLP_RULES,
+    EMBEDDING_RULES,
+    EXPERT_BIAS_RULES,
+    MLA_ATTENTION_RULES,
+    SHARED_EXPERTS_RULES,
+    McoreSpec,
+    moe_rules,
+)
 
 # Multi-head latent attention (low-rank q and kv projections, decoupled RoPE), sigmoid-scored grouped
-# routing with a bias correction, one shared expert, the first layers dense. The config maps to
-# Megatron-Core's MLATransformerConfig (see mcore/config.py); the weight conversion is refused for now.
+# routing with a score-correction bias, shared experts, the first layers dense. The multi-token-prediction
+# layers are not part of the HF model; the Megatron model is built without them.
 SPEC = ArchSpec(
     model_type="deepseek_v3",
     mlp_kind="moe",
-    mcore=McoreSpec(refused=(
-        "weight conversion for DeepSeek-V3 is not implemented: its MLA projections (q_a/q_b, kv_a_proj_with_mqa "
-        "with the decoupled rope slice, kv_b), the per-layer expert bias and the MTP layers need rules and an "
-        "interleaved-RoPE permutation that actorcore does not have yet, and megatron-core 0.16.1's MLA with "
-        "yarn RoPE cannot be checked against Hugging Face on these CPU machines (its local MLA core attention "
-        "needs TransformerEngine for packed sequences); the config conversion (hf_to_mcore_config) works"
-    )),
+    mcore=McoreSpec(
+        rules=EMBEDDING_RULES + MLA_ATTENTION_RULES + DENSE_MLP_RULES + moe_rules() + EXPERT_BIAS_RULES
+        + SHARED_EXPERTS_RULES,
+        # HF's DeepseekV3 always scores with a sigmoid and chooses experts with the bias (noaux_tc), and
+        # always has the q/kv low-rank norms.
+        config_overrides=dict(qk_layernorm=True, moe_router_score_function="sigmoid",
+                              moe_router_enable_expert_bias=True),
+    ),
 )

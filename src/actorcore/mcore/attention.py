@@ -27,11 +27,13 @@ class PackedCoreAttention(MegatronModule):
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None,
                  cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("PackedCoreAttention does not support context parallelism")
-        head_dim = config.kv_channels
+        # MLA passes its q/k head dim (k_channels) and v head dim (v_channels); they may differ.
+        head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         window = config.window_size

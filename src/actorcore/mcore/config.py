@@ -176,6 +176,11 @@ def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool) -> dict[str, 
             raise UnsupportedConfigError("sigmoid router scoring without norm_topk_prob is not supported")
     else:
         raise UnsupportedConfigError(f"router scoring_func={scoring!r} is not supported (softmax, sigmoid)")
+    groups, group_topk = _get(hf, "n_group", None), _get(hf, "topk_group", None)
+    if groups and groups > 1 and _get(hf, "num_experts_per_tok") // group_topk != 2:
+        # HF ranks expert groups by their top-2 scores; Megatron by their top (top_k / group_topk).
+        raise UnsupportedConfigError(f"grouped routing with num_experts_per_tok / topk_group != 2 ranks groups "
+                                     "differently in Megatron-Core than in HF")
     if _get(hf, "router_jitter_noise", 0.0):
         raise UnsupportedConfigError(f"router_jitter_noise={_get(hf, 'router_jitter_noise')} (random routing "
                                      "noise) has no Megatron-Core counterpart")
@@ -279,6 +284,9 @@ def mcore_fields(hf_config: Any, *, aux_loss: bool = False) -> tuple[dict[str, A
             cfg.pop(name, None)
     else:
         cfg["multi_latent_attention"] = True
+        if not _get(hf_config, "rope_interleave", True):
+            raise UnsupportedConfigError("MLA with rope_interleave=False: Megatron-Core's MLA always "
+                                         "de-interleaves the RoPE dims (as HF does with rope_interleave=True)")
     cfg.update(normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0)
     cfg.update(_activation(hf_config))
     extras = _convert_attention_extras(hf_config, spec.mcore.config_overrides)
@@ -359,8 +367,8 @@ def mcore_to_hf_config(transformer_config: Any, model_args: dict[str, Any], mode
                 out[name] = field.to_hf(source[field.mcore])
     out["vocab_size"] = vocab_size
     tc = transformer_config
+    out["num_key_value_heads"] = tc.num_query_groups
     if not tc.multi_latent_attention:
-        out["num_key_value_heads"] = tc.num_query_groups
         derived = tc.kv_channels * tc.num_attention_heads == tc.hidden_size
         if derived and getattr(defaults, "head_dim", None) is None:
             pass  # the config class derives it as hidden_size / num_attention_heads
@@ -387,4 +395,6 @@ def mcore_to_hf_config(transformer_config: Any, model_args: dict[str, Any], mode
             out["norm_topk_prob"] = not tc.moe_router_pre_softmax
         if tc.moe_shared_expert_intermediate_size and _has(defaults, "shared_expert_intermediate_size"):
             out["shared_expert_intermediate_size"] = tc.moe_shared_expert_intermediate_size
+        if tc.moe_shared_expert_intermediate_size and _has(defaults, "n_shared_experts"):
+            out["n_shared_experts"] = tc.moe_shared_expert_intermediate_size // tc.moe_ffn_hidden_size
     return out

@@ -84,6 +84,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     mcore_spec_for(hf_config)
     parallel = parallel or McoreParallel()
     dtype = dtype or checkpoint_dtype(hf_config)
+    # Multi-token-prediction layers are a pre-training loss; HF models have none, RL needs none.
+    config_overrides.setdefault("mtp_num_layers", None)
     config = hf_to_mcore_config(hf_config, parallel, dtype, **config_overrides)
     model_args = gpt_model_args(hf_config, vocab_multiple)
     if model_args["vocab_size"] % parallel.tp:

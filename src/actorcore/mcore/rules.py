@@ -162,3 +162,28 @@ SHARED_EXPERT_RULES = (
     *gated_mlp_rules(_L + "mlp.shared_expert.", _M + "mlp.shared_experts."),
     WeightRule(_M + "mlp.shared_experts.gate_weight", (_L + "mlp.shared_expert_gate.weight",)),
 )
+
+
+# Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv projections with their norms. The kv
+# down projection carries the decoupled RoPE key slice at its end in both layouts; Megatron's MLA
+# de-interleaves the RoPE dims exactly like HF's ``rope_interleave=True``. The down projections are
+# duplicated on every TP rank in Megatron; the up projections are column-parallel.
+MLA_ATTENTION_RULES = (
+    WeightRule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
+    WeightRule(_M + "self_attention.linear_q_down_proj.weight", (_L + "self_attn.q_a_proj.weight",)),
+    WeightRule(_M + "self_attention.q_layernorm.weight", (_L + "self_attn.q_a_layernorm.weight",)),
+    WeightRule(_M + "self_attention.linear_q_up_proj.weight", (_L + "self_attn.q_b_proj.weight",), parallel="column"),
+    WeightRule(_M + "self_attention.linear_kv_down_proj.weight", (_L + "self_attn.kv_a_proj_with_mqa.weight",)),
+    WeightRule(_M + "self_attention.kv_layernorm.weight", (_L + "self_attn.kv_a_layernorm.weight",)),
+    WeightRule(_M + "self_attention.linear_kv_up_proj.weight", (_L + "self_attn.kv_b_proj.weight",),
+               parallel="column"),
+    WeightRule(_M + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), parallel="row"),
+    WeightRule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
+)
+
+# Sigmoid router with a per-expert score-correction bias (used for choosing experts, not for weighting).
+EXPERT_BIAS_RULES = (
+    WeightRule(_M + "mlp.router.expert_bias", (_L + "mlp.gate.e_score_correction_bias",)),
+)
+
+SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.shared_experts.")

@@ -72,6 +72,7 @@ def apply() -> None:
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    import megatron.core.transformer.multi_latent_attention as multi_latent_attention
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
@@ -90,6 +91,10 @@ def apply() -> None:
     _set(moe_utils, "te_general_gemm", None)
     _set(token_dispatcher, "maybe_move_tensor_to_cpu", move_to_cpu)
     _set(schedules, "torch", _cpu_device_torch(torch))
+    if not isinstance(multi_latent_attention.TELinear, type):
+        # Without TE, 0.16.1's TE extension module still imports (with placeholder classes), so MLA sets
+        # HAVE_TE and calls isinstance(..., <placeholder>).
+        _set(multi_latent_attention, "HAVE_TE", False)
     if not filesystem_async.HAVE_PSUTIL:
         # The checkpoint writer's worker only logs its memory use with psutil (an undeclared dependency of
         # megatron-core 0.16.1); without it the forked worker dies and the save waits forever.
