@@ -40,15 +40,16 @@ def _assert_same_checkpoint(a: str, b: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type,layout", [
-    ("qwen3", []),
-    ("qwen2", ["--tp", "2"]),
-    ("qwen3_moe", ["--ep", "2"]),
-    ("mixtral", ["--pp", "2"]),
-    ("deepseek_v3", ["--ep", "2"]),
+@pytest.mark.parametrize("model_type,layout,overrides", [
+    ("qwen3", [], {}),
+    ("qwen2", ["--tp", "2"], {}),
+    ("qwen2", ["--pp", "2"], {"tie_word_embeddings": True, "dtype": torch.bfloat16}),
+    ("qwen3_moe", ["--ep", "2"], {}),
+    ("mixtral", ["--pp", "2"], {}),
+    ("deepseek_v3", ["--ep", "2"], {}),
 ])
-def test_cli_roundtrip_is_bit_exact(tmp_path, model_type, layout, capsys):
-    src = _tiny(tmp_path, model_type)
+def test_cli_roundtrip_is_bit_exact(tmp_path, model_type, layout, overrides, capsys):
+    src = _tiny(tmp_path, model_type, **overrides)
     mcore, back = str(tmp_path / "mcore"), str(tmp_path / "back")
     assert _convert(["hf-to-mcore", src, mcore, *layout]) == 0
     assert os.path.exists(os.path.join(mcore, "metadata.json"))
