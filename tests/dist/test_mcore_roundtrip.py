@@ -108,3 +108,69 @@ def test_roundtrip_pp2_every_arch():
 @pytest.mark.slow
 def test_roundtrip_ep2_moe():
     _check([(m, 1, 1, 2, {}) for m in MOE], world_size=2)
+
+
+def _save_grouped(model_type: str, directory: str) -> None:
+    """A checkpoint in transformers 5's in-memory layout: experts stacked in ``experts.gate_up_proj`` [E, 2I, D]
+    and ``experts.down_proj`` [E, D, I] (what ``save_pretrained`` would convert back to per-expert tensors)."""
+    from safetensors.torch import save_file
+
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    model = build_tiny_model(model_type, seed=4)
+    randomize_constant_tensors(model)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    os.makedirs(directory)
+    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(directory)
+
+
+def _grouped_worker(rank: int, world_size: int, root: str, model_types: list[str]) -> dict:
+    from actorcore.hf.logprobs import compute_logprobs as hf_compute_logprobs
+    from actorcore.mcore.checkpoint import gather_hf_state_dict, load_hf_into_mcore
+    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.testing import mcore_shims
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import actorcore as ac
+
+    mcore_shims.apply()
+    out = {}
+    batch = ac.pack([torch.arange(3, 3 + n) % 131 for n in (7, 12, 4)])
+    for model_type in model_types:
+        directory = os.path.join(root, model_type)
+        parallel = McoreParallel(ep=2)
+        groups = initialize_megatron(parallel)
+        chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
+        load_hf_into_mcore(chunks, directory, groups)
+        hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+        with torch.no_grad():
+            ref = hf_compute_logprobs(hf, batch).log_probs
+        out[model_type] = (gather_hf_state_dict(chunks, groups), compute_logprobs(chunks, batch, groups).log_probs, ref)
+    return out
+
+
+@pytest.mark.slow
+def test_grouped_expert_checkpoints_ep2():
+    """Grouped-expert checkpoints load at EP=2 (each rank reads its rows), give HF's log-probs and export
+    back bit-exact in the same grouped layout."""
+    from safetensors.torch import load_file
+
+    from actorcore.testing.tolerances import TOL
+
+    model_types = ["qwen2_moe", "mixtral", "deepseek_v3"]
+    with tempfile.TemporaryDirectory() as root:
+        for model_type in model_types:
+            _save_grouped(model_type, os.path.join(root, model_type))
+        results = run_distributed(_grouped_worker, 2, args=(root, model_types))
+        for model_type in model_types:
+            reference = load_file(os.path.join(root, model_type, "model.safetensors"))
+            for result in results:
+                state, got, ref = result[model_type]
+                assert sorted(state) == sorted(reference), set(state) ^ set(reference)
+                for name, tensor in reference.items():
+                    assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+                torch.testing.assert_close(got, ref, atol=TOL["mcore_vs_hf_fp32"], rtol=0)

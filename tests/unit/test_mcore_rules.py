@@ -123,3 +123,27 @@ def test_expert_ranges():
     assert list(T.local_experts(8, 1, 4)) == [2, 3]
     with pytest.raises(ValueError, match="experts"):
         T.local_experts(6, 0, 4)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"])
+def test_grouped_expert_layout_matched_by_exactly_one_rule(model_type):
+    """transformers 5's in-memory names (experts stacked in gate_up_proj / down_proj) under the grouped rules."""
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    spec = get_spec(model_type).mcore
+    names = list(build_tiny_model(model_type).state_dict())
+    assert any(n.endswith("experts.gate_up_proj") for n in names)
+    grouped = spec.for_checkpoint(names)
+    assert grouped.uses_grouped_experts and not spec.uses_grouped_experts
+    for name in names:
+        assert len(grouped.rules_for_hf(name)) == 1, f"{model_type}: {name}"
+    rule, idx = grouped.rule_for_mcore("decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight")
+    assert rule.grouped and rule.hf_names_for(idx) == ("model.layers.0.mlp.experts.down_proj",)
+
+
+def test_grouped_rules_validate():
+    with pytest.raises(ValueError, match="grouped"):
+        WeightRule("decoder.layers.{layer}.mlp.experts.local_experts.{expert}.w", ("x.{expert}",), parallel="expert",
+                   grouped=True)
+    with pytest.raises(ValueError, match="no grouped expert rules"):
+        get_spec("llama").mcore.with_grouped_experts()

@@ -6,6 +6,7 @@ from actorcore.mcore.rules import (
     MLA_ATTENTION_RULES,
     SHARED_EXPERTS_RULES,
     McoreSpec,
+    grouped_expert_rules,
     moe_rules,
 )
 
@@ -18,6 +19,7 @@ SPEC = ArchSpec(
     mcore=McoreSpec(
         rules=EMBEDDING_RULES + MLA_ATTENTION_RULES + DENSE_MLP_RULES + moe_rules() + EXPERT_BIAS_RULES
         + SHARED_EXPERTS_RULES,
+        grouped_expert_rules=grouped_expert_rules(),
         # HF's DeepseekV3 always scores with a sigmoid and chooses experts with the bias (noaux_tc), and
         # always has the q/kv low-rank norms.
         config_overrides=dict(qk_layernorm=True, moe_router_score_function="sigmoid",

@@ -156,7 +156,9 @@ def _is_tied(rule: WeightRule, hf_config: Any) -> bool:
 
 
 def _read_part(reader: SafetensorsReader, name: str, rule: WeightRule, groups: McoreGroups,
-               local_rows: int) -> torch.Tensor:
+               local_rows: int, indices: dict[str, int]) -> torch.Tensor:
+    if rule.grouped:
+        return reader.read(name, 0, indices["expert"], indices["expert"] + 1)[0]
     dim = tp_dim(rule.parallel)
     if dim is None:
         return reader.read(name)
@@ -179,8 +181,10 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, groups: McoreGroups, *, p
     with the checkpoint so extra tensors are reported, and all ranks raise the same error.
     """
     hf_config = chunks[0].actorcore_hf_config
-    spec = mcore_spec_for(hf_config)
     reader = SafetensorsReader(hf_dir)
+    spec = mcore_spec_for(hf_config).for_checkpoint(reader.names())
+    for chunk in chunks:  # export writes the experts back in the layout they came in
+        chunk.actorcore_grouped_experts = spec.uses_grouped_experts
     problems: list[str] = []
     consumed: set[str] = set()
     items = [(chunk, name, tensor) for chunk in chunks for name, tensor in _tensors(chunk)]
@@ -197,6 +201,8 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, groups: McoreGroups, *, p
             continue
         hf_names = rule.hf_names_for(indices, tied=_is_tied(rule, hf_config))
         shapes = _hf_part_shapes(rule, param.shape, chunk.config, groups.tp_size, hf_config.vocab_size)
+        if rule.grouped:
+            shapes = [(chunk.config.num_moe_experts, *shape) for shape in shapes]
         parts = []
         for hf_name, expected in zip(hf_names, shapes):
             if hf_name not in reader:
@@ -207,7 +213,7 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, groups: McoreGroups, *, p
             if found != expected:
                 problems.append(f"tensor {hf_name} has shape {list(found)}, expected {list(expected)}")
                 continue
-            parts.append(_read_part(reader, hf_name, rule, groups, param.shape[0]))
+            parts.append(_read_part(reader, hf_name, rule, groups, param.shape[0], indices))
         if len(parts) != len(hf_names):
             continue
         local = merge_parts(rule.transform, parts, **_head_counts(chunk.config, groups.tp_size))
@@ -232,6 +238,9 @@ def export_mcore_to_hf(chunks: list[Any], groups: McoreGroups) -> Iterator[tuple
     gets them; all ranks of a TP / EP group must iterate together)."""
     hf_config = chunks[0].actorcore_hf_config
     spec = mcore_spec_for(hf_config)
+    if getattr(chunks[0], "actorcore_grouped_experts", False):
+        spec = spec.with_grouped_experts()
+    stacks: dict[str, dict[int, torch.Tensor]] = {}  # grouped experts being assembled, by HF name
     for chunk in chunks:
         counts = _head_counts(chunk.config, groups.tp_size)
         for local_name, tensor in _tensors(chunk):
@@ -244,6 +253,14 @@ def export_mcore_to_hf(chunks: list[Any], groups: McoreGroups) -> Iterator[tuple
                 per_rank = len(local_experts(chunk.config.num_moe_experts, groups.ep_rank, groups.ep_size))
                 local_index = indices["expert"] - groups.ep_rank * per_rank
                 gathered = [collectives.all_gather_tensor(p, groups.ep_group) for p in parts]
+                if rule.grouped:
+                    for hf_name, ranks in zip(rule.hf_names_for(indices), gathered):
+                        stack = stacks.setdefault(hf_name, {})
+                        stack.update({rank * per_rank + local_index: t for rank, t in enumerate(ranks)})
+                        if len(stack) == chunk.config.num_moe_experts:
+                            yield hf_name, torch.stack([stack[e] for e in range(len(stack))])
+                            del stacks[hf_name]
+                    continue
                 for rank in range(groups.ep_size):
                     names = rule.hf_names_for({**indices, "expert": rank * per_rank + local_index})
                     for hf_name, ranks in zip(names, gathered):

@@ -44,6 +44,9 @@ class WeightRule:
     # Tied embeddings: when the config ties input and output embeddings, read/write this HF name instead
     # (HF checkpoints do not store the tied lm_head).
     tied_hf_name: str | None = None
+    # Grouped experts: the HF tensor stacks every expert on dim 0 (``[E, ...]``, transformers 5's in-memory
+    # layout); Megatron's per-expert parameter ``{expert}`` is row ``expert`` of it.
+    grouped: bool = False
 
     def __post_init__(self) -> None:
         if self.parallel not in PARALLEL_STYLES:
@@ -55,6 +58,9 @@ class WeightRule:
             raise ValueError(f"{self.mcore_name}: transform {self.transform} takes {expected} HF names")
         if ("{expert}" in self.mcore_name) != (self.parallel == "expert"):
             raise ValueError(f"{self.mcore_name}: exactly the per-expert rules use parallel='expert'")
+        if self.grouped and (self.parallel != "expert" or any("{expert}" in n for n in self.hf_names)):
+            raise ValueError(f"{self.mcore_name}: a grouped rule maps per-expert parameters to HF tensors "
+                             "without an {expert} index")
 
     def match_mcore(self, name: str) -> dict[str, int] | None:
         found = _pattern_regex(self.mcore_name).match(name)
@@ -85,6 +91,26 @@ class McoreSpec:
     rules: tuple[WeightRule, ...] = ()
     config_overrides: dict[str, Any] = field(default_factory=dict)
     refused: str | None = None
+    # Alternative expert rules for checkpoints that store the experts grouped (``grouped=True`` rules);
+    # ``for_checkpoint`` picks them when the checkpoint has such tensors.
+    grouped_expert_rules: tuple[WeightRule, ...] = ()
+
+    def for_checkpoint(self, hf_names: set[str] | list[str]) -> "McoreSpec":
+        """This spec with the expert rules that fit the checkpoint's layout (per-expert or grouped)."""
+        grouped = [r for r in self.grouped_expert_rules if any(r.match_hf(n) is not None for n in hf_names)]
+        return self.with_grouped_experts() if grouped else self
+
+    def with_grouped_experts(self) -> "McoreSpec":
+        if not self.grouped_expert_rules:
+            raise ValueError("this architecture declares no grouped expert rules")
+        per_expert = {r.mcore_name for r in self.grouped_expert_rules}
+        kept = tuple(r for r in self.rules if r.mcore_name not in per_expert)
+        return McoreSpec(rules=kept + self.grouped_expert_rules, config_overrides=self.config_overrides,
+                         refused=self.refused)
+
+    @property
+    def uses_grouped_experts(self) -> bool:
+        return any(r.grouped for r in self.rules)
 
     def rule_for_mcore(self, name: str) -> tuple[WeightRule, dict[str, int]]:
         hits = [(r, idx) for r in self.rules if (idx := r.match_mcore(name)) is not None]
@@ -146,6 +172,20 @@ def gated_mlp_rules(hf_prefix: str, mcore_prefix: str, *, parallel: str = "colum
 DENSE_MLP_RULES = gated_mlp_rules(_L + "mlp.", _M + "mlp.")
 
 DENSE_RULES = EMBEDDING_RULES + ATTENTION_RULES + DENSE_MLP_RULES
+
+
+def grouped_expert_rules(hf_moe: str = "mlp.", router: str | None = None) -> tuple[WeightRule, ...]:
+    """``experts.gate_up_proj`` [E, 2I, D] (rows: gate then up, i.e. Megatron's fc1) and ``experts.down_proj``
+    [E, D, I]: the layout transformers 5 holds in memory and some checkpoints store. ``router``: the router's
+    HF module path in that layout when it differs from the per-expert checkpoints' (Mixtral)."""
+    experts = _M + "mlp.experts.local_experts.{expert}."
+    routers = (WeightRule(_M + "mlp.router.weight", (_L + router + ".weight",)),) if router else ()
+    return routers + (
+        WeightRule(experts + "linear_fc1.weight", (_L + hf_moe + "experts.gate_up_proj",), parallel="expert",
+                   grouped=True),
+        WeightRule(experts + "linear_fc2.weight", (_L + hf_moe + "experts.down_proj",), parallel="expert",
+                   grouped=True),
+    )
 
 
 def moe_rules(hf_moe: str = "mlp.", *, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
