@@ -115,8 +115,6 @@ def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], groups: Mcor
     if groups.pp_size > 1 and any(b.num_tokens != max_tokens for b in batches):
         raise ValueError("with pipeline parallelism every micro-batch must have the same token count: pad the "
                          "packed batches to a common length (pad_to_multiple) first")
-    for chunk in chunks:
-        chunk.config.variable_seq_lengths = False
     return get_forward_backward_func()(
         forward_step_func=step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches), seq_length=max_tokens,
