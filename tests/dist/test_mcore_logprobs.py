@@ -210,3 +210,43 @@ def test_critic_values_tp2():
         for got, ref in zip(result["got"], result["ref"]):
             assert got.dtype == torch.float32 and got.shape == ref.shape
             torch.testing.assert_close(got, ref, atol=TOL["mcore_vs_hf_fp32"], rtol=0)
+
+
+def _moe_tp2_worker(rank: int, world_size: int, directory: str) -> dict:
+    from actorcore.hf.logprobs import compute_logprobs as hf_compute_logprobs
+    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.testing import mcore_shims
+
+    mcore_shims.apply()
+    hf = _tiny_hf("deepseek_v3")
+    parallel = McoreParallel(tp=2)
+    groups = initialize_megatron(parallel)
+    chunks = build_gpt_model(hf.config, parallel)
+    load_hf_into_mcore(chunks, directory, groups)
+    batches = _batches()
+    got = compute_logprobs(chunks, batches, groups)
+    with torch.no_grad():
+        ref = [hf_compute_logprobs(hf, b) for b in batches]
+    try:
+        compute_logprobs(chunks, batches, groups, loss_fn=lambda out, batch: out.log_probs.sum())
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {"got": [(o.log_probs, o.entropy) for o in got], "ref": [(o.log_probs, o.entropy) for o in ref],
+            "refused": refused}
+
+
+@pytest.mark.slow
+def test_logprobs_moe_tp2_forward_only():
+    """MoE (here MLA + routed/shared experts) at TP=2: forward-only log-probs == HF; training refused clearly."""
+    with tempfile.TemporaryDirectory() as directory:
+        _tiny_hf("deepseek_v3").save_pretrained(directory)
+        results = run_distributed(_moe_tp2_worker, 2, args=(directory,))
+    for result in results:
+        for (lp, ent), (ref_lp, ref_ent) in zip(result["got"], result["ref"]):
+            torch.testing.assert_close(lp, ref_lp, atol=TOL["mcore_vs_hf_fp32"], rtol=0)
+            torch.testing.assert_close(ent, ref_ent, atol=TOL["mcore_vs_hf_fp32"], rtol=0)
+        assert "sequence parallelism" in result["refused"]

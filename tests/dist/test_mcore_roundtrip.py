@@ -94,8 +94,8 @@ def test_roundtrip_single_rank_every_arch():
 
 
 @pytest.mark.slow
-def test_roundtrip_tp2_dense():
-    cases = [(m, 2, 1, 1, {}) for m in DENSE] + [("qwen2", 2, 1, 1, {"tie_word_embeddings": True})]
+def test_roundtrip_tp2_every_arch():
+    cases = [(m, 2, 1, 1, {}) for m in DENSE + MOE] + [("qwen2", 2, 1, 1, {"tie_word_embeddings": True})]
     _check(cases, world_size=2)
 
 

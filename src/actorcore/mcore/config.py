@@ -320,9 +320,6 @@ def hf_to_mcore_config(hf_config: Any, parallel: McoreParallel | None = None, dt
 
     parallel = parallel or McoreParallel()
     cfg, _ = mcore_fields(hf_config, aux_loss=aux_loss)
-    if cfg.get("num_moe_experts") and parallel.tp > 1:
-        raise UnsupportedConfigError("MoE with tensor parallelism needs sequence parallelism, which actorcore's "
-                                     "Megatron route does not enable yet: use tp=1 with ep for MoE models")
     cfg.update(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,

@@ -153,6 +153,13 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
         return loss, data
 
     forward_only = loss_fn is None
+    config = chunks[0].config
+    if not forward_only and config.num_moe_experts and config.tensor_model_parallel_size > 1 \
+            and not config.sequence_parallel:
+        raise ValueError("forward-backward of a MoE model at tp > 1 needs sequence parallelism (megatron-core "
+                         "refuses MoE training under tensor parallelism without it), which actorcore's local "
+                         "layers cannot enable: train MoE models at tp=1 with ep; tp > 1 serves forward-only "
+                         "log-probs and conversion")
     with torch.set_grad_enabled(not forward_only):
         data = run_schedule(chunks, batch_list, groups, head, forward_only=forward_only)
     lengths = [b.num_real_tokens for b in batch_list]

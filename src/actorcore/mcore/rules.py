@@ -206,14 +206,17 @@ SHARED_EXPERT_RULES = (
 
 # Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv projections with their norms. The kv
 # down projection carries the decoupled RoPE key slice at its end in both layouts; Megatron's MLA
-# de-interleaves the RoPE dims exactly like HF's ``rope_interleave=True``. The down projections are
-# duplicated on every TP rank in Megatron; the up projections are column-parallel.
+# de-interleaves the RoPE dims exactly like HF's ``rope_interleave=True``. With the local (non-TE) linear
+# layers actorcore builds, the down projections are column-parallel too (their outputs are gathered before
+# the norms); TE's MLA would duplicate them instead.
 MLA_ATTENTION_RULES = (
     WeightRule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
-    WeightRule(_M + "self_attention.linear_q_down_proj.weight", (_L + "self_attn.q_a_proj.weight",)),
+    WeightRule(_M + "self_attention.linear_q_down_proj.weight", (_L + "self_attn.q_a_proj.weight",),
+               parallel="column"),
     WeightRule(_M + "self_attention.q_layernorm.weight", (_L + "self_attn.q_a_layernorm.weight",)),
     WeightRule(_M + "self_attention.linear_q_up_proj.weight", (_L + "self_attn.q_b_proj.weight",), parallel="column"),
-    WeightRule(_M + "self_attention.linear_kv_down_proj.weight", (_L + "self_attn.kv_a_proj_with_mqa.weight",)),
+    WeightRule(_M + "self_attention.linear_kv_down_proj.weight", (_L + "self_attn.kv_a_proj_with_mqa.weight",),
+               parallel="column"),
     WeightRule(_M + "self_attention.kv_layernorm.weight", (_L + "self_attn.kv_a_layernorm.weight",)),
     WeightRule(_M + "self_attention.linear_kv_up_proj.weight", (_L + "self_attn.kv_b_proj.weight",),
                parallel="column"),
