@@ -1,0 +1,137 @@
+"""End-to-end log-probs on the HF route: actorcore packed vs plain transformers padded micro-batches.
+
+One process, one GPU, a randomly initialised model of a real shape (default: Qwen2.5-1.5B's), bf16, an
+RL-like batch of sequences of very different lengths. For each path: forward-only (old/ref log-probs)
+and forward+backward (actor update) time, extra peak memory, and max |Δ log-prob| of each path against the
+packed forward (whose head computes fp32 logits; plain transformers rounds logits to bf16).
+
+    PYTHONPATH=src python3 bench/hf_route.py [--sequences 32 --min-len 128 --max-len 4096 --micro-batch 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                  tie_word_embeddings=True, rope_theta=1e6)
+TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _measure(fn, repeats: int) -> tuple[float, float, object]:
+    """(median seconds, extra peak GiB, last result)."""
+    fn()  # warm-up
+    _sync()
+    times, peak = [], 0.0
+    result = None
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        result = fn()
+        _sync()
+        times.append(time.perf_counter() - start)
+        if torch.cuda.is_available():
+            peak = max(peak, (torch.cuda.max_memory_allocated() - base) / 2**30)
+    return sorted(times)[len(times) // 2], peak, result
+
+
+def main() -> None:
+    import actorcore as ac
+    from actorcore.testing.reference import logprobs_from_logits, padded_position_ids, right_padded
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument("--min-len", type=int, default=128)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per padded transformers call")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (to check the script)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    config = AutoConfig.for_model("qwen2", **(TINY if args.tiny else QWEN25_15B))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    model.gradient_checkpointing_enable()
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(args.min_len, args.max_len + 1, (args.sequences,), generator=g).tolist()
+    sequences = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
+    batch = ac.pack(sequences).to(device)
+    micro = [sequences[i : i + args.micro_batch] for i in range(0, len(sequences), args.micro_batch)]
+    padded = [tuple(t.to(device) for t in right_padded(m)) for m in micro]
+
+    def packed(train: bool):
+        model.train(train)
+        with torch.set_grad_enabled(train):
+            out = ac.compute_logprobs(model, batch)
+            if train:
+                (out.log_probs.sum() + out.entropy.sum()).backward()
+        return out.log_probs.detach()
+
+    def plain(train: bool):
+        model.train(train)
+        parts = []
+        for ids, mask in padded:
+            with torch.set_grad_enabled(train):
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=padded_position_ids(mask),
+                               use_cache=False).logits
+                lp, ent = logprobs_from_logits(logits, ids, mask)
+                if train:
+                    (lp.sum() + ent.sum()).backward()
+            parts.append(lp.detach()[mask.bool()])
+        return torch.cat(parts)
+
+    rows = {}
+    for name, fn in (("actorcore packed", packed), ("transformers padded", plain)):
+        for train in (False, True):
+            key = f"{name} {'fwd+bwd' if train else 'fwd'}"
+            try:
+                seconds, peak, lp = _measure(lambda: fn(train), args.repeats)
+                rows[key] = {"seconds": seconds, "extra_peak_gib": peak, "log_probs": lp}
+            except torch.OutOfMemoryError:
+                rows[key] = {"seconds": None, "extra_peak_gib": None, "log_probs": None}
+            model.zero_grad(set_to_none=True)
+    ref = rows["actorcore packed fwd"]["log_probs"]
+    tokens = batch.num_tokens
+    padded_tokens = sum(ids.numel() for ids, _ in padded)
+    print(f"device {device}, {dtype}, model qwen2 {'tiny' if args.tiny else 'Qwen2.5-1.5B shape'}, "
+          f"{len(sequences)} sequences, {tokens} tokens ({padded_tokens} padded in micro-batches of "
+          f"{args.micro_batch}), activation checkpointing on")
+    print(f"{'path':<34} {'time':>10} {'tokens/s':>10} {'extra peak':>11} {'max|Δ lp| vs packed':>20}")
+    for key, r in rows.items():
+        if r["seconds"] is None:
+            print(f"{key:<34} {'OOM':>10}")
+            continue
+        diff = (r["log_probs"].float() - ref.float()).abs().max().item()
+        print(f"{key:<34} {r['seconds'] * 1e3:>8.1f}ms {tokens / r['seconds']:>10.0f} "
+              f"{r['extra_peak_gib']:>9.2f}GiB {diff:>20.2e}")
+    for train in ("fwd", "fwd+bwd"):
+        a, b = rows[f"actorcore packed {train}"], rows[f"transformers padded {train}"]
+        if a["seconds"] and b["seconds"]:
+            print(f"{train}: actorcore is {b['seconds'] / a['seconds']:.2f}x faster, uses "
+                  f"{b['extra_peak_gib'] / max(a['extra_peak_gib'], 1e-9):.2f}x less extra memory")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: {kk: vv for kk, vv in v.items() if kk != "log_probs"} for k, v in rows.items()}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
