@@ -12,7 +12,7 @@ pytest.importorskip("megatron.core")
 
 
 def _convert(argv: list[str]) -> int:
-    from actorcore.mcore.convert_cli import main
+    from actorcore.cli.convert import main
 
     return main(argv)
 

@@ -30,7 +30,7 @@ def test_missing_megatron_is_a_clear_error(monkeypatch):
 
 def test_convert_cli_reports_missing_megatron(monkeypatch, tmp_path, capsys):
     from actorcore.mcore import _megatron
-    from actorcore.mcore.convert_cli import main
+    from actorcore.cli.convert import main
 
     monkeypatch.setitem(sys.modules, "megatron.core", None)
     _megatron.require_megatron.cache_clear()

@@ -1,4 +1,4 @@
-"""``actorcore`` command line: ``demo``, ``convert``, ``verify``, ``bench``. Only the CLI prints."""
+"""``actorcore`` command line: ``demo``, ``convert``, ``bench``. Only the CLI package prints."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from actorcore.demo import run_demo
+    from actorcore.cli.demo import run_demo
 
     return run_demo(model_path=args.model, seed=args.seed, sp_size=args.sp, device=args.device)
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from actorcore.mcore.convert_cli import main as convert_main
+    from actorcore.cli.convert import main as convert_main
 
     return convert_main(args.convert_args)
 
@@ -23,7 +23,7 @@ def _bench(args: argparse.Namespace) -> int:
     import runpy
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "bench" / f"{args.name}.py"
+    script = Path(__file__).resolve().parents[3] / "bench" / f"{args.name}.py"
     if not script.exists():
         print(f"error: no benchmark {args.name!r} (looked for {script}); run from a source checkout", file=sys.stderr)
         return 2

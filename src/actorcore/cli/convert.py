@@ -1,4 +1,4 @@
-"""``actorcore convert``: HF <-> Megatron-Core checkpoints (the only module of mcore/ that prints).
+"""``actorcore convert``: HF <-> Megatron-Core checkpoints (part of the CLI: it prints).
 
   actorcore convert hf-to-mcore SRC_HF_DIR DST_DIR [--tp N --pp N --ep N]
   actorcore convert mcore-to-hf SRC_MCORE_DIR DST_HF_DIR
@@ -194,7 +194,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _entry() -> Any:  # pragma: no cover - for `python -m actorcore.mcore.convert_cli`
+def _entry() -> Any:  # pragma: no cover - for `python -m actorcore.cli.convert`
     return sys.exit(main(sys.argv[1:]))
 
 
