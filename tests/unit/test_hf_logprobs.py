@@ -243,3 +243,16 @@ def test_torch_checkpoint_wrapper_recomputes_with_packed_attention(reentrant):
     assert CALLS[PACKED_ATTENTION] - calls == 2 * model.config.num_hidden_layers
     got = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in _grads(model).items()}
     _assert_grads_close(got, want, TOL["grad_packed_vs_hf_fp32_rel"])
+
+
+def test_switch_that_does_not_read_back_is_an_error_and_leaves_nothing_changed():
+    """If a transformers version stores the implementation elsewhere, switching fails loudly, not silently."""
+    from actorcore.hf.attention import swap_attention_implementation
+
+    class StoresElsewhere:
+        _attn_implementation = "eager"  # a class attribute: writing the instance dict does not change it
+
+    config = StoresElsewhere()
+    with pytest.raises(PackingNotAppliedError, match="does not read back"):
+        swap_attention_implementation([config], "actorcore_packed")
+    assert config.__dict__ == {}

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -111,21 +111,45 @@ def attention_configs(layers: Any, attention_attr: str) -> list[Any]:
     return list(configs.values())
 
 
+# Where transformers keeps a config's attention implementation (read back by ``_attn_implementation``).
+_IMPLEMENTATION_ATTR = "_attn_implementation_internal"
+
+
+def swap_attention_implementation(configs: list[Any], name: str) -> Callable[[], None]:
+    """Set ``_attn_implementation`` on exactly these configs (not their sub-configs); return the undo."""
+    missing = object()
+    saved = [c.__dict__.get(_IMPLEMENTATION_ATTR, missing) for c in configs]
+
+    def restore() -> None:
+        for c, old in zip(configs, saved):
+            if old is missing:
+                c.__dict__.pop(_IMPLEMENTATION_ATTR, None)
+            else:
+                c.__dict__[_IMPLEMENTATION_ATTR] = old
+
+    for c in configs:
+        c.__dict__[_IMPLEMENTATION_ATTR] = name
+        if getattr(c, "_attn_implementation", None) != name:
+            restore()
+            raise PackingNotAppliedError(
+                f"{type(c).__name__}._attn_implementation does not read back as {name!r} after setting it; this "
+                "transformers version stores the attention implementation elsewhere: actorcore must be updated"
+            )
+    return restore
+
+
 @contextlib.contextmanager
 def attention_implementation(configs: list[Any], name: str) -> Iterator[None]:
-    """Set ``_attn_implementation`` on exactly these configs (not their sub-configs); restore on exit."""
-    saved = [c.__dict__.get("_attn_implementation_internal") for c in configs]
-    for c in configs:
-        c.__dict__["_attn_implementation_internal"] = name
+    """``swap_attention_implementation`` for the duration of a block."""
+    restore = swap_attention_implementation(configs, name)
     try:
         yield
     finally:
-        for c, old in zip(configs, saved):
-            c.__dict__["_attn_implementation_internal"] = old
+        restore()
 
 
 def current_implementations(configs: list[Any]) -> set[str | None]:
-    return {c.__dict__.get("_attn_implementation_internal") for c in configs}
+    return {c.__dict__.get(_IMPLEMENTATION_ATTR) for c in configs}
 
 
 @contextlib.contextmanager

@@ -68,12 +68,13 @@ def _check_inputs(model: Any, batch: PackedBatch) -> PackedBatch:
     if not isinstance(batch, PackedBatch):
         raise ValueError(f"batch must be an actorcore.PackedBatch (use ac.pack / ac.pack_padded), got "
                          f"{type(batch).__name__}")
-    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    embeddings = model.get_input_embeddings()
+    vocab = getattr(embeddings, "num_embeddings", None)
     if vocab is not None and not batch.input_ids.is_cuda:
         low, high = int(batch.input_ids.min()), int(batch.input_ids.max())
         if low < 0 or high >= vocab:
             raise ValueError(f"token ids span [{low}, {high}] but the model's vocabulary has {vocab} entries")
-    device = model.get_input_embeddings().weight.device
+    device = embeddings.weight.device
     return batch if batch.device == device else batch.to(device)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from actorcore.archs import spec_for_model
-from actorcore.hf.attention import CALLS, attention_configs, register_attention
+from actorcore.hf.attention import CALLS, attention_configs, register_attention, swap_attention_implementation
 from actorcore.hf.logprobs import resolve
 from actorcore.hf.ulysses_attention import (
     CONTEXTS,
@@ -173,24 +173,15 @@ def _patch_attention(handle: PatchHandle, layers: list[torch.nn.Module], attenti
         raise ValueError("this model shares its config object with another patched model, so patching one would "
                          "switch both; build each model from its own config (copy.deepcopy(config))")
     name = register_attention(ULYSSES_ATTENTION, ulysses_attention_forward)
-    saved = [c.__dict__.get("_attn_implementation_internal") for c in configs]
 
-    def restore() -> None:
-        for c, old in zip(configs, saved):
-            c.__dict__["_attn_implementation_internal"] = old
+    def forget_contexts() -> None:
         for attn in attention_modules:
             CONTEXTS.pop(attn, None)
 
-    handle._undo.append(restore)
+    handle._undo.append(forget_contexts)
     for attn in attention_modules:
         CONTEXTS[attn] = handle.parallel
-    for c in configs:
-        c.__dict__["_attn_implementation_internal"] = name
-        if getattr(c, "_attn_implementation", None) != name:
-            raise PatchNotAppliedError(
-                f"{type(c).__name__}._attn_implementation does not read back as {name!r} after setting it; this "
-                "transformers version stores the attention implementation elsewhere: actorcore must be updated"
-            )
+    handle._undo.append(swap_attention_implementation(configs, name))
     handle._owned_configs.extend(configs)
 
 
