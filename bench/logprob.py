@@ -7,7 +7,11 @@ Shape suffixes: T tokens (N in the tables), D hidden (H), V vocab.
 Implementations, side by side, all bf16 inputs:
   naive   bf16 matmul -> [N, V] logits (rounded to bf16), fp32 log_softmax + entropy
   torch   actorcore chunked torch backend (fp32 logits per chunk, recompute in backward)
-  triton  actorcore Triton backend (default configuration, what backend="auto" runs)
+  triton  actorcore Triton backend (default configuration, what backend="auto" runs): per-token outputs,
+          per-token upstream gradients, logits recomputed in backward (8NHV)
+  triton_loss  actorcore linear_logprob_loss on the Triton backend: the same sum of log-probs and
+          entropies as a token-wise loss, gradient formed in the forward (6NHV); forward-only cells run
+          its no-grad path (cuBLAS fp32 logits + Triton row statistics)
   liger   Liger-Kernel fused linear cross-entropy, reduction="sum" for fwd+bwd: the gradient is computed
           in the forward, which only a scalar loss allows (no entropy; temperature folded into hidden)
   liger_tok  the same with reduction="none": per-token losses and upstream grads, recompute in backward
@@ -40,7 +44,7 @@ SHAPES = [
     (16384, 4096, 262144),
 ]
 TEMPERATURES = (1.0, 0.7)
-IMPLS = ("naive", "torch", "triton", "liger", "cce")
+IMPLS = ("naive", "torch", "triton", "triton_loss", "liger", "cce")
 NO_ENTROPY = {"liger", "liger_tok", "cce"}
 
 
@@ -62,6 +66,14 @@ def _ours(backend, **kw):
         return linear_logprob_entropy(h, w, y, temperature=temperature, backend=backend, **kw)
 
     return run
+
+
+def _ours_loss(h, w, y, temperature, loss_reduction):
+    """Our loss-fused head on the same objective as the other cells: sum of log-probs plus entropies."""
+    from actorcore.kernels.logprob import linear_logprob_loss
+
+    out = linear_logprob_loss(h, w, y, lambda lp, ent: lp + ent, temperature=temperature, backend="triton")
+    return (out.loss, None) if loss_reduction == "sum" else (out.logprob, out.entropy)
 
 
 def _ours_engine(engine, chunk_size=None):
@@ -100,6 +112,7 @@ def get_impl(name):
         "naive": _naive,
         "torch": _ours("torch"),
         "triton": _ours("triton"),
+        "triton_loss": _ours_loss,
         "liger": _liger,
         "liger_tok": _liger_per_token,
         "cce": _cce,
@@ -112,7 +125,7 @@ def available(name) -> str | None:
             import liger_kernel.transformers.functional  # noqa: F401
         elif name == "cce":
             import cut_cross_entropy  # noqa: F401
-        elif name == "triton":
+        elif name in ("triton", "triton_loss"):
             import triton  # noqa: F401
     except Exception as err:  # noqa: BLE001 - reported in the table
         return f"not importable: {type(err).__name__}: {err}"
@@ -247,13 +260,9 @@ def sweep(n=16384, d=4096, v=151936):
     _cleanup()
 
     kw = dict(temperature=0.7, softcap=None, entropy=True, chunk_size=None)
-    fwd_runs = [
-        ("ptr", tb.Config(128, 256, 64, 8, 3)),
-        ("tma", tb.Config(128, 256, 64, 8, 3)),
-        ("tma", tb.Config(128, 256, 64, 8, 4)),
-        ("tma", tb.Config(256, 128, 64, 8, 3)),
-        ("tma", tb.Config(128, 128, 64, 8, 4)),
-        ("tma", tb.Config(128, 256, 64, 8, 3, group=16)),
+    fwd_runs = [  # the choice of 2026-11-30 03:26 UTC (docs/benchmarks.md) and its pointer-load twin
+        ("ptr", tb.FWD_CONFIG),
+        ("tma", tb.FWD_CONFIG),
     ]
     for kind, cfg in fwd_runs:
         eng = tb.TritonEngine(fwd=cfg, tma=kind == "tma")
@@ -262,22 +271,33 @@ def sweep(n=16384, d=4096, v=151936):
     lse = torch.randn(n, device="cuda") + 12
     ent = torch.rand(n, device="cuda") * 5
     glp, gent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
-    bkw = dict(temperature=0.7, softcap=None)
-    bwd_runs = [
-        ("ptr", tb.Config(128, 256, 64, 8, 3)),
-        ("tma", tb.Config(128, 256, 64, 8, 3)),
-        ("tma", tb.Config(128, 256, 64, 8, 4)),
-        ("tma", tb.Config(128, 128, 64, 8, 4)),
-        ("tma", tb.Config(256, 128, 64, 8, 3)),
+    bkw = dict(temperature=0.7, softcap=None, chunk_size=None)
+    acc = torch.zeros(4096, d, device="cuda")
+    g = torch.randn(4096, 2048, device="cuda").to(torch.bfloat16)
+    bench("cublas addmm fp32 acc += G[4096,2048] x W[2048,D] (out_dtype)",
+          lambda: torch.addmm(acc, g, w[:2048], out_dtype=torch.float32, out=acc), 2 * 4096 * 2048 * d)
+    del acc, g
+    bwd_runs = [  # (label, engine kwargs): the backward's blocking (tokens from the workspace budget)
+        ("default: vocab block 2048, 80 MiB (4096 tokens)", {}),
+        ("vocab block 4096, 48 MiB (2048 tokens)", dict(vocab_block=4096, workspace_bytes=48 << 20)),
+        ("vocab block 4096, 72 MiB (3072 tokens)", dict(vocab_block=4096, workspace_bytes=72 << 20)),
+        ("vocab block 8192, 64 MiB (2048 tokens)", dict(vocab_block=8192, workspace_bytes=64 << 20)),
+        ("vocab block 4096, 96 MiB (4096 tokens)", dict(vocab_block=4096, workspace_bytes=96 << 20)),
+        ("whole vocabulary, 512 MiB (1664 tokens)", dict(vocab_block=1 << 30, workspace_bytes=512 << 20)),
     ]
-    for kind, cfg in bwd_runs:
-        eng = tb.TritonEngine(bwd=cfg, tma=kind == "tma")
-        bench(f"bwd grad_logits only {kind} {cfg} chunk=4096", lambda: eng.backward(
-            h, w, y, lse, ent, glp, gent, chunk_size=4096, need_hidden=False, need_weight=False, **bkw), flop)
-    eng = tb.TritonEngine()
-    for cs in (768, 1024, 2048, 4096, None):
-        bench(f"bwd default engine chunk={cs}", lambda: eng.backward(
-            h, w, y, lse, ent, glp, gent, chunk_size=cs, need_hidden=True, need_weight=True, **bkw), 3 * flop)
+    for label, kw in bwd_runs:
+        eng = tb.TritonEngine(**kw)
+        bench(f"bwd (grad_hidden + grad_weight) {label}", lambda: eng.backward(
+            h, w, y, lse, ent, glp, gent, need_hidden=True, need_weight=True, **bkw), 3 * flop)
+
+    def token_grads(start, end, lp, en):
+        return glp[start:end], gent[start:end]
+
+    for mode, rows in (("fused", 512), ("fused", 768), ("fused", 1024), ("cublas", 768)):
+        eng = tb.TritonEngine(fwd_mode=mode)
+        bench(f"loss-fused forward (6NHV), chunk {rows}, {mode} logits", lambda: eng.fused_loss_forward(
+            h, w, y, token_grads, temperature=0.7, softcap=None, entropy=True, chunk_size=rows,
+            need_hidden=True, need_weight=True), 3 * flop)
     return res
 
 
@@ -416,7 +436,7 @@ def main(argv=None):
     fits = []
     if args.fit:
         d, v = 4096, 151936
-        for name in [i for i in ("triton", "torch", "liger") if i in impls and not missing[i]]:
+        for name in [i for i in ("triton", "triton_loss", "torch", "liger") if i in impls and not missing[i]]:
             for mode in ("fwd", "fwd+bwd"):
                 best = None
                 for n in (131072, 262144):

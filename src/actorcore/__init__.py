@@ -24,6 +24,7 @@ _EXPORTS = {
     "compute_values": "actorcore.hf.logprobs",
     "LogProbOutput": "actorcore.hf.logprobs",
     "linear_logprob_entropy": "actorcore.kernels.logprob",
+    "linear_logprob_loss": "actorcore.kernels.logprob",
     "ParallelContext": "actorcore.parallel",
     "patch_model": "actorcore.hf.patch",
     "PatchHandle": "actorcore.hf.patch",

@@ -12,6 +12,7 @@ from actorcore.kernels.logprob import (
     linear_logprob_entropy,
     linear_logprob_entropy_reference,
     linear_logprob_entropy_vocab_parallel,
+    linear_logprob_loss,
 )
 from actorcore.testing.tolerances import TOL
 
@@ -41,6 +42,8 @@ def _engines():
         "all_pointer": tb.TritonEngine(tma=False, bwd_tma=False),
         "all_tma": tb.TritonEngine(tma=True, bwd_tma=True),
         "cublas": tb.TritonEngine(fwd_mode="cublas", bwd_mode="cublas"),
+        # many small backward blocks: vocabulary blocks of 256 rows, token blocks from a 1 MiB workspace
+        "small_blocks": tb.TritonEngine(vocab_block=256, workspace_bytes=1 << 20),
     }
 
 
@@ -72,6 +75,7 @@ def _run(engine, h, w, labels, **kw):
         ("all_pointer", torch.bfloat16),
         ("all_tma", torch.bfloat16),
         ("cublas", torch.bfloat16),
+        ("small_blocks", torch.bfloat16),
         ("fused", torch.float16),
     ],
 )
@@ -82,7 +86,8 @@ def test_triton_matches_reference_per_token(mode, dtype, n_tok, dim, vocab, temp
     hidden_TD, weight_VD, labels_T = _inputs(n_tok, dim, vocab, dtype=dtype, seed=n_tok + vocab)
     h = hidden_TD.clone().requires_grad_()
     w = weight_VD.clone().requires_grad_()
-    lp, ent = _run(engine, h, w, labels_T, temperature=temperature, softcap=softcap, chunk_size=97)
+    chunk_size = None if mode == "small_blocks" else 97
+    lp, ent = _run(engine, h, w, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size)
     h32 = hidden_TD.float().requires_grad_()
     w32 = weight_VD.float().requires_grad_()
     lp_ref, ent_ref = linear_logprob_entropy_reference(h32, w32, labels_T, temperature=temperature, softcap=softcap)
@@ -238,3 +243,76 @@ def test_forward_only_131072_tokens_fits():
     lp_ref, ent_ref = linear_logprob_entropy_reference(hidden_TD[rows].float(), weight_VD.float(), labels_T[rows])
     torch.testing.assert_close(lp[rows], lp_ref, atol=1e-3, rtol=0)
     torch.testing.assert_close(ent[rows], ent_ref, atol=1e-3, rtol=0)
+
+
+def test_backward_workspace_is_bounded():
+    """Extra peak memory of forward+backward = returned gradients + the bounded backward workspace."""
+    from actorcore.kernels.logprob.triton_backend import BACKWARD_WORKSPACE_BYTES
+
+    hidden_TD, weight_VD, labels_T = _inputs(16384, 1024, 32768, seed=13)
+    h = hidden_TD.clone().requires_grad_()
+    w = weight_VD.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    lp, ent = linear_logprob_entropy(h, w, labels_T, backend="triton")
+    (lp.sum() + ent.sum()).backward()
+    extra = torch.cuda.max_memory_allocated() - base
+    grads = h.grad.numel() * 2 + w.grad.numel() * 2
+    small = 64 * hidden_TD.shape[0] * 4  # per-token vectors (outputs, statistics, upstream grads)
+    assert extra <= grads + BACKWARD_WORKSPACE_BYTES + small, (extra, grads)
+
+
+def _ppo_loss(logprob, entropy, advantages, old_logprob):
+    ratio = torch.exp(logprob - old_logprob)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+    return (-surrogate - 0.01 * entropy) / 1000.0
+
+
+@pytest.mark.parametrize("n_tok,dim,vocab,chunk_size", [(1, 48, 131, None), (301, 256, 32003, 97), (1000, 64, 4099, None)])
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, 30.0)])
+def test_loss_fused_path_matches_reference(n_tok, dim, vocab, chunk_size, temperature, softcap):
+    from actorcore.kernels.logprob import triton_backend as tb
+
+    hidden_TD, weight_VD, labels_T = _inputs(n_tok, dim, vocab, seed=n_tok + 1)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    token_args = (torch.randn(n_tok, generator=g, device="cuda"), -torch.rand(n_tok, generator=g, device="cuda") * 8)
+    runs = {}
+    for backend in ("triton", "reference"):
+        dtype = torch.float32 if backend == "reference" else torch.bfloat16
+        h = hidden_TD.detach().to(dtype).clone().requires_grad_()
+        w = weight_VD.detach().to(dtype).clone().requires_grad_()
+        before = tb.LAUNCHES.fused_loss
+        out = linear_logprob_loss(h, w, labels_T, _ppo_loss, token_args=token_args, temperature=temperature,
+                                  softcap=softcap, backend=backend, chunk_size=chunk_size)
+        (out.loss * 3.0).backward()
+        if backend == "triton":
+            assert tb.LAUNCHES.fused_loss > before  # the loss-fused Triton path ran
+        runs[backend] = (out, h.grad, w.grad)
+    (out, gh, gw), (ref, gh_ref, gw_ref) = runs["triton"], runs["reference"]
+    torch.testing.assert_close(out.logprob, ref.logprob, atol=ATOL_BF16, rtol=0)
+    torch.testing.assert_close(out.entropy, ref.entropy, atol=ATOL_BF16, rtol=0)
+    torch.testing.assert_close(out.loss, ref.loss, atol=ATOL_BF16, rtol=1e-5)
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+    assert _rel_err(gh, gh_ref) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
+    assert _rel_err(gw, gw_ref) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
+
+
+def test_loss_fused_path_equals_per_token_path_and_is_deterministic():
+    """Same gradients as autograd through per-token outputs (up to bf16 rounding), identical run to run."""
+    hidden_TD, weight_VD, labels_T = _inputs(2000, 256, 30011, seed=14)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    token_args = (torch.randn(2000, generator=g, device="cuda"), -torch.rand(2000, generator=g, device="cuda") * 8)
+    fused = []
+    for _ in range(2):
+        h, w = hidden_TD.clone().requires_grad_(), weight_VD.clone().requires_grad_()
+        out = linear_logprob_loss(h, w, labels_T, _ppo_loss, token_args=token_args, backend="triton", chunk_size=512)
+        out.loss.backward()
+        fused.append((out.loss, out.logprob, out.entropy, h.grad, w.grad))
+    for a, b in zip(*fused):
+        assert torch.equal(a, b)
+    h, w = hidden_TD.clone().requires_grad_(), weight_VD.clone().requires_grad_()
+    lp, ent = linear_logprob_entropy(h, w, labels_T, backend="triton")
+    _ppo_loss(lp, ent, *token_args).sum().backward()
+    assert _rel_err(fused[0][3], h.grad) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
+    assert _rel_err(fused[0][4], w.grad) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL

@@ -9,11 +9,18 @@ the vocabulary in [BLOCK_T, BLOCK_V] logit tiles (tl.dot, fp32 accumulators: log
 to 16 bits) and keeps per-token online statistics (running max m, sum exp s, sum exp*(z-m) a, the
 label's logit). The [S, T] partials are merged by a few torch ops. Memory: O(T * S) floats.
 
-Backward: per chunk of C tokens, a GEMM-shaped kernel recomputes the logits tile by tile and writes
-grad_logits (fp32 math, stored in the input dtype, as Liger does) into a bounded [C, V] workspace;
-cuBLAS then computes grad_hidden = G @ W and accumulates grad_weight += G^T @ h (fp32 accumulation
-inside each matmul, rounded to the weight dtype once per chunk). No atomics: results are identical
-run to run. Workspace: C * V * 2 bytes (``default_backward_rows``).
+Backward, per block of C tokens and B vocabulary rows: a GEMM-shaped kernel recomputes the logits
+tile by tile and writes grad_logits (fp32 math, stored in the input dtype, as Liger does) into a
+[C, B] workspace; cuBLAS then accumulates grad_hidden[C] += G @ W[B] into an fp32 [C, D] accumulator
+(rounded to the input dtype once per token block) and grad_weight[B] += G^T @ h[C] (fp32 inside each
+matmul, rounded to the weight dtype once per token block). Blocking the vocabulary as well as the
+tokens keeps the workspace small (80 MiB: the issue's N=32768, H=4096, V=151936 case stays under
+1.5 GiB with its 1.41 GiB of returned gradients) while the token block stays large enough for
+efficient grad_weight updates and few roundings. No atomics: results are identical run to run.
+
+``fused_loss_forward`` (the loss-fused head, ``fused_loss.py``) computes a chunk's fp32 logits with
+cuBLAS, reduces them, asks the caller for the per-token loss gradients, overwrites the logits with
+16-bit grad_logits in place and runs the two gradient matmuls: 6NHV instead of 8NHV.
 """
 
 from __future__ import annotations
@@ -25,13 +32,18 @@ import torch
 import triton
 import triton.language as tl
 
+from actorcore.kernels.logprob._common import finish_stats
+
 
 logger = logging.getLogger(__name__)
 
-# Bytes of the bf16/fp16 grad_logits workspace of one backward chunk.
-BACKWARD_WORKSPACE_BYTES = 512 << 20
-# Vocabulary tiles that one forward program streams (sets the number of vocabulary splits S).
-FWD_TILES_PER_SPLIT = 16
+# Backward workspace in bytes: the fp32 grad_hidden accumulator of one token block plus its 16-bit
+# [tokens, vocabulary block] grad_logits tile (``backward_blocks``).
+BACKWARD_WORKSPACE_BYTES = 80 << 20
+# Vocabulary rows per backward block (a multiple of every BLOCK_V used here).
+BACKWARD_VOCAB_BLOCK = 2048
+# Bytes of the fp32 logits buffer of one chunk of the loss-fused forward.
+FUSED_LOSS_WORKSPACE_BYTES = 512 << 20
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps 0 * (z - m) at 0 for masked columns
 
@@ -43,6 +55,7 @@ class LaunchCounter:
     forward: int = 0
     backward: int = 0
     tma: int = 0  # launches of the TMA variants (a subset of the two above)
+    fused_loss: int = 0  # chunks run by the loss-fused forward
 
 
 LAUNCHES = LaunchCounter()
@@ -92,35 +105,47 @@ def _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_s
 
 
 @triton.jit
-def _grad_tile(acc, offs_v, rows_t, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp, softcap, inv_softcap,
-               HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr):
-    """grad of (g_lp * logprob + g_ent * entropy) w.r.t. one tile of raw fp32 logits."""
+def _grad_logits(x, hit, lse, ent, glp, gent, inv_temp, softcap, inv_softcap,
+                 HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr):
+    """grad of (glp * logprob + gent * entropy) w.r.t. raw fp32 logits ``x``.
+
+    ``hit`` marks the label's column; the per-token values broadcast against ``x`` (tiles pass
+    [BLOCK_T, 1] columns, row kernels pass scalars). Unused per-token values may be anything.
+    """
     if HAS_SOFTCAP:
-        t = _tanh(acc * inv_softcap)
+        t = _tanh(x * inv_softcap)
         z = t * softcap * inv_temp
     else:
-        z = acc * inv_temp
-    lse = tl.load(lse_ptr + rows_t)
-    logp = z - lse[:, None]
+        z = x * inv_temp
+    logp = z - lse
     p = tl.exp(logp)
     if HAS_GENT:
-        gent = tl.load(gent_ptr + rows_t)
-        ent = tl.load(ent_ptr + rows_t)
-        coef = gent[:, None] * (logp + ent[:, None])
+        coef = gent * (logp + ent)
         if HAS_GLP:
-            glp = tl.load(glp_ptr + rows_t)
-            coef += glp[:, None]
+            coef += glp
         g = -p * coef
     else:
-        glp = tl.load(glp_ptr + rows_t)
-        g = -p * glp[:, None]
+        g = -p * glp
     if HAS_GLP:
-        labels = tl.load(lab_ptr + rows_t).to(tl.int64)
-        g += tl.where(offs_v[None, :] == labels[:, None], glp[:, None], 0.0)
+        g += tl.where(hit, glp, 0.0)
     g = g * inv_temp
     if HAS_SOFTCAP:
         g = g * (1.0 - t * t)
     return g
+
+
+@triton.jit
+def _grad_tile(acc, offs_v, rows_t, v_start, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp, softcap,
+               inv_softcap, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr):
+    """``_grad_logits`` of one [BLOCK_T, BLOCK_V] tile; ``offs_v`` count from vocabulary row ``v_start``."""
+    lse = tl.load(lse_ptr + rows_t)[:, None]
+    ent = tl.load(ent_ptr + rows_t)[:, None]
+    glp = tl.load(glp_ptr + rows_t)[:, None]
+    gent = tl.load(gent_ptr + rows_t)[:, None]
+    labels = tl.load(lab_ptr + rows_t).to(tl.int64) - v_start
+    hit = offs_v[None, :] == labels[:, None]
+    return _grad_logits(acc, hit, lse, ent, glp, gent, inv_temp, softcap, inv_softcap,
+                        HAS_SOFTCAP, HAS_GLP, HAS_GENT)
 
 
 @triton.jit
@@ -134,14 +159,16 @@ def _tile_ids(pid, num_t_tiles, num_other, GROUP: tl.constexpr):
 
 @triton.jit
 def _fwd_stats_kernel(
-    h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, a_ptr, zy_ptr,
+    h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, a_ptr, zy_ptr, l_ptr,
     T, V, D,
-    stride_ht, stride_hd, stride_wv, stride_wd,
+    stride_ht, stride_hd, stride_wv, stride_wd, stride_l,
     num_splits,
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, EVEN_K: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):
+    """Per-split statistics of a token tile; with STORE_LOGITS also the raw fp32 logits into ``l_ptr``."""
     pid_t, pid_s = _tile_ids(tl.program_id(0), tl.cdiv(T, BLOCK_T), num_splits, GROUP)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rows_t = (offs_t % T).to(tl.int64)
@@ -167,6 +194,9 @@ def _fwd_stats_kernel(
                 x = tl.load(h_base + kk[None, :] * stride_hd, mask=kk[None, :] < D, other=0.0)
                 y = tl.load(w_base + kk[:, None] * stride_wd, mask=kk[:, None] < D, other=0.0)
             acc = tl.dot(x, y, acc)
+        if STORE_LOGITS:
+            ok = (offs_t[:, None] < T) & (offs_v[None, :] < V)
+            tl.store(l_ptr + offs_t.to(tl.int64)[:, None] * stride_l + offs_v[None, :], acc, mask=ok)
         m, s, a, zy = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
                                      HAS_SOFTCAP, ENTROPY)
     out = pid_s * T + offs_t
@@ -180,11 +210,11 @@ def _fwd_stats_kernel(
 
 @triton.jit
 def _fwd_stats_kernel_tma(
-    h_desc, w_desc, lab_ptr, m_ptr, s_ptr, a_ptr, zy_ptr,
+    h_desc, w_desc, lab_ptr, m_ptr, s_ptr, a_ptr, zy_ptr, l_desc,
     T, V, D,
     num_splits,
     inv_temp, softcap, inv_softcap,
-    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, STORE_LOGITS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):
     """As ``_fwd_stats_kernel`` with TMA tile loads (zero fill out of bounds, no address arithmetic)."""
@@ -206,6 +236,8 @@ def _fwd_stats_kernel_tma(
             x = h_desc.load([off_t, k])
             y = w_desc.load([off_v, k])
             acc = tl.dot(x, y.T, acc)
+        if STORE_LOGITS:
+            l_desc.store([off_t, off_v], acc)
         m, s, a, zy = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
                                      HAS_SOFTCAP, ENTROPY)
     out = pid_s * T + offs_t
@@ -220,7 +252,7 @@ def _fwd_stats_kernel_tma(
 @triton.jit
 def _bwd_grad_logits_kernel(
     h_ptr, w_ptr, g_ptr, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
-    C, V, D,
+    C, V, D, v_start,
     stride_ht, stride_hd, stride_wv, stride_wd, stride_gc,
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, EVEN_K: tl.constexpr,
@@ -243,7 +275,7 @@ def _bwd_grad_logits_kernel(
             x = tl.load(h_base + kk[None, :] * stride_hd, mask=kk[None, :] < D, other=0.0)
             y = tl.load(w_base + kk[:, None] * stride_wd, mask=kk[:, None] < D, other=0.0)
         acc = tl.dot(x, y, acc)
-    g = _grad_tile(acc, offs_v, rows_t, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp, softcap,
+    g = _grad_tile(acc, offs_v, rows_t, v_start, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp, softcap,
                    inv_softcap, HAS_SOFTCAP, HAS_GLP, HAS_GENT)
     ok = (offs_t[:, None] < C) & (offs_v[None, :] < V)
     g_ptrs = g_ptr + offs_t.to(tl.int64)[:, None] * stride_gc + offs_v[None, :]
@@ -253,7 +285,7 @@ def _bwd_grad_logits_kernel(
 @triton.jit
 def _bwd_grad_logits_kernel_tma(
     h_desc, w_desc, g_desc, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
-    C, V, D,
+    C, V, D, v_start,
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
@@ -270,7 +302,7 @@ def _bwd_grad_logits_kernel_tma(
         x = h_desc.load([off_t, k])
         y = w_desc.load([off_v, k])
         acc = tl.dot(x, y.T, acc)
-    g = _grad_tile(acc, offs_v, rows_t, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp, softcap,
+    g = _grad_tile(acc, offs_v, rows_t, v_start, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp, softcap,
                    inv_softcap, HAS_SOFTCAP, HAS_GLP, HAS_GENT)
     g_desc.store([off_t, off_v], g.to(g_desc.dtype))
 
@@ -320,7 +352,7 @@ def _rows_stats_kernel(
 @triton.jit
 def _rows_grad_kernel(
     l_ptr, g_ptr, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
-    V, stride_l, stride_g,
+    V, v_start, stride_l, stride_g,
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -329,28 +361,39 @@ def _rows_grad_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < V
     x = tl.load(l_ptr + row * stride_l + offs, mask=ok, other=0.0)
-    if HAS_SOFTCAP:
-        t = _tanh(x * inv_softcap)
-        z = t * softcap * inv_temp
-    else:
-        z = x * inv_temp
-    logp = z - tl.load(lse_ptr + row)
-    p = tl.exp(logp)
-    if HAS_GLP:
-        glp = tl.load(glp_ptr + row)
-    else:
-        glp = 0.0
-    if HAS_GENT:
-        g = -p * (tl.load(gent_ptr + row) * (logp + tl.load(ent_ptr + row)) + glp)
-    else:
-        g = -p * glp
-    if HAS_GLP:
-        label = tl.load(lab_ptr + row).to(tl.int64)
-        g += tl.where(offs == label, glp, 0.0)
-    g = g * inv_temp
-    if HAS_SOFTCAP:
-        g = g * (1.0 - t * t)
+    hit = offs == tl.load(lab_ptr + row).to(tl.int64) - v_start
+    g = _grad_logits(x, hit, tl.load(lse_ptr + row), tl.load(ent_ptr + row), tl.load(glp_ptr + row),
+                     tl.load(gent_ptr + row), inv_temp, softcap, inv_softcap, HAS_SOFTCAP, HAS_GLP, HAS_GENT)
     tl.store(g_ptr + row * stride_g + offs, g.to(g_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rows_grad_inplace_kernel(
+    l_ptr, g_ptr, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+    V, stride_l, stride_g,
+    inv_temp, softcap, inv_softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """grad_logits of one row written over that row's fp32 logits (``g_ptr`` is a 16-bit view of them).
+
+    Element j of G lands on bytes [2j, 2j+2) of the row, i.e. inside fp32 elements already read: one
+    program walks the row in order, and a barrier between each piece's loads and its stores keeps every
+    warp's reads ahead of the writes that overwrite them.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(lab_ptr + row).to(tl.int64)
+    lse = tl.load(lse_ptr + row)
+    ent = tl.load(ent_ptr + row)
+    glp = tl.load(glp_ptr + row)
+    gent = tl.load(gent_ptr + row)
+    for v0 in range(0, V, BLOCK):
+        offs = v0 + tl.arange(0, BLOCK)
+        ok = offs < V
+        x = tl.load(l_ptr + row * stride_l + offs, mask=ok, other=0.0)
+        g = _grad_logits(x, offs == label, lse, ent, glp, gent, inv_temp, softcap, inv_softcap,
+                         HAS_SOFTCAP, HAS_GLP, HAS_GENT)
+        tl.debug_barrier()
+        tl.store(g_ptr + row * stride_g + offs, g.to(g_ptr.dtype.element_ty), mask=ok)
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -359,6 +402,14 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a, b, out_dtype=torch.float32, out=out)
     else:  # the CPU interpreter (TRITON_INTERPRET=1) and fp32 inputs
         torch.mm(a.float(), b.float(), out=out)
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b for 16-bit a, b and an fp32 acc, without rounding the product to 16 bits."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # the CPU interpreter (TRITON_INTERPRET=1) and fp32 inputs
+        acc.add_(torch.mm(a.float(), b.float()))
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -375,10 +426,52 @@ def _desc(t: torch.Tensor, block: list[int], shape: list[int] | None = None):
     return TensorDescriptor(t, list(shape or t.shape), list(t.stride()), block)
 
 
-def default_backward_rows(vocab: int, elem_bytes: int = 2, budget: int = BACKWARD_WORKSPACE_BYTES) -> int:
-    """Tokens per backward chunk so the [C, V] grad_logits workspace stays within ``budget`` bytes."""
-    rows = max(1, budget // (elem_bytes * vocab))
+def backward_blocks(
+    n_tok: int, dim: int, vocab: int, *, need_hidden: bool, vocab_block: int = BACKWARD_VOCAB_BLOCK,
+    budget: int = BACKWARD_WORKSPACE_BYTES, elem_bytes: int = 2,
+) -> tuple[int, int]:
+    """(tokens, vocabulary rows) of one backward block so its workspace stays within ``budget`` bytes.
+
+    The workspace is the [tokens, rows] grad_logits tile plus, when grad_hidden is wanted and the
+    vocabulary spans several blocks, an fp32 [tokens, D] grad_hidden accumulator.
+    """
+    rows_v = min(vocab, vocab_block)
+    per_token = elem_bytes * rows_v + (4 * dim if need_hidden and rows_v < vocab else 0)
+    tokens = max(1, budget // per_token)
+    if tokens >= 256:
+        tokens -= tokens % 128
+    return min(tokens, n_tok), rows_v
+
+
+def default_loss_rows(vocab: int, budget: int = FUSED_LOSS_WORKSPACE_BYTES) -> int:
+    """Tokens per chunk of the loss-fused forward: its fp32 [C, V] logits buffer stays within ``budget``."""
+    rows = max(1, budget // (4 * vocab))
     return rows - rows % 128 if rows >= 256 else rows
+
+
+def forward_tiles_per_split(t_tiles: int, v_tiles: int, sms: int, lo: int = 4, hi: int = 32) -> int:
+    """Vocabulary tiles per forward program, chosen against wave quantization.
+
+    The forward runs t_tiles * cdiv(v_tiles, k) equal programs of k tiles each, so its time goes as
+    ceil(programs / sms) * k. A chunk of a few token tiles (the loss-fused path) is otherwise a launch
+    of a couple of ragged waves. Ties go to the larger k (fewer partial statistics to merge).
+    """
+    def cost(k):
+        return triton.cdiv(t_tiles * triton.cdiv(v_tiles, k), sms) * k
+
+    return min(range(hi, lo - 1, -1), key=cost)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(t: torch.Tensor) -> int:
+    if not t.is_cuda:
+        return 132
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
 
 
 def _merge_splits(m_ST, s_ST, a_ST, zy_ST):
@@ -402,6 +495,7 @@ class TritonEngine:
     runs a memory-bound Triton kernel over it (one extra fp32 [C, V] buffer; measured no faster, kept
     as a cross-check). ``tma`` / ``bwd_tma``: TMA tile loads in the forward / backward kernel when the
     layout allows (unit last stride, 16-byte aligned rows), else plain pointer loads.
+    ``vocab_block`` / ``workspace_bytes``: the backward's blocking (``backward_blocks``).
     """
 
     name = "triton"
@@ -415,6 +509,8 @@ class TritonEngine:
         rows_block: int = 4096,
         tma: bool = True,
         bwd_tma: bool = False,
+        vocab_block: int = BACKWARD_VOCAB_BLOCK,
+        workspace_bytes: int = BACKWARD_WORKSPACE_BYTES,
     ):
         if fwd_mode not in ("fused", "cublas") or bwd_mode not in ("fused", "cublas"):
             raise ValueError(f"modes must be 'fused' or 'cublas', got {fwd_mode!r}, {bwd_mode!r}")
@@ -425,18 +521,24 @@ class TritonEngine:
         self.rows_block = rows_block
         self.tma = tma
         self.bwd_tma = bwd_tma
+        self.vocab_block = vocab_block
+        self.workspace_bytes = workspace_bytes
 
     # ------------------------------------------------------------------ forward
     def forward_stats(self, hidden_TD, weight_VD, labels_T, *, temperature, softcap, entropy, chunk_size):
         labels_T = labels_T.contiguous()
         if self.fwd_mode == "cublas":
             return self._forward_cublas(hidden_TD, weight_VD, labels_T, temperature, softcap, entropy, chunk_size)
+        return self._forward_fused(hidden_TD, weight_VD, labels_T, temperature, softcap, entropy)
+
+    def _forward_fused(self, hidden_TD, weight_VD, labels_T, temperature, softcap, entropy, logits_TV=None):
+        """One launch over (token tiles x vocabulary splits); ``logits_TV`` (fp32) also receives the logits."""
         n_tok, dim = hidden_TD.shape
         vocab = weight_VD.shape[0]
         cfg = self.fwd
         v_tiles = triton.cdiv(vocab, cfg.block_v)
-        num_splits = triton.cdiv(v_tiles, FWD_TILES_PER_SPLIT)
-        tiles_per_split = triton.cdiv(v_tiles, num_splits)
+        tiles_per_split = forward_tiles_per_split(triton.cdiv(n_tok, cfg.block_t), v_tiles, _sm_count(hidden_TD))
+        num_splits = triton.cdiv(v_tiles, tiles_per_split)
         dev = hidden_TD.device
         m_ST = torch.empty(num_splits, n_tok, dtype=torch.float32, device=dev)
         s_ST = torch.empty_like(m_ST)
@@ -445,22 +547,27 @@ class TritonEngine:
         grid = (triton.cdiv(n_tok, cfg.block_t) * num_splits,)
         common = dict(
             HAS_SOFTCAP=softcap is not None, ENTROPY=entropy, TILES_PER_SPLIT=tiles_per_split,
+            STORE_LOGITS=logits_TV is not None,
             BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         scalars = (1.0 / temperature, softcap or 1.0, 1.0 / (softcap or 1.0))
         outs = (m_ST, s_ST, a_ST if entropy else m_ST, zy_ST)
-        if self.tma and _tma_ok(hidden_TD, weight_VD):
+        store_ok = logits_TV is None or _tma_ok(logits_TV)
+        if self.tma and store_ok and _tma_ok(hidden_TD, weight_VD):
             LAUNCHES.tma += 1
+            h_desc = _desc(hidden_TD, [cfg.block_t, cfg.block_k])
+            l_desc = h_desc if logits_TV is None else _desc(logits_TV, [cfg.block_t, cfg.block_v])
             _fwd_stats_kernel_tma[grid](
-                _desc(hidden_TD, [cfg.block_t, cfg.block_k]), _desc(weight_VD, [cfg.block_v, cfg.block_k]),
-                labels_T, *outs, n_tok, vocab, dim, num_splits, *scalars, **common,
+                h_desc, _desc(weight_VD, [cfg.block_v, cfg.block_k]), labels_T, *outs, l_desc,
+                n_tok, vocab, dim, num_splits, *scalars, **common,
             )
         else:
+            l_TV = hidden_TD if logits_TV is None else logits_TV
             _fwd_stats_kernel[grid](
-                hidden_TD, weight_VD, labels_T, *outs,
+                hidden_TD, weight_VD, labels_T, *outs, l_TV,
                 n_tok, vocab, dim,
-                hidden_TD.stride(0), hidden_TD.stride(1), weight_VD.stride(0), weight_VD.stride(1),
+                hidden_TD.stride(0), hidden_TD.stride(1), weight_VD.stride(0), weight_VD.stride(1), l_TV.stride(0),
                 num_splits, *scalars, EVEN_K=dim % cfg.block_k == 0, **common,
             )
         LAUNCHES.forward += 1
@@ -469,7 +576,7 @@ class TritonEngine:
     def _forward_cublas(self, hidden_TD, weight_VD, labels_T, temperature, softcap, entropy, chunk_size):
         n_tok = hidden_TD.shape[0]
         vocab = weight_VD.shape[0]
-        rows = min(n_tok, chunk_size or default_backward_rows(vocab, elem_bytes=4))
+        rows = min(n_tok, chunk_size or default_loss_rows(vocab))
         dev = hidden_TD.device
         m_T = torch.empty(n_tok, dtype=torch.float32, device=dev)
         s_T = torch.empty_like(m_T)
@@ -480,14 +587,7 @@ class TritonEngine:
             end = min(start + rows, n_tok)
             l_CV = logits_CV[: end - start]
             _mm_fp32(hidden_TD[start:end], weight_VD.t(), l_CV)
-            _rows_stats_kernel[(end - start,)](
-                l_CV, labels_T[start:end], m_T[start:], s_T[start:], (a_T if entropy else m_T)[start:],
-                zy_T[start:],
-                vocab, l_CV.stride(0),
-                1.0 / temperature, softcap or 1.0, 1.0 / (softcap or 1.0),
-                HAS_SOFTCAP=softcap is not None, ENTROPY=entropy, BLOCK=1024, num_warps=4,
-            )
-            LAUNCHES.forward += 1
+            _rows_stats(l_CV, labels_T[start:end], (m_T, s_T, a_T, zy_T), start, temperature, softcap)
         return m_T, s_T, a_T, zy_T
 
     # ------------------------------------------------------------------ backward
@@ -507,15 +607,19 @@ class TritonEngine:
         need_hidden,
         need_weight,
     ):
+        """Blocked over tokens (``chunk_size`` or ``backward_blocks``) and vocabulary rows (``vocab_block``)."""
         n_tok, dim = hidden_TD.shape
         vocab = weight_VD.shape[0]
-        cfg = self.bwd
-        cublas = self.bwd_mode == "cublas"
-        rows = min(n_tok, chunk_size or default_backward_rows(vocab))
+        rows, rows_v = backward_blocks(
+            n_tok, dim, vocab, need_hidden=need_hidden, vocab_block=self.vocab_block, budget=self.workspace_bytes
+        )
+        if chunk_size:
+            rows = min(n_tok, chunk_size)
         dev = hidden_TD.device
-        v_pad = triton.cdiv(vocab, 64) * 64  # 128-byte aligned rows for cuBLAS
-        work_CV = torch.empty(rows, v_pad, dtype=hidden_TD.dtype, device=dev)
-        logits_CV = torch.empty(rows, vocab, dtype=torch.float32, device=dev) if cublas else None
+        work_CB = torch.empty(rows, triton.cdiv(rows_v, 64) * 64, dtype=hidden_TD.dtype, device=dev)
+        logits_CB = torch.empty(rows, rows_v, dtype=torch.float32, device=dev) if self.bwd_mode == "cublas" else None
+        one_block = rows_v == vocab
+        acc_CD = torch.empty(rows, dim, dtype=torch.float32, device=dev) if need_hidden and not one_block else None
         labels_T = labels_T.contiguous()
         grad_h = torch.empty(hidden_TD.shape, dtype=hidden_TD.dtype, device=dev) if need_hidden else None
         grad_w = torch.empty(weight_VD.shape, dtype=weight_VD.dtype, device=dev) if need_weight else None
@@ -534,46 +638,145 @@ class TritonEngine:
                 grad_logprob_T[start:end] if has_glp else dummy,
                 grad_ent_T[start:end] if has_gent else dummy,
             )
-            if cublas:
-                l_CV = logits_CV[:n_c]
-                _mm_fp32(h_CD, weight_VD.t(), l_CV)
-                blk = self.rows_block
-                _rows_grad_kernel[(n_c, triton.cdiv(vocab, blk))](
-                    l_CV, work_CV, *per_tok,
-                    vocab, l_CV.stride(0), work_CV.stride(0),
-                    *scalars, **flags, BLOCK=blk, num_warps=8,
-                )
-            else:
-                grid = (triton.cdiv(n_c, cfg.block_t) * triton.cdiv(vocab, cfg.block_v),)
-                common = dict(
-                    **flags, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                )
-                if self.bwd_tma and _tma_ok(h_CD, weight_VD, work_CV):
-                    LAUNCHES.tma += 1
-                    _bwd_grad_logits_kernel_tma[grid](
-                        _desc(h_CD, [cfg.block_t, cfg.block_k]),
-                        _desc(weight_VD, [cfg.block_v, cfg.block_k]),
-                        _desc(work_CV, [cfg.block_t, cfg.block_v], shape=[n_c, vocab]),
-                        *per_tok, n_c, vocab, dim, *scalars, **common,
-                    )
+            for v0 in range(0, vocab, rows_v):
+                v1 = min(v0 + rows_v, vocab)
+                w_BD = weight_VD[v0:v1]
+                g_CB = work_CB[:n_c, : v1 - v0]
+                if logits_CB is not None:
+                    self._grad_logits_cublas(h_CD, w_BD, v0, per_tok, logits_CB[:n_c, : v1 - v0], g_CB, flags, scalars)
                 else:
-                    _bwd_grad_logits_kernel[grid](
-                        h_CD, weight_VD, work_CV, *per_tok,
-                        n_c, vocab, dim,
-                        h_CD.stride(0), h_CD.stride(1), weight_VD.stride(0), weight_VD.stride(1),
-                        work_CV.stride(0), *scalars, EVEN_K=dim % cfg.block_k == 0, **common,
-                    )
-            LAUNCHES.backward += 1
-            g_CV = work_CV[:n_c, :vocab]
-            if grad_h is not None:
-                torch.mm(g_CV, weight_VD, out=grad_h[start:end])
-            if grad_w is not None:
-                if start == 0:
-                    torch.mm(g_CV.t(), h_CD, out=grad_w)
-                else:
-                    grad_w.addmm_(g_CV.t(), h_CD)
+                    self._grad_logits_fused(h_CD, w_BD, v0, per_tok, g_CB, flags, scalars)
+                LAUNCHES.backward += 1
+                if need_hidden and one_block:
+                    torch.mm(g_CB, w_BD, out=grad_h[start:end])
+                elif need_hidden and v0 == 0:
+                    _mm_fp32(g_CB, w_BD, acc_CD[:n_c])
+                elif need_hidden:
+                    _addmm_fp32(acc_CD[:n_c], g_CB, w_BD)
+                if need_weight and start == 0:
+                    torch.mm(g_CB.t(), h_CD, out=grad_w[v0:v1])
+                elif need_weight:
+                    grad_w[v0:v1].addmm_(g_CB.t(), h_CD)
+            if need_hidden and not one_block:
+                grad_h[start:end].copy_(acc_CD[:n_c])
         return grad_h, grad_w
+
+    def _grad_logits_fused(self, h_CD, w_BD, v_start, per_tok, g_CB, flags, scalars):
+        """g_CB = grad_logits of (tokens h_CD) x (vocabulary rows w_BD), logits recomputed in Triton."""
+        cfg = self.bwd
+        (n_c, dim), n_v = h_CD.shape, w_BD.shape[0]
+        grid = (triton.cdiv(n_c, cfg.block_t) * triton.cdiv(n_v, cfg.block_v),)
+        common = dict(
+            **flags, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if self.bwd_tma and _tma_ok(h_CD, w_BD, g_CB):
+            LAUNCHES.tma += 1
+            _bwd_grad_logits_kernel_tma[grid](
+                _desc(h_CD, [cfg.block_t, cfg.block_k]),
+                _desc(w_BD, [cfg.block_v, cfg.block_k]),
+                _desc(g_CB, [cfg.block_t, cfg.block_v]),
+                *per_tok, n_c, n_v, dim, v_start, *scalars, **common,
+            )
+        else:
+            _bwd_grad_logits_kernel[grid](
+                h_CD, w_BD, g_CB, *per_tok,
+                n_c, n_v, dim, v_start,
+                h_CD.stride(0), h_CD.stride(1), w_BD.stride(0), w_BD.stride(1),
+                g_CB.stride(0), *scalars, EVEN_K=dim % cfg.block_k == 0, **common,
+            )
+
+    def _grad_logits_cublas(self, h_CD, w_BD, v_start, per_tok, l_CB, g_CB, flags, scalars):
+        """As ``_grad_logits_fused`` with the logits recomputed by cuBLAS into the fp32 buffer ``l_CB``."""
+        _mm_fp32(h_CD, w_BD.t(), l_CB)
+        blk = self.rows_block
+        _rows_grad_kernel[(h_CD.shape[0], triton.cdiv(w_BD.shape[0], blk))](
+            l_CB, g_CB, *per_tok,
+            w_BD.shape[0], v_start, l_CB.stride(0), g_CB.stride(0),
+            *scalars, **flags, BLOCK=blk, num_warps=8,
+        )
+
+    # ------------------------------------------------------------------ loss-fused forward
+    def fused_loss_forward(
+        self, hidden_TD, weight_VD, labels_T, token_grads, *, temperature, softcap, entropy, chunk_size,
+        need_hidden, need_weight,
+    ):
+        """Per-token (logprob, entropy) and, in the same pass, grad_hidden and grad_weight of a token-wise loss.
+
+        ``token_grads(start, end, logprob_C, entropy_C)`` is called once per chunk, in order, and returns
+        the loss's gradients w.r.t. the chunk's log-probs and entropies (None where the loss does not use
+        them or no gradient is wanted). Per chunk of C tokens:
+        fp32 logits stored by the forward kernel as it reduces them (cuBLAS + a row kernel in the "cublas"
+        mode), the caller's gradients, 16-bit grad_logits written over the logits, then grad_hidden = G @ W (rounded once) and grad_weight += G^T @ h (rounded once per chunk).
+        """
+        n_tok, dim = hidden_TD.shape
+        vocab = weight_VD.shape[0]
+        rows = min(n_tok, chunk_size or default_loss_rows(vocab))
+        dev = hidden_TD.device
+        v_pad = triton.cdiv(vocab, 64) * 64  # 16-byte aligned rows for the 16-bit view
+        logits_CV = torch.empty(rows, v_pad, dtype=torch.float32, device=dev)
+        grads_CV = logits_CV.view(hidden_TD.dtype)  # [rows, 2 * v_pad]: G of row r starts at row r's byte 0
+        labels_T = labels_T.contiguous()
+        stats = [torch.empty(n_tok, dtype=torch.float32, device=dev) for _ in range(4)]  # the cuBLAS mode's
+        if not entropy:
+            stats[2] = None
+        logprob_T = torch.empty(n_tok, dtype=torch.float32, device=dev)
+        ent_T = torch.empty(n_tok, dtype=torch.float32, device=dev) if entropy else None
+        grad_h = torch.empty(hidden_TD.shape, dtype=hidden_TD.dtype, device=dev) if need_hidden else None
+        grad_w = torch.zeros(weight_VD.shape, dtype=weight_VD.dtype, device=dev) if need_weight else None
+        scalars = (1.0 / temperature, softcap or 1.0, 1.0 / (softcap or 1.0))
+        for start in range(0, n_tok, rows):
+            end = min(start + rows, n_tok)
+            n_c = end - start
+            h_CD = hidden_TD[start:end]
+            l_CV = logits_CV[:n_c, :vocab]
+            if self.fwd_mode == "cublas":
+                _mm_fp32(h_CD, weight_VD.t(), l_CV)
+                _rows_stats(l_CV, labels_T[start:end], stats, start, temperature, softcap)
+                chunk_stats = (None if x is None else x[start:end] for x in stats)
+            else:
+                chunk_stats = self._forward_fused(h_CD, weight_VD, labels_T[start:end], temperature, softcap,
+                                                  entropy, logits_TV=l_CV)
+            LAUNCHES.fused_loss += 1
+            lse_C, logprob_T[start:end], ent_C = finish_stats(*chunk_stats)
+            if ent_T is not None:
+                ent_T[start:end] = ent_C
+            glp_C, gent_C = token_grads(start, end, logprob_T[start:end], ent_C)
+            if not (need_hidden or need_weight):
+                continue
+            if glp_C is None and gent_C is None:  # this chunk's loss does not depend on the logits
+                if need_hidden:
+                    grad_h[start:end].zero_()
+                continue
+            _rows_grad_inplace_kernel[(n_c,)](
+                l_CV, grads_CV, labels_T[start:end], lse_C,
+                lse_C if gent_C is None else ent_C,
+                lse_C if glp_C is None else glp_C.contiguous(),
+                lse_C if gent_C is None else gent_C.contiguous(),
+                vocab, logits_CV.stride(0), grads_CV.stride(0), *scalars,
+                HAS_SOFTCAP=softcap is not None, HAS_GLP=glp_C is not None, HAS_GENT=gent_C is not None,
+                BLOCK=2048, num_warps=8,
+            )
+            g_CV = grads_CV[:n_c, :vocab]
+            if not g_CV.is_cuda:  # the CPU interpreter: torch's CPU bf16 mm reads past a strided view's columns
+                g_CV = g_CV.contiguous()
+            if need_hidden:
+                torch.mm(g_CV, weight_VD, out=grad_h[start:end])
+            if need_weight:
+                grad_w.addmm_(g_CV.t(), h_CD)
+        return logprob_T, ent_T, grad_h, grad_w
+
+
+def _rows_stats(l_CV, labels_C, stats_T, start, temperature, softcap):
+    """Statistics (m, s, a, zy) of fp32 logit rows into ``stats_T[i][start:]`` (a may be None)."""
+    m_T, s_T, a_T, zy_T = stats_T
+    _rows_stats_kernel[(l_CV.shape[0],)](
+        l_CV, labels_C, m_T[start:], s_T[start:], (m_T if a_T is None else a_T)[start:], zy_T[start:],
+        l_CV.shape[1], l_CV.stride(0),
+        1.0 / temperature, softcap or 1.0, 1.0 / (softcap or 1.0),
+        HAS_SOFTCAP=softcap is not None, ENTROPY=a_T is not None, BLOCK=1024, num_warps=4,
+    )
+    LAUNCHES.forward += 1
 
 
 TRITON_ENGINE = TritonEngine()
