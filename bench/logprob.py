@@ -278,10 +278,8 @@ def sweep(n=16384, d=4096, v=151936):
           lambda: torch.addmm(acc, g, w[:2048], out_dtype=torch.float32, out=acc), 2 * 4096 * 2048 * d)
     del acc, g
     bwd_runs = [  # (label, engine kwargs): the backward's blocking (tokens from the workspace budget)
-        ("default: vocab block 2048, 80 MiB (4096 tokens)", {}),
-        ("vocab block 4096, 48 MiB (2048 tokens)", dict(vocab_block=4096, workspace_bytes=48 << 20)),
-        ("vocab block 4096, 72 MiB (3072 tokens)", dict(vocab_block=4096, workspace_bytes=72 << 20)),
-        ("vocab block 8192, 64 MiB (2048 tokens)", dict(vocab_block=8192, workspace_bytes=64 << 20)),
+        ("default: vocab block 8192, 64 MiB (2048 tokens)", {}),
+        ("vocab block 2048, 80 MiB (4096 tokens)", dict(vocab_block=2048, workspace_bytes=80 << 20)),
         ("vocab block 4096, 96 MiB (4096 tokens)", dict(vocab_block=4096, workspace_bytes=96 << 20)),
         ("whole vocabulary, 512 MiB (1664 tokens)", dict(vocab_block=1 << 30, workspace_bytes=512 << 20)),
     ]
@@ -293,9 +291,18 @@ def sweep(n=16384, d=4096, v=151936):
     def token_grads(start, end, lp, en):
         return glp[start:end], gent[start:end]
 
-    for mode, rows in (("fused", 512), ("fused", 768), ("fused", 1024), ("cublas", 768)):
-        eng = tb.TritonEngine(fwd_mode=mode)
-        bench(f"loss-fused forward (6NHV), chunk {rows}, {mode} logits", lambda: eng.fused_loss_forward(
+    fused_runs = [  # (chunk tokens, engine kwargs): who writes the fp32 logits, and the chunk
+        (512, {}),
+        (768, {}),
+        (1024, {}),
+        (2048, {}),
+        (768, dict(loss_logits="fused")),
+        (768, dict(loss_logits="fused", fwd_store=tb.Config(128, 128, 64, 8, 4, group=16))),
+    ]
+    for rows, kw in fused_runs:
+        eng = tb.TritonEngine(**kw)
+        label = "cublas logits" if eng.loss_logits == "cublas" else f"logits stored by the forward, {eng.fwd_store}"
+        bench(f"loss-fused forward (6NHV), chunk {rows}, {label}", lambda: eng.fused_loss_forward(
             h, w, y, token_grads, temperature=0.7, softcap=None, entropy=True, chunk_size=rows,
             need_hidden=True, need_weight=True), 3 * flop)
     return res
@@ -425,6 +432,8 @@ def main(argv=None):
                         cell["status"] = f"error: {type(err).__name__}: {str(err)[:160]}"
                     _cleanup()
                     cells.append(cell)
+                    if args.json:  # after every cell, so a run cut short keeps what it measured
+                        json.dump({"cells": cells, "fits": []}, open(args.json, "w"), indent=1)
                     acc = ""
                     if "max_dlp" in cell:
                         acc = f" |dlp| {cell['max_dlp']:.2e}" + (

@@ -14,7 +14,7 @@ tile by tile and writes grad_logits (fp32 math, stored in the input dtype, as Li
 [C, B] workspace; cuBLAS then accumulates grad_hidden[C] += G @ W[B] into an fp32 [C, D] accumulator
 (rounded to the input dtype once per token block) and grad_weight[B] += G^T @ h[C] (fp32 inside each
 matmul, rounded to the weight dtype once per token block). Blocking the vocabulary as well as the
-tokens keeps the workspace small (80 MiB: the issue's N=32768, H=4096, V=151936 case stays under
+tokens keeps the workspace small (64 MiB: the issue's N=32768, H=4096, V=151936 case stays under
 1.5 GiB with its 1.41 GiB of returned gradients) while the token block stays large enough for
 efficient grad_weight updates and few roundings. No atomics: results are identical run to run.
 
@@ -39,11 +39,14 @@ logger = logging.getLogger(__name__)
 
 # Backward workspace in bytes: the fp32 grad_hidden accumulator of one token block plus its 16-bit
 # [tokens, vocabulary block] grad_logits tile (``backward_blocks``).
-BACKWARD_WORKSPACE_BYTES = 80 << 20
-# Vocabulary rows per backward block (a multiple of every BLOCK_V used here).
-BACKWARD_VOCAB_BLOCK = 2048
-# Bytes of the fp32 logits buffer of one chunk of the loss-fused forward.
-FUSED_LOSS_WORKSPACE_BYTES = 512 << 20
+BACKWARD_WORKSPACE_BYTES = 64 << 20
+# Vocabulary rows per backward block (a multiple of every BLOCK_V used here). With 64 MiB this gives
+# 2048-token blocks at H=4096; ``bench/logprob.py --sweep`` measured it fastest of the blockings tried.
+BACKWARD_VOCAB_BLOCK = 8192
+# Bytes of the fp32 logits buffer of one chunk of the loss-fused forward: 1024 tokens at V=151936
+# (``bench/logprob.py --sweep``: 512 / 768 / 1024 / 2048-token chunks took 112 / 107 / 102 / 100 ms at
+# N=16384, H=4096).
+FUSED_LOSS_WORKSPACE_BYTES = 640 << 20
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps 0 * (z - m) at 0 for masked columns
 
@@ -76,6 +79,9 @@ class Config:
 # (586 vs 558 TFLOP/s with TMA).
 FWD_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3, group=16)
 BWD_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3)
+# The forward that also stores fp32 logits (loss-fused path): the TMA store stages a whole fp32 tile in
+# shared memory (128 KB at 128 x 256), so the 3-stage pipeline above no longer fits in 227 KB.
+FWD_STORE_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=2, group=16)
 
 
 @triton.jit
@@ -496,6 +502,8 @@ class TritonEngine:
     as a cross-check). ``tma`` / ``bwd_tma``: TMA tile loads in the forward / backward kernel when the
     layout allows (unit last stride, 16-byte aligned rows), else plain pointer loads.
     ``vocab_block`` / ``workspace_bytes``: the backward's blocking (``backward_blocks``).
+    ``loss_logits``: who writes the loss-fused path's fp32 logits: "cublas" (then a row kernel reduces
+    them) or "fused" (the forward kernel stores them as it reduces; measured 8% slower on the H200).
     """
 
     name = "triton"
@@ -504,6 +512,8 @@ class TritonEngine:
         self,
         fwd: Config = FWD_CONFIG,
         bwd: Config = BWD_CONFIG,
+        fwd_store: Config = FWD_STORE_CONFIG,
+        loss_logits: str = "cublas",
         fwd_mode: str = "fused",
         bwd_mode: str = "fused",
         rows_block: int = 4096,
@@ -512,10 +522,12 @@ class TritonEngine:
         vocab_block: int = BACKWARD_VOCAB_BLOCK,
         workspace_bytes: int = BACKWARD_WORKSPACE_BYTES,
     ):
-        if fwd_mode not in ("fused", "cublas") or bwd_mode not in ("fused", "cublas"):
-            raise ValueError(f"modes must be 'fused' or 'cublas', got {fwd_mode!r}, {bwd_mode!r}")
+        if {fwd_mode, bwd_mode, loss_logits} - {"fused", "cublas"}:
+            raise ValueError(f"modes must be 'fused' or 'cublas', got {fwd_mode!r}, {bwd_mode!r}, {loss_logits!r}")
         self.fwd = fwd
         self.bwd = bwd
+        self.fwd_store = fwd_store
+        self.loss_logits = loss_logits
         self.fwd_mode = fwd_mode
         self.bwd_mode = bwd_mode
         self.rows_block = rows_block
@@ -535,7 +547,7 @@ class TritonEngine:
         """One launch over (token tiles x vocabulary splits); ``logits_TV`` (fp32) also receives the logits."""
         n_tok, dim = hidden_TD.shape
         vocab = weight_VD.shape[0]
-        cfg = self.fwd
+        cfg = self.fwd if logits_TV is None else self.fwd_store
         v_tiles = triton.cdiv(vocab, cfg.block_v)
         tiles_per_split = forward_tiles_per_split(triton.cdiv(n_tok, cfg.block_t), v_tiles, _sm_count(hidden_TD))
         num_splits = triton.cdiv(v_tiles, tiles_per_split)
@@ -706,8 +718,8 @@ class TritonEngine:
         ``token_grads(start, end, logprob_C, entropy_C)`` is called once per chunk, in order, and returns
         the loss's gradients w.r.t. the chunk's log-probs and entropies (None where the loss does not use
         them or no gradient is wanted). Per chunk of C tokens:
-        fp32 logits stored by the forward kernel as it reduces them (cuBLAS + a row kernel in the "cublas"
-        mode), the caller's gradients, 16-bit grad_logits written over the logits, then grad_hidden = G @ W (rounded once) and grad_weight += G^T @ h (rounded once per chunk).
+        fp32 logits (cuBLAS and a row kernel, or the forward kernel storing them as it reduces: ``loss_logits``),
+        the caller's gradients, 16-bit grad_logits written over the logits, then grad_hidden = G @ W (rounded once) and grad_weight += G^T @ h (rounded once per chunk).
         """
         n_tok, dim = hidden_TD.shape
         vocab = weight_VD.shape[0]
@@ -730,7 +742,7 @@ class TritonEngine:
             n_c = end - start
             h_CD = hidden_TD[start:end]
             l_CV = logits_CV[:n_c, :vocab]
-            if self.fwd_mode == "cublas":
+            if self.loss_logits == "cublas":
                 _mm_fp32(h_CD, weight_VD.t(), l_CV)
                 _rows_stats(l_CV, labels_T[start:end], stats, start, temperature, softcap)
                 chunk_stats = (None if x is None else x[start:end] for x in stats)
