@@ -18,9 +18,10 @@ tokens keeps the workspace small (64 MiB: the issue's N=32768, H=4096, V=151936 
 1.5 GiB with its 1.41 GiB of returned gradients) while the token block stays large enough for
 efficient grad_weight updates and few roundings. No atomics: results are identical run to run.
 
-``fused_loss_forward`` (the loss-fused head, ``fused_loss.py``) computes a chunk's fp32 logits with
-cuBLAS, reduces them, asks the caller for the per-token loss gradients, overwrites the logits with
-16-bit grad_logits in place and runs the two gradient matmuls: 6NHV instead of 8NHV.
+``fused_loss_forward`` (the loss-fused head, ``fused_loss.py``) computes a chunk's fp32 logits (cuBLAS by
+default, or the forward kernel storing them as it reduces), reduces them, asks the caller for the
+per-token loss gradients, overwrites the logits with 16-bit grad_logits in place and runs the two
+gradient matmuls: 6NHV instead of 8NHV.
 """
 
 from __future__ import annotations
