@@ -22,6 +22,8 @@ _EXPORTS = {
     "pack_multimodal_padded": "actorcore.vlm_batch",
     "compute_logprobs": "actorcore.hf.logprobs",
     "compute_values": "actorcore.hf.logprobs",
+    "compute_loss": "actorcore.hf.loss",
+    "LossOutput": "actorcore.kernels.logprob",
     "LogProbOutput": "actorcore.hf.logprobs",
     "linear_logprob_entropy": "actorcore.kernels.logprob",
     "linear_logprob_loss": "actorcore.kernels.logprob",

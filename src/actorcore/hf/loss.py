@@ -1,0 +1,99 @@
+"""``compute_loss``: a token-wise policy loss over a packed batch, the head's gradient formed in the forward.
+
+Legend: ``T`` packed tokens, in the scored-token layout of ``compute_logprobs`` (row t is token t, scored
+by the position before it).
+
+Why: an actor update through ``compute_logprobs`` computes the lm-head logits twice (forward, and again in
+backward once the per-token upstream gradients exist: 8NHV of matmul work). PPO/GRPO/DAPO losses are
+sums of per-token terms, so ``linear_logprob_loss`` forms the head's gradient during the forward (6NHV;
+``docs/benchmarks.md``). The decoder's backward is unchanged: ``loss.backward()`` runs it as usual.
+
+The caller's ``token_args`` are in the scored-token layout; each row moves to the position that predicts
+its token. Positions that score nothing (the last token of every sequence) get zeros and their losses
+are dropped, so every sequence's first token contributes nothing, exactly where ``compute_logprobs``
+returns 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from actorcore.archs import spec_for_model
+from actorcore.batch import PackedBatch, next_token_labels
+from actorcore.hf.logprobs import (
+    _check_inputs,
+    _check_lm_head,
+    _check_temperature,
+    _final_logit_softcap,
+    _finish,
+    _sp_size,
+    call_as_forward,
+    run_decoder,
+)
+from actorcore.kernels.logprob import LossOutput, linear_logprob_loss
+from actorcore.kernels.logprob.fused_loss import TokenLoss
+
+
+def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args: Sequence[torch.Tensor] = (),
+                 temperature: float = 1.0, entropy: bool = True, parallel: Any = None,
+                 **decoder_kwargs: Any) -> LossOutput:
+    """``sum_t loss_fn(log_probs, entropy, *token_args)[t]`` over the scored tokens of ``batch``.
+
+    ``loss_fn`` is token-wise (see ``linear_logprob_loss``) and gets float32 chunks of log-probs, entropies
+    (None with ``entropy=False``) and the matching rows of each ``token_args`` tensor (``[T, ...]``, e.g.
+    advantages, old log-probs, per-token weights). Returns the loss (``.backward()`` trains the model) and
+    the detached ``[T]`` log-probs and entropies, equal to ``compute_logprobs``'s. Runs as the model's
+    forward (FSDP2 / DDP hooks apply).
+    """
+    temperature = _check_temperature(temperature)
+    spec_for_model(model)
+    if _sp_size(parallel) > 1:
+        raise ValueError(
+            "compute_loss does not run under sequence parallelism (sp_size > 1) yet; use compute_logprobs "
+            "(full [T] outputs on every rank) and compute the loss on its outputs"
+        )
+    batch = _check_inputs(model, batch)
+    token_args = tuple(_check_token_arg(i, a, batch) for i, a in enumerate(token_args))
+    return call_as_forward(model, lambda: _loss_inside_forward(
+        model, batch, loss_fn, token_args, temperature, entropy, decoder_kwargs))
+
+
+def _check_token_arg(i: int, arg: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    n_tok = batch.num_real_tokens
+    if not isinstance(arg, torch.Tensor) or arg.dim() < 1 or arg.shape[0] != n_tok:
+        got = tuple(arg.shape) if isinstance(arg, torch.Tensor) else type(arg).__name__
+        raise ValueError(f"token_args[{i}] must have one row per token of the batch ({n_tok}), got {got}")
+    if arg.requires_grad:
+        raise ValueError(f"token_args[{i}] requires grad; token_args are constants: pass it detached")
+    return arg.to(batch.device)
+
+
+def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
+    """Row t -> row t - 1 (the position that predicts token t); zeros where nothing is predicted."""
+    out = torch.zeros_like(arg_T)
+    out[:-1] = arg_T[1:]
+    keep = valid_T.reshape(-1, *([1] * (arg_T.dim() - 1)))
+    return torch.where(keep, out, torch.zeros_like(out))
+
+
+def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy, decoder_kwargs) -> LossOutput:
+    spec = spec_for_model(model)
+    head = model.get_output_embeddings()
+    _check_lm_head(model, head)
+    hidden_TD, work = run_decoder(model, spec, batch, None, **decoder_kwargs)
+    labels_T, valid_T = next_token_labels(work)
+
+    def scored_only(logprob_C, entropy_C, keep_C, *args_C):
+        loss_C = loss_fn(logprob_C, entropy_C, *args_C)
+        if not isinstance(loss_C, torch.Tensor) or loss_C.shape != logprob_C.shape:
+            return loss_C  # not per-token: linear_logprob_loss says what was wrong
+        return torch.where(keep_C, loss_C, torch.zeros_like(loss_C))
+
+    out = call_as_forward(head, lambda: linear_logprob_loss(
+        hidden_TD, head.weight, labels_T.clamp(min=0), scored_only,
+        token_args=(valid_T, *(_to_predicting(a, valid_T) for a in token_args)),
+        temperature=temperature, entropy=entropy, softcap=_final_logit_softcap(model, spec)))
+    entropy_T = None if out.entropy is None else _finish(out.entropy, valid_T, work)
+    return LossOutput(out.loss, _finish(out.logprob, valid_T, work), entropy_T)
