@@ -33,7 +33,7 @@ from actorcore.hf.logprobs import (
     run_decoder,
 )
 from actorcore.kernels.logprob import LossOutput, linear_logprob_loss
-from actorcore.kernels.logprob.fused_loss import TokenLoss
+from actorcore.kernels.logprob.fused_loss import TokenLoss, check_token_args
 
 
 def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args: Sequence[torch.Tensor] = (),
@@ -55,19 +55,9 @@ def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args:
             "(full [T] outputs on every rank) and compute the loss on its outputs"
         )
     batch = _check_inputs(model, batch)
-    token_args = tuple(_check_token_arg(i, a, batch) for i, a in enumerate(token_args))
+    token_args = tuple(a.to(batch.device) for a in check_token_args(token_args, batch.num_real_tokens, None))
     return call_as_forward(model, lambda: _loss_inside_forward(
         model, batch, loss_fn, token_args, temperature, entropy, decoder_kwargs))
-
-
-def _check_token_arg(i: int, arg: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    n_tok = batch.num_real_tokens
-    if not isinstance(arg, torch.Tensor) or arg.dim() < 1 or arg.shape[0] != n_tok:
-        got = tuple(arg.shape) if isinstance(arg, torch.Tensor) else type(arg).__name__
-        raise ValueError(f"token_args[{i}] must have one row per token of the batch ({n_tok}), got {got}")
-    if arg.requires_grad:
-        raise ValueError(f"token_args[{i}] requires grad; token_args are constants: pass it detached")
-    return arg.to(batch.device)
 
 
 def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ def linear_logprob_loss(
     check_inputs(
         hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size
     )
-    token_args = _check_token_args(token_args, labels_T)
+    token_args = check_token_args(token_args, labels_T.shape[0], labels_T.device)
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if backend == "reference":
@@ -85,18 +85,21 @@ def linear_logprob_loss(
     return LossOutput(loss, logprob_T, ent_T)
 
 
-def _check_token_args(token_args: Sequence[torch.Tensor], labels_T: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def check_token_args(
+    token_args: Sequence[torch.Tensor], n_tok: int, device: torch.device | None
+) -> tuple[torch.Tensor, ...]:
+    """Each must be a constant tensor with one row per token (on ``device``, unless None)."""
     token_args = tuple(token_args)
     for i, arg in enumerate(token_args):
-        if not isinstance(arg, torch.Tensor) or arg.dim() < 1 or arg.shape[0] != labels_T.shape[0]:
+        if not isinstance(arg, torch.Tensor) or arg.dim() < 1 or arg.shape[0] != n_tok:
             raise ValueError(
-                f"token_args[{i}] must be a tensor with one row per token ({labels_T.shape[0]}), got "
+                f"token_args[{i}] must be a tensor with one row per token ({n_tok}), got "
                 f"{tuple(arg.shape) if isinstance(arg, torch.Tensor) else type(arg).__name__}"
             )
         if arg.requires_grad:
             raise ValueError(f"token_args[{i}] requires grad; token_args are constants: pass it detached")
-        if arg.device != labels_T.device:
-            raise ValueError(f"token_args[{i}] is on {arg.device}, the tokens are on {labels_T.device}")
+        if device is not None and arg.device != device:
+            raise ValueError(f"token_args[{i}] is on {arg.device}, the tokens are on {device}")
     return token_args
 
 

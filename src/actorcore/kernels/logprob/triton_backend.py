@@ -469,16 +469,8 @@ def forward_tiles_per_split(t_tiles: int, v_tiles: int, sms: int, lo: int = 4, h
     return min(range(hi, lo - 1, -1), key=cost)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def _sm_count(t: torch.Tensor) -> int:
-    if not t.is_cuda:
-        return 132
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 132
 
 
 def _merge_splits(m_ST, s_ST, a_ST, zy_ST):
@@ -730,9 +722,10 @@ class TritonEngine:
         logits_CV = torch.empty(rows, v_pad, dtype=torch.float32, device=dev)
         grads_CV = logits_CV.view(hidden_TD.dtype)  # [rows, 2 * v_pad]: G of row r starts at row r's byte 0
         labels_T = labels_T.contiguous()
-        stats = [torch.empty(n_tok, dtype=torch.float32, device=dev) for _ in range(4)]  # the cuBLAS mode's
-        if not entropy:
-            stats[2] = None
+        stats = None  # the cuBLAS mode's per-token statistics (the forward kernel returns its own)
+        if self.loss_logits == "cublas":
+            stats = [torch.empty(n_tok, dtype=torch.float32, device=dev) if entropy or i != 2 else None
+                     for i in range(4)]
         logprob_T = torch.empty(n_tok, dtype=torch.float32, device=dev)
         ent_T = torch.empty(n_tok, dtype=torch.float32, device=dev) if entropy else None
         grad_h = torch.empty(hidden_TD.shape, dtype=hidden_TD.dtype, device=dev) if need_hidden else None
