@@ -24,7 +24,7 @@ _EXPORTS = {
     "compute_values": "actorcore.hf.logprobs",
     "compute_loss": "actorcore.hf.loss",
     "LossOutput": "actorcore.kernels.logprob",
-    "LogProbOutput": "actorcore.hf.logprobs",
+    "LogProbOutput": "actorcore.outputs",
     "linear_logprob_entropy": "actorcore.kernels.logprob",
     "linear_logprob_loss": "actorcore.kernels.logprob",
     "ParallelContext": "actorcore.parallel",

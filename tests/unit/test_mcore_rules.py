@@ -10,7 +10,7 @@ import torch
 
 from actorcore.archs import get_spec, registered_model_types
 from actorcore.mcore import transforms as T
-from actorcore.mcore.rules import McoreSpec, WeightRule
+from actorcore.archs.megatron_rules import McoreSpec, WeightRule
 
 
 def megatron_archs() -> list[str]:

@@ -15,7 +15,7 @@ from actorcore.archs.spec import ArchSpec, UnsupportedArchitectureError
 
 __all__ = ["ArchSpec", "UnsupportedArchitectureError", "get_spec", "registered_model_types", "spec_for_model"]
 
-_NOT_SPECS = {"spec"}
+_NOT_SPECS = {"spec", "megatron_rules"}
 
 
 @functools.cache

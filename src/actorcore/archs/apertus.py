@@ -1,7 +1,7 @@
 import dataclasses
 
 from actorcore.archs.llama import SPEC as LLAMA
-from actorcore.mcore.rules import McoreSpec
+from actorcore.archs.megatron_rules import McoreSpec
 
 # Ungated MLP with the xIELU activation: down(act(up(x))).
 SPEC = dataclasses.replace(

@@ -1,5 +1,5 @@
 from actorcore.archs.spec import ArchSpec
-from actorcore.mcore.rules import (
+from actorcore.archs.megatron_rules import (
     DENSE_MLP_RULES,
     EMBEDDING_RULES,
     EXPERT_BIAS_RULES,

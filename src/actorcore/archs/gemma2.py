@@ -1,7 +1,7 @@
 import dataclasses
 
 from actorcore.archs.llama import SPEC as LLAMA
-from actorcore.mcore.rules import McoreSpec
+from actorcore.archs.megatron_rules import McoreSpec
 
 # GeGLU MLP; attention logit softcapping and sliding windows are applied by the packed attention;
 # the final logit softcap is applied exactly by the log-prob head.

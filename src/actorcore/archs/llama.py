@@ -1,4 +1,4 @@
 from actorcore.archs.spec import ArchSpec
-from actorcore.mcore.rules import DENSE_RULES, McoreSpec
+from actorcore.archs.megatron_rules import DENSE_RULES, McoreSpec
 
 SPEC = ArchSpec(model_type="llama", mcore=McoreSpec(rules=DENSE_RULES))

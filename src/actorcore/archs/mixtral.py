@@ -1,7 +1,7 @@
 import dataclasses
 
 from actorcore.archs.mistral import SPEC as MISTRAL
-from actorcore.mcore.rules import grouped_expert_rules, moe_rules
+from actorcore.archs.megatron_rules import grouped_expert_rules, moe_rules
 
 # Experts live under block_sparse_moe on disk: w1 = gate, w3 = up, w2 = down. In transformers 5's grouped
 # layout the router is mlp.gate and the experts mlp.experts.{gate_up,down}_proj.

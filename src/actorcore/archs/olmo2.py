@@ -1,7 +1,7 @@
 import dataclasses
 
 from actorcore.archs.llama import SPEC as LLAMA
-from actorcore.mcore.rules import McoreSpec
+from actorcore.archs.megatron_rules import McoreSpec
 
 # Post-norm layers and q/k norms over the whole projection; nothing the packed path must special-case.
 SPEC = dataclasses.replace(

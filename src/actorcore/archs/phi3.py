@@ -1,7 +1,7 @@
 import dataclasses
 
 from actorcore.archs.llama import SPEC as LLAMA
-from actorcore.mcore.rules import McoreSpec
+from actorcore.archs.megatron_rules import McoreSpec
 
 # Phi-3 fuses gate and up into one gate_up_proj (and q/k/v into qkv_proj).
 SPEC = dataclasses.replace(

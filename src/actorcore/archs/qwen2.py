@@ -1,7 +1,7 @@
 import dataclasses
 
 from actorcore.archs.llama import SPEC as LLAMA
-from actorcore.mcore.rules import DENSE_RULES, QKV_BIAS_RULES, McoreSpec
+from actorcore.archs.megatron_rules import DENSE_RULES, QKV_BIAS_RULES, McoreSpec
 
 # Qwen2 always has q/k/v biases (no config field says so).
 SPEC = dataclasses.replace(

@@ -1,7 +1,7 @@
 import dataclasses
 
 from actorcore.archs.qwen2 import SPEC as QWEN2
-from actorcore.mcore.rules import SHARED_EXPERT_RULES, grouped_expert_rules, moe_rules
+from actorcore.archs.megatron_rules import SHARED_EXPERT_RULES, grouped_expert_rules, moe_rules
 
 # Routed experts plus one shared expert scaled by a sigmoid gate; q/k/v biases as in Qwen2.
 SPEC = dataclasses.replace(

@@ -1,7 +1,7 @@
 import dataclasses
 
 from actorcore.archs.llama import SPEC as LLAMA
-from actorcore.mcore.rules import DENSE_RULES, QK_NORM_RULES, McoreSpec
+from actorcore.archs.megatron_rules import DENSE_RULES, QK_NORM_RULES, McoreSpec
 
 # Qwen3 always has per-head RMS norms on q and k.
 SPEC = dataclasses.replace(

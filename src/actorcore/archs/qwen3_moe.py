@@ -1,7 +1,7 @@
 import dataclasses
 
 from actorcore.archs.qwen3 import SPEC as QWEN3
-from actorcore.mcore.rules import grouped_expert_rules, moe_rules
+from actorcore.archs.megatron_rules import grouped_expert_rules, moe_rules
 
 # Sparse layers use Qwen3MoeSparseMoeBlock; layers listed in config.mlp_only_layers stay dense.
 SPEC = dataclasses.replace(

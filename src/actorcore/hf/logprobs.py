@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -36,16 +35,9 @@ from actorcore.hf.attention import (
     register_attention,
 )
 from actorcore.kernels.logprob import linear_logprob_entropy
+from actorcore.outputs import LogProbOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LogProbOutput:
-    """``log_probs`` and ``entropy`` are float32 ``[T]`` aligned to the scored token (0 at sequence starts)."""
-
-    log_probs: torch.Tensor
-    entropy: torch.Tensor | None
 
 
 def resolve(obj: Any, dotted: str) -> Any:

@@ -20,7 +20,7 @@ import torch
 from actorcore.mcore import collectives
 from actorcore.mcore.model import mcore_spec_for
 from actorcore.mcore.parallel import McoreGroups
-from actorcore.mcore.rules import WeightRule
+from actorcore.archs.megatron_rules import WeightRule
 from actorcore.mcore.transforms import local_experts, merge_parts, split_parts, tp_dim, tp_range
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from actorcore.batch import PackedBatch, next_token_labels, pad_to_multiple, shift_to_scored_token, unpad
-from actorcore.hf.logprobs import LogProbOutput
+from actorcore.outputs import LogProbOutput
 from actorcore.kernels.logprob import linear_logprob_entropy_vocab_parallel
 from actorcore.mcore import collectives
 from actorcore.mcore.parallel import McoreGroups
