@@ -12,14 +12,14 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "PackedBatch": "actorcore.batch",
-    "pack": "actorcore.batch",
-    "pack_padded": "actorcore.batch",
+    "pack": "actorcore.hf.packing",
+    "pack_padded": "actorcore.hf.packing",
     "unpack": "actorcore.batch",
     "pad_to_multiple": "actorcore.batch",
     "next_token_labels": "actorcore.batch",
     "shard_for_sp": "actorcore.batch",
-    "pack_multimodal": "actorcore.vlm_batch",
-    "pack_multimodal_padded": "actorcore.vlm_batch",
+    "pack_multimodal": "actorcore.hf.vlm_packing",
+    "pack_multimodal_padded": "actorcore.hf.vlm_packing",
     "compute_logprobs": "actorcore.hf.logprobs",
     "compute_values": "actorcore.hf.logprobs",
     "compute_loss": "actorcore.hf.loss",
@@ -31,6 +31,7 @@ _EXPORTS = {
     "patch_model": "actorcore.hf.patch",
     "PatchHandle": "actorcore.hf.patch",
     "get_spec": "actorcore.archs",
+    "register_arch": "actorcore.hf.register",
     "registered_model_types": "actorcore.archs",
 }
 

@@ -92,19 +92,11 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Ten
     return torch.arange(total, device=cu_seqlens.device) - starts
 
 
-def pack(sequences: Sequence[torch.Tensor], multimodal: Sequence[dict | None] | None = None,
-         model: Any = None) -> PackedBatch:
-    """Concatenate 1-D id tensors into one packed batch with per-sequence position ids.
+def pack(sequences: Sequence[torch.Tensor]) -> PackedBatch:
+    """Concatenate 1-D id tensors into one packed batch with per-sequence position ids (text models).
 
-    VLMs: pass each sequence's processor outputs (``multimodal``, ``None`` for text) and the ``model``, whose
-    rope-index function gives the M-RoPE position ids (``actorcore.vlm_batch.pack_multimodal``).
+    ``actorcore.pack`` adds VLM inputs on top of this (``actorcore.hf.packing``).
     """
-    if model is not None:
-        from actorcore.vlm_batch import pack_multimodal
-
-        return pack_multimodal(model, sequences, [None] * len(sequences) if multimodal is None else multimodal)
-    if multimodal is not None:
-        raise ValueError("multimodal inputs need model=... (its rope-index function computes the position ids)")
     if isinstance(sequences, torch.Tensor):
         raise ValueError("pack() takes a list of 1-D id tensors; for a padded [B, S] tensor use pack_padded()")
     if len(sequences) == 0:
@@ -127,7 +119,7 @@ def pack(sequences: Sequence[torch.Tensor], multimodal: Sequence[dict | None] | 
     )
 
 
-def _check_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def check_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     if attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}"
@@ -153,26 +145,14 @@ def _check_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.
     return mask.bool()
 
 
-def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, model: Any = None,
-                **multimodal: Any) -> PackedBatch:
-    """Pack a left- or right-padded ``[B, S]`` batch, dropping the padding.
-
-    VLMs: pass the ``model`` and the processor's other outputs (``pixel_values``, ``image_grid_thw``,
-    ``mm_token_type_ids``, ...) as keywords (``actorcore.vlm_batch.pack_multimodal_padded``).
-    """
-    if model is not None:
-        from actorcore.vlm_batch import pack_multimodal_padded
-
-        return pack_multimodal_padded(model, input_ids, attention_mask, **multimodal)
-    if multimodal:
-        raise ValueError(f"multimodal inputs {sorted(multimodal)} need model=... (its rope-index function "
-                         "computes the position ids)")
+def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
+    """Pack a left- or right-padded ``[B, S]`` batch, dropping the padding (text models)."""
     _check_ids(input_ids, "input_ids")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} is empty")
-    mask = _check_mask(attention_mask, input_ids)
+    mask = check_mask(attention_mask, input_ids)
     return pack([row[keep] for row, keep in zip(input_ids, mask)])
 
 

@@ -18,7 +18,7 @@ def vlm_row(seed: int) -> dict:
     import actorcore as ac
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
     from actorcore.testing.tiny_vlm import build_tiny_vlm, synthetic_sample
-    from actorcore.vlm_batch import pack_multimodal
+    from actorcore.hf.vlm_packing import pack_multimodal
 
     model = build_tiny_vlm(MODEL_TYPE, seed=seed)
     g = torch.Generator().manual_seed(seed)

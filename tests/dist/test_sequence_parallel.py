@@ -7,6 +7,8 @@ shard's first. The tiny configs have 4 heads and 2 kv heads: sp=4 replicates kv 
 checks several things at once to keep process start-up (the dominant cost) low.
 """
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -45,8 +47,6 @@ def _grad_rel_diffs(reference, model, sp_group, sp_size):
 
 def _check_arch(model_type, ctx):
     import actorcore as ac
-    from actorcore.hf.attention import CALLS
-    from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
     from actorcore.testing.tiny_configs import build_tiny_model
 
     batch = ac.pack(_sequences())
@@ -56,9 +56,9 @@ def _check_arch(model_type, ctx):
     reference, actor = build_tiny_model(model_type, seed=3), build_tiny_model(model_type, seed=3)
     handle = ac.patch_model(actor, parallel=ctx)
     ref = ac.compute_logprobs(reference, batch, temperature=0.7)
-    before = CALLS[ULYSSES_ATTENTION]
-    out = ac.compute_logprobs(actor, batch, temperature=0.7, parallel=ctx)
-    result["ulysses_calls"] = CALLS[ULYSSES_ATTENTION] - before
+    trace = Counter()
+    out = ac.compute_logprobs(actor, batch, temperature=0.7, parallel=ctx, trace=trace)
+    result["ulysses_calls"] = trace["attention:actorcore_ulysses"]
     result["num_layers"] = actor.config.num_hidden_layers
     result["logprob"] = (out.log_probs - ref.log_probs).abs().tolist()
     result["entropy"] = (out.entropy - ref.entropy).abs().tolist()
@@ -86,7 +86,7 @@ def _check_arch(model_type, ctx):
 def _bypass_is_caught(model_type, ctx):
     """Simulate a transformers version that ignores the patched implementation: the self-check must fire."""
     import actorcore as ac
-    from actorcore.hf.patch import PatchNotAppliedError
+    from actorcore.hf.attention import PackingNotAppliedError
     from actorcore.testing.tiny_configs import build_tiny_model
 
     model = build_tiny_model(model_type)
@@ -94,7 +94,7 @@ def _bypass_is_caught(model_type, ctx):
     model.config.__dict__["_attn_implementation_internal"] = "eager"  # behind the patch's back
     try:
         ac.compute_logprobs(model, ac.pack(_sequences()), parallel=ctx)
-    except PatchNotAppliedError as exc:
+    except PackingNotAppliedError as exc:
         return str(exc)
     return None
 
@@ -165,7 +165,7 @@ def _assert_results(results, sp_size, archs):
                 for name, rel in r[key].items():
                     assert rel <= grad_tol, f"{where}: {key} {name} relative diff {rel:.2e}"
             assert r["reference_impl"] == "eager" and r["reverted_impl"] == "eager"
-        assert res["bypass"] and "did not take effect" in res["bypass"], res["bypass"]
+        assert res["bypass"] and "bypassed actorcore's attention" in res["bypass"], res["bypass"]
         assert res["unpatched"] and "patch_model" in res["unpatched"], res["unpatched"]
         if sp_size == 2:
             assert res["verl"] <= tol, f"verl compat under SP: max |Δ| {res['verl']:.2e}"

@@ -62,7 +62,6 @@ def _bf16_mixed_precision(rank):
 
 def _worker(rank, world_size, model_type):
     import actorcore as ac
-    from actorcore.hf.patch import MLP_CALLS, TILED_MLP
     from actorcore.testing.tiny_configs import build_tiny_model
 
     plain = _fsdp(build_tiny_model(model_type, seed=9, dtype=torch.float64))
@@ -71,7 +70,7 @@ def _worker(rank, world_size, model_type):
     tiled = _fsdp(tiled)
     # Each rank gets its own micro-batch order; FSDP averages the accumulated gradients over ranks.
     micro = _micro_batches() if rank == 0 else _micro_batches()[::-1]
-    bitwise, calls = [], MLP_CALLS[TILED_MLP]
+    bitwise = []
     for i, seqs in enumerate(micro):
         last = i == len(micro) - 1
         for model in (plain, tiled):
@@ -83,7 +82,7 @@ def _worker(rank, world_size, model_type):
         loss_tiled.backward()
     grads = {n: (p.grad.full_tensor(), q.grad.full_tensor())
              for (n, p), (_, q) in zip(plain.named_parameters(), tiled.named_parameters())}
-    tiled_calls = MLP_CALLS[TILED_MLP] - calls
+    tiled_calls = sum(layer.mlp.forward.calls for layer in tiled.model.layers)
     return {"bf16": _bf16_mixed_precision(rank), "bitwise": bitwise, "tiled_calls": tiled_calls,
             "expected_calls": len(micro) * tiled.config.num_hidden_layers, "grads": grads}
 

@@ -8,6 +8,8 @@ for Qwen3-VL no DeepStack row, yet it must run the vision tower and the same col
 start-up, the dominant cost, low.
 """
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -45,10 +47,8 @@ def _check_arch(model_type, ctx):
     import torch.distributed as dist
 
     import actorcore as ac
-    from actorcore.hf.attention import CALLS
-    from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
     from actorcore.testing.tiny_vlm import build_tiny_vlm
-    from actorcore.vlm_batch import pack_multimodal
+    from actorcore.hf.vlm_packing import pack_multimodal
 
     reference, actor = build_tiny_vlm(model_type, seed=3), build_tiny_vlm(model_type, seed=3)
     ac.patch_model(actor, parallel=ctx)
@@ -58,11 +58,11 @@ def _check_arch(model_type, ctx):
     for name, samples in _batches(reference).items():
         batch = pack_multimodal(reference, [s.input_ids for s in samples], [s.multimodal for s in samples])
         result[f"{name}/visual_tokens_per_shard"] = _shards_with_visual_tokens(batch, ctx.sp_size)
-        before_calls, before_tower = CALLS[ULYSSES_ATTENTION], len(tower_calls)
+        trace, before_tower = Counter(), len(tower_calls)
         w = 0.5 + torch.rand(2, batch.num_tokens, generator=torch.Generator().manual_seed(7))
         ref = ac.compute_logprobs(reference, batch, temperature=0.9)
-        out = ac.compute_logprobs(actor, batch, temperature=0.9, parallel=ctx)
-        result[f"{name}/ulysses_calls"] = CALLS[ULYSSES_ATTENTION] - before_calls
+        out = ac.compute_logprobs(actor, batch, temperature=0.9, parallel=ctx, trace=trace)
+        result[f"{name}/ulysses_calls"] = trace["attention:actorcore_ulysses"]
         result[f"{name}/tower_calls"] = len(tower_calls) - before_tower
         result[f"{name}/logprob"] = (out.log_probs - ref.log_probs).abs().tolist()
         result[f"{name}/entropy"] = (out.entropy - ref.entropy).abs().tolist()

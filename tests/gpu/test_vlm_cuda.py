@@ -15,7 +15,7 @@ def test_packed_vlm_on_cuda_matches_padded(model_type, dtype):
     from actorcore.kernels.varlen_attention import BACKEND_CALLS, choose_backend
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
     from actorcore.testing.tiny_vlm import build_tiny_vlm, mixed_samples
-    from actorcore.vlm_batch import pack_multimodal
+    from actorcore.hf.vlm_packing import pack_multimodal
 
     model = build_tiny_vlm(model_type, dtype=dtype, attn_implementation="sdpa").cuda()
     samples = mixed_samples(model)

@@ -1,12 +1,16 @@
 """HF route, one process: packed compute_logprobs / compute_values against an unpatched padded forward,
 per token, for every registered text architecture."""
 
+from collections import Counter
+
 import pytest
 import torch
 
 import actorcore as ac
 from actorcore.archs import UnsupportedArchitectureError, get_spec, registered_model_types
-from actorcore.hf.attention import CALLS, PACKED_ATTENTION, PackingNotAppliedError
+from actorcore.hf.attention import TRACE_KWARG, PackingNotAppliedError
+
+PACKED = "attention:actorcore_packed"
 from actorcore.testing.reference import (
     logprobs_from_logits,
     padded_logits,
@@ -95,20 +99,20 @@ def test_packed_attention_ran_and_plain_forward_is_unchanged():
     ids, mask = right_padded(_sequences())
     with torch.no_grad():
         before = model(input_ids=ids, attention_mask=mask).logits
-        calls = CALLS[PACKED_ATTENTION]
-        ac.compute_logprobs(model, ac.pack_padded(ids, mask))
-        assert CALLS[PACKED_ATTENTION] - calls == model.config.num_hidden_layers
+        trace = Counter()
+        ac.compute_logprobs(model, ac.pack_padded(ids, mask), trace=trace)
+        assert trace[PACKED] == model.config.num_hidden_layers
         assert model.config._attn_implementation == "eager"
-        calls = CALLS[PACKED_ATTENTION]
-        after = model(input_ids=ids, attention_mask=mask).logits
-    assert CALLS[PACKED_ATTENTION] == calls  # the plain forward does not touch the packed attention
+        plain_trace = Counter()
+        after = model(input_ids=ids, attention_mask=mask, **{TRACE_KWARG: plain_trace}).logits
+    assert not plain_trace  # the plain forward does not touch the packed attention
     assert torch.equal(before, after)
 
 
 def test_bypassed_packed_attention_is_an_error(monkeypatch):
     model = build_tiny_model("llama")
     # Simulate a transformers version that ignores the registered implementation.
-    monkeypatch.setattr("actorcore.hf.logprobs.packed_attention",
+    monkeypatch.setattr("actorcore.hf.decoder.packed_attention",
                         lambda decoder, configs, name: __import__("contextlib").nullcontext())
     with pytest.raises(PackingNotAppliedError, match="bypassed"):
         ac.compute_logprobs(model, ac.pack(_sequences()))
@@ -156,11 +160,11 @@ def test_activation_checkpointing_and_grad_modes(model_type):
     model.zero_grad(set_to_none=True)
     for reentrant in (False, True):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
-        calls = CALLS[PACKED_ATTENTION]
-        out = ac.compute_logprobs(model, batch)
+        trace = Counter()
+        out = ac.compute_logprobs(model, batch, trace=trace)
         (out.log_probs.sum() + out.entropy.sum()).backward()
         # forward + recomputation in backward both ran the packed attention
-        assert CALLS[PACKED_ATTENTION] - calls == 2 * model.config.num_hidden_layers
+        assert trace[PACKED] == 2 * model.config.num_hidden_layers
         assert _max_diff(out.log_probs.detach(), ref.log_probs) <= TOL["packed_vs_hf_fp32"]
         _assert_grads_close(_grads(model), want, TOL["grad_packed_vs_hf_fp32_rel"])
         model.zero_grad(set_to_none=True)
@@ -237,10 +241,10 @@ def test_torch_checkpoint_wrapper_recomputes_with_packed_attention(reentrant):
     for i in range(len(layers)):
         layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=impl)
     model.train()
-    calls = CALLS[PACKED_ATTENTION]
-    out = ac.compute_logprobs(model, batch)
+    trace = Counter()
+    out = ac.compute_logprobs(model, batch, trace=trace)
     (out.log_probs.sum() + out.entropy.sum()).backward()
-    assert CALLS[PACKED_ATTENTION] - calls == 2 * model.config.num_hidden_layers
+    assert trace[PACKED] == 2 * model.config.num_hidden_layers
     got = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in _grads(model).items()}
     _assert_grads_close(got, want, TOL["grad_packed_vs_hf_fp32_rel"])
 

@@ -9,12 +9,13 @@ together.
 
 import dataclasses
 
+from collections import Counter
+
 import pytest
 import torch
 
 import actorcore as ac
 from actorcore.archs import UnsupportedArchitectureError, get_spec, registered_model_types
-from actorcore.hf.attention import CALLS, PACKED_ATTENTION
 from actorcore.testing.reference_vlm import reference_groups, reference_logprobs_vlm
 from actorcore.testing.tiny_vlm import (
     IMAGE_TOKEN,
@@ -25,7 +26,7 @@ from actorcore.testing.tiny_vlm import (
     synthetic_sample,
 )
 from actorcore.testing.tolerances import TOL
-from actorcore.vlm_batch import pack_multimodal, pack_multimodal_padded
+from actorcore.hf.vlm_packing import pack_multimodal, pack_multimodal_padded
 
 VLM_ARCHS = [m for m in registered_model_types() if get_spec(m).vision is not None and not get_spec(m).vision.refused]
 TOL_VLM = TOL["vlm_packed_vs_hf_fp32"]
@@ -65,9 +66,9 @@ def test_packed_vlm_equals_padded_hf_per_token(model_type):
     assert batch.position_ids.shape == (3, batch.num_tokens)
     tower = _TowerCalls(model)
     with torch.no_grad():
-        calls = CALLS[PACKED_ATTENTION]
-        out = ac.compute_logprobs(model, batch, temperature=0.7)
-        assert CALLS[PACKED_ATTENTION] - calls == model.config.text_config.num_hidden_layers
+        trace = Counter()
+        out = ac.compute_logprobs(model, batch, temperature=0.7, trace=trace)
+        assert trace["attention:actorcore_packed"] == model.config.text_config.num_hidden_layers
         assert tower.count == 1  # once, for all images and videos together
         ref_lp, ref_ent = reference_logprobs_vlm(model, samples, temperature=0.7)
     tower.close()
@@ -330,11 +331,11 @@ def test_gradient_checkpointing_vlm_matches():
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()  # HF checkpoints only in training mode; the tiny configs have no dropout
-        calls = CALLS[PACKED_ATTENTION]
-        out = ac.compute_logprobs(model, batch)
+        trace = Counter()
+        out = ac.compute_logprobs(model, batch, trace=trace)
         (out.log_probs.sum() + out.entropy.sum()).backward()
         layers = model.config.text_config.num_hidden_layers
-        assert CALLS[PACKED_ATTENTION] - calls == layers * (2 if checkpointing else 1)  # recomputed in backward
+        assert trace["attention:actorcore_packed"] == layers * (2 if checkpointing else 1)  # recomputed in backward
         grads.append(_grads(model))
     for name, want in grads[0].items():
         rel = ((grads[1][name] - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()

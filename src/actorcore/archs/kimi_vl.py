@@ -1,6 +1,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from actorcore.archs._vision import VisionSpec
+from actorcore.archs.megatron_rules import McoreSpec
 from actorcore.archs.spec import ArchSpec
 
 
@@ -23,4 +24,5 @@ SPEC = ArchSpec(
     model_type="kimi_vl",
     unsupported_config=(("model_type", REASON),),
     vision=VisionSpec(refused=REASON),
+    mcore=McoreSpec(refused=REASON),
 )

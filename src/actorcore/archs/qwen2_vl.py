@@ -1,5 +1,8 @@
 from actorcore.archs._vision import VisionSpec
+from actorcore.archs.megatron_rules import McoreSpec
 from actorcore.archs.spec import ArchSpec
+
+NO_MEGATRON_ROUTE = "vision-language models have no Megatron-Core route in actorcore yet (the HF route serves them)"
 
 # Qwen2VLForConditionalGeneration: model.visual (vision tower) + model.language_model (text decoder) + lm_head.
 # Text tokens get 1-D positions, image/video tokens 3-D (t, h, w) M-RoPE positions from model.get_rope_index.
@@ -7,5 +10,6 @@ SPEC = ArchSpec(
     model_type="qwen2_vl",
     decoder="model.language_model",
     vision=VisionSpec(),
-    notes="packed M-RoPE batches via actorcore.vlm_batch.pack_multimodal; no Megatron-Core route",
+    mcore=McoreSpec(refused=NO_MEGATRON_ROUTE),
+    notes="packed M-RoPE batches via actorcore.pack(..., multimodal=, model=)",
 )

@@ -1,7 +1,8 @@
 """What generic code needs to know about one Hugging Face ``model_type``, as data.
 
-Each ``archs/<model_type>.py`` defines ``SPEC = ArchSpec(...)`` (usually ``dataclasses.replace`` of a
-sibling). Generic code reads specs; it never branches on ``model_type``.
+Each ``archs/<model_type>.py`` defines ``SPEC = ArchSpec(...)`` (often ``dataclasses.replace`` of a
+sibling, restating its Megatron part: the registry refuses a spec that shares another's). Generic code reads
+specs; it never branches on ``model_type``.
 """
 
 from __future__ import annotations
@@ -9,10 +10,45 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from actorcore.archs.megatron_rules import McoreSpec
+
 # MLP kinds the generic code knows. "gated": down(act(gate(x)) * up(x)) (SwiGLU, GeGLU);
 # "fused_gated": the same with gate and up in one projection (phi3); "plain": down(act(up(x)));
 # "moe": a router plus experts.
 MLP_KINDS = ("gated", "fused_gated", "plain", "moe")
+
+# What ``...ForCausalLM.forward`` may do to the logits after the output layer: "softcap": cap * tanh(z / cap)
+# (Gemma 2); "multiply": z * value (Cohere's logit_scale); "divide": z / value (Granite's logits_scaling).
+HEAD_OPS = ("softcap", "multiply", "divide")
+
+# Config fields that change the logits in some transformers model's ``ForCausalLM.forward``, and how. A model
+# whose config sets one of them (to a value that is not neutral) is refused unless its spec's ``head`` applies
+# it: the fused head bypasses that forward, so an undeclared transform would be silently skipped.
+HEAD_CONFIG_FIELDS: dict[str, str] = {
+    "final_logit_softcapping": "softcap",
+    "softcap": "softcap",
+    "logit_scale": "multiply",
+    "output_multiplier": "multiply",
+    "logits_scaling": "divide",
+}
+
+
+@dataclass(frozen=True)
+class HeadTransform:
+    """One step ``ForCausalLM.forward`` applies to the logits after the output layer; value from the config."""
+
+    op: str
+    field: str
+
+    def __post_init__(self) -> None:
+        if self.op not in HEAD_OPS:
+            raise ValueError(f"head transform op {self.op!r} is not one of {HEAD_OPS}")
+
+    def is_neutral(self, value: Any) -> bool:
+        """True when the config value leaves the logits unchanged (unset, a 0 softcap, a factor of 1)."""
+        if value is None or isinstance(value, bool):
+            return value is None or not value
+        return value == 0 if self.op == "softcap" else value == 1
 
 
 @dataclass(frozen=True)
@@ -31,13 +67,15 @@ class ArchSpec:
     mlp_kind: str = "gated"
     # The critic's 1-output head on ``...ForTokenClassification`` models.
     value_head: str = "score"
-    # Config field holding a final-logit softcap (Gemma 2); applied exactly by the log-prob head.
-    final_logit_softcap_field: str | None = None
+    # What the model's forward does to the logits after the output layer, in order (``HeadTransform``s);
+    # applied exactly by the fused head (``actorcore.hf.head``) and checked by ``verify``.
+    head: tuple[HeadTransform, ...] = ()
     # Config fields that must be falsy/None for this spec to be valid, with the reason if they are not.
     unsupported_config: tuple[tuple[str, str], ...] = ()
     # Layers whose MLP kind differs (MoE models with dense layers): config-driven, resolved at use.
     notes: str = ""
-    # Megatron-Core part (conversion rules, config overrides); filled by the Megatron route.
+    # Megatron-Core part (``McoreSpec``: conversion rules and config overrides, or ``refused=`` with the
+    # reason). Required, and never shared with another spec: a derived spec states its own.
     mcore: Any = None
     # Vision-language part (vision tower, rope-index function, feature merging); filled for VLMs.
     vision: Any = None
@@ -46,6 +84,22 @@ class ArchSpec:
     def __post_init__(self) -> None:
         if self.mlp_kind not in MLP_KINDS:
             raise ValueError(f"{self.model_type}: mlp_kind {self.mlp_kind!r} is not one of {MLP_KINDS}")
+        if not isinstance(self.mcore, McoreSpec):
+            raise ValueError(f"{self.model_type}: the spec must state its Megatron part: mcore=McoreSpec(rules=...) "
+                             "or McoreSpec(refused='why this architecture has no Megatron route')")
+        if not all(isinstance(t, HeadTransform) for t in self.head):
+            raise ValueError(f"{self.model_type}: head must be a tuple of HeadTransform, got {self.head!r}")
+
+
+def submodule(root: Any, path: str) -> Any:
+    """``root.get_submodule(path)`` for a path from a spec, with an error that names the missing step."""
+    try:
+        return root.get_submodule(path)
+    except AttributeError as err:
+        raise AttributeError(
+            f"{type(root).__name__} has no submodule {path!r} (a path from actorcore's arch spec): {err}. The "
+            "installed transformers lays this model out differently: update the spec in actorcore/archs/"
+        ) from None
 
 
 class UnsupportedArchitectureError(ValueError):

@@ -162,13 +162,11 @@ def _packed_logits(model: torch.nn.Module, batch: PackedBatch, ctx: Any) -> torc
     """Full ``[T, V]`` logits from the packed decoder (gathered over SP), for callers that want logits."""
     from actorcore.archs import spec_for_model
     from actorcore.batch import unpad
-    from actorcore.hf.logprobs import _final_logit_softcap, run_decoder
-    from actorcore.parallel.collectives import gather_sp
+    from actorcore.hf.decoder import run_decoder
+    from actorcore.hf.head import head_params
+    from actorcore.hf.logprobs import gather_sp
 
     spec = spec_for_model(model)
     hidden_TD, work = run_decoder(model, spec, batch, ctx)
-    if ctx is not None:
-        hidden_TD = gather_sp(hidden_TD, ctx)
-    logits_TV = model.get_output_embeddings()(unpad(hidden_TD, work))
-    softcap = _final_logit_softcap(model, spec)
-    return logits_TV if softcap is None else torch.tanh(logits_TV / softcap) * softcap
+    logits_TV = model.get_output_embeddings()(unpad(gather_sp(hidden_TD, ctx), work))
+    return head_params(model, spec).apply(logits_TV)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections import Counter
 from typing import Any, Callable, Iterator
 
 import torch
@@ -23,8 +22,22 @@ logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "actorcore_packed"
 
-# Calls per registered implementation name: how tests and the self-check prove the packed path ran.
-CALLS: Counter[str] = Counter()
+# Per-call keyword arguments the decoder carries down to our attention functions (transformers passes the
+# decoder's extra kwargs to the attention interface): the call's ``ParallelContext`` and its trace, a
+# ``collections.Counter`` in which each attention call counts itself under ``"attention:<name>"`` (the
+# self-check that packing ran, and how tests prove which path ran).
+PARALLEL_KWARG = "actorcore_parallel"
+TRACE_KWARG = "actorcore_trace"
+
+
+def trace_key(implementation: str) -> str:
+    return f"attention:{implementation}"
+
+
+def record_call(kwargs: dict[str, Any], implementation: str) -> None:
+    trace = kwargs.get(TRACE_KWARG)
+    if trace is not None:
+        trace[trace_key(implementation)] += 1
 
 
 class PackingNotAppliedError(RuntimeError):
@@ -49,7 +62,7 @@ def packed_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` function: q/k/v ``[1, heads, T, H]`` -> ``([1, T, N, H], None)``."""
-    CALLS[PACKED_ATTENTION] += 1
+    record_call(kwargs, PACKED_ATTENTION)
     cu_seqlens, max_seqlen = packing_kwargs(kwargs)
     out_TNH = attend_packed(query, key, value, cu_seqlens, max_seqlen, scaling=scaling, dropout=dropout,
                             sliding_window=sliding_window, softcap=softcap, module=module, kwargs=kwargs)

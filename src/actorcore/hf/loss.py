@@ -16,29 +16,22 @@ returns 0.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
 
 from actorcore.archs import spec_for_model
 from actorcore.batch import PackedBatch, next_token_labels
-from actorcore.hf.logprobs import (
-    _check_inputs,
-    _check_lm_head,
-    _check_temperature,
-    _final_logit_softcap,
-    _finish,
-    _sp_size,
-    call_as_forward,
-    run_decoder,
-)
-from actorcore.kernels.logprob import LossOutput, linear_logprob_loss
+from actorcore.hf.decoder import call_as_forward, check_batch, run_decoder, sp_size
+from actorcore.hf.head import check_temperature, to_scored_tokens, token_loss
+from actorcore.kernels.logprob import LossOutput
 from actorcore.kernels.logprob.fused_loss import TokenLoss, check_token_args
 
 
 def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args: Sequence[torch.Tensor] = (),
                  temperature: float = 1.0, entropy: bool = True, parallel: Any = None,
-                 **decoder_kwargs: Any) -> LossOutput:
+                 trace: Counter | None = None, **decoder_kwargs: Any) -> LossOutput:
     """``sum_t loss_fn(log_probs, entropy, *token_args)[t]`` over the scored tokens of ``batch``.
 
     ``loss_fn`` is token-wise (see ``linear_logprob_loss``) and gets float32 chunks of log-probs, entropies
@@ -47,17 +40,17 @@ def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args:
     the detached ``[T]`` log-probs and entropies, equal to ``compute_logprobs``'s. Runs as the model's
     forward (FSDP2 / DDP hooks apply).
     """
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     spec_for_model(model)
-    if _sp_size(parallel) > 1:
+    if sp_size(parallel) > 1:
         raise ValueError(
             "compute_loss does not run under sequence parallelism (sp_size > 1) yet; use compute_logprobs "
             "(full [T] outputs on every rank) and compute the loss on its outputs"
         )
-    batch = _check_inputs(model, batch)
+    batch = check_batch(model, batch)
     token_args = tuple(a.to(batch.device) for a in check_token_args(token_args, batch.num_real_tokens, None))
     return call_as_forward(model, lambda: _loss_inside_forward(
-        model, batch, loss_fn, token_args, temperature, entropy, decoder_kwargs))
+        model, batch, loss_fn, token_args, temperature, entropy, trace, decoder_kwargs))
 
 
 def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
@@ -68,11 +61,10 @@ def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, out, torch.zeros_like(out))
 
 
-def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy, decoder_kwargs) -> LossOutput:
+def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy, trace,
+                         decoder_kwargs) -> LossOutput:
     spec = spec_for_model(model)
-    head = model.get_output_embeddings()
-    _check_lm_head(model, head)
-    hidden_TD, work = run_decoder(model, spec, batch, None, **decoder_kwargs)
+    hidden_TD, work = run_decoder(model, spec, batch, None, trace, **decoder_kwargs)
     labels_T, valid_T = next_token_labels(work)
 
     def scored_only(logprob_C, entropy_C, keep_C, *args_C):
@@ -81,9 +73,8 @@ def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy
             return loss_C  # not per-token: linear_logprob_loss says what was wrong
         return torch.where(keep_C, loss_C, torch.zeros_like(loss_C))
 
-    out = call_as_forward(head, lambda: linear_logprob_loss(
-        hidden_TD, head.weight, labels_T.clamp(min=0), scored_only,
-        token_args=(valid_T, *(_to_predicting(a, valid_T) for a in token_args)),
-        temperature=temperature, entropy=entropy, softcap=_final_logit_softcap(model, spec)))
-    entropy_T = None if out.entropy is None else _finish(out.entropy, valid_T, work)
-    return LossOutput(out.loss, _finish(out.logprob, valid_T, work), entropy_T)
+    out = token_loss(model, spec, hidden_TD, labels_T, scored_only,
+                     (valid_T, *(_to_predicting(a, valid_T) for a in token_args)),
+                     temperature=temperature, entropy=entropy, trace=trace)
+    entropy_T = None if out.entropy is None else to_scored_tokens(out.entropy, valid_T, work)
+    return LossOutput(out.loss, to_scored_tokens(out.logprob, valid_T, work), entropy_T)

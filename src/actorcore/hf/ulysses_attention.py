@@ -6,24 +6,26 @@ heads, ``n`` / ``k`` this rank's heads, ``H`` head dim.
 transformers calls it with this rank's token shard, ``[1, heads, L, H]``. It exchanges q/k/v for all tokens
 of this rank's heads, runs the same packed attention as the one-process path on the FULL batch's
 ``cu_seq_lens_q`` (every sequence complete, nothing across sequences), and exchanges the output back.
-The SP group comes from the module: ``patch_model`` records which attention modules belong to which
-``ParallelContext`` (per instance; nothing global is switched).
+The SP group comes with the call: the ``ParallelContext`` passed to ``compute_logprobs`` travels down the
+decoder's keyword arguments (``PARALLEL_KWARG``); nothing is looked up in a module-level map.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
-from actorcore.hf.attention import CALLS, PackingNotAppliedError, attend_packed, packing_kwargs
+from actorcore.hf.attention import (
+    PARALLEL_KWARG,
+    PackingNotAppliedError,
+    attend_packed,
+    packing_kwargs,
+    record_call,
+)
 from actorcore.parallel.ulysses import head_to_sequence_sharded, replicate_kv_heads, sequence_to_head_sharded
 
 ULYSSES_ATTENTION = "actorcore_ulysses"
-
-# Attention module -> the ParallelContext it was patched with (weak: dropping the model drops the entry).
-CONTEXTS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
 class PatchNotAppliedError(PackingNotAppliedError):
@@ -43,12 +45,14 @@ def ulysses_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` function: q/k/v ``[1, heads, L, H]`` -> ``([1, L, N, H], None)``."""
-    CALLS[ULYSSES_ATTENTION] += 1
-    ctx = CONTEXTS.get(module)
-    if ctx is None:
+    record_call(kwargs, ULYSSES_ATTENTION)
+    ctx = kwargs.get(PARALLEL_KWARG)
+    if ctx is None or ctx.sp_size == 1:
         raise PatchNotAppliedError(
-            f"{type(module).__name__} runs Ulysses attention but was not patched by actorcore.patch_model "
-            "(was the config shared with another model? build each model from its own config)"
+            f"{type(module).__name__} runs Ulysses attention but the call carries no sequence-parallel context: "
+            "call the model through actorcore.compute_logprobs / compute_values with parallel=ctx (a model "
+            "patched for Ulysses SP cannot run a plain forward; handle.revert() restores it). If this model was "
+            "never patched, it shares its config object with one that was: build each model from its own config"
         )
     cu_seqlens, max_seqlen = packing_kwargs(kwargs)
     sp, group = ctx.sp_size, ctx.sp_group

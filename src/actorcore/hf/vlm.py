@@ -14,7 +14,7 @@ Order of work, the same on every rank of an SP group:
    packed order, which is sequence order, which is the order of the processor outputs);
 3. only then the embeddings, and Qwen3-VL's DeepStack inputs (visual-position mask and per-layer visual
    features), are cut to this rank's contiguous token shard. Position ids were computed per sequence at
-   packing time (``actorcore.vlm_batch``) and ``run_decoder`` shards them.
+   packing time (``actorcore.hf.vlm_packing``) and ``run_decoder`` shards them.
 
 Gradients: each rank's shard of the embeddings back-propagates into the shared vision-tower output, so the
 vision tower's parameter gradients, summed (or averaged, under the SP gradient contract) over the group, are
@@ -29,11 +29,10 @@ from typing import Any
 
 import torch
 
-from actorcore.archs import ArchSpec
+from actorcore.archs import ArchSpec, submodule
 from actorcore.archs._vision import VisionSpec
 from actorcore.batch import PackedBatch, shard_bounds
-from actorcore.hf.logprobs import resolve
-from actorcore.vlm_batch import IMAGE, TOKEN_TYPES_KEY, VIDEO, check_grid, token_types, vision_spec
+from actorcore.hf.vlm_packing import IMAGE, TOKEN_TYPES_KEY, VIDEO, check_grid, token_types, vision_spec
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ def tower_must_run(base: Any, vision: VisionSpec, parallel: Any) -> bool:
 
     if parallel is not None and int(getattr(parallel, "dp_size", 1)) > 1:
         return True
-    return any(isinstance(p, DTensor) for p in resolve(base, vision.tower).parameters())
+    return any(isinstance(p, DTensor) for p in submodule(base, vision.tower).parameters())
 
 
 def dummy_visual_term(base: Any, vision: VisionSpec, config: Any) -> torch.Tensor:
@@ -184,7 +183,7 @@ def deepstack_inputs(image_mask_T: torch.Tensor, video_mask_T: torch.Tensor,
 def vlm_decoder_inputs(model: Any, spec: ArchSpec, work: PackedBatch, parallel: Any) -> dict[str, Any]:
     """Keyword arguments for the language model: this rank's ``inputs_embeds`` (and DeepStack inputs)."""
     vision = vision_spec(model)
-    base = resolve(model, vision.base_model)
+    base = submodule(model, vision.base_model)
     types_T = token_types_of(model, vision, work)
     image_mask_T, video_mask_T = types_T == IMAGE, types_T == VIDEO
     features = visual_features(base, vision, work.multimodal)

@@ -34,13 +34,16 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "gemma2": dict(head_dim=16, sliding_window=5, final_logit_softcapping=3.0, attn_logit_softcapping=5.0,
                    tie_word_embeddings=True, query_pre_attn_scalar=16),
     "gemma3_text": dict(head_dim=16, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
-                        tie_word_embeddings=True, query_pre_attn_scalar=16),
+                        tie_word_embeddings=True, query_pre_attn_scalar=16, final_logit_softcapping=4.0,
+                        attn_logit_softcapping=6.0),
     "phi3": dict(tie_word_embeddings=False),
     "olmo2": {},
     "apertus": dict(max_position_embeddings=8192),  # its default llama3 rope scaling needs >= 8192
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
                       shared_expert_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    # every multiplier away from 1.0 (a default of 1.0 would hide a missing one)
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=4.0),
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
                         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32,
                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,

@@ -3,7 +3,7 @@
 Legend for shape suffixes: ``T`` tokens of the packed batch, ``L`` tokens of one sequence, ``P`` image or
 video patches, ``I`` images or videos, ``B`` sequences, ``S`` padded length.
 
-``pack_multimodal`` packs token sequences like ``actorcore.pack`` and, per sequence, the inputs a Hugging Face
+``pack_multimodal`` packs token sequences like ``actorcore.batch.pack`` and, per sequence, the inputs a Hugging Face
 processor returns for it (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
 ``second_per_grid_ts``, ``mm_token_type_ids``). Position ids are the model's own M-RoPE positions
 (``[3, T]``), computed one sequence at a time with the model's rope-index function, so they restart in every
@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from actorcore.archs._vision import IMAGE_KEYS, IMAGE_PATCH_KEYS, VIDEO_KEYS, VIDEO_PATCH_KEYS, VisionSpec
-from actorcore.batch import PackedBatch, _check_mask, pack
+from actorcore.archs import UnsupportedArchitectureError, spec_for_model, submodule
+from actorcore.batch import PackedBatch, check_mask, pack
 
 TOKEN_TYPES_KEY = "mm_token_type_ids"
 TEXT, IMAGE, VIDEO = 0, 1, 2
@@ -31,20 +32,12 @@ MULTIMODAL_KEYS = IMAGE_PATCH_KEYS + IMAGE_KEYS + VIDEO_PATCH_KEYS + VIDEO_KEYS 
 
 def vision_spec(model: Any) -> VisionSpec:
     """The model's ``VisionSpec``; refused and text-only architectures raise clear errors."""
-    from actorcore.archs import UnsupportedArchitectureError, spec_for_model
-
     spec = spec_for_model(model)
     if spec.vision is None:
         raise ValueError(f"{spec.model_type} is a text model; pack its sequences with actorcore.pack / pack_padded")
     if spec.vision.refused:
         raise UnsupportedArchitectureError(f"{spec.model_type}: {spec.vision.refused}")
     return spec.vision
-
-
-def _base_model(model: Any, vision: VisionSpec) -> Any:
-    from actorcore.hf.logprobs import resolve
-
-    return resolve(model, vision.base_model)
 
 
 def _merge_size(config: Any) -> int:
@@ -170,7 +163,7 @@ def rope_positions(model: Any, vision: VisionSpec, ids_L: torch.Tensor, types_L:
     """
     if inputs.get("image_grid_thw") is None and inputs.get("video_grid_thw") is None:
         return torch.arange(ids_L.numel(), device=ids_L.device).expand(vision.position_rows, -1).clone()
-    base = _base_model(model, vision)
+    base = submodule(model, vision.base_model)
     extra = {k: inputs[k] for k in vision.rope_index_inputs if inputs.get(k) is not None}
     grids = {k: (inputs[k].clone() if inputs.get(k) is not None else None) for k in ("image_grid_thw", "video_grid_thw")}
     position_3BL, _ = getattr(base, vision.rope_index)(ids_L[None], mm_token_type_ids=types_L[None], **grids,
@@ -244,7 +237,7 @@ def pack_multimodal_padded(model: Any, input_ids: torch.Tensor, attention_mask: 
     vision = vision_spec(model)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-    mask = _check_mask(attention_mask, input_ids)
+    mask = check_mask(attention_mask, input_ids)
     config, merge = model.config, _merge_size(model.config)
     processor_outputs = {k: v for k, v in processor_outputs.items() if v is not None}
     types_BS = processor_outputs.pop(TOKEN_TYPES_KEY, None)

@@ -1,0 +1,137 @@
+"""One packed decoder pass of a Hugging Face model, and running code as a module's forward.
+
+Legend: ``T`` packed tokens (this rank's shard under SP), ``D`` hidden.
+
+The decoder runs with packed attention (no padding, nothing across sequences): the attention modules are
+switched to actorcore's implementation for the call, and the packing metadata (``cu_seq_lens_q/k``,
+``max_length_q/k``), the call's ``ParallelContext`` and its trace travel as explicit keyword arguments down to
+the attention function. Under Ulysses sequence parallelism each rank runs its contiguous shard of the padded
+batch. The trace proves, per call, that our attention ran in every layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+from actorcore.archs import ArchSpec, submodule
+from actorcore.batch import PackedBatch, pad_to_multiple, shard_for_sp
+from actorcore.hf.attention import (
+    PACKED_ATTENTION,
+    PARALLEL_KWARG,
+    TRACE_KWARG,
+    PackingNotAppliedError,
+    attention_configs,
+    current_implementations,
+    packed_attention,
+    register_attention,
+    trace_key,
+)
+from actorcore.hf.patch import require_sequence_parallel_patch
+from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
+
+ATTENTION_TRACE_KEYS = (trace_key(PACKED_ATTENTION), trace_key(ULYSSES_ATTENTION))
+
+
+def sp_size(parallel: Any) -> int:
+    return 1 if parallel is None else int(parallel.sp_size)
+
+
+def check_batch(model: Any, batch: PackedBatch) -> PackedBatch:
+    """The batch on the model's device, its token ids checked against the vocabulary."""
+    if not isinstance(batch, PackedBatch):
+        raise ValueError(f"batch must be an actorcore.PackedBatch (use ac.pack / ac.pack_padded), got "
+                         f"{type(batch).__name__}")
+    embeddings = model.get_input_embeddings()
+    vocab = getattr(embeddings, "num_embeddings", None)
+    if vocab is not None and not batch.input_ids.is_cuda:
+        low, high = int(batch.input_ids.min()), int(batch.input_ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"token ids span [{low}, {high}] but the model's vocabulary has {vocab} entries")
+    device = embeddings.weight.device
+    return batch if batch.device == device else batch.to(device)
+
+
+def _decoder_inputs(batch: PackedBatch, parallel: Any) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
+    """The (padded) batch the decoder sees and this rank's input ids / position ids."""
+    sp = sp_size(parallel)
+    if sp == 1:
+        return batch, batch.input_ids, batch.position_ids
+    work = pad_to_multiple(batch, sp)
+    rank = int(parallel.sp_rank)
+    return work, shard_for_sp(work.input_ids, rank, sp), shard_for_sp(work.position_ids, rank, sp)
+
+
+def _attention_switch(model: Any, decoder: Any, configs: list[Any], parallel: Any) -> Any:
+    if sp_size(parallel) > 1:
+        require_sequence_parallel_patch(model, parallel)
+        return contextlib.nullcontext()
+    if all(name and name.startswith("actorcore_") for name in current_implementations(configs)):
+        return contextlib.nullcontext()  # an actorcore attention is in place already (a patched model)
+    return packed_attention(decoder, configs, register_attention())
+
+
+def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = None,
+                trace: Counter | None = None, **decoder_kwargs: Any) -> tuple[torch.Tensor, PackedBatch]:
+    """Packed decoder pass; returns this rank's final hidden states ``[T, D]`` and the batch as run.
+
+    Raises ``PackingNotAppliedError`` if actorcore's attention did not run in every layer.
+    """
+    decoder = submodule(model, spec.decoder)
+    layers = submodule(decoder, spec.layers)
+    configs = attention_configs(layers, spec.attention)
+    work, input_ids, position_ids = _decoder_inputs(batch, parallel)
+    switch = _attention_switch(model, decoder, configs, parallel)
+    trace = Counter() if trace is None else trace
+    cu = work.cu_seqlens
+    kwargs: dict[str, Any] = dict(
+        input_ids=input_ids.unsqueeze(0),
+        position_ids=position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids.unsqueeze(1),
+        use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=work.max_seqlen,
+        max_length_k=work.max_seqlen, **{PARALLEL_KWARG: parallel, TRACE_KWARG: trace},
+    )
+    if spec.vision is not None:
+        from actorcore.hf.vlm import vlm_decoder_inputs
+
+        kwargs.update(vlm_decoder_inputs(model, spec, work, parallel))
+    kwargs.update(decoder_kwargs)
+    if "inputs_embeds" in kwargs:
+        kwargs.pop("input_ids")
+    before = sum(trace[k] for k in ATTENTION_TRACE_KEYS)
+    with switch:
+        out = decoder(**kwargs)
+    ran = sum(trace[k] for k in ATTENTION_TRACE_KEYS) - before
+    if ran < len(layers):
+        raise PackingNotAppliedError(
+            f"packed attention ran {ran} times for {len(layers)} layers: the installed transformers bypassed "
+            "actorcore's attention; refusing to return unpacked results"
+        )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[0], work
+
+
+def call_as_forward(module: torch.nn.Module, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` as ``module``'s forward, so hooks on the module run around it.
+
+    FSDP2 unshards a module's parameters in its forward pre-hook and arranges their gradient reduction in its
+    post-hook; calling sub-modules or reading ``module.weight`` outside ``module(...)`` would see shards.
+    The instance's ``forward`` is replaced for this one call and restored.
+    """
+    had_own = "forward" in module.__dict__
+    own = module.__dict__.get("forward")
+    module.forward = _run_thunk
+    try:
+        # Passed as a keyword, not as no arguments: torch 2.11's FSDP2 root pre-forward indexes args[0].
+        return module(actorcore_thunk=fn)
+    finally:
+        if had_own:
+            module.forward = own
+        else:
+            del module.forward
+
+
+def _run_thunk(actorcore_thunk: Callable[[], Any]) -> Any:
+    return actorcore_thunk()
