@@ -34,6 +34,9 @@ class PackedBatch:
     num_padding: int = 0
     multimodal: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_packed(self)
+
     @property
     def num_tokens(self) -> int:
         """All tokens, padding included (the length of every ``[T]`` tensor)."""
@@ -70,6 +73,39 @@ class PackedBatch:
         )
 
 
+def check_packed(batch: PackedBatch) -> None:
+    """A hand-built batch is checked like a packed one: shapes and dtypes always, and on the CPU the values
+    of ``cu_seqlens`` (on a GPU reading them would synchronise on every construction)."""
+    ids, cu, pos = batch.input_ids, batch.cu_seqlens, batch.position_ids
+    for name, tensor in (("input_ids", ids), ("cu_seqlens", cu), ("position_ids", pos)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"PackedBatch.{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    _check_ids(ids, "PackedBatch.input_ids")
+    if ids.dim() != 1:
+        raise ValueError(f"PackedBatch.input_ids must be 1-D [T], got shape {tuple(ids.shape)}")
+    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"PackedBatch.cu_seqlens must be a 1-D int32/int64 tensor of B + 1 >= 2 offsets, got "
+                         f"shape {tuple(cu.shape)} dtype {cu.dtype}; build batches with actorcore.pack")
+    if pos.shape[-1] != ids.shape[0] or pos.dim() not in (1, 2):
+        raise ValueError(f"PackedBatch.position_ids has shape {tuple(pos.shape)}; expected [{ids.shape[0]}] or "
+                         f"[rows, {ids.shape[0]}]")
+    if not isinstance(batch.num_padding, int) or batch.num_padding < 0:
+        raise ValueError(f"PackedBatch.num_padding must be a non-negative int, got {batch.num_padding!r}")
+    if cu.is_cuda:
+        return
+    bounds = cu.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != ids.shape[0] or min(lengths) < 1:
+        raise ValueError(f"PackedBatch.cu_seqlens {bounds} must start at 0, increase strictly (no empty sequence) "
+                         f"and end at the token count {ids.shape[0]}; build batches with actorcore.pack")
+    if not isinstance(batch.max_seqlen, int) or batch.max_seqlen < max(lengths):
+        raise ValueError(f"PackedBatch.max_seqlen={batch.max_seqlen!r} but the longest sequence has "
+                         f"{max(lengths)} tokens")
+    if batch.num_padding and lengths[-1] != batch.num_padding:
+        raise ValueError(f"PackedBatch.num_padding={batch.num_padding} but the last segment has {lengths[-1]} "
+                         "tokens: padding is its own trailing segment (pad_to_multiple)")
+
+
 def _check_ids(ids: torch.Tensor, what: str) -> None:
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"{what} must be a torch.Tensor of token ids, got {type(ids).__name__}")
@@ -99,6 +135,9 @@ def pack(sequences: Sequence[torch.Tensor]) -> PackedBatch:
     """
     if isinstance(sequences, torch.Tensor):
         raise ValueError("pack() takes a list of 1-D id tensors; for a padded [B, S] tensor use pack_padded()")
+    if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__iter__"):
+        raise ValueError(f"pack() takes a list of 1-D id tensors, got {type(sequences).__name__}")
+    sequences = list(sequences)  # generators and other iterables too
     if len(sequences) == 0:
         raise ValueError("pack() got an empty list: pass at least one sequence of token ids")
     for i, ids in enumerate(sequences):
@@ -147,6 +186,9 @@ def check_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.T
 
 def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
     """Pack a left- or right-padded ``[B, S]`` batch, dropping the padding (text models)."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"pack_padded() needs the [B, S] attention_mask of 0/1 (got {type(attention_mask).__name__}); "
+                         "for rows without padding pass torch.ones_like(input_ids), or use pack() on a list of rows")
     _check_ids(input_ids, "input_ids")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
@@ -158,6 +200,9 @@ def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed
 
 def unpack(values_T: torch.Tensor, batch: PackedBatch, padding_value: float = 0.0) -> torch.Tensor:
     """Per-token values ``[T, ...]`` -> right-padded ``[B, S_max, ...]`` (padding tokens dropped)."""
+    if not isinstance(values_T, torch.Tensor) or values_T.dim() == 0:
+        raise ValueError(f"unpack() takes per-token values [T, ...] (e.g. out.log_probs), got "
+                         f"{'a 0-d tensor' if isinstance(values_T, torch.Tensor) else type(values_T).__name__}")
     if values_T.shape[0] not in (batch.num_tokens, batch.num_real_tokens):
         raise ValueError(
             f"values have {values_T.shape[0]} tokens but the batch has {batch.num_real_tokens} "

@@ -134,3 +134,34 @@ def test_nothing_happens_on_import():
         "AttentionInterface._global_mapping.keys()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copy_of_a_patched_model_computes_with_its_own_weights(how):
+    """``ref = copy.deepcopy(actor)`` is routine in RL: the copy must run its own weights, not the original's."""
+    import copy
+    import io
+
+    batch = _batch()
+    actor = build_tiny_model("llama", seed=2)
+    ac.patch_model(actor, tiled_mlp_shards=2)
+    if how == "deepcopy":
+        clone = copy.deepcopy(actor)
+    else:
+        buffer = io.BytesIO()
+        torch.save(actor, buffer)
+        buffer.seek(0)
+        clone = torch.load(buffer, weights_only=False)
+    expected = build_tiny_model("llama", seed=2)
+    with torch.no_grad():
+        for p, q in zip(clone.parameters(), expected.parameters()):
+            p.mul_(1.25)
+            q.mul_(1.25)
+    out = ac.compute_logprobs(clone, batch)
+    want = ac.compute_logprobs(expected, batch)
+    assert (out.log_probs - want.log_probs).abs().max().item() <= TOL["packed_vs_hf_fp32"]
+    assert [layer.mlp.forward.calls for layer in clone.model.layers] == [1, 1], "the copy runs its tiled MLP"
+    assert [layer.mlp.forward.calls for layer in actor.model.layers] == [0, 0], "the original did not run"
+    out.log_probs.sum().backward()
+    assert all(p.grad is None for p in actor.parameters()), "gradient reached the original's weights"
+    assert all(p.grad is not None for p in clone.model.layers[0].mlp.parameters())

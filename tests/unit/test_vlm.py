@@ -170,7 +170,7 @@ def test_deepstack_and_pixels_reach_the_decoder(monkeypatch):
         base = ac.compute_logprobs(model, batch).log_probs
         other = dataclasses.replace(batch, multimodal={**batch.multimodal,
                                                        "pixel_values": batch.multimodal["pixel_values"] + 1.0})
-        assert _max_diff(ac.compute_logprobs(model, other).log_probs, base) > 1e-3
+        assert _max_diff(ac.compute_logprobs(model, other).log_probs, base) > TOL["logprob_changed_at_least"]
         import actorcore.hf.vlm as vlm
 
         real = vlm.vlm_decoder_inputs
@@ -181,7 +181,7 @@ def test_deepstack_and_pixels_reach_the_decoder(monkeypatch):
             return {"inputs_embeds": kwargs["inputs_embeds"]}
 
         monkeypatch.setattr(vlm, "vlm_decoder_inputs", without_deepstack)
-        assert _max_diff(ac.compute_logprobs(model, batch).log_probs, base) > 1e-3
+        assert _max_diff(ac.compute_logprobs(model, batch).log_probs, base) > TOL["logprob_changed_at_least"]
 
 
 # ----- errors -------------------------------------------------------------------------------------------

@@ -34,10 +34,21 @@ def trace_key(implementation: str) -> str:
     return f"attention:{implementation}"
 
 
+class TraceRef:
+    """The call's trace ``Counter`` as the decoder kwargs carry it: an opaque object, because pytree maps over
+    a forward's kwargs (FSDP2 casts and moves them) would rebuild a ``Counter`` as a new plain dict and the
+    counts would go to a copy."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self, counts: Any) -> None:
+        self.counts = counts
+
+
 def record_call(kwargs: dict[str, Any], implementation: str) -> None:
-    trace = kwargs.get(TRACE_KWARG)
-    if trace is not None:
-        trace[trace_key(implementation)] += 1
+    ref = kwargs.get(TRACE_KWARG)
+    if ref is not None:
+        ref.counts[trace_key(implementation)] += 1
 
 
 class PackingNotAppliedError(RuntimeError):

@@ -24,6 +24,7 @@ from actorcore.hf.attention import (
     PARALLEL_KWARG,
     TRACE_KWARG,
     PackingNotAppliedError,
+    TraceRef,
     attention_configs,
     current_implementations,
     packed_attention,
@@ -75,7 +76,7 @@ def _attention_switch(model: Any, decoder: Any, configs: list[Any], parallel: An
 
 
 def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = None,
-                trace: Counter | None = None, **decoder_kwargs: Any) -> tuple[torch.Tensor, PackedBatch]:
+                trace: Counter | None = None) -> tuple[torch.Tensor, PackedBatch]:
     """Packed decoder pass; returns this rank's final hidden states ``[T, D]`` and the batch as run.
 
     Raises ``PackingNotAppliedError`` if actorcore's attention did not run in every layer.
@@ -91,13 +92,12 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
         input_ids=input_ids.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids.unsqueeze(1),
         use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=work.max_seqlen,
-        max_length_k=work.max_seqlen, **{PARALLEL_KWARG: parallel, TRACE_KWARG: trace},
+        max_length_k=work.max_seqlen, **{PARALLEL_KWARG: parallel, TRACE_KWARG: TraceRef(trace)},
     )
     if spec.vision is not None:
         from actorcore.hf.vlm import vlm_decoder_inputs
 
         kwargs.update(vlm_decoder_inputs(model, spec, work, parallel))
-    kwargs.update(decoder_kwargs)
     if "inputs_embeds" in kwargs:
         kwargs.pop("input_ids")
     before = sum(trace[k] for k in ATTENTION_TRACE_KEYS)

@@ -31,7 +31,7 @@ from actorcore.kernels.logprob.fused_loss import TokenLoss, check_token_args
 
 def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args: Sequence[torch.Tensor] = (),
                  temperature: float = 1.0, entropy: bool = True, parallel: Any = None,
-                 trace: Counter | None = None, **decoder_kwargs: Any) -> LossOutput:
+                 trace: Counter | None = None) -> LossOutput:
     """``sum_t loss_fn(log_probs, entropy, *token_args)[t]`` over the scored tokens of ``batch``.
 
     ``loss_fn`` is token-wise (see ``linear_logprob_loss``) and gets float32 chunks of log-probs, entropies
@@ -50,7 +50,7 @@ def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args:
     batch = check_batch(model, batch)
     token_args = tuple(a.to(batch.device) for a in check_token_args(token_args, batch.num_real_tokens, None))
     return call_as_forward(model, lambda: _loss_inside_forward(
-        model, batch, loss_fn, token_args, temperature, entropy, trace, decoder_kwargs))
+        model, batch, loss_fn, token_args, temperature, entropy, trace))
 
 
 def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
@@ -61,10 +61,9 @@ def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, out, torch.zeros_like(out))
 
 
-def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy, trace,
-                         decoder_kwargs) -> LossOutput:
+def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy, trace) -> LossOutput:
     spec = spec_for_model(model)
-    hidden_TD, work = run_decoder(model, spec, batch, None, trace, **decoder_kwargs)
+    hidden_TD, work = run_decoder(model, spec, batch, None, trace)
     labels_T, valid_T = next_token_labels(work)
 
     def scored_only(logprob_C, entropy_C, keep_C, *args_C):
