@@ -1,8 +1,10 @@
 """``actorcore demo``: packed log-probs against the plain padded Hugging Face path on an RL-like batch.
 
 The default model is embedded (``actorcore.hf.embedded``): a small seeded Qwen3-shaped model and a byte-pair
-tokenizer trained in-process on a few lines of text; nothing is downloaded. ``--model PATH`` uses a local HF model directory.
-Returns a process exit code: non-zero when the paths disagree beyond the tolerance table.
+tokenizer trained in-process on a few lines of text; nothing is downloaded. ``--model PATH`` uses a local HF
+model directory. On the embedded model, sequence-parallel rows (``cli/demo_sp.py``) and a VLM row
+(``cli/demo_vlm.py``) follow. Every path runs once before it is timed. Returns a process exit code: non-zero
+when a path disagrees with its reference beyond ``actorcore.hf.verify.VERIFY_TOLERANCE`` (fp32).
 """
 
 from __future__ import annotations

@@ -93,11 +93,12 @@ def run_verify(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {_first_line(exc)}", file=sys.stderr)
         return 2
+    where = "at (sequence, position)"
     rows = [
         ("model", f"{args.model_dir} ({report.model_type}, {report.dtype}, {device})"),
         ("tokens compared", f"{report.tokens} in {report.sequences} sequences of lengths {lens}"),
-        ("max |Δ log-prob|", f"{report.max_abs_diff_logprob:.2e} at (sequence, position) {report.worst_logprob_token}"),
-        ("max |Δ entropy|", f"{report.max_abs_diff_entropy:.2e} at (sequence, position) {report.worst_entropy_token}"),
+        ("max |Δ log-prob|", f"{report.max_abs_diff_logprob:.2e} {where} {report.worst_logprob_token}"),
+        ("max |Δ entropy|", f"{report.max_abs_diff_entropy:.2e} {where} {report.worst_entropy_token}"),
         ("tolerance", f"{report.tolerance:.1e} per token"),
     ]
     print("actorcore compute_logprobs vs the model's own forward, one sequence at a time "

@@ -23,11 +23,11 @@ logger = logging.getLogger(__name__)
 # fp32: both sides compute in fp32 and differ by summation order (seen: 1e-6 and below on the tiny models).
 # 16-bit: the model's own forward rounds its logits to 16 bits while actorcore's head computes them in fp32 from
 # the same 16-bit hidden states, packed attention sums in another order, and an MoE router may pick another
-# expert for a token that sits on a tie. Measured 2026-11-30 on the CPU on the tiny model of every registered
-# text arch (actorcore.testing.tiny_configs) and the embedded qwen3, seeds 0-2, random ids, sequence lengths
-# 7, 13, 31, 64, 129, 257, temperature 1: largest |Δ log-prob| bf16 2.8e-2 (mixtral; dense archs 2.3e-3 to
-# 5.8e-3), fp16 5.0e-3 (mixtral); entropy at most 1.7e-4. The bounds are about twice the largest seen; a deep
-# model with large logits may need a larger ``tolerance=``, which is then worth stating next to the result.
+# expert for a token that sits on a tie. Measured 2026-11-30 on the CPU with ``bench/verify_tolerances.py`` (the
+# tiny model of every registered text arch and the embedded qwen3, seeds 0-2, random ids, lengths 7 to 257,
+# temperature 1): largest |Δ log-prob| bf16 2.8e-2 (mixtral; dense archs 2.3e-3 to 5.8e-3), fp16 5.0e-3
+# (mixtral); |Δ entropy| at most 1.7e-4. The bounds are about twice the largest seen; a deep model with large
+# logits may need a larger ``tolerance=``, which is then worth stating next to the result.
 VERIFY_TOLERANCE: dict[torch.dtype, float] = {
     torch.float32: 1e-5,
     torch.bfloat16: 6e-2,
