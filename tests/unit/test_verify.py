@@ -143,3 +143,24 @@ def test_cli_verify_help(capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "MODEL_DIR" in out and "--seq-lens" in out and "--dtype" in out
+
+
+def test_cli_verify_vlm_directory_on_a_text_batch(tmp_path, capsys):
+    from actorcore.hf.embedded import build_vlm
+
+    build_vlm(seed=0).save_pretrained(tmp_path)
+    assert main(["verify", str(tmp_path), "--device", "cpu", "--seq-lens", "9,40"]) == 0
+    assert "qwen2_5_vl, float32" in capsys.readouterr().out
+
+
+def test_cli_verify_unregistered_architecture_is_exit_2(tmp_path, capsys):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from actorcore.testing.tiny_configs import COMMON
+
+    config = AutoConfig.for_model("granite", **COMMON, logits_scaling=4.0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path), "--device", "cpu"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "granite" in errors[0] and "archs/granite.py" in errors[0]
