@@ -154,9 +154,9 @@ def _extra_rows(sequences: list[torch.Tensor], sp_size: int, seed: int, toleranc
 
 
 def _print_table(rows: list[Row], tolerance: float) -> None:
-    print(f"columns: max|Δ| logprob / entropy = largest per-token difference from the row's reference (named in "
-          f"the note; OK needs <= {tolerance:g}); time = one warm call (each path ran once before timing), "
-          "log-probs only")
+    print(f"columns: max|Δ| logprob / entropy = largest per-token difference from the row's reference, named in "
+          f"the note (OK needs <= {tolerance:g});")
+    print("         time = best of 3 warm calls of the row's path (each path ran once before timing), log-probs only")
     header = f"{'path':<48} {'max|Δ| logprob':>15} {'max|Δ| entropy':>15} {'time':>10}  note"
     print(header)
     print("-" * len(header))
