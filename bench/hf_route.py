@@ -50,7 +50,7 @@ def _measure(fn, repeats: int) -> tuple[float, float, object]:
 
 def main() -> None:
     import actorcore as ac
-    from actorcore.testing.reference import logprobs_from_logits, padded_position_ids, right_padded
+    from actorcore.hf.reference import logprobs_from_logits, padded_position_ids, right_padded
     from transformers import AutoConfig, AutoModelForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

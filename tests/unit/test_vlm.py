@@ -274,11 +274,12 @@ def test_kimi_vl_is_refused_with_the_reason():
 
 
 def test_demo_vlm_row_agrees_with_hf():
-    from actorcore.demo_vlm import vlm_row
+    from actorcore.cli.demo_vlm import vlm_row
 
     row = vlm_row(seed=1)
     assert row["sequences"] == 3 and row["tokens"] > 0 and row["seconds"] > 0
     assert row["max_abs_diff_logprob"] <= TOL_VLM and row["max_abs_diff_entropy"] <= TOL_VLM
+    assert row["tolerance"] == TOL_VLM
 
 
 def test_text_only_batch_runs_a_dummy_image_when_ranks_may_disagree(monkeypatch):

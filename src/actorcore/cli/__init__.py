@@ -1,4 +1,4 @@
-"""``actorcore`` command line: ``demo``, ``convert``, ``bench``. Only the CLI package prints."""
+"""``actorcore`` command line: ``demo``, ``verify``, ``convert``, ``bench``. Only the CLI package prints."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ def _demo(args: argparse.Namespace) -> int:
     from actorcore.cli.demo import run_demo
 
     return run_demo(model_path=args.model, seed=args.seed, sp_size=args.sp, device=args.device)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from actorcore.cli.verify import run_verify
+
+    return run_verify(args)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -43,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sp", type=int, default=2, help="sequence-parallel size for the SP rows (0 to skip)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     demo.set_defaults(func=_demo)
+
+    verify = sub.add_parser("verify", help="check a local model directory: actorcore vs the model's own forward",
+                            description="Per-token log-probs and entropies of actorcore against the model's own "
+                                        "forward on a seeded random batch. Exit 0 OK, 1 FAIL, 2 bad input.")
+    from actorcore.cli.verify import add_arguments
+
+    add_arguments(verify)
+    verify.set_defaults(func=_verify)
 
     convert = sub.add_parser("convert", help="hf-to-mcore / mcore-to-hf checkpoint conversion", add_help=False)
     convert.add_argument("convert_args", nargs=argparse.REMAINDER)

@@ -1,19 +1,22 @@
 """``actorcore demo``: packed log-probs against the plain padded Hugging Face path on an RL-like batch.
 
-The default model is embedded: a small seeded Qwen3-shaped model and a byte-pair tokenizer trained
-in-process on a few lines of text; nothing is downloaded. ``--model PATH`` uses a local HF model directory.
-Returns a process exit code: non-zero when the paths disagree beyond the tolerance table.
+The default model is embedded (``actorcore.hf.embedded``): a small seeded Qwen3-shaped model and a byte-pair
+tokenizer trained in-process on a few lines of text; nothing is downloaded. ``--model PATH`` uses a local HF
+model directory. On the embedded model, sequence-parallel rows (``cli/demo_sp.py``) and a VLM row
+(``cli/demo_vlm.py``) follow. Every path runs once before it is timed. Returns a process exit code: non-zero
+when a path disagrees with its reference beyond ``actorcore.hf.verify.VERIFY_TOLERANCE`` (fp32).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from actorcore.cli.demo_sp import max_diff, timed
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +36,6 @@ RESPONSES = [
     "Answer: ycilop.",
     "Answer: each spider has 8 legs, three have 24. The reward model should like this one.",
 ]
-
-DEMO_MODEL = dict(vocab_size=384, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                  tie_word_embeddings=False)
-
 
 @dataclass
 class Row:
@@ -60,13 +58,9 @@ def _train_tokenizer(vocab_size: int):
 
 
 def _embedded_model(seed: int) -> tuple[Any, Callable[[str], list[int]]]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from actorcore.hf.embedded import TEXT_MODEL, build_text_model
 
-    encode = _train_tokenizer(DEMO_MODEL["vocab_size"])
-    config = AutoConfig.for_model("qwen3", **DEMO_MODEL)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    return model.eval(), encode
+    return build_text_model(seed=seed), _train_tokenizer(TEXT_MODEL["vocab_size"])
 
 
 def _local_model(path: str) -> tuple[Any, Callable[[str], list[int]] | None]:
@@ -99,17 +93,10 @@ def rl_batch(encode: Callable[[str], list[int]] | None, vocab: int, seed: int, g
     return sequences
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    with torch.no_grad():
-        result = fn()
-    return result, time.perf_counter() - start
-
-
 def run_demo(model_path: str | None = None, seed: int = 0, sp_size: int = 2, device: str | None = None) -> int:
     import actorcore as ac
-    from actorcore.testing.reference import reference_logprobs, right_padded
-    from actorcore.testing.tolerances import TOL
+    from actorcore.hf.reference import reference_logprobs, right_padded
+    from actorcore.hf.verify import VERIFY_TOLERANCE
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, encode = _local_model(model_path) if model_path else _embedded_model(seed)
@@ -120,10 +107,8 @@ def run_demo(model_path: str | None = None, seed: int = 0, sp_size: int = 2, dev
     batch = ac.pack_padded(ids, mask).to(device)
     ids, mask = ids.to(device), mask.to(device)
 
-    ac.compute_logprobs(model, batch)  # warm-up, both paths
-    reference_logprobs(model, ids, mask)
-    packed, t_packed = _timed(lambda: ac.compute_logprobs(model, batch))
-    (ref_lp, ref_ent), t_padded = _timed(lambda: reference_logprobs(model, ids, mask))
+    packed, t_packed = timed(lambda: ac.compute_logprobs(model, batch))
+    (ref_lp, ref_ent), t_padded = timed(lambda: reference_logprobs(model, ids, mask))
 
     lengths = batch.seq_lens
     padded_tokens = len(lengths) * max(lengths)
@@ -132,48 +117,46 @@ def run_demo(model_path: str | None = None, seed: int = 0, sp_size: int = 2, dev
           f"{padded_tokens - batch.num_tokens} of {padded_tokens} ({1 - batch.num_tokens / padded_tokens:.0%})")
     rows = [
         Row("HF padded (plain transformers)", None, None, t_padded, "reference"),
-        Row("actorcore packed + fused head", _diff(packed.log_probs, ref_lp), _diff(packed.entropy, ref_ent),
-            t_packed),
+        Row("actorcore packed + fused head", max_diff(packed.log_probs, ref_lp), max_diff(packed.entropy, ref_ent),
+            t_packed, "vs HF padded"),
     ]
-    tolerance = TOL["packed_vs_hf_fp32"]
+    tolerance = VERIFY_TOLERANCE[torch.float32]
     ok = all(r.max_abs_diff_logprob is None or r.max_abs_diff_logprob <= tolerance for r in rows)
     ok &= all(r.max_abs_diff_entropy is None or r.max_abs_diff_entropy <= tolerance for r in rows)
     if model_path is None:  # SP and VLM rows run on the embedded tiny models
-        extra, extra_ok = _extra_rows(sequences, sp_size, seed)
+        extra, extra_ok = _extra_rows(sequences, sp_size, seed, tolerance)
         rows += extra
         ok &= extra_ok
-    _print_table(rows)
+    _print_table(rows, tolerance)
     print("OK: packed path agrees with the padded HF path per token" if ok else
           f"FAIL: a path differs by more than {tolerance:g}")
     return 0 if ok else 1
 
 
-def _extra_rows(sequences: list[torch.Tensor], sp_size: int, seed: int) -> tuple[list[Row], bool]:
-    """Sequence-parallel rows (gloo processes on the CPU) and the VLM row, against one process."""
-    from actorcore.testing.tolerances import TOL
-
+def _extra_rows(sequences: list[torch.Tensor], sp_size: int, seed: int, tolerance: float) -> tuple[list[Row], bool]:
+    """Sequence-parallel rows (gloo processes on the CPU, against one process) and the VLM row (against the
+    model's own forward), all on the embedded models."""
     rows: list[Row] = []
     if sp_size > 1:
-        from actorcore.demo_sp import sp_rows
+        from actorcore.cli.demo_sp import sp_rows
 
-        for r in sp_rows("qwen3", [s % 131 for s in sequences], sp_size, seed):
+        for r in sp_rows(sequences, sp_size, seed):
             rows.append(Row(r["path"], r["max_abs_diff_logprob"], r["max_abs_diff_entropy"], r["seconds"],
-                            f"tiny qwen3 vs 1 process; values max|Δ| {r['max_abs_diff_value']:.1e}"))
-    from actorcore.demo_vlm import vlm_row
+                            f"vs 1 process; critic values max|Δ| {r['max_abs_diff_value']:.1e}"))
+    from actorcore.cli.demo_vlm import vlm_row
 
-    ok = all(row.max_abs_diff_logprob <= TOL["sp_vs_single_fp32"] for row in rows)
+    ok = all(row.max_abs_diff_logprob <= tolerance and row.max_abs_diff_entropy <= tolerance for row in rows)
     r = vlm_row(seed)
     rows.append(Row(r["path"], r["max_abs_diff_logprob"], r["max_abs_diff_entropy"], r["seconds"],
-                    f"{r['sequences']} seqs, {r['tokens']} tokens, vs HF padded"))
-    ok &= r["max_abs_diff_logprob"] <= TOL["vlm_packed_vs_hf_fp32"]
+                    f"{r['sequences']} seqs, {r['tokens']} tokens, vs HF forward per sequence"))
+    ok &= r["max_abs_diff_logprob"] <= r["tolerance"] and r["max_abs_diff_entropy"] <= r["tolerance"]
     return rows, ok
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def _print_table(rows: list[Row]) -> None:
+def _print_table(rows: list[Row], tolerance: float) -> None:
+    print(f"columns: max|Δ| logprob / entropy = largest per-token difference from the row's reference, named in "
+          f"the note (OK needs <= {tolerance:g});")
+    print("         time = best of 3 warm calls of the row's path (each path ran once before timing), log-probs only")
     header = f"{'path':<48} {'max|Δ| logprob':>15} {'max|Δ| entropy':>15} {'time':>10}  note"
     print(header)
     print("-" * len(header))

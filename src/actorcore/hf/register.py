@@ -88,5 +88,5 @@ def register_arch(spec: ArchSpec, config: Any, *, shrink: bool = True, replace: 
         table.remove(spec.model_type, restore=previous)
         raise
     logger.info("registered architecture %s (verified: max |d log-prob| %.2e)", spec.model_type,
-                report.max_abs_logprob_diff)
+                report.max_abs_diff_logprob)
     return report

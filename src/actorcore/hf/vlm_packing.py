@@ -40,7 +40,7 @@ def vision_spec(model: Any) -> VisionSpec:
     return spec.vision
 
 
-def _merge_size(config: Any) -> int:
+def merge_size(config: Any) -> int:
     return int(config.vision_config.spatial_merge_size)
 
 
@@ -125,7 +125,7 @@ def check_sequence(ids_L: torch.Tensor, types_L: torch.Tensor, inputs: Mapping[s
     unknown = set(inputs) - set(MULTIMODAL_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown multimodal inputs {sorted(unknown)}; known: {list(MULTIMODAL_KEYS)}")
-    merge = _merge_size(config)
+    merge = merge_size(config)
     for name, patch_key, grid_key, kind, separate in (
         ("image", "pixel_values", "image_grid_thw", IMAGE, False),
         ("video", "pixel_values_videos", "video_grid_thw", VIDEO, vision.video_frames_in_separate_runs),
@@ -211,7 +211,7 @@ def pack_multimodal(model: Any, sequences: Sequence[torch.Tensor],
     return dataclasses.replace(batch, position_ids=torch.cat(positions, dim=-1), multimodal=packed_mm)
 
 
-def _split_rows(grid_I3: torch.Tensor | None, tokens_per_row: list[int], merge: int, name: str) -> list[slice]:
+def split_rows(grid_I3: torch.Tensor | None, tokens_per_row: list[int], merge: int, name: str) -> list[slice]:
     """Which grids belong to which row: consume grids in order until their tokens fill the row's count."""
     slices, start = [], 0
     counts = [] if grid_I3 is None else (grid_I3.prod(-1) // merge**2).tolist()
@@ -238,7 +238,7 @@ def pack_multimodal_padded(model: Any, input_ids: torch.Tensor, attention_mask: 
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
     mask = check_mask(attention_mask, input_ids)
-    config, merge = model.config, _merge_size(model.config)
+    config, merge = model.config, merge_size(model.config)
     processor_outputs = {k: v for k, v in processor_outputs.items() if v is not None}
     types_BS = processor_outputs.pop(TOKEN_TYPES_KEY, None)
     rows_ids = [row[keep] for row, keep in zip(input_ids, mask)]
@@ -252,7 +252,7 @@ def pack_multimodal_padded(model: Any, input_ids: torch.Tensor, attention_mask: 
         ("video", "pixel_values_videos", "video_grid_thw", VIDEO_KEYS, VIDEO),
     ):
         grid = processor_outputs.get(grid_key)
-        slices = _split_rows(grid, [int((t == kind).sum()) for t in rows_types], merge, name)
+        slices = split_rows(grid, [int((t == kind).sum()) for t in rows_types], merge, name)
         if grid is None:
             continue
         patch_ends = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from actorcore.testing.reference import logprobs_from_logits
+from actorcore.hf.reference import logprobs_from_logits
 from actorcore.testing.tiny_vlm import SyntheticSample, padded_processor_batch
 
 

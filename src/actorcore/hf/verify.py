@@ -1,0 +1,146 @@
+"""``verify``: actorcore's per-token outputs against the model's own Hugging Face forward.
+
+``compute_logprobs(model, batch, temperature=T, entropy=True)`` (packed attention, fused head, the arch spec's
+head transforms) is compared token by token with ``...ForCausalLM.forward`` run one sequence at a time on the
+unpatched model (``hf/reference.py``): fp32 ``log_softmax(logits / T)`` at the next token, and its entropy.
+A difference beyond the tolerance means the route computes something the model does not: a head transform or
+config field the arch spec does not cover, or an attention / position difference.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from actorcore.batch import PackedBatch
+
+logger = logging.getLogger(__name__)
+
+# Largest per-token |Δ| (log-prob and entropy) that verify accepts, by the model's parameter dtype.
+# fp32: both sides compute in fp32 and differ by summation order (seen: 1e-6 and below on the tiny models).
+# 16-bit: the model's own forward rounds its logits to 16 bits while actorcore's head computes them in fp32 from
+# the same 16-bit hidden states, packed attention sums in another order, and an MoE router may pick another
+# expert for a token that sits on a tie. Measured 2026-11-30 on the CPU with ``bench/verify_tolerances.py`` (the
+# tiny model of every registered text arch and the embedded qwen3, seeds 0-2, random ids, lengths 7 to 257,
+# temperature 1): largest |Δ log-prob| bf16 2.8e-2 (mixtral; dense archs 2.3e-3 to 5.8e-3), fp16 5.0e-3
+# (mixtral); |Δ entropy| at most 1.7e-4. The bounds are about twice the largest seen; a deep model with large
+# logits may need a larger ``tolerance=``, which is then worth stating next to the result.
+VERIFY_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float32: 1e-5,
+    torch.bfloat16: 6e-2,
+    torch.float16: 1e-2,
+}
+
+
+class VerificationError(ValueError):
+    """actorcore's outputs differ from the model's own forward by more than the tolerance."""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Per-token comparison of actorcore with the model's own forward.
+
+    ``worst_logprob_token`` / ``worst_entropy_token`` are ``(sequence index, position in that sequence)`` of the
+    largest |Δ|. ``tokens`` counts the compared tokens: every token but each sequence's first (nothing predicts
+    it; both sides give 0 there).
+    """
+
+    model_type: str
+    dtype: str
+    temperature: float
+    tokens: int
+    sequences: int
+    max_abs_diff_logprob: float
+    max_abs_diff_entropy: float
+    worst_logprob_token: tuple[int, int]
+    worst_entropy_token: tuple[int, int]
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff_logprob <= self.tolerance and self.max_abs_diff_entropy <= self.tolerance
+
+    def summary(self) -> str:
+        verdict = "OK" if self.ok else "FAIL"
+        return (f"{verdict}: {self.model_type} ({self.dtype}), {self.tokens} tokens in {self.sequences} sequences: "
+                f"max |Δ log-prob| {self.max_abs_diff_logprob:.2e} at (sequence, position) "
+                f"{self.worst_logprob_token}, max |Δ entropy| {self.max_abs_diff_entropy:.2e} at "
+                f"{self.worst_entropy_token}, tolerance {self.tolerance:.1e}")
+
+    def raise_if_failed(self) -> "VerifyReport":
+        """Raise ``VerificationError`` saying what differs and what to do, unless ``ok``; return self."""
+        if not self.ok:
+            raise VerificationError(
+                f"{self.summary()}. actorcore does not compute what {self.model_type}'s own forward computes: "
+                "check that the arch spec declares every head transform the model applies after the decoder "
+                "(final logit softcap, logit scaling, ...) and refuses the config fields it does not cover; for "
+                "a 16-bit model whose differences are rounding, pass a larger tolerance=")
+        return self
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """The table entry for a parameter dtype; unknown dtypes are an error."""
+    if dtype not in VERIFY_TOLERANCE:
+        raise ValueError(f"no verify tolerance for models in {dtype}; use one of "
+                         f"{[str(d) for d in VERIFY_TOLERANCE]} or pass tolerance=")
+    return VERIFY_TOLERANCE[dtype]
+
+
+def _worst(diffs: list[torch.Tensor]) -> tuple[float, tuple[int, int]]:
+    best, where = -1.0, (0, 0)
+    for i, d in enumerate(diffs):
+        if d.numel() and float(d.max()) > best:
+            best, where = float(d.max()), (i, int(d.argmax()) + 1)  # position 0 is never compared
+    return max(best, 0.0), where
+
+
+def verify(model: Any, batch: PackedBatch, *, temperature: float = 1.0, tolerance: float | None = None,
+           strict: bool = False) -> VerifyReport:
+    """Compare ``compute_logprobs`` with the model's own forward per token; return a ``VerifyReport``.
+
+    ``model`` is an HF ``...ForCausalLM`` (or a VLM's ``...ForConditionalGeneration``, with ``batch`` from
+    ``actorcore.pack(..., multimodal=..., model=model)``), without ``patch_model`` applied; ``batch`` lives on the
+    model's device. ``tolerance`` defaults to ``VERIFY_TOLERANCE`` for the model's dtype. ``strict=True`` raises
+    ``VerificationError`` on a failure. The model runs in eval mode (dropout off) and gets its mode back.
+    """
+    import actorcore as ac
+    from actorcore.archs import spec_for_model
+    from actorcore.hf.reference import reference_logprobs_per_sequence
+
+    if not isinstance(batch, PackedBatch):
+        raise ValueError(f"verify takes a PackedBatch (actorcore.pack / pack_padded), got {type(batch).__name__}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    spec = spec_for_model(model)
+    dtype = model.get_input_embeddings().weight.dtype
+    tolerance = default_tolerance(dtype) if tolerance is None else float(tolerance)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = ac.compute_logprobs(model, batch, temperature=temperature, entropy=True)
+        ref_lp, ref_ent = reference_logprobs_per_sequence(model, batch, temperature)
+    finally:
+        model.train(was_training)
+    bounds = batch.cu_seqlens.tolist()
+    diff_lp, diff_ent = [], []
+    for i, (lp, ent) in enumerate(zip(ref_lp, ref_ent)):
+        start, end = bounds[i] + 1, bounds[i + 1]  # the first token of a sequence is 0 on both sides
+        # NaN becomes inf: it must fail, and NaN compares False with everything
+        diff_lp.append((out.log_probs[start:end].float() - lp[1:].to(out.log_probs.device)).abs().nan_to_num(torch.inf))
+        diff_ent.append((out.entropy[start:end].float() - ent[1:].to(out.entropy.device)).abs().nan_to_num(torch.inf))
+    max_lp, worst_lp = _worst(diff_lp)
+    max_ent, worst_ent = _worst(diff_ent)
+    report = VerifyReport(
+        model_type=spec.model_type, dtype=str(dtype).removeprefix("torch."), temperature=float(temperature),
+        tokens=sum(int(d.numel()) for d in diff_lp), sequences=len(diff_lp), max_abs_diff_logprob=max_lp,
+        max_abs_diff_entropy=max_ent, worst_logprob_token=worst_lp, worst_entropy_token=worst_ent,
+        tolerance=tolerance,
+    )
+    logger.info("verify: %s", report.summary())
+    if strict:
+        report.raise_if_failed()
+    return report

@@ -1,0 +1,74 @@
+"""Run a function on N local gloo processes (CPU) and collect what each rank returns.
+
+``run_distributed(fn, world_size=2, args=(...))`` calls ``fn(rank, world_size, *args)`` in fresh spawned
+processes with the default process group initialised. Used by the demo's sequence-parallel rows and by the
+distributed tests (``actorcore.testing.distributed`` re-exports it).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        # A file rendezvous in the run's own directory: no port to race for with other runs.
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                                world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict[str, str] | None = None) -> list[Any]:
+    """Spawn ``world_size`` gloo processes running ``fn(rank, world_size, *args)``; return results by rank.
+
+    ``fn`` must be importable (module level). Results travel through ``torch.save``; a failure on any rank
+    raises ``RuntimeError`` with that rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = _free_port()
+        ctx = mp.spawn(_worker, args=(world_size, port, out_dir, fn, args, env or {}), nprocs=world_size,
+                       join=False)
+        errors = []
+        try:
+            ctx.join()
+        except Exception as exc:  # noqa: BLE001 - collect per-rank tracebacks below
+            errors.append(str(exc))
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank} wrote no result")
+                continue
+            payload = torch.load(path, weights_only=False)
+            if not payload["ok"]:
+                errors.append(f"rank {rank}:\n{payload['error']}")
+            results.append(payload.get("result"))
+        if errors:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        return results
