@@ -158,9 +158,9 @@ def test_cli_verify_unregistered_architecture_is_exit_2(tmp_path, capsys):
 
     from actorcore.testing.tiny_configs import COMMON
 
-    config = AutoConfig.for_model("granite", **COMMON, logits_scaling=4.0)
+    config = AutoConfig.for_model("cohere", **COMMON, logit_scale=0.25)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     capsys.readouterr()
     assert main(["verify", str(tmp_path), "--device", "cpu"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "granite" in errors[0] and "archs/granite.py" in errors[0]
+    assert len(errors) == 1 and "cohere" in errors[0] and "archs/cohere.py" in errors[0]
