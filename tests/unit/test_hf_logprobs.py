@@ -271,3 +271,23 @@ def test_misspelt_keywords_are_refused():
                  lambda: ac.compute_loss(model, batch, lambda lp, ent: -lp, temprature=0.7)):
         with pytest.raises(TypeError, match="unexpected keyword argument"):
             call()
+
+
+def test_check_finite_names_the_first_non_finite_layer():
+    from actorcore.hf.decoder import NonFiniteError
+
+    model = build_tiny_model("llama")
+    batch = ac.pack(_sequences())
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+        assert torch.isnan(ac.compute_logprobs(model, batch).log_probs).any()  # plain transformers does the same
+        with pytest.raises(NonFiniteError, match="decoder layer 1 "):
+            ac.compute_logprobs(model, batch, check_finite=True)
+        with pytest.raises(NonFiniteError, match="decoder layer 1 "):
+            ac.compute_loss(model, batch, lambda lp, ent: -lp, check_finite=True)
+
+
+def test_non_callable_loss_fn_is_refused_before_the_forward():
+    model = build_tiny_model("llama")
+    with pytest.raises(ValueError, match="loss_fn must be a callable"):
+        ac.compute_loss(model, ac.pack(_sequences()), "ppo")

@@ -37,6 +37,45 @@ from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
 ATTENTION_TRACE_KEYS = (trace_key(PACKED_ATTENTION), trace_key(ULYSSES_ATTENTION))
 
 
+class NonFiniteError(ValueError):
+    """A decoder layer produced NaN or inf (``check_finite=True``)."""
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return getattr(output, "last_hidden_state", None)
+
+
+@contextlib.contextmanager
+def finite_checks(embeddings: torch.nn.Module, layers: Any, enabled: bool) -> Any:
+    """Forward hooks that raise ``NonFiniteError`` at the first module whose output is not finite."""
+    if not enabled:
+        yield
+        return
+    handles = []
+
+    def hook(name: str) -> Callable:
+        def check(module: Any, args: Any, output: Any) -> None:
+            tensor = _first_tensor(output)
+            if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                raise NonFiniteError(
+                    f"{name} ({type(module).__name__}) produced non-finite values (NaN or inf): check that module's "
+                    "weights and its inputs (learning rate, loss scale, a bad checkpoint)")
+        return check
+
+    try:
+        handles.append(embeddings.register_forward_hook(hook("the input embedding")))
+        for i, layer in enumerate(layers):
+            handles.append(layer.register_forward_hook(hook(f"decoder layer {i}")))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def sp_size(parallel: Any) -> int:
     return 1 if parallel is None else int(parallel.sp_size)
 
@@ -76,10 +115,11 @@ def _attention_switch(model: Any, decoder: Any, configs: list[Any], parallel: An
 
 
 def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = None,
-                trace: Counter | None = None) -> tuple[torch.Tensor, PackedBatch]:
+                trace: Counter | None = None, check_finite: bool = False) -> tuple[torch.Tensor, PackedBatch]:
     """Packed decoder pass; returns this rank's final hidden states ``[T, D]`` and the batch as run.
 
-    Raises ``PackingNotAppliedError`` if actorcore's attention did not run in every layer.
+    Raises ``PackingNotAppliedError`` if actorcore's attention did not run in every layer, and (with
+    ``check_finite``) ``NonFiniteError`` at the first layer whose output holds NaN or inf.
     """
     decoder = submodule(model, spec.decoder)
     layers = submodule(decoder, spec.layers)
@@ -101,7 +141,7 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     if "inputs_embeds" in kwargs:
         kwargs.pop("input_ids")
     before = sum(trace[k] for k in ATTENTION_TRACE_KEYS)
-    with switch:
+    with switch, finite_checks(model.get_input_embeddings(), layers, check_finite):
         out = decoder(**kwargs)
     ran = sum(trace[k] for k in ATTENTION_TRACE_KEYS) - before
     if ran < len(layers):
@@ -110,6 +150,8 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
             "actorcore's attention; refusing to return unpacked results"
         )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    if check_finite and not bool(torch.isfinite(hidden).all()):
+        raise NonFiniteError("the decoder's final norm produced non-finite values (NaN or inf)")
     return hidden[0], work
 
 

@@ -35,26 +35,28 @@ def gather_sp(local_T: torch.Tensor, parallel: Any) -> torch.Tensor:
 
 
 def compute_logprobs(model: Any, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True,
-                     parallel: Any = None, trace: Counter | None = None) -> LogProbOutput:
+                     parallel: Any = None, trace: Counter | None = None, check_finite: bool = False) -> LogProbOutput:
     """Exact per-token log-probs (and entropy) of ``batch`` under ``model``, float32 ``[T]``.
 
     ``log_probs[t] = log softmax(logits_{t-1} / temperature)[input_ids[t]]`` within each sequence; 0 at every
     sequence's first token. Differentiable (actor update) or under ``torch.no_grad()`` (old/ref log-probs).
     Runs as the model's forward (FSDP2 / DDP hooks apply). Nothing else is passed to the decoder: a misspelt
-    keyword is a ``TypeError``, never a silently ignored option.
+    keyword is a ``TypeError``, never a silently ignored option. ``check_finite=True`` raises
+    ``NonFiniteError`` naming the first decoder layer whose output holds NaN or inf (a cheap check per layer).
     """
     temperature = check_temperature(temperature)
     spec_for_model(model)
     batch = check_batch(model, batch)
     return call_as_forward(model, lambda: logprobs_inside_forward(
-        model, batch, temperature=temperature, entropy=entropy, parallel=parallel, trace=trace))
+        model, batch, temperature=temperature, entropy=entropy, parallel=parallel, trace=trace, check_finite=check_finite))
 
 
 def logprobs_inside_forward(model: Any, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True,
-                            parallel: Any = None, trace: Counter | None = None) -> LogProbOutput:
+                            parallel: Any = None, trace: Counter | None = None,
+                            check_finite: bool = False) -> LogProbOutput:
     """``compute_logprobs`` for callers already inside the model's forward (e.g. a patched forward)."""
     spec = spec_for_model(model)
-    hidden_TD, work = run_decoder(model, spec, batch, parallel, trace)
+    hidden_TD, work = run_decoder(model, spec, batch, parallel, trace, check_finite)
     labels_T, valid_T = next_token_labels(work)
     if sp_size(parallel) > 1:
         labels_T = shard_for_sp(labels_T, int(parallel.sp_rank), sp_size(parallel))
@@ -66,8 +68,8 @@ def logprobs_inside_forward(model: Any, batch: PackedBatch, temperature: float =
     return LogProbOutput(log_probs=logprob_T, entropy=entropy_T)
 
 
-def compute_values(model: Any, batch: PackedBatch, parallel: Any = None,
-                   trace: Counter | None = None) -> torch.Tensor:
+def compute_values(model: Any, batch: PackedBatch, parallel: Any = None, trace: Counter | None = None,
+                   check_finite: bool = False) -> torch.Tensor:
     """Per-token values ``[T]`` (float32) from a 1-label ``...ForTokenClassification`` critic.
 
     ``values[t]`` is the critic's output at token ``t`` itself (no shift), as the HF model computes it; the
@@ -83,7 +85,7 @@ def compute_values(model: Any, batch: PackedBatch, parallel: Any = None,
         )
 
     def values_inside_forward() -> torch.Tensor:
-        hidden_TD, work = run_decoder(model, spec, batch, parallel, trace)
+        hidden_TD, work = run_decoder(model, spec, batch, parallel, trace, check_finite)
         dropout = getattr(model, "dropout", None)
         if isinstance(dropout, torch.nn.Module):
             hidden_TD = dropout(hidden_TD)

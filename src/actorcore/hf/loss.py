@@ -31,7 +31,7 @@ from actorcore.kernels.logprob.fused_loss import TokenLoss, check_token_args
 
 def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args: Sequence[torch.Tensor] = (),
                  temperature: float = 1.0, entropy: bool = True, parallel: Any = None,
-                 trace: Counter | None = None) -> LossOutput:
+                 trace: Counter | None = None, check_finite: bool = False) -> LossOutput:
     """``sum_t loss_fn(log_probs, entropy, *token_args)[t]`` over the scored tokens of ``batch``.
 
     ``loss_fn`` is token-wise (see ``linear_logprob_loss``) and gets float32 chunks of log-probs, entropies
@@ -41,6 +41,9 @@ def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args:
     forward (FSDP2 / DDP hooks apply).
     """
     temperature = check_temperature(temperature)
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable (log_probs, entropy, *token_args) -> per-token losses, got "
+                         f"{type(loss_fn).__name__}")
     spec_for_model(model)
     if sp_size(parallel) > 1:
         raise ValueError(
@@ -50,7 +53,7 @@ def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args:
     batch = check_batch(model, batch)
     token_args = tuple(a.to(batch.device) for a in check_token_args(token_args, batch.num_real_tokens, None))
     return call_as_forward(model, lambda: _loss_inside_forward(
-        model, batch, loss_fn, token_args, temperature, entropy, trace))
+        model, batch, loss_fn, token_args, temperature, entropy, trace, check_finite))
 
 
 def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
@@ -61,9 +64,10 @@ def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, out, torch.zeros_like(out))
 
 
-def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy, trace) -> LossOutput:
+def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy, trace,
+                         check_finite) -> LossOutput:
     spec = spec_for_model(model)
-    hidden_TD, work = run_decoder(model, spec, batch, None, trace)
+    hidden_TD, work = run_decoder(model, spec, batch, None, trace, check_finite)
     labels_T, valid_T = next_token_labels(work)
 
     def scored_only(logprob_C, entropy_C, keep_C, *args_C):
