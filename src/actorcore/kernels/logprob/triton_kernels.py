@@ -91,6 +91,43 @@ def _tile_ids(pid, num_t_tiles, num_other, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _logits_tile(h_base, w_base, D, stride_hd, stride_wd, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 [BLOCK_T, BLOCK_V] logits from pointer loads (``h_base`` / ``w_base``: the rows' base pointers)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(0, D, BLOCK_K):
+        kk = k + offs_k
+        if EVEN_K:
+            x = tl.load(h_base + kk[None, :] * stride_hd)
+            y = tl.load(w_base + kk[:, None] * stride_wd)
+        else:
+            x = tl.load(h_base + kk[None, :] * stride_hd, mask=kk[None, :] < D, other=0.0)
+            y = tl.load(w_base + kk[:, None] * stride_wd, mask=kk[:, None] < D, other=0.0)
+        acc = tl.dot(x, y, acc)
+    return acc
+
+
+@triton.jit
+def _empty_stats(BLOCK_T: tl.constexpr):
+    """Running (m, s, a, zy) of a token tile before any vocabulary tile."""
+    zero = tl.zeros((BLOCK_T,), tl.float32)
+    return tl.full((BLOCK_T,), _NEG, tl.float32), zero, zero, zero
+
+
+@triton.jit
+def _store_split_stats(m_ptr, s_ptr, a_ptr, zy_ptr, split_start, offs_t, T, m, s, a, zy, ENTROPY: tl.constexpr):
+    """Write a token tile's statistics into row ``split_start // T`` of the [S, T] partials."""
+    out = split_start + offs_t
+    ok = offs_t < T
+    tl.store(m_ptr + out, m, mask=ok)
+    tl.store(s_ptr + out, s, mask=ok)
+    tl.store(zy_ptr + out, zy, mask=ok)
+    if ENTROPY:
+        tl.store(a_ptr + out, a, mask=ok)
+
+
+@triton.jit
 def fwd_stats_kernel(
     h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, a_ptr, zy_ptr,
     T, V, D,
@@ -104,37 +141,18 @@ def fwd_stats_kernel(
     pid_t, pid_s = _tile_ids(tl.program_id(0), tl.cdiv(T, BLOCK_T), num_splits, GROUP)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rows_t = (offs_t % T).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
     labels = tl.load(lab_ptr + rows_t).to(tl.int64)
     v_lo = pid_s * (TILES_PER_SPLIT * BLOCK_V)
-    m = tl.full((BLOCK_T,), _NEG, tl.float32)
-    s = tl.zeros((BLOCK_T,), tl.float32)
-    a = tl.zeros((BLOCK_T,), tl.float32)
-    zy = tl.zeros((BLOCK_T,), tl.float32)
+    m, s, a, zy = _empty_stats(BLOCK_T)
     h_base = h_ptr + rows_t[:, None] * stride_ht
     # constant trip count (the last split may run a few fully masked tiles; 1% at V=151936)
     for i in range(0, TILES_PER_SPLIT):
         offs_v = v_lo + i * BLOCK_V + tl.arange(0, BLOCK_V)
         w_base = w_ptr + (offs_v % V).to(tl.int64)[None, :] * stride_wv
-        acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
-        for k in range(0, D, BLOCK_K):
-            kk = k + offs_k
-            if EVEN_K:
-                x = tl.load(h_base + kk[None, :] * stride_hd)
-                y = tl.load(w_base + kk[:, None] * stride_wd)
-            else:
-                x = tl.load(h_base + kk[None, :] * stride_hd, mask=kk[None, :] < D, other=0.0)
-                y = tl.load(w_base + kk[:, None] * stride_wd, mask=kk[:, None] < D, other=0.0)
-            acc = tl.dot(x, y, acc)
+        acc = _logits_tile(h_base, w_base, D, stride_hd, stride_wd, BLOCK_T, BLOCK_V, BLOCK_K, EVEN_K)
         m, s, a, zy = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
                                      HAS_SOFTCAP, ENTROPY)
-    out = pid_s * T + offs_t
-    ok = offs_t < T
-    tl.store(m_ptr + out, m, mask=ok)
-    tl.store(s_ptr + out, s, mask=ok)
-    tl.store(zy_ptr + out, zy, mask=ok)
-    if ENTROPY:
-        tl.store(a_ptr + out, a, mask=ok)
+    _store_split_stats(m_ptr, s_ptr, a_ptr, zy_ptr, pid_s * T, offs_t, T, m, s, a, zy, ENTROPY)
 
 
 @triton.jit
@@ -153,10 +171,7 @@ def fwd_stats_kernel_tma(
     rows_t = (offs_t % T).to(tl.int64)
     labels = tl.load(lab_ptr + rows_t).to(tl.int64)
     v_lo = pid_s * (TILES_PER_SPLIT * BLOCK_V)
-    m = tl.full((BLOCK_T,), _NEG, tl.float32)
-    s = tl.zeros((BLOCK_T,), tl.float32)
-    a = tl.zeros((BLOCK_T,), tl.float32)
-    zy = tl.zeros((BLOCK_T,), tl.float32)
+    m, s, a, zy = _empty_stats(BLOCK_T)
     for i in range(0, TILES_PER_SPLIT):
         off_v = v_lo + i * BLOCK_V
         offs_v = off_v + tl.arange(0, BLOCK_V)
@@ -167,13 +182,7 @@ def fwd_stats_kernel_tma(
             acc = tl.dot(x, y.T, acc)
         m, s, a, zy = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
                                      HAS_SOFTCAP, ENTROPY)
-    out = pid_s * T + offs_t
-    ok = offs_t < T
-    tl.store(m_ptr + out, m, mask=ok)
-    tl.store(s_ptr + out, s, mask=ok)
-    tl.store(zy_ptr + out, zy, mask=ok)
-    if ENTROPY:
-        tl.store(a_ptr + out, a, mask=ok)
+    _store_split_stats(m_ptr, s_ptr, a_ptr, zy_ptr, pid_s * T, offs_t, T, m, s, a, zy, ENTROPY)
 
 
 @triton.jit
@@ -193,19 +202,9 @@ def bwd_grad_logits_kernel(
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     rows_t = (offs_t % C).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
     h_base = h_ptr + rows_t[:, None] * stride_ht
     w_base = w_ptr + (offs_v % V).to(tl.int64)[None, :] * stride_wv
-    acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
-    for k in range(0, D, BLOCK_K):
-        kk = k + offs_k
-        if EVEN_K:
-            x = tl.load(h_base + kk[None, :] * stride_hd)
-            y = tl.load(w_base + kk[:, None] * stride_wd)
-        else:
-            x = tl.load(h_base + kk[None, :] * stride_hd, mask=kk[None, :] < D, other=0.0)
-            y = tl.load(w_base + kk[:, None] * stride_wd, mask=kk[:, None] < D, other=0.0)
-        acc = tl.dot(x, y, acc)
+    acc = _logits_tile(h_base, w_base, D, stride_hd, stride_wd, BLOCK_T, BLOCK_V, BLOCK_K, EVEN_K)
     g = _grad_tile(acc, offs_v, rows_t, v_start, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp, softcap,
                    inv_softcap, HAS_SOFTCAP, HAS_GLP, HAS_GENT)
     ok = (offs_t[:, None] < C) & (offs_v[None, :] < V)
