@@ -80,7 +80,7 @@ def _ours_engine(engine, chunk_size=None):
     from actorcore.kernels.logprob.function import LinearLogprobEntropyFunction
 
     def run(h, w, y, temperature, loss_reduction):
-        return LinearLogprobEntropyFunction.apply(h, w, y, engine, temperature, None, True, chunk_size, None)
+        return LinearLogprobEntropyFunction.apply(h, w, y, engine, temperature, None, True, chunk_size, None, None)
 
     return run
 
