@@ -13,8 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from actorcore.kernels.logprob import merge_partial_stats
-
 
 def _group_size(group: Any) -> int:
     return dist.get_world_size(group)
@@ -99,6 +97,8 @@ def merge_vocab_stats(stats: tuple, group: Any) -> tuple:
 
     One all-gather of the stacked statistics, then the kernel's merge in rank order (deterministic).
     """
+    from actorcore.kernels.logprob import merge_partial_stats  # imported here: nothing else in this module needs kernels/
+
     m_T, s_T, a_T, zy_T = stats
     parts = [m_T, s_T, zy_T] + ([] if a_T is None else [a_T])
     gathered_S = all_gather_blocks(torch.stack(parts), group)  # [size, 3 or 4, T]
