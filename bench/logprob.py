@@ -80,7 +80,7 @@ def _ours_engine(engine, chunk_size=None):
     from actorcore.kernels.logprob.function import LinearLogprobEntropyFunction
 
     def run(h, w, y, temperature, loss_reduction):
-        return LinearLogprobEntropyFunction.apply(h, w, y, engine, temperature, None, True, chunk_size, None)
+        return LinearLogprobEntropyFunction.apply(h, w, y, engine, temperature, None, True, chunk_size, None, None)
 
     return run
 
@@ -221,8 +221,8 @@ def accuracy(fn, h, w, y, temperature, ref):
 
 
 def sweep(n=16384, d=4096, v=151936):
-    """Time the Triton kernels' configurations and modes against the cuBLAS matmul floor."""
-    from actorcore.kernels.logprob import triton_backend as tb
+    """Time the Triton kernels' blockings and chunks against the cuBLAS matmul floor."""
+    from actorcore.kernels.logprob.triton_engine import TritonEngine
 
     h, w, y = make_inputs(n, d, v)
     flop = 2 * n * d * v
@@ -260,13 +260,8 @@ def sweep(n=16384, d=4096, v=151936):
     _cleanup()
 
     kw = dict(temperature=0.7, softcap=None, entropy=True, chunk_size=None)
-    fwd_runs = [  # the choice of 2026-11-30 03:26 UTC (docs/benchmarks.md) and its pointer-load twin
-        ("ptr", tb.FWD_CONFIG),
-        ("tma", tb.FWD_CONFIG),
-    ]
-    for kind, cfg in fwd_runs:
-        eng = tb.TritonEngine(fwd=cfg, tma=kind == "tma")
-        bench(f"fwd fused {kind} {cfg}", lambda: eng.forward_stats(h, w, y, **kw))
+    eng = TritonEngine()  # TMA loads (aligned inputs); the pointer-load variant measured slower (docs/benchmarks.md)
+    bench(f"fwd fused {eng.fwd}", lambda: eng.forward_stats(h, w, y, **kw))
 
     lse = torch.randn(n, device="cuda") + 12
     ent = torch.rand(n, device="cuda") * 5
@@ -284,25 +279,16 @@ def sweep(n=16384, d=4096, v=151936):
         ("whole vocabulary, 512 MiB (1664 tokens)", dict(vocab_block=1 << 30, workspace_bytes=512 << 20)),
     ]
     for label, kw in bwd_runs:
-        eng = tb.TritonEngine(**kw)
+        eng = TritonEngine(**kw)
         bench(f"bwd (grad_hidden + grad_weight) {label}", lambda: eng.backward(
             h, w, y, lse, ent, glp, gent, need_hidden=True, need_weight=True, **bkw), 3 * flop)
 
     def token_grads(start, end, lp, en):
         return glp[start:end], gent[start:end]
 
-    fused_runs = [  # (chunk tokens, engine kwargs): who writes the fp32 logits, and the chunk
-        (512, {}),
-        (768, {}),
-        (1024, {}),
-        (2048, {}),
-        (768, dict(loss_logits="fused")),
-        (768, dict(loss_logits="fused", fwd_store=tb.Config(128, 128, 64, 8, 4, group=16))),
-    ]
-    for rows, kw in fused_runs:
-        eng = tb.TritonEngine(**kw)
-        label = "cublas logits" if eng.loss_logits == "cublas" else f"logits stored by the forward, {eng.fwd_store}"
-        bench(f"loss-fused forward (6NHV), chunk {rows}, {label}", lambda: eng.fused_loss_forward(
+    eng = TritonEngine()
+    for rows in (512, 768, 1024, 2048):  # chunk tokens of the loss-fused forward (cuBLAS fp32 logits)
+        bench(f"loss-fused forward (6NHV), chunk {rows}", lambda: eng.fused_loss_forward(
             h, w, y, token_grads, temperature=0.7, softcap=None, entropy=True, chunk_size=rows,
             need_hidden=True, need_weight=True), 3 * flop)
     return res

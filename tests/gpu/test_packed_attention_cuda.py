@@ -1,6 +1,8 @@
 """CUDA: the varlen attention backends agree with the per-segment reference, and compute_logprobs on a GPU
 model picks them and equals the padded HF path. Skipped without CUDA."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -24,7 +26,10 @@ def test_torch_varlen_matches_segments(window):
     lengths = [1, 2, 300, 77, 1024, 5]
     q, k, v, cu = _qkv(lengths)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    fast = varlen_causal_attention(q, k, v, cu, max(lengths), sliding_window=window, backend="torch_varlen")
+    trace = Counter()
+    fast = varlen_causal_attention(q, k, v, cu, max(lengths), sliding_window=window, backend="torch_varlen",
+                                   trace=trace)
+    assert trace == {"varlen_attention:torch_varlen": 1}
     ref = varlen_causal_attention(q.float(), k.float(), v.float(), cu, max(lengths), sliding_window=window,
                                   backend="segments")
     assert (fast.float() - ref).abs().max().item() < 2e-2
@@ -39,7 +44,7 @@ def test_torch_varlen_matches_segments(window):
 def test_compute_logprobs_on_cuda_matches_padded(dtype):
     import actorcore as ac
     from actorcore.hf.attention import CALLS, PACKED_ATTENTION
-    from actorcore.kernels.varlen_attention import BACKEND_CALLS, choose_backend
+    from actorcore.kernels.varlen_attention import choose_backend
     from actorcore.testing.reference import reference_logprobs, right_padded
     from actorcore.testing.tiny_configs import build_tiny_model
 
@@ -49,13 +54,13 @@ def test_compute_logprobs_on_cuda_matches_padded(dtype):
     ids, mask = right_padded(seqs)
     batch = ac.pack_padded(ids, mask).to("cuda")
     backend = choose_backend(torch.device("cuda"), dtype, None, 0.0)
-    calls, backend_calls = CALLS[PACKED_ATTENTION], BACKEND_CALLS[backend]
+    calls, trace = CALLS[PACKED_ATTENTION], Counter()
     with torch.no_grad():
-        out = ac.compute_logprobs(model, batch, temperature=0.7)
+        out = ac.compute_logprobs(model, batch, temperature=0.7, trace=trace)
         ref_lp, ref_ent = reference_logprobs(model, ids.cuda(), mask.cuda(), 0.7)
     layers = model.config.num_hidden_layers
     assert CALLS[PACKED_ATTENTION] - calls == layers
-    assert BACKEND_CALLS[backend] - backend_calls == layers
+    assert trace[f"varlen_attention:{backend}"] == layers
     if dtype == torch.float32:
         assert backend == "segments"
         tol = 1e-4

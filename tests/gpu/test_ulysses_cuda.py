@@ -15,12 +15,14 @@ BF16_LOGPROB = 5e-2
 
 
 def _worker(rank, world_size):
+    from collections import Counter
+
     import torch.distributed as dist
 
     import actorcore as ac
     from actorcore.hf.attention import CALLS
     from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
-    from actorcore.kernels.varlen_attention import BACKEND_CALLS, choose_backend
+    from actorcore.kernels.varlen_attention import choose_backend
     from actorcore.parallel import ParallelContext
     from actorcore.testing.tiny_configs import build_tiny_model
 
@@ -34,9 +36,9 @@ def _worker(rank, world_size):
         model = build_tiny_model("qwen2", dtype=dtype, seed=1).cuda()
         ac.patch_model(model, parallel=ctx)
         backend = choose_backend(torch.device("cuda"), dtype, None, 0.0)
-        calls, backend_calls = CALLS[ULYSSES_ATTENTION], BACKEND_CALLS[backend]
-        out = ac.compute_logprobs(model, batch, temperature=0.8, parallel=ctx)
-        ran = (CALLS[ULYSSES_ATTENTION] - calls, BACKEND_CALLS[backend] - backend_calls)
+        calls, trace = CALLS[ULYSSES_ATTENTION], Counter()
+        out = ac.compute_logprobs(model, batch, temperature=0.8, parallel=ctx, trace=trace)
+        ran = (CALLS[ULYSSES_ATTENTION] - calls, trace[f"varlen_attention:{backend}"])
         ref = ac.compute_logprobs(reference, batch, temperature=0.8)
         diff = max((out.log_probs - ref.log_probs).abs().max().item(), (out.entropy - ref.entropy).abs().max().item())
         grad_rel = None

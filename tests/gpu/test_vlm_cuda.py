@@ -1,6 +1,8 @@
 """CUDA: packed VLM log-probs (vision tower on the GPU, packed varlen attention in the decoder) equal the
 padded HF forward per token, in fp32 and bf16. Skipped without CUDA."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_packed_vlm_on_cuda_matches_padded(model_type, dtype):
     import actorcore as ac
     from actorcore.hf.attention import CALLS, PACKED_ATTENTION
-    from actorcore.kernels.varlen_attention import BACKEND_CALLS, choose_backend
+    from actorcore.kernels.varlen_attention import choose_backend
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
     from actorcore.testing.tiny_vlm import build_tiny_vlm, mixed_samples
     from actorcore.hf.vlm_packing import pack_multimodal
@@ -21,13 +23,13 @@ def test_packed_vlm_on_cuda_matches_padded(model_type, dtype):
     samples = mixed_samples(model)
     batch = pack_multimodal(model, [s.input_ids for s in samples], [s.multimodal for s in samples]).to("cuda")
     backend = choose_backend(torch.device("cuda"), dtype, None, 0.0)
-    calls, backend_calls = CALLS[PACKED_ATTENTION], BACKEND_CALLS[backend]
+    calls, trace = CALLS[PACKED_ATTENTION], Counter()
     with torch.no_grad():
-        out = ac.compute_logprobs(model, batch, temperature=0.7)
+        out = ac.compute_logprobs(model, batch, temperature=0.7, trace=trace)
         ref_lp, ref_ent = reference_logprobs_vlm(model, samples, temperature=0.7)
     layers = model.config.text_config.num_hidden_layers
     assert CALLS[PACKED_ATTENTION] - calls == layers
-    assert BACKEND_CALLS[backend] - backend_calls == layers
+    assert trace[f"varlen_attention:{backend}"] == layers
     # Same convention as test_packed_attention_cuda: fp32 (TF32 matmuls may be on) and bf16 kernel rounding.
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert (out.log_probs - ref_lp.to(out.log_probs.device)).abs().max().item() < tol

@@ -9,12 +9,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from collections import Counter
+
 from actorcore.kernels.logprob import (
     linear_logprob_entropy,
     linear_logprob_entropy_reference,
-    linear_logprob_entropy_vocab_parallel,
+    linear_logprob_entropy_vocab_shard,
 )
 from actorcore.kernels.logprob import chunked
+from actorcore.parallel.vocab_parallel import linear_logprob_entropy_vocab_parallel
 from actorcore.testing.tolerances import TOL
 
 ATOL_FP32 = TOL["kernel_chunked_vs_reference_fp32"]
@@ -164,17 +167,19 @@ def test_memory_bounded_by_chunk_not_tokens(backend, bounded):
     hidden_TD, weight_VD, labels_T = _inputs(n_tok, dim, vocab, seed=9)
     h = hidden_TD.requires_grad_()
     w = weight_VD.requires_grad_()
-    chunked.PROBE.reset()
+    trace = Counter()
     with _MaxNumel() as probe:
-        lp, ent = linear_logprob_entropy(h, w, labels_T, temperature=0.7, backend=backend, chunk_size=chunk)
+        lp, ent = linear_logprob_entropy(h, w, labels_T, temperature=0.7, backend=backend, chunk_size=chunk,
+                                         trace=trace)
         (lp.sum() + ent.sum()).backward()
     limit = max(chunk * vocab, vocab * dim)
     if bounded:
         assert probe.max_numel <= limit, (probe.max_numel, limit)
-        assert chunked.PROBE.max_rows == chunk
-        assert chunked.PROBE.chunks == 2 * -(-n_tok // chunk)  # forward + backward recompute
+        # forward + backward recompute, each over every token in chunks of `chunk` rows (the last shorter)
+        assert trace == {"logprob:torch_chunk": 2 * -(-n_tok // chunk), "logprob:torch_chunk_rows": 2 * n_tok}
     else:
         assert probe.max_numel >= n_tok * vocab
+        assert trace == {"logprob:reference": 1}
 
 
 def test_default_chunk_is_bounded():
@@ -201,9 +206,9 @@ def test_zero_tokens():
 
 def test_auto_on_cpu_uses_torch_and_triton_refuses():
     hidden_TD, weight_VD, labels_T = _inputs(9, 16, 31)
-    chunked.PROBE.reset()
-    linear_logprob_entropy(hidden_TD, weight_VD, labels_T, backend="auto")
-    assert chunked.PROBE.chunks == 1
+    trace = Counter()
+    linear_logprob_entropy(hidden_TD, weight_VD, labels_T, backend="auto", trace=trace)
+    assert trace == {"logprob:torch_chunk": 1, "logprob:torch_chunk_rows": 9}
     with pytest.raises(ValueError, match="triton"):
         linear_logprob_entropy(hidden_TD, weight_VD, labels_T, backend="triton")
 
@@ -342,3 +347,39 @@ def test_vocab_parallel_without_group_equals_unsharded():
         linear_logprob_entropy_vocab_parallel(
             hidden_TD, weight_VD, labels_T, vocab_start=0, tp_group=None, backend="reference"
         )
+
+
+def test_vocab_shard_merges_statistics_through_the_callers_reduce():
+    """The kernel issues no collective: a caller-supplied ``reduce_stats`` (here, the other shards computed
+    in-process) turns one shard's statistics into the whole vocabulary's, forward and backward."""
+    from actorcore.kernels.logprob import merge_partial_stats
+    from actorcore.kernels.logprob.chunked import TorchChunkedEngine
+
+    hidden_TD, weight_VD, labels_T = _inputs(37, 48, 1001, seed=22)
+    lo, hi = 400, 700
+    others = [(0, lo), (hi, 1001)]
+    kw = dict(temperature=0.7, softcap=3.0, entropy=True, chunk_size=None)
+
+    def reduce_stats(stats):
+        parts = [stats] + [TorchChunkedEngine().forward_stats(hidden_TD, weight_VD[a:b], labels_T - a, **kw)
+                           for a, b in others]
+        return merge_partial_stats(*(torch.stack([p[i] for p in parts]) for i in range(4)))
+
+    h = hidden_TD.clone().requires_grad_()
+    w = weight_VD[lo:hi].clone().requires_grad_()
+    trace = Counter()
+    lp, ent = linear_logprob_entropy_vocab_shard(
+        h, w, labels_T, vocab_start=lo, reduce_stats=reduce_stats, temperature=0.7, softcap=3.0, backend="torch",
+        trace=trace,
+    )
+    (lp.sum() + ent.sum()).backward()
+    h_ref = hidden_TD.clone().requires_grad_()
+    w_ref = weight_VD.clone().requires_grad_()
+    lp_ref, ent_ref = linear_logprob_entropy_reference(h_ref, w_ref, labels_T, temperature=0.7, softcap=3.0)
+    (lp_ref.sum() + ent_ref.sum()).backward()
+    torch.testing.assert_close(lp, lp_ref.detach(), atol=ATOL_FP32, rtol=0)
+    torch.testing.assert_close(ent, ent_ref.detach(), atol=ATOL_FP32, rtol=0)
+    _assert_rel_close(w.grad, w_ref.grad[lo:hi], KERNEL_CHUNKED_GRAD_VS_REFERENCE_FP32_REL)
+    assert trace == {"logprob:torch_chunk": 2, "logprob:torch_chunk_rows": 2 * 37}  # this shard's work only
+    with pytest.raises(ValueError, match="reduce_stats"):
+        linear_logprob_entropy_vocab_shard(hidden_TD, w.detach(), labels_T, vocab_start=lo, reduce_stats=3)

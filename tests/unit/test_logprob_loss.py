@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorcore.kernels.logprob import chunked, linear_logprob_loss
+from collections import Counter
+
+from actorcore.kernels.logprob import linear_logprob_loss
 from actorcore.testing.tolerances import TOL
 
 ATOL = TOL["kernel_chunked_vs_reference_fp32"]
@@ -35,12 +37,12 @@ def ppo_loss(logprob, entropy, advantages, old_logprob, mask, clip=0.2, ent_coef
     return per_token * mask / 37.0  # a fixed normaliser: the batch's token count, known up front
 
 
-def _grads(backend, scale=1.0, chunk_size=None, **kw):
+def _grads(backend, scale=1.0, chunk_size=None, trace=None, **kw):
     hidden_TD, weight_VD, labels_T, token_args = _inputs(**kw.pop("shape", {}))
     h = hidden_TD.clone().requires_grad_()
     w = weight_VD.clone().requires_grad_()
     out = linear_logprob_loss(h, w, labels_T, ppo_loss, token_args=token_args, backend=backend,
-                              chunk_size=chunk_size, **kw)
+                              chunk_size=chunk_size, trace=trace, **kw)
     (out.loss * scale).backward()
     return out, h.grad, w.grad
 
@@ -54,9 +56,11 @@ def _rel(a, b):
 @pytest.mark.parametrize("entropy", [True, False])
 def test_loss_and_grads_match_reference(chunk_size, temperature, softcap, entropy):
     kw = dict(temperature=temperature, softcap=softcap, entropy=entropy)
-    chunked.PROBE.reset()
-    out, gh, gw = _grads("torch", scale=2.5, chunk_size=chunk_size, **kw)
-    assert chunked.PROBE.chunks > 0  # the chunked engine ran, not the reference
+    trace = Counter()
+    out, gh, gw = _grads("torch", scale=2.5, chunk_size=chunk_size, trace=trace, **kw)
+    # the chunked engine ran (a forward and a backward per chunk), not the reference
+    chunks = -(-45 // chunk_size) if chunk_size else 1
+    assert trace == {"logprob:torch_chunk": 2 * chunks, "logprob:torch_chunk_rows": 2 * 45}
     ref, gh_ref, gw_ref = _grads("reference", scale=2.5, **kw)
     torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=0)
     torch.testing.assert_close(out.logprob, ref.logprob, atol=ATOL, rtol=0)

@@ -2,5 +2,21 @@
 
 Nothing heavy is imported here; import the submodule you need, e.g.
 ``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch
-(and triton lazily, when a triton backend is chosen); they never import model code.
+(and triton lazily, when a triton backend is chosen); they never import model code or issue collectives.
+
+Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``linear_logprob_loss``,
+``linear_logprob_entropy_vocab_shard`` and ``parallel.vocab_parallel.linear_logprob_entropy_vocab_parallel``,
+``varlen_causal_attention``) take ``trace: collections.Counter[str] | None``. When given, they add to it
+(backward recomputation included: the autograd context keeps the same Counter) under these keys:
+
+    logprob:reference             calls that ran the plain fp32 reference
+    logprob:torch_chunk           [C, V] logit chunks built by the chunked torch engine (forward and recompute)
+    logprob:torch_chunk_rows      the rows C of those chunks, summed
+    logprob:triton_forward        launches of the Triton forward statistics kernel (pointer or TMA loads)
+    logprob:triton_forward_tma    those of them that used TMA loads
+    logprob:triton_backward       launches of the Triton grad_logits recompute kernel (one per backward block)
+    logprob:triton_fused_loss     chunks run by the Triton loss-fused forward (``linear_logprob_loss``)
+    varlen_attention:<backend>    calls per attention backend that ran: flash_attn, torch_varlen, segments
+
+Nothing else in the package keeps counters: there is no module-level state that a test reads or sets.
 """

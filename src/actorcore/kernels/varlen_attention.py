@@ -21,13 +21,12 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from actorcore.kernels.trace import add
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "flash_attn", "torch_varlen", "segments")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
-
-# Calls per backend actually run: lets tests prove which kernel ran.
-BACKEND_CALLS: Counter[str] = Counter()
 
 
 @functools.cache
@@ -66,8 +65,12 @@ def varlen_causal_attention(
     softcap: float | None = None,
     dropout: float = 0.0,
     backend: str = "auto",
+    trace: Counter[str] | None = None,
 ) -> torch.Tensor:
-    """Packed causal attention; returns ``[T, N, H]`` in the input dtype."""
+    """Packed causal attention; returns ``[T, N, H]`` in the input dtype.
+
+    ``trace``: counts the backend that ran under ``"varlen_attention:<backend>"`` (see ``actorcore.kernels``).
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
     T, N, H = q_TNH.shape
@@ -79,7 +82,7 @@ def varlen_causal_attention(
     scale = H**-0.5 if scale is None else scale
     if backend == "auto":
         backend = choose_backend(q_TNH.device, q_TNH.dtype, softcap, dropout)
-    BACKEND_CALLS[backend] += 1
+    add(trace, f"varlen_attention:{backend}")
     if backend == "flash_attn":
         return _flash_attn(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window, softcap, dropout)
     if backend == "torch_varlen":

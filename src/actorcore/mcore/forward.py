@@ -18,7 +18,7 @@ import torch
 
 from actorcore.batch import PackedBatch, next_token_labels, pad_to_multiple, shift_to_scored_token, unpad
 from actorcore.outputs import LogProbOutput
-from actorcore.kernels.logprob import linear_logprob_entropy_vocab_parallel
+from actorcore.parallel.vocab_parallel import linear_logprob_entropy_vocab_parallel
 from actorcore.mcore import collectives
 from actorcore.mcore.parallel import McoreGroups
 

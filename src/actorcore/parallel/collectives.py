@@ -89,3 +89,19 @@ def gather_sp(local_T: torch.Tensor, ctx: Any) -> torch.Tensor:
     if ctx.sp_size == 1:
         return local_T
     return _GatherSequence.apply(local_T, ctx.sp_group)
+
+
+def merge_vocab_stats(stats: tuple, group: Any) -> tuple:
+    """Per-token log-sum-exp statistics ``(m, s, a or None, zy)`` of this rank's vocabulary shard -> those
+    of the whole vocabulary, on every rank of ``group`` (no autograd; the log-prob kernel's ``reduce_stats``).
+
+    One all-gather of the stacked statistics, then the kernel's merge in rank order (deterministic).
+    """
+    from actorcore.kernels.logprob import merge_partial_stats  # imported here: nothing else in this module needs kernels/
+
+    m_T, s_T, a_T, zy_T = stats
+    parts = [m_T, s_T, zy_T] + ([] if a_T is None else [a_T])
+    gathered_S = all_gather_blocks(torch.stack(parts), group)  # [size, 3 or 4, T]
+    m_ST, s_ST, zy_ST = gathered_S[:, 0], gathered_S[:, 1], gathered_S[:, 2]
+    a_ST = None if a_T is None else gathered_S[:, 3]
+    return merge_partial_stats(m_ST, s_ST, a_ST, zy_ST)

@@ -10,7 +10,8 @@ holds, with z = cap(logits) / temperature:
     a  = sum_j exp(z_j - m) * (z_j - m)        (only when entropy is wanted)
     zy = z_label if the label is in this vocabulary range, else 0
 
-``combine_vocab_stats`` merges them over a tensor-parallel group (the only collectives of the package)
+``merge_partial_stats`` merges partials of disjoint vocabulary ranges (the Triton forward's splits, or
+the ranks of a tensor-parallel group once the caller has gathered them: kernels issue no collectives)
 and ``finish_stats`` turns them into logsumexp, log-prob and entropy:
 
     lse = m + log s,  logprob = zy - lse,  entropy = log s - a / s
@@ -99,54 +100,36 @@ def _desc(x: object) -> str:
     return f"{type(x).__name__}"
 
 
-_OUT_DTYPE_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
-
-
 def mm_out_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``a @ b`` accumulated and returned in fp32 from 16-bit operands, or None if unsupported.
 
     Uses ``torch.mm(..., out_dtype=torch.float32)`` (cuBLAS writes the fp32 accumulator directly), so
-    neither a rounded bf16 product nor an fp32 copy of the operands is made.
+    neither a rounded bf16 product nor an fp32 copy of the operands is made. Tried on every call (an
+    unsupported combination fails at dispatch, before any work), so no process-wide cache decides it.
     """
-    key = (a.device.type, a.dtype)
-    ok = _OUT_DTYPE_MM_OK.get(key)
-    if ok is False:
-        return None
     try:
-        out = torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b, out_dtype=torch.float32)
     except (RuntimeError, TypeError, NotImplementedError) as err:
-        _OUT_DTYPE_MM_OK[key] = False
-        logger.debug("torch.mm(out_dtype=float32) unsupported for %s: %s", key, err)
+        logger.debug("torch.mm(out_dtype=float32) unsupported for %s %s: %s", a.device.type, a.dtype, err)
         return None
-    _OUT_DTYPE_MM_OK[key] = True
-    return out
 
 
-def combine_vocab_stats(
-    m_T: torch.Tensor,
-    s_T: torch.Tensor,
-    a_T: torch.Tensor | None,
-    zy_T: torch.Tensor,
-    group,
+def merge_partial_stats(
+    m_ST: torch.Tensor, s_ST: torch.Tensor, a_ST: torch.Tensor | None, zy_ST: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Merge per-shard statistics over a vocabulary-parallel group (all_reduce MAX, then one SUM).
+    """Statistics of S disjoint vocabulary ranges ([S, T] each) -> those of their union ([T] each).
 
-    Every rank gets the statistics of the whole vocabulary. ``group=None`` means no parallelism.
+    Summed in index order, so the result is deterministic.
     """
-    if group is None:
-        return m_T, s_T, a_T, zy_T
-    import torch.distributed as dist
-
-    m_glob = m_T.clone()
-    dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
-    scale = torch.exp(m_T - m_glob)
-    parts = [s_T * scale, zy_T]
-    if a_T is not None:
-        parts.append(scale * (a_T + (m_T - m_glob) * s_T))
-    stacked = torch.stack(parts)
-    dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
-    a_glob = stacked[2] if a_T is not None else None
-    return m_glob, stacked[0], a_glob, stacked[1]
+    if m_ST.shape[0] == 1:
+        return m_ST[0], s_ST[0], (a_ST[0] if a_ST is not None else None), zy_ST[0]
+    m_T = m_ST.amax(dim=0)
+    scale_ST = torch.exp(m_ST - m_T)
+    s_T = (s_ST * scale_ST).sum(dim=0)
+    a_T = None
+    if a_ST is not None:
+        a_T = (scale_ST * (a_ST + (m_ST - m_T) * s_ST)).sum(dim=0)
+    return m_T, s_T, a_T, zy_ST.sum(dim=0)
 
 
 def finish_stats(

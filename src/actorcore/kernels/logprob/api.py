@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections import Counter
 
 import torch
 
@@ -14,12 +15,11 @@ from actorcore.kernels.logprob._common import check_inputs
 from actorcore.kernels.logprob.chunked import TorchChunkedEngine
 from actorcore.kernels.logprob.function import LinearLogprobEntropyFunction
 from actorcore.kernels.logprob.reference import linear_logprob_entropy_reference
+from actorcore.kernels.trace import add
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "reference", "torch", "triton")
-
-_TORCH_ENGINE = TorchChunkedEngine()
 
 
 def triton_importable() -> bool:
@@ -41,25 +41,28 @@ def triton_supports(hidden_TD: torch.Tensor) -> tuple[bool, str]:
 
 
 def select_engine(backend: str, hidden_TD: torch.Tensor):
-    """Resolve ``backend`` to an engine object; "auto" prefers Triton on CUDA when it applies."""
+    """A new engine for ``backend``; "auto" prefers Triton on CUDA when it applies.
+
+    Engines are immutable options, made per call: nothing about the choice is kept between calls.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     if backend == "torch":
-        return _TORCH_ENGINE
+        return TorchChunkedEngine()
     ok, why = triton_supports(hidden_TD)
     if backend == "triton":
         if not ok:
             raise ValueError(f"backend='triton' cannot run here: {why}; use backend='torch' or 'auto'")
     elif not ok:
-        return _TORCH_ENGINE
+        return TorchChunkedEngine()
     try:
-        from actorcore.kernels.logprob.triton_backend import TRITON_ENGINE
+        from actorcore.kernels.logprob.triton_engine import TritonEngine
     except ImportError as err:  # triton present but unusable (e.g. a broken install)
         if backend == "triton":
             raise ValueError(f"backend='triton' cannot run here: importing triton failed: {err}") from err
         logger.warning("triton import failed (%s); using the chunked torch backend", err)
-        return _TORCH_ENGINE
-    return TRITON_ENGINE
+        return TorchChunkedEngine()
+    return TritonEngine()
 
 
 def linear_logprob_entropy(
@@ -72,6 +75,7 @@ def linear_logprob_entropy(
     backend: str = "auto",
     chunk_size: int | None = None,
     softcap: float | None = None,
+    trace: Counter[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``log_softmax(z)[label]`` and entropy of ``softmax(z)``, z = cap(hidden @ weight.T) / T.
 
@@ -79,6 +83,7 @@ def linear_logprob_entropy(
     float64 inputs). ``entropy=False`` returns None for the entropy and skips its cost. Labels must be
     in [0, V): callers mask ignored positions. Differentiable w.r.t. hidden and weight, through both
     outputs. ``chunk_size`` is tokens per chunk of the fast backends (None: a bounded default).
+    ``trace``: counts what ran, backward included (keys in ``actorcore.kernels``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
@@ -86,6 +91,7 @@ def linear_logprob_entropy(
         hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size
     )
     if backend == "reference":
+        add(trace, "logprob:reference")
         return linear_logprob_entropy_reference(
             hidden_TD, weight_VD, labels_T, temperature=temperature, entropy=entropy, softcap=softcap
         )
@@ -100,4 +106,5 @@ def linear_logprob_entropy(
         bool(entropy),
         chunk_size,
         None,
+        trace,
     )

@@ -17,33 +17,17 @@ grad_weight accumulator; on CPU everything stays fp32.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from actorcore.kernels.logprob._common import compute_dtype, mm_out_fp32
+from actorcore.kernels.trace import add
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 256 << 20
-
-
-@dataclass
-class ChunkProbe:
-    """Debug counters: the largest [rows, V] logits chunk built and how many chunks ran.
-
-    Tests read these to prove the backend never builds [T, V]; costs two integer updates per chunk.
-    """
-
-    max_rows: int = 0
-    chunks: int = 0
-
-    def reset(self) -> None:
-        self.max_rows = 0
-        self.chunks = 0
-
-
-PROBE = ChunkProbe()
 
 
 def default_chunk_rows(vocab: int, bytes_per_elem: int = 4, budget: int = CHUNK_BYTES) -> int:
@@ -66,16 +50,16 @@ class _WeightCache:
         return self._w
 
 
-def _logits(h_CD: torch.Tensor, wc: _WeightCache) -> torch.Tensor:
-    """[C, V] logits in the compute dtype, never rounded to 16 bits."""
+def _logits(h_CD: torch.Tensor, wc: _WeightCache, trace: Counter[str] | None) -> torch.Tensor:
+    """[C, V] logits in the compute dtype, never rounded to 16 bits (counted in ``trace``)."""
     if h_CD.dtype == wc.cdt:
         out = h_CD @ wc.get().t()
     else:
         out = mm_out_fp32(h_CD, wc.weight_VD.t()) if h_CD.is_cuda else None
         if out is None:
             out = h_CD.to(wc.cdt) @ wc.get().t()
-    PROBE.max_rows = max(PROBE.max_rows, out.shape[0])
-    PROBE.chunks += 1
+    add(trace, "logprob:torch_chunk")
+    add(trace, "logprob:torch_chunk_rows", out.shape[0])
     return out
 
 
@@ -85,12 +69,14 @@ def _local_labels(labels_C: torch.Tensor, vocab: int) -> tuple[torch.Tensor, tor
     return labels_C.clamp(0, vocab - 1).long(), valid
 
 
+@dataclass(frozen=True)
 class TorchChunkedEngine:
-    """Forward statistics and backward gradients in token chunks with plain torch ops."""
+    """Forward statistics and backward gradients in token chunks with plain torch ops (stateless)."""
 
     name = "torch"
 
-    def forward_stats(self, hidden_TD, weight_VD, labels_T, *, temperature, softcap, entropy, chunk_size):
+    def forward_stats(self, hidden_TD, weight_VD, labels_T, *, temperature, softcap, entropy, chunk_size,
+                      trace=None):
         n_tok, vocab = hidden_TD.shape[0], weight_VD.shape[0]
         cdt = compute_dtype(hidden_TD.dtype)
         rows = chunk_size or default_chunk_rows(vocab)
@@ -102,7 +88,7 @@ class TorchChunkedEngine:
         a_T = torch.empty(n_tok, dtype=cdt, device=dev) if entropy else None
         for start in range(0, n_tok, rows):
             end = min(start + rows, n_tok)
-            z_CV = _logits(hidden_TD[start:end], wc)
+            z_CV = _logits(hidden_TD[start:end], wc, trace)
             if softcap is not None:
                 z_CV.div_(softcap).tanh_().mul_(softcap)
             if temperature != 1.0:
@@ -134,6 +120,7 @@ class TorchChunkedEngine:
         chunk_size,
         need_hidden,
         need_weight,
+        trace=None,
     ):
         n_tok, vocab = hidden_TD.shape[0], weight_VD.shape[0]
         cdt = compute_dtype(hidden_TD.dtype)
@@ -145,7 +132,7 @@ class TorchChunkedEngine:
         for start in range(0, n_tok, rows):
             end = min(start + rows, n_tok)
             g_CV = self._grad_logits(
-                _logits(hidden_TD[start:end], wc),
+                _logits(hidden_TD[start:end], wc, trace),
                 labels_T[start:end],
                 lse_T[start:end],
                 None if ent_T is None else ent_T[start:end],

@@ -1,24 +1,31 @@
-"""The one autograd Function shared by every fast backend (and by the vocabulary-parallel variant).
+"""The one autograd Function shared by every fast backend (and by the vocabulary-shard variant).
 
 Shape suffixes: T tokens, D hidden, V vocab (the local shard's rows under tensor parallelism).
 
-A backend ("engine") only has to provide two loops over its own bounded workspace:
+A backend ("engine": a stateless object of options) only has to provide two loops over its own bounded
+workspace:
 
 - ``forward_stats``: per-token partial statistics (m, s, a, zy; see ``_common``) over its vocabulary;
 - ``backward``: recompute logits, form grad_logits from (lse, entropy, grad outputs) and return
   (grad_hidden, grad_weight) in the input dtypes.
 
-This Function combines the statistics over the tensor-parallel group (if any), saves only hidden,
-weight, labels, lse and entropy (O(T) beyond the inputs) and calls the engine's backward.
+This Function hands the statistics to the caller's ``reduce_stats`` (a vocabulary shard's caller merges
+them over its group; kernels issue no collectives), saves only hidden, weight, labels, lse and entropy
+(O(T) beyond the inputs) and calls the engine's backward with the same ``trace`` as the forward.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections import Counter
+from typing import Callable, Protocol
 
 import torch
 
-from actorcore.kernels.logprob._common import combine_vocab_stats, finish_stats
+from actorcore.kernels.logprob._common import finish_stats
+
+Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
+# (m, s, a or None, zy) of this rank's vocabulary -> the same statistics of the whole vocabulary
+ReduceStats = Callable[[Stats], Stats]
 
 
 class Engine(Protocol):
@@ -34,7 +41,8 @@ class Engine(Protocol):
         softcap: float | None,
         entropy: bool,
         chunk_size: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
+        trace: Counter[str] | None,
+    ) -> Stats: ...
 
     def backward(
         self,
@@ -51,6 +59,7 @@ class Engine(Protocol):
         chunk_size: int | None,
         need_hidden: bool,
         need_weight: bool,
+        trace: Counter[str] | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
 
 
@@ -58,12 +67,14 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
     """(hidden, weight, labels) -> (logprob_T, entropy_T or None), with recompute in backward.
 
     ``labels_T`` are local to this rank's vocabulary rows: a label outside [0, V_local) contributes
-    nothing here (another rank of ``group`` owns it).
+    nothing here (another shard owns it). ``reduce_stats`` (None: the rows are the whole vocabulary)
+    turns this shard's statistics into the whole vocabulary's.
     """
 
     @staticmethod
-    def forward(ctx, hidden_TD, weight_VD, labels_T, engine, temperature, softcap, entropy, chunk_size, group):
-        m_T, s_T, a_T, zy_T = engine.forward_stats(
+    def forward(ctx, hidden_TD, weight_VD, labels_T, engine, temperature, softcap, entropy, chunk_size,
+                reduce_stats, trace):
+        stats = engine.forward_stats(
             hidden_TD,
             weight_VD,
             labels_T,
@@ -71,11 +82,14 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
             softcap=softcap,
             entropy=entropy,
             chunk_size=chunk_size,
+            trace=trace,
         )
-        m_T, s_T, a_T, zy_T = combine_vocab_stats(m_T, s_T, a_T, zy_T, group)
-        lse_T, logprob_T, ent_T = finish_stats(m_T, s_T, a_T, zy_T)
+        if reduce_stats is not None:
+            stats = reduce_stats(stats)
+        lse_T, logprob_T, ent_T = finish_stats(*stats)
         ctx.set_materialize_grads(False)
         ctx.engine = engine
+        ctx.trace = trace
         ctx.temperature = temperature
         ctx.softcap = softcap
         ctx.chunk_size = chunk_size
@@ -89,6 +103,7 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprob_T, grad_ent_T):
+        no_grads = (None,) * 10
         saved = ctx.saved_tensors
         hidden_TD, weight_VD, labels_T, lse_T = saved[:4]
         ent_T = saved[4] if ctx.has_entropy else None
@@ -96,7 +111,7 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
             grad_ent_T = None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprob_T is None and grad_ent_T is None) or not (need_h or need_w):
-            return (None,) * 9
+            return no_grads
         grad_h, grad_w = ctx.engine.backward(
             hidden_TD,
             weight_VD,
@@ -110,5 +125,6 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
             chunk_size=ctx.chunk_size,
             need_hidden=need_h,
             need_weight=need_w,
+            trace=ctx.trace,
         )
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return (grad_h, grad_w) + no_grads[2:]

@@ -21,6 +21,7 @@ sequence ratio) must use ``linear_logprob_entropy``.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
@@ -31,6 +32,7 @@ from actorcore.kernels.logprob._common import check_inputs, compute_dtype, finis
 from actorcore.kernels.logprob.api import BACKENDS, select_engine
 from actorcore.kernels.logprob.chunked import default_chunk_rows
 from actorcore.kernels.logprob.reference import linear_logprob_entropy_reference
+from actorcore.kernels.trace import add
 
 TokenLoss = Callable[..., torch.Tensor]
 
@@ -57,13 +59,14 @@ def linear_logprob_loss(
     backend: str = "auto",
     chunk_size: int | None = None,
     softcap: float | None = None,
+    trace: Counter[str] | None = None,
 ) -> LossOutput:
     """``loss = sum_t loss_fn(logprob, entropy, *token_args)[t]`` with z = cap(hidden @ weight.T) / T.
 
     ``loss_fn(logprob_C, entropy_C, *args_C)`` gets float32 [C] tensors for a chunk of tokens (entropy
     None when ``entropy=False``) and the same rows of each ``token_args`` tensor, and returns the [C]
     per-token losses. ``token_args`` are constants: no gradient flows to them. Backend selection and
-    numerics are those of ``linear_logprob_entropy``.
+    numerics are those of ``linear_logprob_entropy``; ``trace`` counts what ran (keys in ``actorcore.kernels``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
@@ -74,13 +77,14 @@ def linear_logprob_loss(
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if backend == "reference":
+        add(trace, "logprob:reference")
         return _composed(hidden_TD, weight_VD, labels_T, loss_fn, token_args, temperature, entropy, softcap)
     engine = select_engine(backend, hidden_TD)
     want_grads = torch.is_grad_enabled() and (hidden_TD.requires_grad or weight_VD.requires_grad)
     token_loss = _ChunkedTokenLoss(loss_fn, token_args, want_grads)
     loss, logprob_T, ent_T = _FusedLossFunction.apply(
         hidden_TD, weight_VD, labels_T, engine, token_loss, float(temperature),
-        None if softcap is None else float(softcap), bool(entropy), chunk_size,
+        None if softcap is None else float(softcap), bool(entropy), chunk_size, trace,
     )
     return LossOutput(loss, logprob_T, ent_T)
 
@@ -171,13 +175,14 @@ class _FusedLossFunction(torch.autograd.Function):
     """Runs the engine's loss-fused forward; backward only scales the gradients it already formed."""
 
     @staticmethod
-    def forward(ctx, hidden_TD, weight_VD, labels_T, engine, token_loss, temperature, softcap, entropy, chunk_size):
+    def forward(ctx, hidden_TD, weight_VD, labels_T, engine, token_loss, temperature, softcap, entropy, chunk_size,
+                trace):
         need_h = token_loss.want_grads and ctx.needs_input_grad[0]
         need_w = token_loss.want_grads and ctx.needs_input_grad[1]
         run = getattr(engine, "fused_loss_forward", None) or partial(_loss_forward_by_chunks, engine)
         logprob_T, ent_T, grad_h, grad_w = run(
             hidden_TD, weight_VD, labels_T, token_loss, temperature=temperature, softcap=softcap,
-            entropy=entropy, chunk_size=chunk_size, need_hidden=need_h, need_weight=need_w,
+            entropy=entropy, chunk_size=chunk_size, need_hidden=need_h, need_weight=need_w, trace=trace,
         )
         ctx.grads = (grad_h, grad_w)
         ctx.mark_non_differentiable(logprob_T, *(() if ent_T is None else (ent_T,)))
@@ -194,18 +199,19 @@ class _FusedLossFunction(torch.autograd.Function):
             )
         grad_h, grad_w = ctx.grads
         ctx.grads = None
+        no_grads = (None,) * 10
         if grad_loss is None:
-            return (None,) * 9
+            return no_grads
         if grad_h is not None:
             grad_h.mul_(grad_loss.to(grad_h.dtype))
         if grad_w is not None:
             grad_w.mul_(grad_loss.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return (grad_h, grad_w) + no_grads[2:]
 
 
 def _loss_forward_by_chunks(
     engine, hidden_TD, weight_VD, labels_T, token_grads, *, temperature, softcap, entropy, chunk_size,
-    need_hidden, need_weight,
+    need_hidden, need_weight, trace,
 ):
     """``fused_loss_forward`` for any engine: per chunk, its statistics, the loss's gradients, its backward.
 
@@ -220,7 +226,7 @@ def _loss_forward_by_chunks(
     ent_T = torch.empty(n_tok, dtype=cdt, device=dev) if entropy else None
     grad_h = torch.empty_like(hidden_TD) if need_hidden else None
     grad_w = torch.zeros(weight_VD.shape, dtype=cdt, device=dev) if need_weight else None
-    kw = dict(temperature=temperature, softcap=softcap, chunk_size=None)
+    kw = dict(temperature=temperature, softcap=softcap, chunk_size=None, trace=trace)
     for start in range(0, n_tok, rows):
         end = min(start + rows, n_tok)
         h_CD, labels_C = hidden_TD[start:end], labels_T[start:end]

@@ -1,45 +1,51 @@
-"""Vocabulary-parallel log-prob/entropy: the lm-head weight is sharded over a tensor-parallel group.
+"""Log-prob/entropy from one shard of the lm-head's vocabulary rows, without any collective.
 
-Shape suffixes: T tokens, D hidden, V vocab rows of this rank's shard.
+Shape suffixes: T tokens, D hidden, V vocab rows of this shard.
 
-Each rank reduces its shard to per-token statistics; ``_common.combine_vocab_stats`` (the only place
-with collectives) merges them so every rank returns the full-vocabulary logprob and entropy. Backward
-returns this rank's partial grad_hidden (the caller all-reduces it over the group, as Megatron's
-column-parallel linear does) and the grad of its own weight shard.
+The shard reduces to per-token statistics; the caller's ``reduce_stats`` turns them into the whole
+vocabulary's (``actorcore.parallel.vocab_parallel`` merges them over a tensor-parallel group), so the
+kernel layer issues no collectives. Backward returns this shard's partial grad_hidden (the caller
+all-reduces it, as Megatron's column-parallel linear does) and the grad of its own weight rows.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
 from actorcore.kernels.logprob._common import check_inputs
 from actorcore.kernels.logprob.api import BACKENDS, select_engine
-from actorcore.kernels.logprob.function import LinearLogprobEntropyFunction
+from actorcore.kernels.logprob.function import LinearLogprobEntropyFunction, ReduceStats
 
 
-def linear_logprob_entropy_vocab_parallel(
+def linear_logprob_entropy_vocab_shard(
     hidden_TD: torch.Tensor,
     weight_shard_VD: torch.Tensor,
     labels_T: torch.Tensor,
     *,
     vocab_start: int,
-    tp_group,
+    reduce_stats: ReduceStats | None,
     temperature: float = 1.0,
     entropy: bool = True,
     backend: str = "auto",
     chunk_size: int | None = None,
     softcap: float | None = None,
+    trace: Counter[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Full-vocabulary per-token logprob/entropy from a vocabulary shard starting at ``vocab_start``.
+    """Per-token logprob/entropy from the vocabulary rows starting at ``vocab_start``.
 
-    ``labels_T`` are global vocabulary ids. Every rank of ``tp_group`` must call this with the same
-    hidden states and labels. ``tp_group=None`` means the shard is the whole vocabulary.
+    ``labels_T`` are global vocabulary ids. ``reduce_stats((m, s, a, zy))`` must return the statistics
+    of the whole vocabulary (None: the shard is the whole vocabulary). ``trace``: as in
+    ``linear_logprob_entropy``.
     """
     valid = tuple(b for b in BACKENDS if b != "reference")
     if backend not in valid:
         raise ValueError(f"unknown backend {backend!r} for the vocab-parallel head; valid: {', '.join(valid)}")
     if not (isinstance(vocab_start, int) and vocab_start >= 0):
         raise ValueError(f"vocab_start must be a non-negative int, got {vocab_start!r}")
+    if reduce_stats is not None and not callable(reduce_stats):
+        raise ValueError(f"reduce_stats must be None or callable, got {type(reduce_stats).__name__}")
     check_inputs(
         hidden_TD,
         weight_shard_VD,
@@ -59,5 +65,6 @@ def linear_logprob_entropy_vocab_parallel(
         None if softcap is None else float(softcap),
         bool(entropy),
         chunk_size,
-        tp_group,
+        reduce_stats,
+        trace,
     )

@@ -1,0 +1,118 @@
+"""Launch and blocking arithmetic of the Triton engine: tiles, vocabulary splits, backward blocks, workspaces.
+
+Pure integer arithmetic (and a layout check on tensors), importing torch only, so it is tested on the CPU;
+``triton_engine`` launches what it decides. Shape suffixes: T tokens, D hidden, V vocab rows.
+
+The numbers are the H200 choices of ``bench/logprob.py --sweep`` (N=16384, H=4096, V=151936, bf16;
+docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Backward workspace in bytes: the fp32 grad_hidden accumulator of one token block plus its 16-bit
+# [tokens, vocabulary block] grad_logits tile (``backward_blocks``).
+BACKWARD_WORKSPACE_BYTES = 64 << 20
+# Vocabulary rows per backward block (a multiple of every BLOCK_V used here). With 64 MiB this gives
+# 2048-token blocks at H=4096, measured fastest of the blockings tried.
+BACKWARD_VOCAB_BLOCK = 8192
+# Bytes of the fp32 logits buffer of one chunk of the loss-fused forward: 1024 tokens at V=151936
+# (512 / 768 / 1024 / 2048-token chunks took 112 / 107 / 102 / 100 ms at N=16384, H=4096).
+FUSED_LOSS_WORKSPACE_BYTES = 640 << 20
+# Rows of 16-bit grad_logits and of fp32 logits buffers are padded to this many columns (16-byte rows).
+ROW_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile shape and pipeline of one kernel; ``group`` token tiles are launched together for L2 reuse."""
+
+    block_t: int
+    block_v: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group: int = 8
+
+
+# Forward 626 TFLOP/s with TMA loads; the grad_logits kernel is faster with plain pointer loads
+# (586 vs 558 TFLOP/s with TMA).
+FWD_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3, group=16)
+BWD_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_row(width: int) -> int:
+    """Columns allocated for a row of ``width`` elements (a multiple of ``ROW_ALIGN``)."""
+    return cdiv(width, ROW_ALIGN) * ROW_ALIGN
+
+
+def forward_tiles_per_split(t_tiles: int, v_tiles: int, sms: int, lo: int = 4, hi: int = 32) -> int:
+    """Vocabulary tiles per forward program, chosen against wave quantization.
+
+    The forward runs t_tiles * cdiv(v_tiles, k) equal programs of k tiles each, so its time goes as
+    ceil(programs / sms) * k. A chunk of a few token tiles (the loss-fused path) is otherwise a launch
+    of a couple of ragged waves. Ties go to the larger k (fewer partial statistics to merge).
+    """
+
+    def cost(k):
+        return cdiv(t_tiles * cdiv(v_tiles, k), sms) * k
+
+    return min(range(hi, lo - 1, -1), key=cost)
+
+
+def forward_grid(n_tok: int, vocab: int, cfg: Config, sms: int) -> tuple[int, int, int]:
+    """(token tiles, vocabulary tiles per split, splits) of one forward launch over [n_tok, vocab].
+
+    The splits cover the vocabulary tiles exactly once; the last split may run a few masked tiles.
+    """
+    t_tiles, v_tiles = cdiv(n_tok, cfg.block_t), cdiv(vocab, cfg.block_v)
+    per_split = forward_tiles_per_split(t_tiles, v_tiles, sms)
+    return t_tiles, per_split, cdiv(v_tiles, per_split)
+
+
+def backward_blocks(
+    n_tok: int, dim: int, vocab: int, *, need_hidden: bool, chunk_size: int | None = None,
+    vocab_block: int = BACKWARD_VOCAB_BLOCK, budget: int = BACKWARD_WORKSPACE_BYTES, elem_bytes: int = 2,
+) -> tuple[int, int]:
+    """(tokens, vocabulary rows) of one backward block so that its workspace stays within ``budget`` bytes.
+
+    The workspace is the [tokens, padded rows] grad_logits tile plus, when grad_hidden is wanted and the
+    vocabulary spans several blocks, an fp32 [tokens, D] grad_hidden accumulator
+    (``backward_workspace_bytes``). A caller's ``chunk_size`` overrides the token count.
+    """
+    rows_v = min(vocab, vocab_block)
+    tokens = max(1, budget // backward_workspace_bytes(1, dim, vocab, rows_v, need_hidden, elem_bytes))
+    if tokens >= 256:
+        tokens -= tokens % 128
+    if chunk_size:
+        tokens = chunk_size
+    return min(tokens, n_tok), rows_v
+
+
+def backward_workspace_bytes(
+    tokens: int, dim: int, vocab: int, rows_v: int, need_hidden: bool, elem_bytes: int = 2
+) -> int:
+    """Bytes the backward allocates for one block of ``tokens`` x ``rows_v`` (besides the gradients)."""
+    accumulator = 4 * dim if need_hidden and rows_v < vocab else 0
+    return tokens * (elem_bytes * padded_row(rows_v) + accumulator)
+
+
+def default_loss_rows(vocab: int, budget: int = FUSED_LOSS_WORKSPACE_BYTES) -> int:
+    """Tokens per chunk of the loss-fused forward: its fp32 [C, padded V] logits buffer stays within ``budget``."""
+    rows = max(1, budget // (4 * padded_row(vocab)))
+    return rows - rows % 128 if rows >= 256 else rows
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """TMA needs a unit last stride and 16-byte aligned base and row strides."""
+    for t in tensors:
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True

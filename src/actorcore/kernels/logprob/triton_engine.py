@@ -1,0 +1,283 @@
+"""Triton engine (CUDA, bf16/fp16 inputs): launches the fused lm-head kernels of ``triton_kernels``.
+
+Shape suffixes: T tokens, D hidden, V vocab (this rank's rows under tensor parallelism), C tokens of one
+block or chunk, B vocabulary rows of one backward block, S vocabulary splits of the forward grid.
+Imported only when the Triton backend is chosen (it imports triton); the tile, split and block sizes
+come from ``triton_blocking`` (pure arithmetic, tested on the CPU).
+
+Forward: one launch over a grid of (token tile x vocabulary split). Each program streams its split of
+the vocabulary in [BLOCK_T, BLOCK_V] logit tiles (tl.dot, fp32 accumulators: logits are never rounded
+to 16 bits; TMA loads where the layout allows) and keeps per-token online statistics. The [S, T]
+partials are merged by a few torch ops. Memory: O(T * S) floats.
+
+Backward, per block of C tokens and B vocabulary rows: a GEMM-shaped kernel recomputes the logits
+tile by tile and writes grad_logits (fp32 math, stored in the input dtype, as Liger does) into a
+[C, B] workspace; cuBLAS then accumulates grad_hidden[C] += G @ W[B] into an fp32 [C, D] accumulator
+(rounded to the input dtype once per token block) and grad_weight[B] += G^T @ h[C] (fp32 inside each
+matmul, rounded to the weight dtype once per token block). Blocking the vocabulary as well as the
+tokens keeps the workspace small (64 MiB) while the token block stays large enough for efficient
+grad_weight updates and few roundings. No atomics: results are identical run to run.
+
+Loss-fused forward (``fused_loss.py``): per chunk, cuBLAS writes fp32 logits, a row kernel reduces them,
+the caller gives the per-token loss gradients, a row kernel overwrites the logits with 16-bit
+grad_logits in place, and two matmuls form the gradients: 6NHV instead of 8NHV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+import actorcore.kernels.logprob.triton_kernels as kernels
+from actorcore.kernels.logprob._common import finish_stats, merge_partial_stats
+from actorcore.kernels.logprob.triton_blocking import (
+    BACKWARD_VOCAB_BLOCK,
+    BACKWARD_WORKSPACE_BYTES,
+    BWD_CONFIG,
+    FWD_CONFIG,
+    Config,
+    backward_blocks,
+    default_loss_rows,
+    forward_grid,
+    padded_row,
+    tma_compatible,
+)
+from actorcore.kernels.trace import add
+
+
+@dataclass(frozen=True)
+class TritonEngine:
+    """Engine for ``LinearLogprobEntropyFunction`` and the loss-fused head; immutable options only.
+
+    ``fwd`` / ``bwd``: tile configurations of the forward and grad_logits kernels.
+    ``vocab_block`` / ``workspace_bytes``: the backward's blocking (``triton_blocking.backward_blocks``).
+    """
+
+    fwd: Config = FWD_CONFIG
+    bwd: Config = BWD_CONFIG
+    vocab_block: int = BACKWARD_VOCAB_BLOCK
+    workspace_bytes: int = BACKWARD_WORKSPACE_BYTES
+
+    name = "triton"
+
+    # ------------------------------------------------------------------ forward
+    def forward_stats(self, hidden_TD, weight_VD, labels_T, *, temperature, softcap, entropy, chunk_size,
+                      trace=None):
+        """One launch over (token tiles x vocabulary splits); ``chunk_size`` does not apply (O(T) memory)."""
+        labels_T = labels_T.contiguous()
+        n_tok, dim = hidden_TD.shape
+        vocab = weight_VD.shape[0]
+        cfg = self.fwd
+        t_tiles, tiles_per_split, num_splits = forward_grid(n_tok, vocab, cfg, _sm_count(hidden_TD))
+        m_ST = torch.empty(num_splits, n_tok, dtype=torch.float32, device=hidden_TD.device)
+        s_ST = torch.empty_like(m_ST)
+        zy_ST = torch.empty_like(m_ST)
+        a_ST = torch.empty_like(m_ST) if entropy else None
+        grid = (t_tiles * num_splits,)
+        common = dict(
+            HAS_SOFTCAP=softcap is not None, ENTROPY=entropy, TILES_PER_SPLIT=tiles_per_split,
+            BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        outs = (m_ST, s_ST, a_ST if entropy else m_ST, zy_ST)
+        if tma_compatible(hidden_TD, weight_VD):
+            add(trace, "logprob:triton_forward_tma")
+            kernels.fwd_stats_kernel_tma[grid](
+                _desc(hidden_TD, [cfg.block_t, cfg.block_k]), _desc(weight_VD, [cfg.block_v, cfg.block_k]),
+                labels_T, *outs, n_tok, vocab, dim, num_splits, *_scalars(temperature, softcap), **common,
+            )
+        else:
+            kernels.fwd_stats_kernel[grid](
+                hidden_TD, weight_VD, labels_T, *outs,
+                n_tok, vocab, dim,
+                hidden_TD.stride(0), hidden_TD.stride(1), weight_VD.stride(0), weight_VD.stride(1),
+                num_splits, *_scalars(temperature, softcap), EVEN_K=dim % cfg.block_k == 0, **common,
+            )
+        add(trace, "logprob:triton_forward")
+        return merge_partial_stats(m_ST, s_ST, a_ST, zy_ST)
+
+    # ------------------------------------------------------------------ backward
+    def backward(
+        self,
+        hidden_TD,
+        weight_VD,
+        labels_T,
+        lse_T,
+        ent_T,
+        grad_logprob_T,
+        grad_ent_T,
+        *,
+        temperature,
+        softcap,
+        chunk_size,
+        need_hidden,
+        need_weight,
+        trace=None,
+    ):
+        """Blocked over tokens and vocabulary rows (``backward_blocks``)."""
+        n_tok, dim = hidden_TD.shape
+        vocab = weight_VD.shape[0]
+        rows, rows_v = backward_blocks(
+            n_tok, dim, vocab, need_hidden=need_hidden, chunk_size=chunk_size, vocab_block=self.vocab_block,
+            budget=self.workspace_bytes,
+        )
+        dev = hidden_TD.device
+        work_CB = torch.empty(rows, padded_row(rows_v), dtype=hidden_TD.dtype, device=dev)
+        one_block = rows_v == vocab
+        acc_CD = torch.empty(rows, dim, dtype=torch.float32, device=dev) if need_hidden and not one_block else None
+        labels_T = labels_T.contiguous()
+        grad_h = torch.empty(hidden_TD.shape, dtype=hidden_TD.dtype, device=dev) if need_hidden else None
+        grad_w = torch.empty(weight_VD.shape, dtype=weight_VD.dtype, device=dev) if need_weight else None
+        has_glp, has_gent = grad_logprob_T is not None, grad_ent_T is not None
+        dummy = lse_T
+        flags = dict(HAS_SOFTCAP=softcap is not None, HAS_GLP=has_glp, HAS_GENT=has_gent)
+        for start in range(0, n_tok, rows):
+            end = min(start + rows, n_tok)
+            n_c = end - start
+            h_CD = hidden_TD[start:end]
+            per_tok = (
+                labels_T[start:end],
+                lse_T[start:end],
+                ent_T[start:end] if has_gent else dummy,
+                grad_logprob_T[start:end] if has_glp else dummy,
+                grad_ent_T[start:end] if has_gent else dummy,
+            )
+            for v0 in range(0, vocab, rows_v):
+                v1 = min(v0 + rows_v, vocab)
+                w_BD = weight_VD[v0:v1]
+                g_CB = work_CB[:n_c, : v1 - v0]
+                self._grad_logits(h_CD, w_BD, v0, per_tok, g_CB, flags, _scalars(temperature, softcap))
+                add(trace, "logprob:triton_backward")
+                if need_hidden and one_block:
+                    torch.mm(g_CB, w_BD, out=grad_h[start:end])
+                elif need_hidden and v0 == 0:
+                    _mm_fp32(g_CB, w_BD, acc_CD[:n_c])
+                elif need_hidden:
+                    _addmm_fp32(acc_CD[:n_c], g_CB, w_BD)
+                if need_weight and start == 0:
+                    torch.mm(g_CB.t(), h_CD, out=grad_w[v0:v1])
+                elif need_weight:
+                    grad_w[v0:v1].addmm_(g_CB.t(), h_CD)
+            if need_hidden and not one_block:
+                grad_h[start:end].copy_(acc_CD[:n_c])
+        return grad_h, grad_w
+
+    def _grad_logits(self, h_CD, w_BD, v_start, per_tok, g_CB, flags, scalars):
+        """g_CB = grad_logits of (tokens h_CD) x (vocabulary rows w_BD), logits recomputed in Triton."""
+        cfg = self.bwd
+        (n_c, dim), n_v = h_CD.shape, w_BD.shape[0]
+        grid = (triton.cdiv(n_c, cfg.block_t) * triton.cdiv(n_v, cfg.block_v),)
+        kernels.bwd_grad_logits_kernel[grid](
+            h_CD, w_BD, g_CB, *per_tok,
+            n_c, n_v, dim, v_start,
+            h_CD.stride(0), h_CD.stride(1), w_BD.stride(0), w_BD.stride(1),
+            g_CB.stride(0), *scalars, EVEN_K=dim % cfg.block_k == 0, **flags,
+            BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    # ------------------------------------------------------------------ loss-fused forward
+    def fused_loss_forward(
+        self, hidden_TD, weight_VD, labels_T, token_grads, *, temperature, softcap, entropy, chunk_size,
+        need_hidden, need_weight, trace=None,
+    ):
+        """Per-token (logprob, entropy) and, in the same pass, grad_hidden and grad_weight of a token-wise loss.
+
+        ``token_grads(start, end, logprob_C, entropy_C)`` is called once per chunk, in order, and returns
+        the loss's gradients w.r.t. the chunk's log-probs and entropies (None where the loss does not use
+        them or no gradient is wanted). Per chunk of C tokens: fp32 logits (cuBLAS) reduced by a row
+        kernel, the caller's gradients, 16-bit grad_logits written over the logits, then
+        grad_hidden = G @ W (rounded once) and grad_weight += G^T @ h (rounded once per chunk).
+        """
+        n_tok, dim = hidden_TD.shape
+        vocab = weight_VD.shape[0]
+        rows = min(n_tok, chunk_size or default_loss_rows(vocab))
+        dev = hidden_TD.device
+        logits_CV = torch.empty(rows, padded_row(vocab), dtype=torch.float32, device=dev)  # 16-byte rows
+        grads_CV = logits_CV.view(hidden_TD.dtype)  # [rows, 2 * padded]: G of row r starts at row r's byte 0
+        labels_T = labels_T.contiguous()
+        stats = [torch.empty(n_tok, dtype=torch.float32, device=dev) if entropy or i != 2 else None
+                 for i in range(4)]
+        logprob_T = torch.empty(n_tok, dtype=torch.float32, device=dev)
+        ent_T = torch.empty(n_tok, dtype=torch.float32, device=dev) if entropy else None
+        grad_h = torch.empty(hidden_TD.shape, dtype=hidden_TD.dtype, device=dev) if need_hidden else None
+        grad_w = torch.zeros(weight_VD.shape, dtype=weight_VD.dtype, device=dev) if need_weight else None
+        scalars = _scalars(temperature, softcap)
+        for start in range(0, n_tok, rows):
+            end = min(start + rows, n_tok)
+            n_c = end - start
+            h_CD = hidden_TD[start:end]
+            l_CV = logits_CV[:n_c, :vocab]
+            _mm_fp32(h_CD, weight_VD.t(), l_CV)
+            _rows_stats(l_CV, labels_T[start:end], stats, start, scalars, softcap)
+            add(trace, "logprob:triton_fused_loss")
+            lse_C, logprob_T[start:end], ent_C = finish_stats(*(None if x is None else x[start:end] for x in stats))
+            if ent_T is not None:
+                ent_T[start:end] = ent_C
+            glp_C, gent_C = token_grads(start, end, logprob_T[start:end], ent_C)
+            if not (need_hidden or need_weight):
+                continue
+            if glp_C is None and gent_C is None:  # this chunk's loss does not depend on the logits
+                if need_hidden:
+                    grad_h[start:end].zero_()
+                continue
+            kernels.rows_grad_inplace_kernel[(n_c,)](
+                l_CV, grads_CV, labels_T[start:end], lse_C,
+                lse_C if gent_C is None else ent_C,
+                lse_C if glp_C is None else glp_C.contiguous(),
+                lse_C if gent_C is None else gent_C.contiguous(),
+                vocab, logits_CV.stride(0), grads_CV.stride(0), *scalars,
+                HAS_SOFTCAP=softcap is not None, HAS_GLP=glp_C is not None, HAS_GENT=gent_C is not None,
+                BLOCK=2048, num_warps=8,
+            )
+            g_CV = grads_CV[:n_c, :vocab]
+            if not g_CV.is_cuda:  # the CPU interpreter: torch's CPU bf16 mm reads past a strided view's columns
+                g_CV = g_CV.contiguous()
+            if need_hidden:
+                torch.mm(g_CV, weight_VD, out=grad_h[start:end])
+            if need_weight:
+                grad_w.addmm_(g_CV.t(), h_CD)
+        return logprob_T, ent_T, grad_h, grad_w
+
+
+def _scalars(temperature: float, softcap: float | None) -> tuple[float, float, float]:
+    """(1 / temperature, softcap, 1 / softcap) as the kernels take them (softcap 1 when absent)."""
+    return 1.0 / temperature, softcap or 1.0, 1.0 / (softcap or 1.0)
+
+
+def _rows_stats(l_CV, labels_C, stats_T, start, scalars, softcap):
+    """Statistics (m, s, a, zy) of fp32 logit rows into ``stats_T[i][start:]`` (a may be None)."""
+    m_T, s_T, a_T, zy_T = stats_T
+    kernels.rows_stats_kernel[(l_CV.shape[0],)](
+        l_CV, labels_C, m_T[start:], s_T[start:], (m_T if a_T is None else a_T)[start:], zy_T[start:],
+        l_CV.shape[1], l_CV.stride(0), *scalars,
+        HAS_SOFTCAP=softcap is not None, ENTROPY=a_T is not None, BLOCK=1024, num_warps=4,
+    )
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b with fp32 accumulation and an fp32 result (cuBLAS writes its accumulator directly)."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:  # the CPU interpreter (TRITON_INTERPRET=1) and fp32 inputs
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b for 16-bit a, b and an fp32 acc, without rounding the product to 16 bits."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # the CPU interpreter (TRITON_INTERPRET=1) and fp32 inputs
+        acc.add_(torch.mm(a.float(), b.float()))
+
+
+def _desc(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def _sm_count(t: torch.Tensor) -> int:
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 132

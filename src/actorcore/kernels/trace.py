@@ -1,0 +1,15 @@
+"""The per-call ``trace`` Counter of the kernel entry points (keys listed in ``actorcore.kernels``).
+
+A trace is an observation passed in by the caller, so tests and routes can prove which path ran
+without module-level counters; ``None`` (the default) records nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+def add(trace: Counter[str] | None, key: str, count: int = 1) -> None:
+    """``trace[key] += count`` when a trace was given; keys are ``"<area>:<name>"``."""
+    if trace is not None:
+        trace[key] += count
