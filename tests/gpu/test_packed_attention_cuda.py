@@ -43,7 +43,6 @@ def test_torch_varlen_matches_segments(window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compute_logprobs_on_cuda_matches_padded(dtype):
     import actorcore as ac
-    from actorcore.hf.attention import CALLS, PACKED_ATTENTION
     from actorcore.kernels.varlen_attention import choose_backend
     from actorcore.testing.reference import reference_logprobs, right_padded
     from actorcore.testing.tiny_configs import build_tiny_model
@@ -54,12 +53,12 @@ def test_compute_logprobs_on_cuda_matches_padded(dtype):
     ids, mask = right_padded(seqs)
     batch = ac.pack_padded(ids, mask).to("cuda")
     backend = choose_backend(torch.device("cuda"), dtype, None, 0.0)
-    calls, trace = CALLS[PACKED_ATTENTION], Counter()
+    trace = Counter()
     with torch.no_grad():
         out = ac.compute_logprobs(model, batch, temperature=0.7, trace=trace)
         ref_lp, ref_ent = reference_logprobs(model, ids.cuda(), mask.cuda(), 0.7)
     layers = model.config.num_hidden_layers
-    assert CALLS[PACKED_ATTENTION] - calls == layers
+    assert trace["attention:actorcore_packed"] == layers
     assert trace[f"varlen_attention:{backend}"] == layers
     if dtype == torch.float32:
         assert backend == "segments"

@@ -13,7 +13,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_vlm_on_cuda_matches_padded(model_type, dtype):
     import actorcore as ac
-    from actorcore.hf.attention import CALLS, PACKED_ATTENTION
     from actorcore.kernels.varlen_attention import choose_backend
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
     from actorcore.testing.tiny_vlm import build_tiny_vlm, mixed_samples
@@ -23,12 +22,12 @@ def test_packed_vlm_on_cuda_matches_padded(model_type, dtype):
     samples = mixed_samples(model)
     batch = pack_multimodal(model, [s.input_ids for s in samples], [s.multimodal for s in samples]).to("cuda")
     backend = choose_backend(torch.device("cuda"), dtype, None, 0.0)
-    calls, trace = CALLS[PACKED_ATTENTION], Counter()
+    trace = Counter()
     with torch.no_grad():
         out = ac.compute_logprobs(model, batch, temperature=0.7, trace=trace)
         ref_lp, ref_ent = reference_logprobs_vlm(model, samples, temperature=0.7)
     layers = model.config.text_config.num_hidden_layers
-    assert CALLS[PACKED_ATTENTION] - calls == layers
+    assert trace["attention:actorcore_packed"] == layers
     assert trace[f"varlen_attention:{backend}"] == layers
     # Same convention as test_packed_attention_cuda: fp32 (TF32 matmuls may be on) and bf16 kernel rounding.
     tol = 1e-4 if dtype == torch.float32 else 5e-2

@@ -105,8 +105,10 @@ def attend_packed(query, key, value, cu_seqlens, max_seqlen, *, scaling, dropout
     k_TKH = key[0].transpose(0, 1)
     v_TKH = value[0].transpose(0, 1)
     p = dropout if module.training else 0.0
+    ref = kwargs.get(TRACE_KWARG)
     return varlen_causal_attention(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale=scaling,
-                                   sliding_window=sliding_window, softcap=softcap, dropout=p)
+                                   sliding_window=sliding_window, softcap=softcap, dropout=p,
+                                   trace=None if ref is None else ref.counts)
 
 
 @functools.cache

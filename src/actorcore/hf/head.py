@@ -84,7 +84,7 @@ def token_logprobs(model: Any, spec: ArchSpec, hidden_TD: torch.Tensor, labels_T
     params = head_params(model, spec)
     return call_as_forward(head, lambda: linear_logprob_entropy(
         hidden_TD, head.weight, labels_T.clamp(min=0), temperature=temperature / params.scale, entropy=entropy,
-        softcap=params.softcap))
+        softcap=params.softcap, trace=trace))
 
 
 def token_loss(model: Any, spec: ArchSpec, hidden_TD: torch.Tensor, labels_T: torch.Tensor, loss_fn: Any,
@@ -95,7 +95,7 @@ def token_loss(model: Any, spec: ArchSpec, hidden_TD: torch.Tensor, labels_T: to
     params = head_params(model, spec)
     return call_as_forward(head, lambda: linear_logprob_loss(
         hidden_TD, head.weight, labels_T.clamp(min=0), loss_fn, token_args=token_args,
-        temperature=temperature / params.scale, entropy=entropy, softcap=params.softcap))
+        temperature=temperature / params.scale, entropy=entropy, softcap=params.softcap, trace=trace))
 
 
 def to_scored_tokens(predicting_T: torch.Tensor, valid_T: torch.Tensor, work: PackedBatch) -> torch.Tensor:
