@@ -1,6 +1,7 @@
-"""Every collective actorcore issues, as autograd functions over explicit groups.
+"""Every collective actorcore issues, over explicit groups.
 
-All of them are built on ``all_to_all_single`` with equal splits, which gloo (CPU) and NCCL both provide.
+The Ulysses ones are autograd functions built on ``all_to_all_single`` with equal splits, which gloo (CPU)
+and NCCL both provide; the Megatron route's plain all-gathers and broadcast are at the end of the file.
 The layout convention: a tensor whose leading dim is the group size, ``x[s]`` being the block exchanged
 with rank ``s``. An all-to-all over that layout sends ``x[s]`` to rank ``s`` and puts what rank ``s`` sent
 into ``out[s]``; it is its own adjoint, so its backward is the same all-to-all.
@@ -89,3 +90,38 @@ def gather_sp(local_T: torch.Tensor, ctx: Any) -> torch.Tensor:
     if ctx.sp_size == 1:
         return local_T
     return _GatherSequence.apply(local_T, ctx.sp_group)
+
+
+# ---- Plain collectives of the Megatron route (no autograd; a group of one, or no world, is a no-op). ----
+
+
+def _size_or_one(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def all_gather_tensor(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on all ranks), in group-rank order."""
+    size = _size_or_one(group)
+    if size == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
+def all_gather_object(obj: Any, group: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in group-rank order."""
+    size = _size_or_one(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_tensor(tensor: torch.Tensor, src_group_rank: int, group: Any) -> torch.Tensor:
+    """``tensor`` of group rank ``src_group_rank`` on every rank (in place)."""
+    if _size_or_one(group) > 1:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
+    return tensor
