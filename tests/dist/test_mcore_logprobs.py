@@ -1,4 +1,6 @@
-"""Megatron per-token log-probs / entropy == HF route per token (fp32), at TP=2, PP=2 and EP=2 (gloo, CPU)."""
+"""Megatron per-token log-probs / entropy / values == the model's own transformers forward per token (fp32),
+at TP=2, PP=2 and EP=2 (gloo, CPU). The reference is plain transformers (``ForCausalLM.forward`` /
+``ForTokenClassification.forward`` on the padded batch), never actorcore's HF route."""
 
 from __future__ import annotations
 
@@ -16,48 +18,71 @@ pytest.importorskip("megatron.core")
 LENGTHS = [(5, 11, 3, 9), (14, 2, 7), (1, 6, 12)]
 
 
+def _sequences() -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [[torch.randint(3, 131, (n,), generator=gen) for n in lengths] for lengths in LENGTHS]
+
+
 def _batches(pad_to: int | None = None):
     import actorcore as ac
     from actorcore.batch import pad_to_multiple
 
-    gen = torch.Generator().manual_seed(7)
-    batches = [ac.pack([torch.randint(3, 131, (n,), generator=gen) for n in lengths]) for lengths in LENGTHS]
+    batches = [ac.pack(sequences) for sequences in _sequences()]
     if pad_to:
         batches = [pad_to_multiple(b, pad_to) if b.num_tokens % pad_to else b for b in batches]
     return batches
 
 
+def reference_logprobs_packed(model, sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T]`` log-probs and entropy in packed order from the model's own padded forward (fp32)."""
+    from actorcore.testing.reference import reference_logprobs, right_padded
+
+    return reference_logprobs(model, *right_padded(sequences))
+
+
+def _reference_values(critic, sequences: list[torch.Tensor]) -> torch.Tensor:
+    """``[T]`` values in packed order: ``ForTokenClassification.forward``'s 1-label logits at each token."""
+    from actorcore.testing.reference import padded_logits, padded_to_packed, right_padded
+
+    ids, mask = right_padded(sequences)
+    return padded_to_packed(padded_logits(critic, ids, mask)[..., 0].float(), mask)
+
+
 def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, ep: int, directory: str,
             overrides: dict) -> dict:
-    from actorcore.hf.logprobs import compute_logprobs as hf_compute_logprobs
+    from actorcore.mcore.cpu_runtime import CpuRuntime
+
+    with CpuRuntime():
+        return _worker_body(model_type, tp, pp, ep, directory, overrides)
+
+
+def _worker_body(model_type: str, tp: int, pp: int, ep: int, directory: str, overrides: dict) -> dict:
     from actorcore.mcore.checkpoint import load_hf_into_mcore
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.testing import mcore_shims
-    from actorcore.testing.tiny_configs import build_tiny_model
 
-    mcore_shims.apply()
     hf = _tiny_hf(model_type, **overrides)
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
-    groups = initialize_megatron(parallel)
+    context = initialize_megatron(parallel)
+    assert (context.tp_size, context.pp_size, context.ep_size) == (tp, pp, ep)
     chunks = build_gpt_model(hf.config, parallel)
-    load_hf_into_mcore(chunks, directory, groups)
+    load_hf_into_mcore(chunks, directory, context)
     # PP needs equal micro-batch token counts: pad every batch to 32 tokens (a padding segment).
     batches = _batches(pad_to=32 if pp > 1 else None)
 
-    got = compute_logprobs(chunks, batches, groups)
+    got = compute_logprobs(chunks, batches, context)
     with torch.no_grad():
-        ref = [hf_compute_logprobs(hf, b) for b in batches]
+        ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
 
     # Forward-backward through the schedule: gradient of the final norm and the first layer's input norm.
     def loss_fn(out, batch):
         return -out.log_probs.sum()
 
-    fb = compute_logprobs(chunks, batches, groups, loss_fn=loss_fn)
+    fb = compute_logprobs(chunks, batches, context, loss_fn=loss_fn)
     hf.zero_grad()
-    for b in batches:
-        (hf_compute_logprobs(hf, b).log_probs.sum() * (-1.0 / len(batches))).backward()
+    for sequences in _sequences():
+        (reference_logprobs_packed(hf, sequences)[0].sum() * (-1.0 / len(LENGTHS))).backward()
     grads = {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
@@ -66,8 +91,8 @@ def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, ep: i
             if name == "decoder.layers.0.input_layernorm.weight" and chunk.decoder.layers[0].layer_number == 1:
                 grads["model.layers.0.input_layernorm.weight"] = (
                     param.grad.clone(), hf.model.layers[0].input_layernorm.weight.grad.clone())
-    return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb],
-            "ref": [(o.log_probs, o.entropy) for o in ref], "grads": grads}
+    return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "ref": ref,
+            "grads": grads}
 
 
 def _tiny_hf(model_type: str, **overrides):
@@ -96,7 +121,8 @@ def _run(model_type: str, tp: int, pp: int, ep: int, **overrides) -> None:
         for name, (grad, ref_grad) in result["grads"].items():
             seen_grads.add(name)
             scale = ref_grad.abs().max()
-            torch.testing.assert_close(grad, ref_grad, atol=1e-4 * scale, rtol=0, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(grad, ref_grad, atol=TOL["grad_mcore_vs_hf_fp32_rel"] * scale, rtol=0,
+                                       msg=f"rank {rank} {name}")
     assert seen_grads == {"model.norm.weight", "model.layers.0.input_layernorm.weight"}
 
 
@@ -132,28 +158,27 @@ def test_logprobs_mla_yarn_rope():
 
 def _vp_worker(rank: int, world_size: int, directory: str) -> dict:
     """4 layers on 2 pipeline ranks x 2 virtual stages (interleaved schedule)."""
-    from actorcore.hf.logprobs import compute_logprobs as hf_compute_logprobs
     from actorcore.mcore.checkpoint import gather_hf_state_dict, load_hf_into_mcore
+    from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.testing import mcore_shims
     from actorcore.testing.tiny_configs import build_tiny_model
 
-    mcore_shims.apply()
-    hf = build_tiny_model("qwen3", seed=5, num_hidden_layers=4)
-    parallel = McoreParallel(pp=2, vp=2)
-    groups = initialize_megatron(parallel)
-    chunks = build_gpt_model(hf.config, parallel)
-    assert len(chunks) == 2
-    load_hf_into_mcore(chunks, directory, groups)
-    layers = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
-    batches = _batches(pad_to=32)[:2]  # the interleaved schedule needs micro-batches divisible by pp
-    got = compute_logprobs(chunks, batches, groups)
-    with torch.no_grad():
-        ref = [hf_compute_logprobs(hf, b) for b in batches]
-    return {"got": [(o.log_probs, o.entropy) for o in got], "ref": [(o.log_probs, o.entropy) for o in ref],
-            "layers": layers, "state": gather_hf_state_dict(chunks, groups)}
+    with CpuRuntime():
+        hf = build_tiny_model("qwen3", seed=5, num_hidden_layers=4)
+        parallel = McoreParallel(pp=2, vp=2)
+        context = initialize_megatron(parallel)
+        chunks = build_gpt_model(hf.config, parallel)
+        assert len(chunks) == 2
+        load_hf_into_mcore(chunks, directory, context)
+        layers = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
+        batches = _batches(pad_to=32)[:2]  # the interleaved schedule needs micro-batches divisible by pp
+        got = compute_logprobs(chunks, batches, context)
+        with torch.no_grad():
+            ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()[:2]]
+        return {"got": [(o.log_probs, o.entropy) for o in got], "ref": ref, "layers": layers,
+                "state": gather_hf_state_dict(chunks, context)}
 
 
 @pytest.mark.slow
@@ -178,25 +203,23 @@ def test_virtual_pipeline_stages():
 
 
 def _critic_worker(rank: int, world_size: int, directory: str) -> dict:
-    from actorcore.hf.logprobs import compute_values as hf_compute_values
     from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.mcore.forward import compute_values
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.testing import mcore_shims
     from actorcore.testing.tiny_configs import build_tiny_model
 
-    mcore_shims.apply()
-    hf = build_tiny_model("qwen2", seed=9, task="token_classification")
-    parallel = McoreParallel(tp=2)
-    groups = initialize_megatron(parallel)
-    chunks = build_gpt_model(hf.config, parallel, value_head=True)
-    load_hf_into_mcore(chunks, directory, groups)
-    batches = _batches()
-    got = compute_values(chunks, batches, groups)
-    with torch.no_grad():
-        ref = [hf_compute_values(hf, b) for b in batches]
-    return {"got": got, "ref": ref}
+    with CpuRuntime():
+        hf = build_tiny_model("qwen2", seed=9, task="token_classification")
+        parallel = McoreParallel(tp=2)
+        context = initialize_megatron(parallel)
+        chunks = build_gpt_model(hf.config, parallel, value_head=True)
+        load_hf_into_mcore(chunks, directory, context)
+        got = compute_values(chunks, _batches(), context)
+        with torch.no_grad():
+            ref = [_reference_values(hf, sequences) for sequences in _sequences()]
+        return {"got": got, "ref": ref}
 
 
 @pytest.mark.slow
@@ -213,35 +236,34 @@ def test_critic_values_tp2():
 
 
 def _moe_tp2_worker(rank: int, world_size: int, directory: str) -> dict:
-    from actorcore.hf.logprobs import compute_logprobs as hf_compute_logprobs
     from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.testing import mcore_shims
 
-    mcore_shims.apply()
-    hf = _tiny_hf("deepseek_v3")
-    parallel = McoreParallel(tp=2)
-    groups = initialize_megatron(parallel)
-    chunks = build_gpt_model(hf.config, parallel)
-    load_hf_into_mcore(chunks, directory, groups)
-    batches = _batches()
-    got = compute_logprobs(chunks, batches, groups)
-    with torch.no_grad():
-        ref = [hf_compute_logprobs(hf, b) for b in batches]
-    try:
-        compute_logprobs(chunks, batches, groups, loss_fn=lambda out, batch: out.log_probs.sum())
-        refused = ""
-    except ValueError as exc:
-        refused = str(exc)
-    return {"got": [(o.log_probs, o.entropy) for o in got], "ref": [(o.log_probs, o.entropy) for o in ref],
-            "refused": refused}
+    with CpuRuntime():
+        hf = _tiny_hf("deepseek_v3")
+        parallel = McoreParallel(tp=2)
+        context = initialize_megatron(parallel)
+        chunks = build_gpt_model(hf.config, parallel)
+        load_hf_into_mcore(chunks, directory, context)
+        batches = _batches()
+        got = compute_logprobs(chunks, batches, context)
+        with torch.no_grad():
+            ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
+        try:
+            compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: out.log_probs.sum())
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        return {"got": [(o.log_probs, o.entropy) for o in got], "ref": ref, "refused": refused}
 
 
 @pytest.mark.slow
 def test_logprobs_moe_tp2_forward_only():
-    """MoE (here MLA + routed/shared experts) at TP=2: forward-only log-probs == HF; training refused clearly."""
+    """MoE (here MLA + routed/shared experts) at TP=2: forward-only log-probs == transformers; training refused
+    clearly."""
     with tempfile.TemporaryDirectory() as directory:
         _tiny_hf("deepseek_v3").save_pretrained(directory)
         results = run_distributed(_moe_tp2_worker, 2, args=(directory,))

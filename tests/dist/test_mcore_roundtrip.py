@@ -12,14 +12,17 @@ from actorcore.testing.distributed import run_distributed
 
 pytest.importorskip("megatron.core")
 
-DENSE = ["llama", "mistral", "qwen2", "qwen3"]
-MOE = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"]
+
+def _archs() -> tuple[list[str], list[str]]:
+    """(dense, MoE) Megatron architectures, from the registry (MoE: a spec with per-expert rules)."""
+    from actorcore.archs import get_spec
+    from actorcore.mcore.model import megatron_model_types
+
+    moe = [m for m in megatron_model_types() if any(r.parallel == "expert" for r in get_spec(m).mcore.rules)]
+    return [m for m in megatron_model_types() if m not in moe], moe
 
 
-def megatron_archs() -> list[str]:
-    from actorcore.archs import get_spec, registered_model_types
-
-    return [m for m in registered_model_types() if get_spec(m).mcore is not None and not get_spec(m).mcore.refused]
+DENSE, MOE = _archs()
 
 
 def randomize_constant_tensors(model, seed: int = 0) -> None:
@@ -42,22 +45,23 @@ def _save_tiny(model_type: str, directory: str, **overrides) -> None:
 
 
 def _roundtrip_worker(rank: int, world_size: int, cases: list[tuple], root: str) -> dict:
-    """For each (model_type, tp, pp, ep, overrides): load the saved HF checkpoint sharded, gather it back."""
+    """For each (model_type, tp, pp, ep, overrides): load the saved HF checkpoint sharded, gather it back.
+    Every case of one run has the same layout: Megatron's parallel state is initialised once and reused."""
     from actorcore.mcore.checkpoint import gather_hf_state_dict, load_hf_into_mcore
+    from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.testing import mcore_shims
     from transformers import AutoConfig
 
-    mcore_shims.apply()
     results = {}
-    for model_type, tp, pp, ep, overrides in cases:
-        directory = os.path.join(root, f"{model_type}-{sorted(overrides.items())}")
-        parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
-        groups = initialize_megatron(parallel)
-        chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
-        load_hf_into_mcore(chunks, directory, groups)
-        results[(model_type, tp, pp, ep, tuple(sorted(overrides.items())))] = gather_hf_state_dict(chunks, groups)
+    with CpuRuntime():
+        for model_type, tp, pp, ep, overrides in cases:
+            directory = os.path.join(root, f"{model_type}-{sorted(overrides.items())}")
+            parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
+            context = initialize_megatron(parallel)
+            chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
+            load_hf_into_mcore(chunks, directory, context)
+            results[(model_type, tp, pp, ep, tuple(sorted(overrides.items())))] = gather_hf_state_dict(chunks, context)
     return results
 
 
@@ -79,10 +83,6 @@ def _check(cases: list[tuple], world_size: int) -> None:
                 for name, tensor in reference.items():
                     assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, (key, name)
                     assert torch.equal(got[name], tensor), f"{key}: {name} differs"
-
-
-def test_registered_megatron_archs_are_covered():
-    assert sorted(megatron_archs()) == sorted(DENSE + MOE)
 
 
 @pytest.mark.slow
@@ -127,41 +127,46 @@ def _save_grouped(model_type: str, directory: str) -> None:
 
 
 def _grouped_worker(rank: int, world_size: int, root: str, model_types: list[str]) -> dict:
-    from actorcore.hf.logprobs import compute_logprobs as hf_compute_logprobs
     from actorcore.mcore.checkpoint import gather_hf_state_dict, load_hf_into_mcore
+    from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.testing import mcore_shims
+    from actorcore.testing.reference import reference_logprobs, right_padded
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import actorcore as ac
 
-    mcore_shims.apply()
     out = {}
-    batch = ac.pack([torch.arange(3, 3 + n) % 131 for n in (7, 12, 4)])
-    for model_type in model_types:
-        directory = os.path.join(root, model_type)
-        parallel = McoreParallel(ep=2)
-        groups = initialize_megatron(parallel)
-        chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
-        load_hf_into_mcore(chunks, directory, groups)
-        hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
-        with torch.no_grad():
-            ref = hf_compute_logprobs(hf, batch).log_probs
-        out[model_type] = (gather_hf_state_dict(chunks, groups), compute_logprobs(chunks, batch, groups).log_probs, ref)
+    sequences = [torch.arange(3, 3 + n) % 131 for n in (7, 12, 4)]
+    batch = ac.pack(sequences)
+    with CpuRuntime():
+        for model_type in model_types:
+            directory = os.path.join(root, model_type)
+            parallel = McoreParallel(ep=2)
+            context = initialize_megatron(parallel)
+            chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
+            load_hf_into_mcore(chunks, directory, context)
+            # The reference: the model's own forward (fp32, padded batch), not actorcore's HF route.
+            hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+            with torch.no_grad():
+                ref = reference_logprobs(hf, *right_padded(sequences))[0]
+            got = compute_logprobs(chunks, batch, context).log_probs
+            out[model_type] = (gather_hf_state_dict(chunks, context), got, ref)
     return out
 
 
 @pytest.mark.slow
 def test_grouped_expert_checkpoints_ep2():
-    """Grouped-expert checkpoints load at EP=2 (each rank reads its rows), give HF's log-probs and export
-    back bit-exact in the same grouped layout."""
+    """Grouped-expert checkpoints load at EP=2 (each rank reads its rows), give the transformers forward's
+    log-probs and export back bit-exact in the same grouped layout."""
     from safetensors.torch import load_file
 
     from actorcore.testing.tolerances import TOL
 
-    model_types = ["qwen2_moe", "mixtral", "deepseek_v3"]
+    from actorcore.archs import get_spec
+
+    model_types = [m for m in MOE if get_spec(m).mcore.grouped_expert_rules]
     with tempfile.TemporaryDirectory() as root:
         for model_type in model_types:
             _save_grouped(model_type, os.path.join(root, model_type))

@@ -21,8 +21,7 @@ from actorcore.parallel.ulysses import (
 
 def test_context_without_groups_is_size_one():
     ctx = ParallelContext()
-    assert (ctx.sp_size, ctx.sp_rank, ctx.dp_size, ctx.tp_size, ctx.pp_size, ctx.ep_size, ctx.cp_size) == (
-        1, 0, 1, 1, 1, 1, 1)
+    assert (ctx.sp_size, ctx.sp_rank, ctx.dp_size, ctx.tp_size, ctx.pp_size, ctx.ep_size) == (1, 0, 1, 1, 1, 1)
     with pytest.raises(Exception):
         ctx.sp_group = object()  # frozen
 

@@ -7,7 +7,8 @@ hf-to-mcore writes a Megatron distributed checkpoint (loadable at any layout); w
 one rank it runs one gloo process per rank (CPU). mcore-to-hf loads in one process and writes
 ``model.safetensors`` + config. Output goes to a temporary directory next to DST, renamed at the end: a
 failure leaves nothing behind. Damaged or incomplete input is a one-line error and exit code 2.
-On machines without CUDA the test-only CPU shims for megatron-core are applied for the run and reverted.
+On machines without CUDA megatron-core runs inside ``actorcore.mcore.cpu_runtime.CpuRuntime`` (its CPU shims,
+applied for the run and restored after).
 """
 
 from __future__ import annotations
@@ -61,26 +62,23 @@ def _atomic_output(dst: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _megatron_runtime(rank: int, world_size: int, port: int) -> Iterator[None]:
-    """A gloo world (created here if none exists) and, without CUDA, megatron's CPU shims; undone after."""
-    import torch
+    """A gloo world (created here if none exists) and, without CUDA, megatron-core's CPU runtime; what was
+    set up here (the world, Megatron's parallel state, the CPU shims) is undone after."""
     import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from actorcore.mcore.cpu_runtime import CpuRuntime
 
     created = not dist.is_initialized()
     if created:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    shims = contextlib.nullcontext()
-    if not torch.cuda.is_available():
-        from actorcore.testing.mcore_shims import cpu_shims
-
-        shims = cpu_shims()
+    megatron_was_initialized = parallel_state.model_parallel_is_initialized()
     try:
-        with shims:
+        with CpuRuntime():  # does nothing on a machine with CUDA
             yield
     finally:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
+        if not megatron_was_initialized and parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         if created and dist.is_initialized():
             dist.destroy_process_group()
@@ -108,9 +106,9 @@ def _hf_to_mcore_rank(rank: int, world_size: int, port: int, src: str, out: str,
     tp, pp, ep = sizes
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     with _megatron_runtime(rank, world_size, port):
-        groups = initialize_megatron(parallel)
+        context = initialize_megatron(parallel)
         chunks = build_gpt_model(hf_config, parallel, vocab_multiple=vocab_multiple)
-        load_hf_into_mcore(chunks, src, groups, progress=rank == 0)
+        load_hf_into_mcore(chunks, src, context, progress=rank == 0)
         save_mcore_checkpoint(chunks, out, src, vocab_multiple)
 
 
@@ -165,11 +163,11 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     src = os.path.abspath(args.src)
     meta, hf_config = read_mcore_metadata(src)
     with _atomic_output(args.dst) as out, _megatron_runtime(0, 1, _free_port()):
-        groups = initialize_megatron(McoreParallel())
+        context = initialize_megatron(McoreParallel())
         chunks = build_gpt_model(hf_config, McoreParallel(), vocab_multiple=int(meta["vocab_multiple"]))
         load_mcore_checkpoint(chunks, src)
         # One process holds the whole model: this stage's export is every tensor, gathered one by one.
-        state = dict(tqdm(export_mcore_to_hf(chunks, groups), desc="export Megatron -> HF", unit="tensor"))
+        state = dict(tqdm(export_mcore_to_hf(chunks, context), desc="export Megatron -> HF", unit="tensor"))
         copy_hf_side_files(os.path.join(src, HF_DIR), out)
         save_hf_checkpoint(state, hf_config, out)
 

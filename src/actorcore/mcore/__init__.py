@@ -11,7 +11,8 @@ from typing import Any
 
 _EXPORTS = {
     "McoreParallel": "actorcore.mcore.parallel",
-    "McoreGroups": "actorcore.mcore.parallel",
+    "context_from_megatron": "actorcore.mcore.parallel",
+    "CpuRuntime": "actorcore.mcore.cpu_runtime",
     "initialize_megatron": "actorcore.mcore.parallel",
     "hf_to_mcore_config": "actorcore.mcore.config",
     "mcore_to_hf_config": "actorcore.mcore.config",

@@ -16,10 +16,11 @@ import re
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
-from actorcore.mcore import collectives
 from actorcore.mcore.model import mcore_spec_for
-from actorcore.mcore.parallel import McoreGroups
+from actorcore.parallel import collectives
+from actorcore.parallel.context import ParallelContext
 from actorcore.archs.megatron_rules import WeightRule
 from actorcore.mcore.transforms import local_experts, merge_parts, split_parts, tp_dim, tp_range
 
@@ -113,7 +114,7 @@ def _tensors(chunk: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
-def global_mcore_name(chunk: Any, local_name: str, groups: McoreGroups) -> str:
+def global_mcore_name(chunk: Any, local_name: str, context: ParallelContext) -> str:
     """Local parameter name -> name with global layer and expert indices (what the rules match)."""
     found = _LAYER.match(local_name)
     if found:
@@ -122,7 +123,7 @@ def global_mcore_name(chunk: Any, local_name: str, groups: McoreGroups) -> str:
     found = _EXPERT.search(local_name)
     if found:
         num_experts = chunk.config.num_moe_experts
-        expert = local_experts(num_experts, groups.ep_rank, groups.ep_size)[int(found.group(1))]
+        expert = local_experts(num_experts, context.ep_rank, context.ep_size)[int(found.group(1))]
         local_name = local_name[: found.start()] + f".local_experts.{expert}." + local_name[found.end():]
     return local_name
 
@@ -155,7 +156,7 @@ def _is_tied(rule: WeightRule, hf_config: Any) -> bool:
 # ---- load ------------------------------------------------------------------------------------------
 
 
-def _read_part(reader: SafetensorsReader, name: str, rule: WeightRule, groups: McoreGroups,
+def _read_part(reader: SafetensorsReader, name: str, rule: WeightRule, context: ParallelContext,
                local_rows: int, indices: dict[str, int]) -> torch.Tensor:
     if rule.grouped:
         return reader.read(name, 0, indices["expert"], indices["expert"] + 1)[0]
@@ -163,18 +164,18 @@ def _read_part(reader: SafetensorsReader, name: str, rule: WeightRule, groups: M
     if dim is None:
         return reader.read(name)
     if rule.parallel == "vocab":
-        start = groups.tp_rank * local_rows
+        start = context.tp_rank * local_rows
         real = reader.shape(name)[0]
         rows = reader.read(name, 0, min(start, real), min(start + local_rows, real))
         if rows.shape[0] < local_rows:
             rows = torch.cat([rows, rows.new_zeros(local_rows - rows.shape[0], *rows.shape[1:])])
         return rows
     full = reader.shape(name)[dim]
-    start, stop = tp_range(full, groups.tp_rank, groups.tp_size)
+    start, stop = tp_range(full, context.tp_rank, context.tp_size)
     return reader.read(name, dim, start, stop)
 
 
-def load_hf_into_mcore(chunks: list[Any], hf_dir: str, groups: McoreGroups, *, progress: bool = False) -> None:
+def load_hf_into_mcore(chunks: list[Any], hf_dir: str, context: ParallelContext, *, progress: bool = False) -> None:
     """Fill every parameter of this rank's model chunks from the HF checkpoint in ``hf_dir``.
 
     Collective over the world group (every rank must call it): the consumed tensor names are compared
@@ -193,14 +194,14 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, groups: McoreGroups, *, p
 
         items = tqdm(items, desc="load HF -> Megatron", unit="tensor")
     for chunk, local_name, param in items:
-        name = global_mcore_name(chunk, local_name, groups)
+        name = global_mcore_name(chunk, local_name, context)
         try:
             rule, indices = spec.rule_for_mcore(name)
         except KeyError as exc:
             problems.append(str(exc.args[0]))
             continue
         hf_names = rule.hf_names_for(indices, tied=_is_tied(rule, hf_config))
-        shapes = _hf_part_shapes(rule, param.shape, chunk.config, groups.tp_size, hf_config.vocab_size)
+        shapes = _hf_part_shapes(rule, param.shape, chunk.config, context.tp_size, hf_config.vocab_size)
         if rule.grouped:
             shapes = [(chunk.config.num_moe_experts, *shape) for shape in shapes]
         parts = []
@@ -213,13 +214,13 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, groups: McoreGroups, *, p
             if found != expected:
                 problems.append(f"tensor {hf_name} has shape {list(found)}, expected {list(expected)}")
                 continue
-            parts.append(_read_part(reader, hf_name, rule, groups, param.shape[0], indices))
+            parts.append(_read_part(reader, hf_name, rule, context, param.shape[0], indices))
         if len(parts) != len(hf_names):
             continue
-        local = merge_parts(rule.transform, parts, **_head_counts(chunk.config, groups.tp_size))
+        local = merge_parts(rule.transform, parts, **_head_counts(chunk.config, context.tp_size))
         with torch.no_grad():
             param.copy_(local)
-    everything = collectives.all_gather_object((sorted(consumed), problems), groups.world_group)
+    everything = collectives.all_gather_object((sorted(consumed), problems), dist.group.WORLD)
     used = set().union(*(set(c) for c, _ in everything))
     problems = sorted(set(p for _, ps in everything for p in ps))
     extra = sorted(reader.names() - used)
@@ -233,7 +234,7 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, groups: McoreGroups, *, p
 # ---- export ----------------------------------------------------------------------------------------
 
 
-def export_mcore_to_hf(chunks: list[Any], groups: McoreGroups) -> Iterator[tuple[str, torch.Tensor]]:
+def export_mcore_to_hf(chunks: list[Any], context: ParallelContext) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors of this pipeline stage, gathered over TP and EP (every rank of the stage
     gets them; all ranks of a TP / EP group must iterate together)."""
     hf_config = chunks[0].actorcore_hf_config
@@ -242,17 +243,17 @@ def export_mcore_to_hf(chunks: list[Any], groups: McoreGroups) -> Iterator[tuple
         spec = spec.with_grouped_experts()
     stacks: dict[str, dict[int, torch.Tensor]] = {}  # grouped experts being assembled, by HF name
     for chunk in chunks:
-        counts = _head_counts(chunk.config, groups.tp_size)
+        counts = _head_counts(chunk.config, context.tp_size)
         for local_name, tensor in _tensors(chunk):
-            name = global_mcore_name(chunk, local_name, groups)
+            name = global_mcore_name(chunk, local_name, context)
             rule, indices = spec.rule_for_mcore(name)
             if _is_tied(rule, hf_config):
                 continue  # HF stores the tied lm_head only as the embedding
             parts = split_parts(rule.transform, tensor.detach(), **counts)
             if rule.parallel == "expert":
-                per_rank = len(local_experts(chunk.config.num_moe_experts, groups.ep_rank, groups.ep_size))
-                local_index = indices["expert"] - groups.ep_rank * per_rank
-                gathered = [collectives.all_gather_tensor(p, groups.ep_group) for p in parts]
+                per_rank = len(local_experts(chunk.config.num_moe_experts, context.ep_rank, context.ep_size))
+                local_index = indices["expert"] - context.ep_rank * per_rank
+                gathered = [collectives.all_gather_tensor(p, context.ep_group) for p in parts]
                 if rule.grouped:
                     for hf_name, ranks in zip(rule.hf_names_for(indices), gathered):
                         stack = stacks.setdefault(hf_name, {})
@@ -261,26 +262,26 @@ def export_mcore_to_hf(chunks: list[Any], groups: McoreGroups) -> Iterator[tuple
                             yield hf_name, torch.stack([stack[e] for e in range(len(stack))])
                             del stacks[hf_name]
                     continue
-                for rank in range(groups.ep_size):
+                for rank in range(context.ep_size):
                     names = rule.hf_names_for({**indices, "expert": rank * per_rank + local_index})
                     for hf_name, ranks in zip(names, gathered):
                         yield hf_name, ranks[rank]
                 continue
             for hf_name, part in zip(rule.hf_names_for(indices), parts):
-                if tp_dim(rule.parallel) is None or groups.tp_size == 1:
+                if tp_dim(rule.parallel) is None or context.tp_size == 1:
                     full = part
                 else:
-                    full = torch.cat(collectives.all_gather_tensor(part, groups.tp_group), dim=tp_dim(rule.parallel))
+                    full = torch.cat(collectives.all_gather_tensor(part, context.tp_group), dim=tp_dim(rule.parallel))
                 if rule.parallel == "vocab":
                     full = full[: hf_config.vocab_size]
                 yield hf_name, full.clone()
 
 
-def gather_hf_state_dict(chunks: list[Any], groups: McoreGroups) -> dict[str, torch.Tensor]:
+def gather_hf_state_dict(chunks: list[Any], context: ParallelContext) -> dict[str, torch.Tensor]:
     """The whole model as HF-named tensors on every rank (gathered over TP, EP and pipeline stages)."""
-    stage = dict(export_mcore_to_hf(chunks, groups))
+    stage = dict(export_mcore_to_hf(chunks, context))
     merged: dict[str, torch.Tensor] = {}
-    for part in collectives.all_gather_object(stage, groups.pp_group):
+    for part in collectives.all_gather_object(stage, context.pp_group):
         merged.update(part)
     return merged
 

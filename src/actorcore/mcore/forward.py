@@ -18,9 +18,9 @@ import torch
 
 from actorcore.batch import PackedBatch, next_token_labels, pad_to_multiple, shift_to_scored_token, unpad
 from actorcore.outputs import LogProbOutput
+from actorcore.parallel import collectives
+from actorcore.parallel.context import ParallelContext
 from actorcore.parallel.vocab_parallel import linear_logprob_entropy_vocab_parallel
-from actorcore.mcore import collectives
-from actorcore.mcore.parallel import McoreGroups
 
 
 def packed_seq_params(batch: PackedBatch):
@@ -44,12 +44,12 @@ def prepare_batch(batch: PackedBatch, chunk: Any) -> PackedBatch:
     return batch.to(device)
 
 
-def _output_weight_shard(chunk: Any, vocab_size: int, groups: McoreGroups) -> tuple[torch.Tensor, int]:
+def _output_weight_shard(chunk: Any, vocab_size: int, context: ParallelContext) -> tuple[torch.Tensor, int]:
     """This TP rank's rows of the output weight without the vocabulary padding, and its first vocab id."""
     weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights \
         else chunk.output_layer.weight
     rows = weight.shape[0]
-    start = groups.tp_rank * rows
+    start = context.tp_rank * rows
     real = max(0, min(rows, vocab_size - start))
     return weight[:real], start
 
@@ -59,19 +59,19 @@ def _hidden_TD(output: torch.Tensor) -> torch.Tensor:
     return output.reshape(-1, output.shape[-1])
 
 
-def logprobs_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, groups: McoreGroups, *,
+def logprobs_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, context: ParallelContext, *,
                          temperature: float, entropy: bool) -> LogProbOutput:
     """The last stage's head: fused vocabulary-parallel log-prob/entropy, aligned to the scored token."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     vocab_size = chunk.actorcore_hf_config.vocab_size
-    weight, start = _output_weight_shard(chunk, vocab_size, groups)
+    weight, start = _output_weight_shard(chunk, vocab_size, context)
     labels_T, valid_T = next_token_labels(batch)
     # Hidden states are replicated over TP: the backward all-reduce sums each rank's partial gradient.
-    hidden_TD = copy_to_tensor_model_parallel_region(hidden_TD, group=groups.tp_group)
+    hidden_TD = copy_to_tensor_model_parallel_region(hidden_TD, group=context.tp_group)
     logprob_T, entropy_T = linear_logprob_entropy_vocab_parallel(
         hidden_TD, weight, labels_T.clamp(min=0), vocab_start=start,
-        tp_group=groups.tp_group if groups.tp_size > 1 else None, temperature=temperature, entropy=entropy)
+        tp_group=context.tp_group if context.tp_size > 1 else None, temperature=temperature, entropy=entropy)
 
     def finish(x: torch.Tensor) -> torch.Tensor:
         kept = torch.where(valid_T, x.float(), torch.zeros((), dtype=torch.float32, device=x.device))
@@ -88,7 +88,8 @@ def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch) 
     return unpad(values.squeeze(-1), batch)
 
 
-def _forward_step(batches: list[PackedBatch], groups: McoreGroups, head: Callable, data_iterator: Any, model: Any):
+def _forward_step(batches: list[PackedBatch], context: ParallelContext, head: Callable, data_iterator: Any,
+                  model: Any):
     index = next(data_iterator)
     batch = batches[index]
     output = model(batch.input_ids.unsqueeze(0), batch.position_ids.unsqueeze(0), None,
@@ -100,7 +101,7 @@ def _forward_step(batches: list[PackedBatch], groups: McoreGroups, head: Callabl
     return output, loss_func
 
 
-def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], groups: McoreGroups, head: Callable, *,
+def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], context: ParallelContext, head: Callable, *,
                  forward_only: bool) -> list[Any]:
     """One micro-batch per packed batch; ``head(model, hidden_TD, batch, index) -> (loss, data)`` on the last
     stage. Returns the ``data`` of every micro-batch on the last pipeline stage (empty elsewhere)."""
@@ -109,10 +110,10 @@ def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], groups: Mcor
     batches = [prepare_batch(b, chunks[0]) for b in batches]
     for chunk in chunks:
         chunk.train(not forward_only)
-    step = functools.partial(_forward_step, batches, groups, head)
+    step = functools.partial(_forward_step, batches, context, head)
     iterators = [iter(range(len(batches))) for _ in chunks]
     max_tokens = max(b.num_tokens for b in batches)
-    if groups.pp_size > 1 and any(b.num_tokens != max_tokens for b in batches):
+    if context.pp_size > 1 and any(b.num_tokens != max_tokens for b in batches):
         raise ValueError("with pipeline parallelism every micro-batch must have the same token count: pad the "
                          "packed batches to a common length (pad_to_multiple) first")
     return get_forward_backward_func()(
@@ -121,17 +122,18 @@ def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], groups: Mcor
         micro_batch_size=1, forward_only=forward_only)
 
 
-def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int], groups: McoreGroups) -> list[torch.Tensor]:
+def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int],
+                           context: ParallelContext) -> list[torch.Tensor]:
     """Every rank gets the last stage's per-micro-batch ``[T]`` float32 tensors."""
     out = []
-    last = groups.pp_size - 1
+    last = context.pp_size - 1
     for tensor, length in zip(tensors, shapes):
         buffer = tensor.detach().clone() if tensor is not None else torch.empty(length, dtype=torch.float32)
-        out.append(collectives.broadcast_tensor(buffer, last, groups.pp_group))
+        out.append(collectives.broadcast_tensor(buffer, last, context.pp_group))
     return out
 
 
-def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatch], groups: McoreGroups, *,
+def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatch], context: ParallelContext, *,
                      temperature: float = 1.0, entropy: bool = True,
                      loss_fn: Callable[[LogProbOutput, PackedBatch], torch.Tensor] | None = None):
     """Per-token float32 log-probs (and entropy) of each packed batch under the Megatron model.
@@ -147,7 +149,7 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
     def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, index: int):
-        out = logprobs_from_hidden(model, hidden_TD, batch, groups, temperature=temperature, entropy=entropy)
+        out = logprobs_from_hidden(model, hidden_TD, batch, context, temperature=temperature, entropy=entropy)
         loss = loss_fn(out, batch) if loss_fn is not None else hidden_TD.sum() * 0.0
         data = {"log_probs": out.log_probs.detach(), "entropy": None if out.entropy is None else out.entropy.detach()}
         return loss, data
@@ -161,17 +163,17 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
                          "layers cannot enable: train MoE models at tp=1 with ep; tp > 1 serves forward-only "
                          "log-probs and conversion")
     with torch.set_grad_enabled(not forward_only):
-        data = run_schedule(chunks, batch_list, groups, head, forward_only=forward_only)
+        data = run_schedule(chunks, batch_list, context, head, forward_only=forward_only)
     lengths = [b.num_real_tokens for b in batch_list]
-    log_probs = _share_from_last_stage([d["log_probs"] for d in data] or [None] * len(lengths), lengths, groups)
+    log_probs = _share_from_last_stage([d["log_probs"] for d in data] or [None] * len(lengths), lengths, context)
     ent = None
     if entropy:
-        ent = _share_from_last_stage([d["entropy"] for d in data] or [None] * len(lengths), lengths, groups)
+        ent = _share_from_last_stage([d["entropy"] for d in data] or [None] * len(lengths), lengths, context)
     outputs = [LogProbOutput(log_probs=lp, entropy=None if ent is None else ent[i]) for i, lp in enumerate(log_probs)]
     return outputs[0] if single else outputs
 
 
-def compute_values(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatch], groups: McoreGroups):
+def compute_values(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatch], context: ParallelContext):
     """Per-token float32 values ``[T]`` from a critic built with ``build_gpt_model(..., value_head=True)``."""
     single = isinstance(batches, PackedBatch)
     batch_list = [batches] if single else list(batches)
@@ -181,7 +183,7 @@ def compute_values(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatc
         return hidden_TD.sum() * 0.0, {"values": values.detach()}
 
     with torch.no_grad():
-        data = run_schedule(chunks, batch_list, groups, head, forward_only=True)
+        data = run_schedule(chunks, batch_list, context, head, forward_only=True)
     lengths = [b.num_real_tokens for b in batch_list]
-    values = _share_from_last_stage([d["values"] for d in data] or [None] * len(lengths), lengths, groups)
+    values = _share_from_last_stage([d["values"] for d in data] or [None] * len(lengths), lengths, context)
     return values[0] if single else values

@@ -16,13 +16,24 @@ from typing import Any
 
 import torch
 
-from actorcore.archs import get_spec
+from actorcore.archs import get_spec, registered_model_types
 from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore._megatron import require_megatron
 from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
 from actorcore.mcore.parallel import McoreParallel
 
 logger = logging.getLogger(__name__)
+
+
+def megatron_model_types() -> list[str]:
+    """Registered architectures the Megatron route runs: those whose spec has Megatron rules (the one list)."""
+    return [m for m in registered_model_types() if get_spec(m).mcore is not None and not get_spec(m).mcore.refused]
+
+
+def refused_megatron_model_types() -> dict[str, str]:
+    """Registered architectures whose spec refuses the Megatron route, with the reason it states."""
+    return {m: get_spec(m).mcore.refused for m in registered_model_types()
+            if get_spec(m).mcore is not None and get_spec(m).mcore.refused}
 
 
 def mcore_spec_for(hf_config: Any):

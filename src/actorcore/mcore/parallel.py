@@ -1,15 +1,19 @@
 """Parallel layout of a Megatron model: sizes (pure data) and the process groups of one rank.
 
-Megatron keeps its groups in ``megatron.core.parallel_state``; actorcore reads them once, in
-``McoreGroups.from_parallel_state()``, and passes the object explicitly to every function that issues a
-collective. Nothing here holds a module-level group.
+Megatron keeps its groups in ``megatron.core.parallel_state``; actorcore reads them once, into a
+``ParallelContext`` (``context_from_megatron()``, returned by ``initialize_megatron``), and passes it
+explicitly to every function that communicates. Nothing here holds a module-level group.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+
+from actorcore.parallel.context import ParallelContext
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,44 +41,46 @@ class McoreParallel:
         return self.pp * math.lcm(self.tp, self.ep)
 
 
-@dataclass(frozen=True)
-class McoreGroups:
-    """This rank's groups and ranks within them (taken from Megatron's parallel_state once)."""
+def context_from_megatron() -> ParallelContext:
+    """This rank's ``ParallelContext`` (dp, tp, pp, ep groups) read from Megatron's ``parallel_state``.
 
-    tp_group: Any
-    pp_group: Any
-    ep_group: Any
-    world_group: Any
-    tp_rank: int
-    tp_size: int
-    pp_rank: int
-    pp_size: int
-    ep_rank: int
-    ep_size: int
+    Megatron must be initialised (``initialize_megatron`` or the caller's own ``initialize_model_parallel``).
+    ``dp`` is Megatron's data-parallel group (without context parallelism, which actorcore refuses).
+    """
+    from actorcore.mcore._megatron import require_megatron
 
-    @classmethod
-    def from_parallel_state(cls) -> "McoreGroups":
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+    require_megatron()
+    from megatron.core import parallel_state as ps
 
-        return cls(
-            tp_group=ps.get_tensor_model_parallel_group(),
-            pp_group=ps.get_pipeline_model_parallel_group(),
-            ep_group=ps.get_expert_model_parallel_group(),
-            world_group=dist.group.WORLD,
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            tp_size=ps.get_tensor_model_parallel_world_size(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
-            pp_size=ps.get_pipeline_model_parallel_world_size(),
-            ep_rank=ps.get_expert_model_parallel_rank(),
-            ep_size=ps.get_expert_model_parallel_world_size(),
-        )
+    if not ps.model_parallel_is_initialized():
+        raise ValueError("Megatron's parallel state is not initialised: call actorcore.mcore.initialize_megatron("
+                         "McoreParallel(...)) (or megatron.core.parallel_state.initialize_model_parallel) first")
+    return ParallelContext(dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+                           pp_group=ps.get_pipeline_model_parallel_group(),
+                           ep_group=ps.get_expert_model_parallel_group())
 
 
-def initialize_megatron(parallel: McoreParallel, seed: int = 0) -> McoreGroups:
-    """Set up Megatron's parallel state on an initialised ``torch.distributed`` world; return the groups.
+def _megatron_layout() -> dict[str, int | None]:
+    """The layout Megatron's parallel state was initialised with, in ``McoreParallel``'s terms (+ expert TP)."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
+            "vp": ps.get_virtual_pipeline_model_parallel_world_size(),
+            "expert_tp": ps.get_expert_tensor_parallel_world_size()}
+
+
+def initialize_megatron(parallel: McoreParallel, seed: int = 0) -> ParallelContext:
+    """Set up Megatron's parallel state on an initialised ``torch.distributed`` world; return this rank's context.
 
     Expert tensor parallelism is fixed to 1 (experts are whole on their expert-parallel rank).
+
+    When Megatron's parallel state is already initialised (by the caller, or an earlier call), it is never
+    destroyed: with the same layout it is reused as it is; with another layout this raises ``ValueError``.
+    Seeding follows the same rule: a fresh initialisation seeds Megatron's RNG tracker from ``seed`` (a new
+    inference tracker, which on the CPU never forks CUDA generators); when reusing, a tracker that was set up
+    (seeded states, or an inference tracker) is left alone and ``seed`` is ignored, since reseeding would
+    replace the caller's tracker and reset the default CUDA generator; only a missing or empty one is seeded.
     """
     import torch.distributed as dist
 
@@ -82,7 +88,7 @@ def initialize_megatron(parallel: McoreParallel, seed: int = 0) -> McoreGroups:
 
     require_megatron()
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
@@ -90,7 +96,22 @@ def initialize_megatron(parallel: McoreParallel, seed: int = 0) -> McoreGroups:
     if world % (parallel.tp * parallel.pp) or (world // parallel.pp) % parallel.ep:
         raise ValueError(f"world size {world} does not fit tp={parallel.tp} x pp={parallel.pp} with ep={parallel.ep}")
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        wanted = {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "cp": parallel.cp, "vp": parallel.vp,
+                  "expert_tp": 1}
+        found = _megatron_layout()
+        if found != wanted:
+            differ = ", ".join(f"{k}={found[k]} (wanted {wanted[k]})" for k in wanted if found[k] != wanted[k])
+            raise ValueError(
+                f"Megatron's parallel state is already initialised with another layout: {differ}. actorcore does not "
+                "destroy a caller's Megatron state: pass the layout it was initialised with, or call "
+                "megatron.core.parallel_state.destroy_model_parallel() yourself first")
+        tracker = get_cuda_rng_tracker()  # creates an empty plain tracker if there is none
+        if tracker.is_initialized() or tracker.is_inference_rng_tracker:
+            # Set up by the caller (or an earlier call): reseeding would also reset the default CUDA generator.
+            logger.info("reusing Megatron's parallel state and RNG tracker as they are (seed=%d not applied)", seed)
+        else:
+            model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+        return context_from_megatron()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -99,4 +120,4 @@ def initialize_megatron(parallel: McoreParallel, seed: int = 0) -> McoreGroups:
         expert_tensor_parallel_size=1,
     )
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
-    return McoreGroups.from_parallel_state()
+    return context_from_megatron()

@@ -1,6 +1,7 @@
-"""Every collective actorcore issues, as autograd functions over explicit groups.
+"""Every collective actorcore issues, over explicit groups.
 
-All of them are built on ``all_to_all_single`` with equal splits, which gloo (CPU) and NCCL both provide.
+The Ulysses ones are autograd functions built on ``all_to_all_single`` with equal splits, which gloo (CPU)
+and NCCL both provide; the Megatron route's plain all-gathers and broadcast are at the end of the file.
 The layout convention: a tensor whose leading dim is the group size, ``x[s]`` being the block exchanged
 with rank ``s``. An all-to-all over that layout sends ``x[s]`` to rank ``s`` and puts what rank ``s`` sent
 into ``out[s]``; it is its own adjoint, so its backward is the same all-to-all.
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from actorcore.kernels.logprob import merge_partial_stats
 
 
 def _group_size(group: Any) -> int:
@@ -97,11 +100,44 @@ def merge_vocab_stats(stats: tuple, group: Any) -> tuple:
 
     One all-gather of the stacked statistics, then the kernel's merge in rank order (deterministic).
     """
-    from actorcore.kernels.logprob import merge_partial_stats  # imported here: nothing else in this module needs kernels/
-
     m_T, s_T, a_T, zy_T = stats
     parts = [m_T, s_T, zy_T] + ([] if a_T is None else [a_T])
     gathered_S = all_gather_blocks(torch.stack(parts), group)  # [size, 3 or 4, T]
     m_ST, s_ST, zy_ST = gathered_S[:, 0], gathered_S[:, 1], gathered_S[:, 2]
     a_ST = None if a_T is None else gathered_S[:, 3]
     return merge_partial_stats(m_ST, s_ST, a_ST, zy_ST)
+
+
+# ---- Plain collectives of the Megatron route (no autograd; a group of one, or no world, is a no-op). ----
+
+
+def _size_or_one(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def all_gather_tensor(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on all ranks), in group-rank order."""
+    size = _size_or_one(group)
+    if size == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
+def all_gather_object(obj: Any, group: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in group-rank order."""
+    size = _size_or_one(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_tensor(tensor: torch.Tensor, src_group_rank: int, group: Any) -> torch.Tensor:
+    """``tensor`` of group rank ``src_group_rank`` on every rank (in place)."""
+    if _size_or_one(group) > 1:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
+    return tensor
