@@ -21,8 +21,7 @@ def test_megatron_archs_and_refusals_are_declared():
     supported and refused architectures is exactly the registry's (the list is written once, in the specs)."""
     for model_type in registered_model_types():
         mcore = get_spec(model_type).mcore
-        if mcore is not None:  # None: not on the Megatron route (mcore_spec_for says so)
-            assert bool(mcore.rules) != bool(mcore.refused), model_type
+        assert bool(mcore.rules) != bool(mcore.refused), model_type
     supported, refused = _documented_archs()
     assert sorted(supported) == sorted(megatron_model_types())
     assert sorted(refused) == sorted(refused_megatron_model_types())
@@ -56,9 +55,6 @@ def _disk_names(model, tmp_path) -> list[str]:
 # Config variants that exercise rules the tiny config leaves unused (qwen2_moe: a dense MLP layer).
 RULE_VARIANTS = {"qwen2_moe": [dict(mlp_only_layers=[1])]}
 # Rules the spec declares but the architecture cannot use; fixing them is a change to the arch spec.
-DEAD_RULES_KNOWN = {"mixtral": "archs/mixtral.py inherits Mistral's dense MLP rules; Mixtral has no dense layer"}
-
-
 @pytest.mark.parametrize("model_type", megatron_model_types())
 def test_every_hf_tensor_matched_by_exactly_one_rule(model_type, tmp_path):
     from actorcore.testing.tiny_configs import build_tiny_model
@@ -74,13 +70,11 @@ def test_every_hf_tensor_matched_by_exactly_one_rule(model_type, tmp_path):
 
 
 @pytest.mark.parametrize("model_type", megatron_model_types())
-def test_no_dead_rules(model_type, tmp_path, request):
+def test_no_dead_rules(model_type, tmp_path):
     """Every rule (per-expert and grouped) matches at least one tensor of the architecture's tiny models: the
     causal LM and the critic on disk (and the variants above), and, for grouped rules, the in-memory layout."""
     from actorcore.testing.tiny_configs import build_tiny_model
 
-    if model_type in DEAD_RULES_KNOWN:
-        request.applymarker(pytest.mark.xfail(reason=DEAD_RULES_KNOWN[model_type], strict=True))
     spec = get_spec(model_type).mcore
     names: set[str] = set()
     for i, overrides in enumerate([{}, *RULE_VARIANTS.get(model_type, [])]):

@@ -271,8 +271,6 @@ def _table_values(hf: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 def mcore_fields(hf_config: Any, *, aux_loss: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """(TransformerConfig keyword arguments, GPTModel keyword arguments) for an HF config (no parallel sizes)."""
     spec = get_spec(hf_config.model_type)
-    if spec.mcore is None:
-        raise UnsupportedArchitectureError(f"{spec.model_type} has no Megatron-Core mapping")
     warn_unknown_fields(hf_config)
     cfg, model = _table_values(hf_config)
     mla = cfg.get("kv_lora_rank") is not None

@@ -27,20 +27,20 @@ logger = logging.getLogger(__name__)
 
 def megatron_model_types() -> list[str]:
     """Registered architectures the Megatron route runs: those whose spec has Megatron rules (the one list)."""
-    return [m for m in registered_model_types() if get_spec(m).mcore is not None and not get_spec(m).mcore.refused]
+    return [m for m in registered_model_types() if not get_spec(m).mcore.refused]
 
 
 def refused_megatron_model_types() -> dict[str, str]:
     """Registered architectures whose spec refuses the Megatron route, with the reason it states."""
     return {m: get_spec(m).mcore.refused for m in registered_model_types()
-            if get_spec(m).mcore is not None and get_spec(m).mcore.refused}
+            if get_spec(m).mcore.refused}
 
 
 def mcore_spec_for(hf_config: Any):
     """The arch's Megatron part, or a clear error saying why there is none."""
     spec = get_spec(hf_config.model_type)
-    if spec.mcore is None or spec.mcore.refused:
-        reason = spec.mcore.refused if spec.mcore is not None else "no Megatron-Core mapping rules are declared"
+    if spec.mcore.refused:
+        reason = spec.mcore.refused
         raise UnsupportedArchitectureError(f"{spec.model_type} is not supported on the Megatron-Core route: {reason}")
     return spec.mcore
 
