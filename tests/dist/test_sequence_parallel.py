@@ -17,7 +17,7 @@ from actorcore.testing.tolerances import TOL
 
 LENGTHS = (7, 12, 4)
 ARCHS = ("llama", "gemma2")  # gemma2: sliding window, attention softcap, GeGLU, tied head
-SP2_ARCHS = ARCHS + ("qwen3_moe",)  # MoE MLPs are token-wise: SP needs nothing from them
+SP2_ARCHS = ARCHS + ("qwen3_moe", "gpt_oss")  # MoE MLPs are token-wise; gpt_oss: per-head sinks split over ranks
 
 
 def _sequences():

@@ -291,3 +291,25 @@ def test_non_callable_loss_fn_is_refused_before_the_forward():
     model = build_tiny_model("llama")
     with pytest.raises(ValueError, match="loss_fn must be a callable"):
         ac.compute_loss(model, ac.pack(_sequences()), "ppo")
+
+
+def test_attention_sinks_are_applied():
+    """gpt-oss's per-head sink logits join every softmax denominator: with large sinks the packed path still
+    equals the model's own forward, and dropping the sinks would change the result (so they were applied)."""
+    model = build_tiny_model("gpt_oss")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(1))
+    seqs = _sequences(seed=5)
+    ids, mask = right_padded(seqs)
+    trace = Counter()
+    with torch.no_grad():
+        out = ac.compute_logprobs(model, ac.pack(seqs), trace=trace)
+        ref_lp, ref_ent = reference_logprobs(model, ids, mask)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)  # exp(-1e4) = 0: as if there were no sinks
+        without = ac.compute_logprobs(model, ac.pack(seqs))
+    assert _max_diff(out.log_probs, ref_lp) <= TOL["packed_vs_hf_fp32"]
+    assert _max_diff(out.entropy, ref_ent) <= TOL["packed_vs_hf_fp32"]
+    assert _max_diff(out.log_probs, without.log_probs) > TOL["logprob_changed_at_least"]
+    assert trace["varlen_attention:segments"] == model.config.num_hidden_layers  # the backend that applies sinks

@@ -23,3 +23,39 @@ def test_packed_equals_each_sequence_alone_and_trace_counts_the_backend():
                                         torch.tensor([0, end - start]), end - start, trace=trace)
         assert torch.equal(out[start:end], alone)
     assert trace == {"varlen_attention:segments": 1 + len(lengths)}
+
+
+def _attention_with_sinks(q_LNH, k_LKH, v_LKH, sinks_N, scale):
+    """Plain torch, one sequence: softmax over [scores, sink] per head, the sink column dropped."""
+    groups = q_LNH.shape[1] // k_LKH.shape[1]
+    k_LNH, v_LNH = k_LKH.repeat_interleave(groups, 1), v_LKH.repeat_interleave(groups, 1)
+    scores_NLL = torch.einsum("inh,jnh->nij", q_LNH, k_LNH) * scale
+    length = q_LNH.shape[0]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    scores_NLL = scores_NLL.masked_fill(~causal, float("-inf"))
+    sink_NL1 = sinks_N[:, None, None].expand(-1, length, 1)
+    probs_NLL = torch.softmax(torch.cat([scores_NLL, sink_NL1], -1), -1)[..., :-1]
+    return torch.einsum("nij,jnh->inh", probs_NLL, v_LNH)
+
+
+def test_attention_sinks_per_sequence_and_refused_elsewhere():
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 1, 7]
+    q_TNH, k_TKH, v_TKH = (torch.randn(sum(lengths), heads, 8, generator=g, dtype=torch.float64)
+                           for heads in (4, 2, 2))
+    sinks_N = torch.randn(4, generator=g, dtype=torch.float64) * 2
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    trace = Counter()
+    out = varlen_causal_attention(q_TNH, k_TKH, v_TKH, cu, 7, scale=0.3, sinks=sinks_N, trace=trace)
+    assert trace == {"varlen_attention:segments": 1}
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        want = _attention_with_sinks(q_TNH[start:end], k_TKH[start:end], v_TKH[start:end], sinks_N, 0.3)
+        torch.testing.assert_close(out[start:end], want, rtol=0, atol=1e-12)
+    plain = varlen_causal_attention(q_TNH, k_TKH, v_TKH, cu, 7, scale=0.3)
+    assert (plain - out).abs().max() > 1e-3  # the sinks changed the result
+    import pytest
+
+    with pytest.raises(ValueError, match="cannot apply attention sinks"):
+        varlen_causal_attention(q_TNH, k_TKH, v_TKH, cu, 7, sinks=sinks_N, backend="torch_varlen")
+    with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
+        varlen_causal_attention(q_TNH, k_TKH, v_TKH, cu, 7, sinks=sinks_N[:2])

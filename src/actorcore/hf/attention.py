@@ -76,7 +76,8 @@ def packed_attention_forward(
     record_call(kwargs, PACKED_ATTENTION)
     cu_seqlens, max_seqlen = packing_kwargs(kwargs)
     out_TNH = attend_packed(query, key, value, cu_seqlens, max_seqlen, scaling=scaling, dropout=dropout,
-                            sliding_window=sliding_window, softcap=softcap, module=module, kwargs=kwargs)
+                            sliding_window=sliding_window, softcap=softcap, sinks=attention_sinks(kwargs),
+                            module=module, kwargs=kwargs)
     return out_TNH.unsqueeze(0), None
 
 
@@ -94,11 +95,15 @@ def packing_kwargs(kwargs: dict[str, Any]) -> tuple[torch.Tensor, int]:
     return cu_q, int(max_q)
 
 
+def attention_sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The per-head sink logits a module passes to the attention interface (gpt-oss: ``s_aux``), if any."""
+    sinks = kwargs.get("s_aux")
+    return kwargs.get("sinks") if sinks is None else sinks
+
+
 def attend_packed(query, key, value, cu_seqlens, max_seqlen, *, scaling, dropout, sliding_window, softcap,
-                  module, kwargs) -> torch.Tensor:
+                  sinks, module, kwargs) -> torch.Tensor:
     """Shared by the plain and the sequence-parallel attention: ``[1, heads, T, H]`` inputs -> ``[T, N, H]``."""
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise NotImplementedError("attention sinks are not supported by actorcore's packed attention")
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1 (all sequences packed), got {query.shape[0]}")
     q_TNH = query[0].transpose(0, 1)
@@ -107,7 +112,7 @@ def attend_packed(query, key, value, cu_seqlens, max_seqlen, *, scaling, dropout
     p = dropout if module.training else 0.0
     ref = kwargs.get(TRACE_KWARG)
     return varlen_causal_attention(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale=scaling,
-                                   sliding_window=sliding_window, softcap=softcap, dropout=p,
+                                   sliding_window=sliding_window, softcap=softcap, dropout=p, sinks=sinks,
                                    trace=None if ref is None else ref.counts)
 
 

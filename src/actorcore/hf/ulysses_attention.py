@@ -20,6 +20,7 @@ from actorcore.hf.attention import (
     PARALLEL_KWARG,
     PackingNotAppliedError,
     attend_packed,
+    attention_sinks,
     packing_kwargs,
     record_call,
 )
@@ -66,5 +67,15 @@ def ulysses_attention_forward(
     v_TkH = sequence_to_head_sharded(replicate_kv_heads(v_LKH, sp), group, sp)
     out_TnH = attend_packed(*(x.transpose(0, 1).unsqueeze(0) for x in (q_TnH, k_TkH, v_TkH)), cu_seqlens,
                             max_seqlen, scaling=scaling, dropout=dropout, sliding_window=sliding_window,
-                            softcap=softcap, module=module, kwargs=kwargs)
+                            softcap=softcap, sinks=_local_heads(attention_sinks(kwargs), ctx), module=module,
+                            kwargs=kwargs)
     return head_to_sequence_sharded(out_TnH, group, sp).unsqueeze(0), None
+
+
+def _local_heads(per_head: torch.Tensor | None, ctx: Any) -> torch.Tensor | None:
+    """This rank's query heads' slice of a per-head tensor (after the all-to-all a rank holds head group
+    ``sp_rank``)."""
+    if per_head is None:
+        return None
+    n = per_head.shape[0] // ctx.sp_size
+    return per_head[ctx.sp_rank * n: (ctx.sp_rank + 1) * n]

@@ -43,9 +43,11 @@ def _has_torch_varlen() -> bool:
     return True
 
 
-def choose_backend(device: torch.device, dtype: torch.dtype, softcap: float | None, dropout: float) -> str:
-    """The backend ``auto`` resolves to for these arguments (flash kernels take 16-bit inputs only)."""
-    if device.type == "cuda" and dtype in FLASH_DTYPES:
+def choose_backend(device: torch.device, dtype: torch.dtype, softcap: float | None, dropout: float,
+                   sinks: bool = False) -> str:
+    """The backend ``auto`` resolves to for these arguments (flash kernels take 16-bit inputs only; attention
+    sinks run on ``segments``, the one backend that applies them exactly)."""
+    if device.type == "cuda" and dtype in FLASH_DTYPES and not sinks:
         if _has_flash_attn():
             return "flash_attn"
         if _has_torch_varlen() and softcap is None and dropout == 0.0:
@@ -64,10 +66,14 @@ def varlen_causal_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     dropout: float = 0.0,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
     trace: Counter[str] | None = None,
 ) -> torch.Tensor:
     """Packed causal attention; returns ``[T, N, H]`` in the input dtype.
+
+    ``sinks``: a learned logit per query head ``[N]`` that joins every softmax denominator and attends to
+    nothing (gpt-oss); only the ``segments`` backend applies it.
 
     ``trace``: counts the backend that ran under ``"varlen_attention:<backend>"`` (see ``actorcore.kernels``).
     """
@@ -80,8 +86,12 @@ def varlen_causal_attention(
     if not cu_seqlens.is_cuda and int(cu_seqlens[-1]) != T:  # no device sync on the hot GPU path
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but there are {T} tokens")
     scale = H**-0.5 if scale is None else scale
+    if sinks is not None and tuple(sinks.shape) != (N,):
+        raise ValueError(f"sinks must hold one logit per query head, shape ({N},), got {tuple(sinks.shape)}")
     if backend == "auto":
-        backend = choose_backend(q_TNH.device, q_TNH.dtype, softcap, dropout)
+        backend = choose_backend(q_TNH.device, q_TNH.dtype, softcap, dropout, sinks is not None)
+    elif sinks is not None and backend != "segments":
+        raise ValueError(f"the {backend} backend cannot apply attention sinks; use backend='segments' (or 'auto')")
     add(trace, f"varlen_attention:{backend}")
     if backend == "flash_attn":
         return _flash_attn(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window, softcap, dropout)
@@ -89,7 +99,7 @@ def varlen_causal_attention(
         if softcap is not None or dropout:
             raise ValueError("the torch_varlen backend supports neither softcap nor dropout; use 'segments'")
         return _torch_varlen(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window)
-    return _segments(q_TNH, k_TKH, v_TKH, cu_seqlens, scale, sliding_window, softcap, dropout)
+    return _segments(q_TNH, k_TKH, v_TKH, cu_seqlens, scale, sliding_window, softcap, dropout, sinks)
 
 
 def _flash_attn(q, k, v, cu, max_seqlen, scale, window, softcap, dropout):
@@ -131,8 +141,8 @@ def _segment_mask(length: int, window: int | None, device: torch.device) -> torc
     return allowed
 
 
-def _segments(q, k, v, cu, scale, window, softcap, dropout):
-    """Reference-quality path: exact per-sequence attention (SDPA, or an eager softmax with softcap)."""
+def _segments(q, k, v, cu, scale, window, softcap, dropout, sinks=None):
+    """Reference-quality path: exact per-sequence attention (SDPA, or an eager softmax with softcap / sinks)."""
     groups = q.shape[1] // k.shape[1]
     outs = []
     bounds = cu.tolist()
@@ -144,16 +154,23 @@ def _segments(q, k, v, cu, scale, window, softcap, dropout):
         v_NLH = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
         length = end - start
         needs_window = window is not None and window < length
-        if softcap is None:
+        if softcap is None and sinks is None:
             mask = _segment_mask(length, window, q.device) if needs_window else None
             o = F.scaled_dot_product_attention(q_NLH, k_NLH, v_NLH, attn_mask=mask, is_causal=mask is None,
                                                dropout_p=dropout, scale=scale)
         else:
             scores = torch.matmul(q_NLH, k_NLH.transpose(-1, -2)) * scale
-            scores = torch.tanh(scores / softcap) * softcap
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             mask = _segment_mask(length, window, q.device)
             scores = scores.masked_fill(~mask, -math.inf)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            at_least_fp32 = torch.promote_types(scores.dtype, torch.float32)
+            if sinks is not None:  # one more softmax column per head, dropped after normalising
+                sink_NL1 = sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, length, 1)
+                probs = torch.softmax(torch.cat([scores, sink_NL1], -1), dim=-1, dtype=at_least_fp32)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1, dtype=at_least_fp32)
+            probs = probs.to(q.dtype)
             if dropout:
                 probs = F.dropout(probs, p=dropout)
             o = torch.matmul(probs, v_NLH)

@@ -42,6 +42,15 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
                       shared_expert_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    # sinks are random parameters; sliding and full layers alternate; the SwiGLU clamp and alpha are non-default
+    "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=3.0, swiglu_alpha=1.5,
+                    attention_bias=True, rope_parameters=dict(rope_type="default", rope_theta=5000.0)),
+    # partial rotary 0.5, q/k norms, one dense layer then MoE with grouped routing and a shared expert
+    "glm4_moe": dict(head_dim=16, moe_intermediate_size=40, n_routed_experts=4, num_experts_per_tok=2,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                     routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+                     rope_parameters=dict(rope_type="default", rope_theta=5000.0, partial_rotary_factor=0.5)),
     # every multiplier away from 1.0 (a default of 1.0 would hide a missing one)
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=4.0),
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
