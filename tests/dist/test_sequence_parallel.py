@@ -17,7 +17,8 @@ from actorcore.testing.tolerances import TOL
 
 LENGTHS = (7, 12, 4)
 ARCHS = ("llama", "gemma2")  # gemma2: sliding window, attention softcap, GeGLU, tied head
-SP2_ARCHS = ARCHS + ("qwen3_moe", "gpt_oss")  # MoE MLPs are token-wise; gpt_oss: per-head sinks split over ranks
+SP2_ARCHS = ARCHS + ("qwen3_moe", "gpt_oss", "glm4_moe", "granite")  # MoE MLPs are token-wise; gpt_oss: per-head
+# sinks split over ranks; glm4_moe: partial RoPE; granite: attention multiplier as the attention scale
 
 
 def _sequences():

@@ -313,3 +313,19 @@ def test_attention_sinks_are_applied():
     assert _max_diff(out.entropy, ref_ent) <= TOL["packed_vs_hf_fp32"]
     assert _max_diff(out.log_probs, without.log_probs) > TOL["logprob_changed_at_least"]
     assert trace["varlen_attention:segments"] == model.config.num_hidden_layers  # the backend that applies sinks
+
+
+@pytest.mark.parametrize("model_type", TEXT_ARCHS)
+def test_packing_isolation_is_bitwise(model_type):
+    """Changing one sequence's tokens leaves every other sequence's outputs bitwise unchanged."""
+    model = build_tiny_model(model_type)
+    seqs = _sequences(seed=11)
+    changed = [s.clone() for s in seqs]
+    changed[2] = torch.randint(3, 131, changed[2].shape, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        a, b = (ac.compute_logprobs(model, ac.pack(s), temperature=0.8) for s in (seqs, changed))
+    bounds = ac.pack(seqs).cu_seqlens.tolist()
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        same_lp, same_ent = (torch.equal(x[start:end], y[start:end]) for x, y in
+                             ((a.log_probs, b.log_probs), (a.entropy, b.entropy)))
+        assert (same_lp and same_ent) == (i != 2), f"sequence {i}"
