@@ -103,7 +103,7 @@ def test_grads_match_finite_differences_fp64():
             args = (plus, weight_VD) if x is hidden_TD else (hidden_TD, plus)
             args_m = (minus, weight_VD) if x is hidden_TD else (hidden_TD, minus)
             numeric = (f(*args) - f(*args_m)).item() / (2 * eps)
-            assert abs(numeric - grad[idx].item()) < 1e-7, (idx, numeric, grad[idx].item())
+            assert abs(numeric - grad[idx].item()) < TOL["finite_difference_fp64"], (idx, numeric, grad[idx].item())
 
 
 def test_second_backward_is_refused():

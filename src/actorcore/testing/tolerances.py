@@ -44,4 +44,12 @@ TOL: dict[str, float] = {
     "tiled_mlp_logprob_bf16": 1e-3,
     # A changed input must move the log-probs of its own sequence by more than this (isolation tests).
     "logprob_changed_at_least": 1e-3,
+    # A transform the test switches on (softcap, halved logits) must move log-probs by more than this.
+    "logprob_changed_by_transform": 1e-2,
+    # Attention outputs: fp64 packed vs plain torch per sequence; a switched-on feature (sinks) must move them.
+    "attention_fp64_vs_plain": 1e-12,
+    "attention_changed_at_least": 1e-3,
+    # fp64 analytic gradients vs central finite differences, and torch.autograd.gradcheck's eps/atol.
+    "finite_difference_fp64": 1e-7,
+    "gradcheck_fp64": 1e-6,
 }
