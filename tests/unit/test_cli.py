@@ -17,3 +17,12 @@ def test_demo_on_a_local_model_directory(tmp_path, capsys):
 def test_module_entry_point_help():
     done = subprocess.run([sys.executable, "-m", "actorcore", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "demo" in done.stdout and "convert" in done.stdout
+
+
+def test_every_sub_command_has_help_and_there_is_a_version():
+    for args in (["--help"], ["demo", "--help"], ["verify", "--help"], ["convert", "--help"],
+                 ["convert", "hf-to-mcore", "--help"], ["convert", "mcore-to-hf", "--help"]):
+        done = subprocess.run([sys.executable, "-m", "actorcore", *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "usage: actorcore" in done.stdout, (args, done.stderr)
+    done = subprocess.run([sys.executable, "-m", "actorcore", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("actorcore ")

@@ -1,10 +1,15 @@
-"""``actorcore`` command line: ``demo``, ``verify``, ``convert``, ``bench``. Only the CLI package prints."""
+"""``actorcore`` command line: ``demo``, ``verify``, ``convert``. Only the CLI package prints.
+
+Benchmarks are scripts under ``bench/`` of a source checkout (``python bench/logprob.py --help``); a wheel does
+not ship them, so the CLI does not offer them."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+
+from actorcore import __version__
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -25,22 +30,13 @@ def _convert(args: argparse.Namespace) -> int:
     return convert_main(args.convert_args)
 
 
-def _bench(args: argparse.Namespace) -> int:
-    import runpy
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[3] / "bench" / f"{args.name}.py"
-    if not script.exists():
-        print(f"error: no benchmark {args.name!r} (looked for {script}); run from a source checkout", file=sys.stderr)
-        return 2
-    sys.argv = [str(script), *args.bench_args]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="actorcore", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="actorcore", description="Exact per-token log-probs for RL on packed batches: the demo on the embedded "
+                                      "model, a check of a local model against its own forward, checkpoint "
+                                      "conversion. Benchmarks: python bench/<name>.py in a source checkout.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"actorcore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="packed vs padded log-probs on a tiny model (or --model PATH)")
@@ -62,14 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("convert_args", nargs=argparse.REMAINDER)
     convert.set_defaults(func=_convert)
 
-    bench = sub.add_parser("bench", help="run a benchmark script from bench/ (GPU)")
-    bench.add_argument("name", help="benchmark name, e.g. logprob")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verbose = [a for a in argv if a in ("-v", "--verbose")]
+    rest = [a for a in argv if a not in ("-v", "--verbose")]
+    if rest[:1] == ["convert"]:
+        # argparse's REMAINDER cannot pass a leading option such as --help on: convert parses its own arguments.
+        logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
+        from actorcore.cli.convert import main as convert_main
+
+        return int(convert_main(rest[1:]) or 0)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)

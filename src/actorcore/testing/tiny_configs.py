@@ -71,6 +71,13 @@ def tiny_config(model_type: str, **overrides: Any):
     return config
 
 
+def has_critic_class(model_type: str) -> bool:
+    """Whether transformers has a ``...ForTokenClassification`` (the critic) for this architecture."""
+    from transformers import AutoModelForTokenClassification
+
+    return type(tiny_config(model_type)) in AutoModelForTokenClassification._model_mapping
+
+
 def build_tiny_model(model_type: str, *, task: str = "causal_lm", seed: int = 0, dtype=torch.float32,
                      attn_implementation: str = "eager", **overrides: Any):
     """Seeded random-weight model. ``task``: ``causal_lm`` or ``token_classification`` (a 1-label critic)."""
