@@ -216,6 +216,36 @@ def unpack(values_T: torch.Tensor, batch: PackedBatch, padding_value: float = 0.
     return out
 
 
+def grid_to_packed(values_BS: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S, ...]`` per-token values of a padded batch -> ``[T, ...]`` in the order ``pack_padded`` packs
+    (row by row, real tokens only): how advantages, old log-probs or loss masks held in the input's grid reach
+    ``compute_loss``'s ``token_args``."""
+    mask = _grid_mask(values_BS, attention_mask)
+    return values_BS[mask]
+
+
+def packed_to_grid(values_T: torch.Tensor, attention_mask: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """``[T, ...]`` per-token results -> ``[B, S, ...]`` in the padded input's own layout (left or right
+    padding kept), ``fill`` at padding: ``grid[attention_mask.bool()] = values``."""
+    mask = check_mask(attention_mask, attention_mask) if isinstance(attention_mask, torch.Tensor) else None
+    if mask is None:
+        raise ValueError(f"attention_mask must be a [B, S] tensor of 0/1, got {type(attention_mask).__name__}")
+    if values_T.dim() == 0 or values_T.shape[0] != int(mask.sum()):
+        raise ValueError(f"values have shape {tuple(values_T.shape)} but the mask holds {int(mask.sum())} tokens")
+    grid = values_T.new_full((*mask.shape, *values_T.shape[1:]), fill)
+    grid[mask.to(values_T.device)] = values_T
+    return grid
+
+
+def _grid_mask(values_BS: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    if not isinstance(values_BS, torch.Tensor) or not isinstance(attention_mask, torch.Tensor):
+        raise ValueError("grid_to_packed takes [B, S] tensors: the values and the attention_mask")
+    if tuple(values_BS.shape[:2]) != tuple(attention_mask.shape):
+        raise ValueError(f"values of shape {tuple(values_BS.shape)} do not match the attention_mask "
+                         f"{tuple(attention_mask.shape)} in their first two dims")
+    return check_mask(attention_mask, attention_mask).to(values_BS.device)
+
+
 def segment_ids(batch: PackedBatch) -> torch.Tensor:
     """``[T]`` index of the segment (sequence, or the padding segment) each token belongs to."""
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long()

@@ -329,3 +329,24 @@ def test_packing_isolation_is_bitwise(model_type):
         same_lp, same_ent = (torch.equal(x[start:end], y[start:end]) for x, y in
                              ((a.log_probs, b.log_probs), (a.entropy, b.entropy)))
         assert (same_lp and same_ent) == (i != 2), f"sequence {i}"
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_padded_call_returns_the_input_grid(left):
+    """TRL-style [B, S] in and out: per token equal to the padded HF forward, in the input's own layout."""
+    model = build_tiny_model("qwen3")
+    ids, mask = right_padded(_sequences(seed=8), left=left)
+    with torch.no_grad():
+        out = ac.compute_logprobs_padded(model, ids, mask, temperature=0.9)
+        ref_lp, ref_ent = logprobs_from_logits(padded_logits(model, ids, mask), ids, mask, temperature=0.9)
+    assert out.log_probs.shape == ids.shape and out.entropy.shape == ids.shape
+    assert _max_diff(out.log_probs, ref_lp) <= TOL["packed_vs_hf_fp32"]
+    assert _max_diff(out.entropy, ref_ent) <= TOL["packed_vs_hf_fp32"]
+    assert torch.equal(out.log_probs[mask == 0], torch.zeros(int((mask == 0).sum())))
+    # grid <-> packed round trip for per-token arguments (advantages held as [B, S])
+    adv_BS = torch.randn(ids.shape, generator=torch.Generator().manual_seed(0)) * mask
+    adv_T = ac.grid_to_packed(adv_BS, mask)
+    assert adv_T.shape == (int(mask.sum()),) and torch.equal(ac.packed_to_grid(adv_T, mask), adv_BS)
+    loss = ac.compute_loss(model, ac.pack_padded(ids, mask), lambda lp, ent, a: -lp * a, token_args=(adv_T,),
+                           temperature=0.9)
+    assert _max_diff(ac.packed_to_grid(loss.logprob, mask), out.log_probs) <= TOL["packed_vs_hf_fp32"]
