@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch==2.13.0 first: on the CPU machines it is a local CPU build; never a CUDA download.
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q "transformers>=5.17,<6" "safetensors>=0.4" "tqdm>=4.60" "pytest>=8" "megatron-core==0.16.1"
+	$(BIN)/python -m pip install -q "transformers>=5.17,<6" "safetensors>=0.4" "tqdm>=4.60" "pytest>=8" "megatron-core==0.16.1" "peft>=0.17"
 	$(BIN)/python -m pip install -q --no-deps -e .
 	@touch $(STAMP)
 

@@ -91,8 +91,18 @@ class ArchSpec:
             raise ValueError(f"{self.model_type}: head must be a tuple of HeadTransform, got {self.head!r}")
 
 
+def task_model(model: Any) -> Any:
+    """The ``...ForCausalLM`` (or critic) the spec's paths start from: inside a PEFT wrapper (LoRA), its base
+    model, whose layers hold the adapters."""
+    if callable(getattr(type(model), "get_base_model", None)) and hasattr(model, "peft_config"):
+        return model.get_base_model()
+    return model
+
+
 def submodule(root: Any, path: str) -> Any:
-    """``root.get_submodule(path)`` for a path from a spec, with an error that names the missing step."""
+    """``root.get_submodule(path)`` for a path from a spec (from the task model inside a PEFT wrapper), with an
+    error that names the missing step."""
+    root = task_model(root)
     try:
         return root.get_submodule(path)
     except AttributeError as err:

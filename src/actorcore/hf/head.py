@@ -65,6 +65,9 @@ def output_layer(model: Any) -> torch.nn.Module:
     if head is None or not hasattr(head, "weight"):
         raise ValueError(f"{type(model).__name__} has no output embedding (lm head); compute_logprobs needs a "
                          "...ForCausalLM model")
+    if hasattr(head, "base_layer") or hasattr(head, "lora_A"):
+        raise ValueError("the lm head carries a PEFT adapter, which actorcore's fused head (it reads the output "
+                         "weight directly) would ignore: leave lm_head out of the LoRA target_modules")
     if getattr(head, "bias", None) is not None:
         raise ValueError("the lm head has a bias, which actorcore's fused log-prob head does not support")
     return head
