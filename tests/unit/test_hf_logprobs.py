@@ -350,3 +350,13 @@ def test_padded_call_returns_the_input_grid(left):
     loss = ac.compute_loss(model, ac.pack_padded(ids, mask), lambda lp, ent, a: -lp * a, token_args=(adv_T,),
                            temperature=0.9)
     assert _max_diff(ac.packed_to_grid(loss.logprob, mask), out.log_probs) <= TOL["packed_vs_hf_fp32"]
+
+
+def test_untested_transformers_is_refused_with_what_to_install():
+    from actorcore.hf.attention import check_transformers_version
+
+    for ok in ("5.10.0", "5.17.0", "5.24.1", "5.30.0.dev0"):
+        check_transformers_version(ok)
+    for bad in ("4.57.1", "5.5.0", "6.0.0"):
+        with pytest.raises(ImportError, match=r"needs transformers>=5.10,<6 .* found " + bad.replace(".", r"\.")):
+            check_transformers_version(bad)

@@ -116,10 +116,27 @@ def attend_packed(query, key, value, cu_seqlens, max_seqlen, *, scaling, dropout
                                    trace=None if ref is None else ref.counts)
 
 
+# The transformers versions the HF route is tested with (5.17 on the GPU machine, 5.24 on the CPU); below
+# 5.10 the VLM inputs fail (5.0: mm_token_type_ids; 5.5: the rope-index function).
+TRANSFORMERS_RANGE = ((5, 10), (6, 0))
+
+
+def check_transformers_version(version: str) -> None:
+    """Refuse a transformers outside the tested range with what to install, instead of failing deep inside."""
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    low, high = TRANSFORMERS_RANGE
+    if len(parts) < 2 or not low <= parts < high:
+        raise ImportError(f"actorcore's HF route needs transformers>={low[0]}.{low[1]},<{high[0]} (tested with 5.17 "
+                          f"and 5.24); found {version}: pip install 'transformers>={low[0]}.{low[1]},<{high[0]}'")
+
+
 @functools.cache
 def register_attention(name: str = PACKED_ATTENTION, fn: Any = packed_attention_forward) -> str:
     """Register an attention function and its no-mask function with transformers (once per name)."""
+    import transformers
     from transformers import AttentionInterface
+
+    check_transformers_version(transformers.__version__)
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, fn)

@@ -15,6 +15,6 @@ def require_megatron() -> None:
         import megatron.core  # noqa: F401
     except ImportError as exc:
         raise MegatronNotInstalledError(
-            "the Megatron-Core route needs megatron-core: pip install 'actorcore[megatron]' "
-            f"(megatron-core>=0.16); import failed with: {exc}"
+            "the Megatron-Core route needs megatron-core: pip install 'megatron-core>=0.16,<0.17' psutil "
+            f"(the version actorcore is tested with); import failed with: {exc}"
         ) from exc
