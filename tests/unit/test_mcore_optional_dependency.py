@@ -22,7 +22,7 @@ def test_missing_megatron_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.core", None)
     _megatron.require_megatron.cache_clear()
     try:
-        with pytest.raises(_megatron.MegatronNotInstalledError, match=r"pip install 'actorcore\[megatron\]'"):
+        with pytest.raises(_megatron.MegatronNotInstalledError, match=r"pip install 'megatron-core>=0.16,<0.17' psutil"):
             _megatron.require_megatron()
     finally:
         _megatron.require_megatron.cache_clear()
