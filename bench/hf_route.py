@@ -1,11 +1,14 @@
-"""End-to-end log-probs on the HF route: actorcore packed vs plain transformers padded micro-batches.
+"""End-to-end log-probs on the HF route: actorcore packed vs plain transformers, padded micro-batches and its
+own packing (one row, position ids restarting per sequence, ``cu_seq_lens`` passed as transformers documents).
 
-One process, one GPU, a randomly initialised model of a real shape (default: Qwen2.5-1.5B's), bf16, an
-RL-like batch of sequences of very different lengths. For each path: forward-only (old/ref log-probs)
-and forward+backward (actor update) time, extra peak memory, and max |Δ log-prob| of each path against the
-packed forward (whose head computes fp32 logits; plain transformers rounds logits to bf16).
+One process, one GPU, a randomly initialised model of a real shape, bf16, an RL-like batch of sequences of
+very different lengths. For each path: forward-only (old/ref log-probs) and forward+backward (actor update)
+time, extra peak memory, and max |Δ log-prob| of each path against the packed forward (whose head computes
+fp32 logits; plain transformers rounds logits to bf16). A packing that leaks across sequences (a hybrid
+model's linear attention run over the whole stream) shows up as a large |Δ|.
 
-    PYTHONPATH=src python3 bench/hf_route.py [--sequences 32 --min-len 128 --max-len 4096 --micro-batch 4]
+    PYTHONPATH=src python3 bench/hf_route.py [--model qwen2.5-1.5b | qwen3.5-2b] [--sequences 32 --min-len 128
+        --max-len 4096 --micro-batch 4]
 """
 
 from __future__ import annotations
@@ -19,8 +22,18 @@ import torch
 QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                   tie_word_embeddings=True, rope_theta=1e6)
+# A Qwen3.5-shaped hybrid of about 2B parameters: three Gated DeltaNet layers to one gated full-attention layer.
+QWEN35_2B = dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                 linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                 linear_conv_kernel_dim=4, max_position_embeddings=32768, tie_word_embeddings=True,
+                 layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6)
 TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+TINY_HYBRID = dict(TINY, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                   layer_types=["linear_attention", "full_attention"] * 2)
+MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B, TINY), "qwen3.5-2b": ("qwen3_5_text", QWEN35_2B, TINY_HYBRID)}
 
 
 def _sync() -> None:
@@ -54,6 +67,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--min-len", type=int, default=128)
     parser.add_argument("--max-len", type=int, default=4096)
@@ -65,7 +79,8 @@ def main() -> None:
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    config = AutoConfig.for_model("qwen2", **(TINY if args.tiny else QWEN25_15B))
+    model_type, shape, tiny_shape = MODELS[args.model]
+    config = AutoConfig.for_model(model_type, **(tiny_shape if args.tiny else shape))
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
@@ -85,6 +100,24 @@ def main() -> None:
                 (out.log_probs.sum() + out.entropy.sum()).backward()
         return out.log_probs.detach()
 
+    def plain_packed(train: bool):
+        model.train(train)
+        cu = batch.cu_seqlens.to(torch.int32)
+        with torch.set_grad_enabled(train):
+            logits = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
+                           cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
+                           max_length_k=batch.max_seqlen).logits[0]
+            logp = torch.log_softmax(logits.float(), -1)
+            lp = torch.zeros(batch.num_tokens, device=device)
+            lp[1:] = logp[:-1].gather(-1, batch.input_ids[1:, None])[:, 0]
+            ent = torch.zeros_like(lp)
+            ent[1:] = -(logp[:-1].exp() * logp[:-1]).sum(-1)
+            starts = batch.cu_seqlens[:-1].long()
+            lp, ent = lp.index_fill(0, starts, 0.0), ent.index_fill(0, starts, 0.0)
+            if train:
+                (lp.sum() + ent.sum()).backward()
+        return lp.detach()
+
     def plain(train: bool):
         model.train(train)
         parts = []
@@ -99,7 +132,8 @@ def main() -> None:
         return torch.cat(parts)
 
     rows = {}
-    for name, fn in (("actorcore packed", packed), ("transformers padded", plain)):
+    for name, fn in (("actorcore packed", packed), ("transformers padded", plain),
+                     ("transformers packed", plain_packed)):
         for train in (False, True):
             key = f"{name} {'fwd+bwd' if train else 'fwd'}"
             try:
@@ -111,7 +145,9 @@ def main() -> None:
     ref = rows["actorcore packed fwd"]["log_probs"]
     tokens = batch.num_tokens
     padded_tokens = sum(ids.numel() for ids, _ in padded)
-    print(f"device {device}, {dtype}, model qwen2 {'tiny' if args.tiny else 'Qwen2.5-1.5B shape'}, "
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    print(f"device {device}, {dtype}, model {model_type} {'tiny' if args.tiny else args.model + ' shape'} "
+          f"({params:.2f}B parameters), "
           f"{len(sequences)} sequences, {tokens} tokens ({padded_tokens} padded in micro-batches of "
           f"{args.micro_batch}), activation checkpointing on")
     print(f"{'path':<34} {'time':>10} {'tokens/s':>10} {'extra peak':>11} {'max|Δ lp| vs packed':>20}")
@@ -123,10 +159,12 @@ def main() -> None:
         print(f"{key:<34} {r['seconds'] * 1e3:>8.1f}ms {tokens / r['seconds']:>10.0f} "
               f"{r['extra_peak_gib']:>9.2f}GiB {diff:>20.2e}")
     for train in ("fwd", "fwd+bwd"):
-        a, b = rows[f"actorcore packed {train}"], rows[f"transformers padded {train}"]
-        if a["seconds"] and b["seconds"]:
-            print(f"{train}: actorcore is {b['seconds'] / a['seconds']:.2f}x faster, uses "
-                  f"{b['extra_peak_gib'] / max(a['extra_peak_gib'], 1e-9):.2f}x less extra memory")
+        a = rows[f"actorcore packed {train}"]
+        for other in ("transformers padded", "transformers packed"):
+            b = rows[f"{other} {train}"]
+            if a["seconds"] and b["seconds"]:
+                print(f"{train}: actorcore is {b['seconds'] / a['seconds']:.2f}x faster than {other}, uses "
+                      f"{b['extra_peak_gib'] / max(a['extra_peak_gib'], 1e-9):.2f}x less extra memory")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: {kk: vv for kk, vv in v.items() if kk != "log_probs"} for k, v in rows.items()}, f,
