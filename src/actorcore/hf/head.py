@@ -70,9 +70,9 @@ def output_layer(model: Any) -> torch.nn.Module:
     return head
 
 
-def check_head_options(temperature: float, entropy: bool) -> float:
+def check_head_options(temperature: float, entropy: bool, trace: Counter | None = None) -> float:
     """The kernels' own option checks, run before the decoder so a bad option costs no forward pass."""
-    check_options(temperature=temperature, entropy=entropy)
+    check_options(temperature=temperature, entropy=entropy, trace=trace)
     return float(temperature)
 
 

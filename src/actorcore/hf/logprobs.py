@@ -45,7 +45,7 @@ def compute_logprobs(model: Any, batch: PackedBatch, temperature: float = 1.0, e
     keyword is a ``TypeError``, never a silently ignored option. ``check_finite=True`` raises
     ``NonFiniteError`` naming the first decoder layer whose output holds NaN or inf (a cheap check per layer).
     """
-    temperature = check_head_options(temperature, entropy)
+    temperature = check_head_options(temperature, entropy, trace)
     spec_for_model(model)
     batch = check_batch(model, batch)
     return call_as_forward(model, lambda: logprobs_inside_forward(

@@ -40,7 +40,7 @@ def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args:
     the detached ``[T]`` log-probs and entropies, equal to ``compute_logprobs``'s. Runs as the model's
     forward (FSDP2 / DDP hooks apply).
     """
-    temperature = check_head_options(temperature, entropy)
+    temperature = check_head_options(temperature, entropy, trace)
     check_loss_fn(loss_fn)
     spec_for_model(model)
     if sp_size(parallel) > 1:

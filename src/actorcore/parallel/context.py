@@ -15,6 +15,17 @@ import torch.distributed as dist
 AXES = ("dp", "sp", "tp", "pp", "ep")
 
 
+def sp_size(parallel: Any) -> int:
+    """The SP size of a call's ``parallel`` argument (None: 1); anything that is not a context is refused here,
+    the one place every route reads it."""
+    if parallel is None:
+        return 1
+    if not hasattr(parallel, "sp_size"):
+        raise ValueError(f"parallel must be an actorcore.ParallelContext or None, got {type(parallel).__name__}; "
+                         "build one with ParallelContext(sp_group=...) or ParallelContext.from_device_mesh(...)")
+    return int(parallel.sp_size)
+
+
 def _size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

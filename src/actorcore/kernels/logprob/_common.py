@@ -27,6 +27,8 @@ import numbers
 
 import torch
 
+from actorcore.kernels.trace import check_trace
+
 logger = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -47,6 +49,7 @@ def check_inputs(
     softcap: float | None,
     chunk_size: int | None = None,
     entropy: bool = True,
+    trace: object = None,
     labels_in_range: bool = True,
 ) -> None:
     """Cheap validation shared by all backends; raises ValueError that says what to fix.
@@ -82,7 +85,7 @@ def check_inputs(
             f"all inputs must be on one device, got hidden {hidden_TD.device}, weight {weight_VD.device}, "
             f"labels {labels_T.device}"
         )
-    check_options(temperature=temperature, softcap=softcap, chunk_size=chunk_size, entropy=entropy)
+    check_options(temperature=temperature, softcap=softcap, chunk_size=chunk_size, entropy=entropy, trace=trace)
     if labels_in_range and labels_T.device.type == "cpu" and labels_T.numel() > 0:
         lo, hi = int(labels_T.min()), int(labels_T.max())
         if lo < 0 or hi >= weight_VD.shape[0]:
@@ -97,7 +100,8 @@ def _positive_finite(x: object) -> bool:
 
 
 def check_options(
-    *, temperature: float = 1.0, softcap: float | None = None, chunk_size: int | None = None, entropy: bool = True
+    *, temperature: float = 1.0, softcap: float | None = None, chunk_size: int | None = None, entropy: bool = True,
+    trace: object = None,
 ) -> None:
     """The scalar options of every head entry point (kernels and routes): refuse what would silently mislead.
 
@@ -111,6 +115,7 @@ def check_options(
         raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
     if not isinstance(entropy, bool):
         raise ValueError(f"entropy must be True or False, got {entropy!r}")
+    check_trace(trace)
 
 
 def _desc(x: object) -> str:

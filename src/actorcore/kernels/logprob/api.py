@@ -89,7 +89,7 @@ def linear_logprob_entropy(
         raise ValueError(f"unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     check_inputs(
         hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size,
-        entropy=entropy,
+        entropy=entropy, trace=trace,
     )
     if backend == "reference":
         add(trace, "logprob:reference")

@@ -74,7 +74,7 @@ def linear_logprob_loss(
         raise ValueError(f"unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     check_inputs(
         hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size,
-        entropy=entropy,
+        entropy=entropy, trace=trace,
     )
     token_args = check_token_args(token_args, labels_T.shape[0], labels_T.device)
     want_grads = torch.is_grad_enabled() and (hidden_TD.requires_grad or weight_VD.requires_grad)
@@ -126,7 +126,13 @@ def _per_token_losses(loss_fn: TokenLoss, logprob_C, entropy_C, args_C) -> torch
     named = [("the log-probs", logprob_C), ("the entropies", entropy_C)]
     named += [(f"token_args[{i}]", a) for i, a in enumerate(args_C)]
     versions = [None if t is None else t._version for _, t in named]
-    loss_C = loss_fn(logprob_C, entropy_C, *args_C)
+    try:
+        loss_C = loss_fn(logprob_C, entropy_C, *args_C)
+    except TypeError as err:
+        if entropy_C is None:
+            raise ValueError(f"loss_fn failed on entropy=None ({err}): with entropy=False it gets None for the "
+                             "entropies; pass entropy=True if the loss uses them") from err
+        raise
     changed = [name for (name, t), v in zip(named, versions) if t is not None and t._version != v]
     if changed:
         raise ValueError(
