@@ -124,24 +124,13 @@ def test_zero_tokens_is_a_clear_error():
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_copy_of_a_verl_patched_model_computes_with_its_own_weights(how):
     """``ref = copy.deepcopy(actor)`` after apply_monkey_patch: the copy's forward must run the copy's weights."""
-    import copy
-    import io
+    from actorcore.testing.copies import copy_model, scale_weights_of_copy_and_twin
 
     seqs = _sequences()
     actor = build_tiny_model("llama", seed=2)
     apply_monkey_patch(actor, use_fused_kernels=True, use_tiled_mlp=True, tiled_mlp_shards=2)
-    if how == "deepcopy":
-        clone = copy.deepcopy(actor)
-    else:
-        buffer = io.BytesIO()
-        torch.save(actor, buffer)
-        buffer.seek(0)
-        clone = torch.load(buffer, weights_only=False)
-    expected = build_tiny_model("llama", seed=2)
-    with torch.no_grad():
-        for p, q in zip(clone.parameters(), expected.parameters()):
-            p.mul_(1.25)
-            q.mul_(1.25)
+    clone = copy_model(actor, how)
+    expected = scale_weights_of_copy_and_twin(clone, lambda: build_tiny_model("llama", seed=2))
     input_ids, position_ids = _rmpad(seqs)
     out = clone(input_ids=input_ids, position_ids=position_ids, temperature=0.7)
     want_lp, want_ent = _hf_next_token(expected, seqs, 0.7)
