@@ -72,7 +72,7 @@ CASES = {
     "values: a causal LM": (lambda: ac.compute_values(MODEL, BATCH), "needs a critic"),
     "values: parallel int": (lambda: ac.compute_values(CRITIC, BATCH, parallel=1), "parallel must be"),
     "values: trace list": (lambda: ac.compute_values(CRITIC, BATCH, trace=[]), "trace must be a collections"),
-    "loss: loss_fn None": (lambda: ac.compute_loss(MODEL, BATCH, None), "loss_fn must be callable"),
+    "loss: loss_fn None": (lambda: ac.compute_loss(MODEL, BATCH, None), "loss_fn must be a callable"),
     "loss: bare tensor token_args": (lambda: ac.compute_loss(MODEL, BATCH, per_token, token_args=torch.zeros(5)),
                                      r"token_args=\(advantages,\)"),
     "loss: short token_args": (lambda: ac.compute_loss(MODEL, BATCH, per_token, token_args=(torch.zeros(4),)),

@@ -174,7 +174,7 @@ def test_non_token_wise_loss_is_refused(backend):
         ("scalar_loss", "one loss per token"),
         ("short_arg", "one row per token"),
         ("arg_requires_grad", "requires grad"),
-        ("not_callable", "must be callable"),
+        ("not_callable", "must be a callable"),
         ("bad_backend", "unknown backend"),
     ],
 )
@@ -221,5 +221,5 @@ def test_bare_tensor_token_args_asks_for_a_tuple():
 
 
 def test_non_callable_loss_fn_is_refused_before_any_other_check():
-    with pytest.raises(ValueError, match="loss_fn must be callable"):
+    with pytest.raises(ValueError, match="loss_fn must be a callable"):
         linear_logprob_loss("not a tensor", None, None, "ppo")

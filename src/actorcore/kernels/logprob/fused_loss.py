@@ -94,7 +94,7 @@ def linear_logprob_loss(
 def check_loss_fn(loss_fn: TokenLoss) -> None:
     """Refuse a ``loss_fn`` that cannot be called, before any work is done."""
     if not callable(loss_fn):
-        raise ValueError(f"loss_fn must be callable (logprob, entropy, *token_args) -> per-token losses, got "
+        raise ValueError(f"loss_fn must be a callable (logprob, entropy, *token_args) -> per-token losses, got "
                          f"{type(loss_fn).__name__}")
 
 
