@@ -223,3 +223,12 @@ def test_bare_tensor_token_args_asks_for_a_tuple():
 def test_non_callable_loss_fn_is_refused_before_any_other_check():
     with pytest.raises(ValueError, match="loss_fn must be a callable"):
         linear_logprob_loss("not a tensor", None, None, "ppo")
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_loss_under_inference_mode_evaluates(backend):
+    hidden_TD, weight_VD, labels_T, token_args = _inputs()
+    with torch.inference_mode():
+        out = linear_logprob_loss(hidden_TD, weight_VD, labels_T, ppo_loss, token_args=token_args, backend=backend)
+    ref = linear_logprob_loss(hidden_TD, weight_VD, labels_T, ppo_loss, token_args=token_args, backend="reference")
+    torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=0)

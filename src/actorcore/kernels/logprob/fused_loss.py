@@ -125,7 +125,8 @@ def _per_token_losses(loss_fn: TokenLoss, logprob_C, entropy_C, args_C) -> torch
     """``loss_fn`` on one chunk; raises if it changed its inputs in place or did not return one loss per token."""
     named = [("the log-probs", logprob_C), ("the entropies", entropy_C)]
     named += [(f"token_args[{i}]", a) for i, a in enumerate(args_C)]
-    versions = [None if t is None else t._version for _, t in named]
+    named = [(name, t) for name, t in named if t is not None and not t.is_inference()]  # those track versions
+    versions = [t._version for _, t in named]
     try:
         loss_C = loss_fn(logprob_C, entropy_C, *args_C)
     except TypeError as err:
@@ -133,7 +134,7 @@ def _per_token_losses(loss_fn: TokenLoss, logprob_C, entropy_C, args_C) -> torch
             raise ValueError(f"loss_fn failed on entropy=None ({err}): with entropy=False it gets None for the "
                              "entropies; pass entropy=True if the loss uses them") from err
         raise
-    changed = [name for (name, t), v in zip(named, versions) if t is not None and t._version != v]
+    changed = [name for (name, t), v in zip(named, versions) if t._version != v]
     if changed:
         raise ValueError(
             f"loss_fn modifies its inputs in place ({', '.join(changed)}): the head reuses them, so the losses "
