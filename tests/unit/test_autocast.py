@@ -60,7 +60,8 @@ def test_linear_logprob_entropy_inside_autocast_matches_fp64(backend):
     hidden_TD, weight_VD, labels_T, coef_T = _inputs()
     h, w = hidden_TD.clone().requires_grad_(), weight_VD.clone().requires_grad_()
     with _autocast():
-        lp, ent = _entropy_fn(backend)(h, w, labels_T, temperature=0.7, chunk_size=16 if backend != "reference" else None)
+        chunk_size = None if backend == "reference" else 16
+        lp, ent = _entropy_fn(backend)(h, w, labels_T, temperature=0.7, chunk_size=chunk_size)
         (lp * coef_T + 0.1 * ent).sum().backward()
     want_lp, want_ent, want_gh, want_gw = _reference(hidden_TD, weight_VD, labels_T, coef_T, 0.7)
     assert lp.dtype == ent.dtype == torch.float32

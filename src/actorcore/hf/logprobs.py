@@ -102,4 +102,5 @@ def compute_values(model: Any, batch: PackedBatch, parallel: Any = None, trace: 
 
 
 def _fp32_values(hidden_TD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    return (torch.nn.functional.linear(hidden_TD.float(), weight.float(), None if bias is None else bias.float())[:, 0],)
+    values_T1 = torch.nn.functional.linear(hidden_TD.float(), weight.float(), None if bias is None else bias.float())
+    return (values_T1[:, 0],)
