@@ -83,7 +83,7 @@ def check_inputs(
     if hidden_TD.device != weight_VD.device or labels_T.device != hidden_TD.device:
         raise ValueError(
             f"all inputs must be on one device, got hidden {hidden_TD.device}, weight {weight_VD.device}, "
-            f"labels {labels_T.device}"
+            f"labels {labels_T.device}; move them to the weight's device (e.g. hidden_TD.to(weight_VD.device))"
         )
     check_options(temperature=temperature, softcap=softcap, chunk_size=chunk_size, entropy=entropy, trace=trace)
     if labels_in_range and labels_T.device.type == "cpu" and labels_T.numel() > 0:
