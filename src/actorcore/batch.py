@@ -200,6 +200,8 @@ def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed
 
 def unpack(values_T: torch.Tensor, batch: PackedBatch, padding_value: float = 0.0) -> torch.Tensor:
     """Per-token values ``[T, ...]`` -> right-padded ``[B, S_max, ...]`` (padding tokens dropped)."""
+    if not isinstance(batch, PackedBatch):
+        raise ValueError(f"unpack() takes the PackedBatch the values were computed on, got {type(batch).__name__}")
     if not isinstance(values_T, torch.Tensor) or values_T.dim() == 0:
         raise ValueError(f"unpack() takes per-token values [T, ...] (e.g. out.log_probs), got "
                          f"{'a 0-d tensor' if isinstance(values_T, torch.Tensor) else type(values_T).__name__}")

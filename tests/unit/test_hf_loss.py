@@ -78,6 +78,12 @@ def test_compute_loss_refusals():
         ac.compute_loss(model, batch, lambda lp, ent: lp.sum())
     with pytest.raises(ValueError, match="not token-wise"):
         ac.compute_loss(model, batch, lambda lp, ent: lp - lp.mean())
+    with pytest.raises(ValueError, match="does not depend on the log-probs or entropies with gradient"):
+        ac.compute_loss(model, batch, lambda lp, ent: lp.detach() * 2)
+    with pytest.raises(ValueError, match="modifies its inputs in place"):
+        ac.compute_loss(model, batch, lambda lp, ent, adv: lp.mul_(adv), token_args=args[:1])
+    with pytest.raises(ValueError, match=r"token_args=\(advantages,\)"):
+        ac.compute_loss(model, batch, ppo, token_args=args[0])
     with pytest.raises(ValueError, match="sequence parallelism"):
         ac.compute_loss(model, batch, ppo, token_args=args, parallel=_FakeSP())
 

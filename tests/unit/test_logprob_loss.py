@@ -127,14 +127,38 @@ def test_frozen_weight_and_no_grad():
     torch.testing.assert_close(out2.loss, out.loss.detach(), atol=0, rtol=0)
 
 
-def test_loss_without_logit_dependence_gives_zero_grads():
+NO_GRAD_PATH_LOSSES = {
+    "detached": lambda lp, ent: lp.detach() * 2.0,
+    "constant": lambda lp, ent: torch.ones_like(lp),
+    "from_a_copy": lambda lp, ent: torch.tensor(lp.tolist()) - ent.detach(),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("name", sorted(NO_GRAD_PATH_LOSSES))
+def test_loss_without_a_gradient_path_is_refused(backend, name):
+    """Plain autograd raises on such a loss's backward; the fused head must not train with zero gradients."""
     hidden_TD, weight_VD, labels_T, _ = _inputs()
     h = hidden_TD.clone().requires_grad_()
-    w = weight_VD.clone().requires_grad_()
-    out = linear_logprob_loss(h, w, labels_T, lambda lp, ent: torch.ones_like(lp), backend="torch")
-    out.loss.backward()
-    assert out.loss.item() == hidden_TD.shape[0]
-    assert torch.equal(h.grad, torch.zeros_like(h)) and torch.equal(w.grad, torch.zeros_like(w))
+    with pytest.raises(ValueError, match="does not depend on the log-probs or entropies with gradient"):
+        linear_logprob_loss(h, weight_VD, labels_T, NO_GRAD_PATH_LOSSES[name], backend=backend)
+    with torch.no_grad():  # evaluating such a loss is fine
+        out = linear_logprob_loss(h, weight_VD, labels_T, NO_GRAD_PATH_LOSSES[name], backend=backend)
+    assert not out.loss.requires_grad
+
+
+def test_loss_with_a_gradient_path_in_some_chunks_only_trains():
+    """Like plain autograd: chunks whose losses are constants contribute zero gradient, the others theirs."""
+    hidden_TD, weight_VD, labels_T, _ = _inputs()
+    first_half = (torch.arange(hidden_TD.shape[0]) < 16).float()
+
+    def loss_fn(lp, ent, keep):
+        return lp * keep if bool(keep.any()) else torch.zeros_like(lp)
+
+    h = hidden_TD.clone().requires_grad_()
+    linear_logprob_loss(h, weight_VD, labels_T, loss_fn, token_args=(first_half,), backend="torch",
+                        chunk_size=16).loss.backward()
+    assert h.grad[:16].abs().sum() > 0 and torch.equal(h.grad[16:], torch.zeros_like(h.grad[16:]))
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])
@@ -150,7 +174,7 @@ def test_non_token_wise_loss_is_refused(backend):
         ("scalar_loss", "one loss per token"),
         ("short_arg", "one row per token"),
         ("arg_requires_grad", "requires grad"),
-        ("not_callable", "must be callable"),
+        ("not_callable", "must be a callable"),
         ("bad_backend", "unknown backend"),
     ],
 )
@@ -169,3 +193,42 @@ def test_bad_input_raises_clear_error(case, match):
         kw["backend"] = "cuda"
     with pytest.raises(ValueError, match=match):
         linear_logprob_loss(hidden_TD, weight_VD, labels_T, loss_fn, **kw)
+
+
+IN_PLACE_LOSSES = {
+    "logprob.mul_": (lambda lp, ent, adv: lp.mul_(adv), "the log-probs"),
+    "entropy.clamp_": (lambda lp, ent, adv: lp - ent.clamp_(max=1.0), "the entropies"),
+    "writes into token_args": (lambda lp, ent, adv: lp * adv.mul_(2.0), "token_args\\[0\\]"),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("name", sorted(IN_PLACE_LOSSES))
+def test_in_place_loss_is_diagnosed_as_such_and_leaves_the_callers_tensors(backend, name):
+    hidden_TD, weight_VD, labels_T, (advantages_T, *_) = _inputs()
+    loss_fn, what = IN_PLACE_LOSSES[name]
+    before = advantages_T.clone()
+    with pytest.raises(ValueError, match=f"modifies its inputs in place \\({what}\\)"):
+        linear_logprob_loss(hidden_TD.requires_grad_(), weight_VD, labels_T, loss_fn, token_args=(advantages_T,),
+                            backend=backend)
+    assert torch.equal(advantages_T, before)
+
+
+def test_bare_tensor_token_args_asks_for_a_tuple():
+    hidden_TD, weight_VD, labels_T, (advantages_T, *_) = _inputs()
+    with pytest.raises(ValueError, match=r"got a bare tensor; .*token_args=\(advantages,\)"):
+        linear_logprob_loss(hidden_TD, weight_VD, labels_T, lambda lp, ent, a: lp * a, token_args=advantages_T)
+
+
+def test_non_callable_loss_fn_is_refused_before_any_other_check():
+    with pytest.raises(ValueError, match="loss_fn must be a callable"):
+        linear_logprob_loss("not a tensor", None, None, "ppo")
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_loss_under_inference_mode_evaluates(backend):
+    hidden_TD, weight_VD, labels_T, token_args = _inputs()
+    with torch.inference_mode():
+        out = linear_logprob_loss(hidden_TD, weight_VD, labels_T, ppo_loss, token_args=token_args, backend=backend)
+    ref = linear_logprob_loss(hidden_TD, weight_VD, labels_T, ppo_loss, token_args=token_args, backend="reference")
+    torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=0)

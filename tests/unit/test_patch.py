@@ -139,24 +139,13 @@ def test_nothing_happens_on_import():
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_copy_of_a_patched_model_computes_with_its_own_weights(how):
     """``ref = copy.deepcopy(actor)`` is routine in RL: the copy must run its own weights, not the original's."""
-    import copy
-    import io
+    from actorcore.testing.copies import copy_model, scale_weights_of_copy_and_twin
 
     batch = _batch()
     actor = build_tiny_model("llama", seed=2)
     ac.patch_model(actor, tiled_mlp_shards=2)
-    if how == "deepcopy":
-        clone = copy.deepcopy(actor)
-    else:
-        buffer = io.BytesIO()
-        torch.save(actor, buffer)
-        buffer.seek(0)
-        clone = torch.load(buffer, weights_only=False)
-    expected = build_tiny_model("llama", seed=2)
-    with torch.no_grad():
-        for p, q in zip(clone.parameters(), expected.parameters()):
-            p.mul_(1.25)
-            q.mul_(1.25)
+    clone = copy_model(actor, how)
+    expected = scale_weights_of_copy_and_twin(clone, lambda: build_tiny_model("llama", seed=2))
     out = ac.compute_logprobs(clone, batch)
     want = ac.compute_logprobs(expected, batch)
     assert (out.log_probs - want.log_probs).abs().max().item() <= TOL["packed_vs_hf_fp32"]

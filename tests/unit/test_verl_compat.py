@@ -111,3 +111,53 @@ def test_refusals():
         model(input_ids=ids.reshape(2, -1), position_ids=pos.reshape(2, -1))
     with pytest.raises(ValueError, match="already patched"):
         apply_monkey_patch(model, use_fused_kernels=True)
+
+
+def test_zero_tokens_is_a_clear_error():
+    model = build_tiny_model("llama")
+    apply_monkey_patch(model, use_fused_kernels=True)
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"no tokens \(shape \(1, 0\)\).*drop empty micro-batches"):
+        model(input_ids=empty, position_ids=empty)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copy_of_a_verl_patched_model_computes_with_its_own_weights(how):
+    """``ref = copy.deepcopy(actor)`` after apply_monkey_patch: the copy's forward must run the copy's weights."""
+    from actorcore.testing.copies import copy_model, scale_weights_of_copy_and_twin
+
+    seqs = _sequences()
+    actor = build_tiny_model("llama", seed=2)
+    apply_monkey_patch(actor, use_fused_kernels=True, use_tiled_mlp=True, tiled_mlp_shards=2)
+    clone = copy_model(actor, how)
+    expected = scale_weights_of_copy_and_twin(clone, lambda: build_tiny_model("llama", seed=2))
+    input_ids, position_ids = _rmpad(seqs)
+    out = clone(input_ids=input_ids, position_ids=position_ids, temperature=0.7)
+    want_lp, want_ent = _hf_next_token(expected, seqs, 0.7)
+    assert (out.log_probs[0] - want_lp).abs().max().item() <= TOL["packed_vs_hf_fp32"]
+    assert (out.entropy[0] - want_ent).abs().max().item() <= TOL["packed_vs_hf_fp32"]
+    assert [layer.mlp.forward.calls for layer in clone.model.layers] == [1, 1], "the copy runs its tiled MLP"
+    out.log_probs.sum().backward()
+    assert all(p.grad is None for p in actor.parameters()), "gradient reached the original's weights"
+    assert all(p.grad is not None for p in clone.model.layers[0].mlp.parameters())
+
+
+def test_parallel_context_is_shared_by_copies_and_refuses_pickling_with_groups():
+    import subprocess
+    import sys
+
+    code = (
+        "import copy, pickle, torch.distributed as dist\n"
+        "from actorcore.parallel import ParallelContext\n"
+        "assert pickle.loads(pickle.dumps(ParallelContext())).sp_size == 1\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "ctx = ParallelContext(sp_group=dist.group.WORLD)\n"
+        "assert copy.deepcopy(ctx) is ctx and copy.copy(ctx) is ctx\n"
+        "try:\n"
+        "    pickle.dumps(ctx)\n"
+        "    raise SystemExit('pickled a context with groups')\n"
+        "except pickle.PicklingError as err:\n"
+        "    assert 'sp_group' in str(err) and 'state_dict' in str(err), err\n"
+        "dist.destroy_process_group()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

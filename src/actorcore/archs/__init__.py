@@ -131,8 +131,13 @@ def check_config(spec: ArchSpec, config: Any) -> None:
 
 
 def spec_for_model(model: Any) -> ArchSpec:
-    """The spec of a model instance (by ``model.config.model_type``), checked against its config."""
-    config = model.config
+    """The spec of a model instance (by ``model.config.model_type``), checked against its config.
+
+    Every route reads the model through here first, so a value that is not a model is refused here."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"model must be a Hugging Face transformers model (a PreTrainedModel with a .config), got "
+                         f"{type(model).__name__}; load it with e.g. AutoModelForCausalLM.from_pretrained(...)")
     spec = get_spec(getattr(config, "model_type", None) or type(config).__name__)
     check_config(spec, config)
     return spec

@@ -15,10 +15,13 @@ Contract of the patched forward (verl's remove-padding layout):
   last token of each sequence (which predicts nothing in its own sequence). ``temperature`` divides the logits.
 - ``use_fused_kernels=False``: the output has ``logits`` ``(1, total_nnz, vocab)`` from the packed decoder
   (temperature is left to the caller, as in verl).
+- Zero tokens (``input_ids`` of shape ``(1, 0)``) is a ``ValueError``, not an empty output: verl never runs an
+  empty micro-batch, and a rank that skipped the decoder would leave the other ranks' FSDP collectives waiting.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +37,9 @@ logger = logging.getLogger(__name__)
 FUSED_KERNELS_BACKENDS = (None, "torch", "triton")
 
 
+@functools.cache
 def _output_class():
+    """Made once (it imports transformers, which ``import actorcore.compat.verl`` must not)."""
     from transformers.utils import ModelOutput
 
     @dataclass
@@ -51,8 +56,12 @@ def _output_class():
 
 def batch_from_position_ids(input_ids: torch.Tensor, position_ids: torch.Tensor) -> PackedBatch:
     """``(1, total_nnz)`` ids and positions -> PackedBatch, sequences split where positions restart."""
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must be (1, total_nnz) (verl's remove-padding layout), got {tuple(input_ids.shape)}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be (1, total_nnz) (verl's remove-padding layout), got {got}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids holds no tokens (shape (1, 0)): verl never runs an empty micro-batch (every "
+                         "sequence holds at least its prompt); drop empty micro-batches before the forward")
     if position_ids is None:
         raise ValueError("position_ids are required: sequence boundaries are read from where they restart")
     if position_ids.dim() != 2 or position_ids.shape != input_ids.shape:
@@ -122,15 +131,23 @@ def apply_monkey_patch(model: torch.nn.Module, ulysses_sp_size: int = 1, use_rem
     return handle
 
 
-def _install_forward(handle: PatchHandle, model: torch.nn.Module, ctx: Any, fused: bool) -> None:
-    had_own = "forward" in model.__dict__
-    previous = model.__dict__.get("forward")
-    output_class = _output_class()
+class VerlForward:
+    """The instance ``forward`` installed by ``apply_monkey_patch``: verl's packed forward (module docstring).
 
-    def forward(input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, temperature: float = 1.0, labels: Any = None,
-                **unused: Any):
-        """Packed forward (see ``actorcore.compat.verl``); runs inside ``model(...)`` so FSDP hooks apply."""
+    An object holding its model (not a closure over it), so ``copy.deepcopy`` / ``torch.save`` of the model give
+    a copy whose forward runs the copy's weights. ``parallel`` is shared by copies (a ``ParallelContext`` holds
+    process-wide groups; pickling one with groups is refused).
+    """
+
+    def __init__(self, model: torch.nn.Module, parallel: ParallelContext | None, fused: bool) -> None:
+        self.model = model
+        self.parallel = parallel
+        self.fused = fused
+
+    def __call__(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, temperature: float = 1.0, labels: Any = None,
+                 **unused: Any):
+        """Packed forward; runs inside ``model(...)`` so FSDP hooks apply."""
         from actorcore.hf.logprobs import logprobs_inside_forward
 
         if attention_mask is not None:
@@ -142,11 +159,18 @@ def _install_forward(handle: PatchHandle, model: torch.nn.Module, ctx: Any, fuse
             if unused.get(key) is not None:
                 raise ValueError(f"{key} is not supported by actorcore's verl entry point")
         batch = batch_from_position_ids(input_ids, position_ids)
-        if fused:
-            out = logprobs_inside_forward(model, batch, temperature=temperature, entropy=True, parallel=ctx)
+        output_class = _output_class()
+        if self.fused:
+            out = logprobs_inside_forward(self.model, batch, temperature=temperature, entropy=True,
+                                          parallel=self.parallel)
             return output_class(log_probs=to_predicting_position(out.log_probs, batch)[None],
                                 entropy=to_predicting_position(out.entropy, batch)[None])
-        return output_class(logits=_packed_logits(model, batch, ctx)[None])
+        return output_class(logits=_packed_logits(self.model, batch, self.parallel)[None])
+
+
+def _install_forward(handle: PatchHandle, model: torch.nn.Module, ctx: Any, fused: bool) -> None:
+    had_own = "forward" in model.__dict__
+    previous = model.__dict__.get("forward")
 
     def restore() -> None:
         if had_own:
@@ -155,7 +179,7 @@ def _install_forward(handle: PatchHandle, model: torch.nn.Module, ctx: Any, fuse
             model.__dict__.pop("forward", None)
 
     handle.add_undo(restore)
-    model.__dict__["forward"] = forward
+    model.__dict__["forward"] = VerlForward(model, ctx, fused)
 
 
 def _packed_logits(model: torch.nn.Module, batch: PackedBatch, ctx: Any) -> torch.Tensor:

@@ -33,6 +33,8 @@ from actorcore.hf.attention import (
 )
 from actorcore.hf.patch import require_sequence_parallel_patch
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
+from actorcore.kernels.trace import check_trace
+from actorcore.parallel import sp_size
 
 ATTENTION_TRACE_KEYS = (trace_key(PACKED_ATTENTION), trace_key(ULYSSES_ATTENTION))
 
@@ -74,10 +76,6 @@ def finite_checks(embeddings: torch.nn.Module, layers: Any, enabled: bool) -> An
     finally:
         for handle in handles:
             handle.remove()
-
-
-def sp_size(parallel: Any) -> int:
-    return 1 if parallel is None else int(parallel.sp_size)
 
 
 def check_batch(model: Any, batch: PackedBatch) -> PackedBatch:
@@ -126,7 +124,7 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     configs = attention_configs(layers, spec.attention)
     work, input_ids, position_ids = _decoder_inputs(batch, parallel)
     switch = _attention_switch(model, decoder, configs, parallel)
-    trace = Counter() if trace is None else trace
+    trace = Counter() if check_trace(trace) is None else trace
     cu = work.cu_seqlens
     kwargs: dict[str, Any] = dict(
         input_ids=input_ids.unsqueeze(0),

@@ -20,7 +20,7 @@ import torch
 from actorcore.archs import ArchSpec, UnsupportedArchitectureError, text_config
 from actorcore.batch import PackedBatch, shift_to_scored_token, unpad
 from actorcore.hf.decoder import call_as_forward
-from actorcore.kernels.logprob import LossOutput, linear_logprob_entropy, linear_logprob_loss
+from actorcore.kernels.logprob import LossOutput, check_options, linear_logprob_entropy, linear_logprob_loss
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,9 @@ def output_layer(model: Any) -> torch.nn.Module:
     return head
 
 
-def check_temperature(temperature: float) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+def check_head_options(temperature: float, entropy: bool, trace: Counter | None = None) -> float:
+    """The kernels' own option checks, run before the decoder so a bad option costs no forward pass."""
+    check_options(temperature=temperature, entropy=entropy, trace=trace)
     return float(temperature)
 
 

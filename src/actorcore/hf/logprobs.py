@@ -22,7 +22,8 @@ import torch
 from actorcore.archs import spec_for_model
 from actorcore.batch import PackedBatch, next_token_labels, shard_for_sp, unpad
 from actorcore.hf.decoder import call_as_forward, check_batch, run_decoder, sp_size
-from actorcore.hf.head import check_temperature, to_scored_tokens, token_logprobs
+from actorcore.hf.head import check_head_options, to_scored_tokens, token_logprobs
+from actorcore.kernels.precision import without_autocast
 from actorcore.outputs import LogProbOutput
 
 
@@ -44,7 +45,7 @@ def compute_logprobs(model: Any, batch: PackedBatch, temperature: float = 1.0, e
     keyword is a ``TypeError``, never a silently ignored option. ``check_finite=True`` raises
     ``NonFiniteError`` naming the first decoder layer whose output holds NaN or inf (a cheap check per layer).
     """
-    temperature = check_temperature(temperature)
+    temperature = check_head_options(temperature, entropy, trace)
     spec_for_model(model)
     batch = check_batch(model, batch)
     return call_as_forward(model, lambda: logprobs_inside_forward(
@@ -73,7 +74,7 @@ def compute_values(model: Any, batch: PackedBatch, parallel: Any = None, trace: 
     """Per-token values ``[T]`` (float32) from a 1-label ``...ForTokenClassification`` critic.
 
     ``values[t]`` is the critic's output at token ``t`` itself (no shift), as the HF model computes it; the
-    head runs in float32.
+    head runs in float32 (also inside a caller's ``torch.autocast`` region).
     """
     spec = spec_for_model(model)
     batch = check_batch(model, batch)
@@ -91,9 +92,15 @@ def compute_values(model: Any, batch: PackedBatch, parallel: Any = None, trace: 
             hidden_TD = dropout(hidden_TD)
 
         def value_head() -> torch.Tensor:
-            bias = head.bias.float() if head.bias is not None else None
-            return torch.nn.functional.linear(hidden_TD.float(), head.weight.float(), bias)[:, 0]
+            # fp32 as promised, also inside a caller's autocast region (forward and backward)
+            params = (head.weight,) if head.bias is None else (head.weight, head.bias)
+            return without_autocast(_fp32_values, hidden_TD, *params)[0]
 
         return unpad(gather_sp(call_as_forward(head, value_head), parallel), work)
 
     return call_as_forward(model, values_inside_forward)
+
+
+def _fp32_values(hidden_TD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    values_T1 = torch.nn.functional.linear(hidden_TD.float(), weight.float(), None if bias is None else bias.float())
+    return (values_T1[:, 0],)

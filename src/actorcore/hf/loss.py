@@ -24,9 +24,9 @@ import torch
 from actorcore.archs import spec_for_model
 from actorcore.batch import PackedBatch, next_token_labels
 from actorcore.hf.decoder import call_as_forward, check_batch, run_decoder, sp_size
-from actorcore.hf.head import check_temperature, to_scored_tokens, token_loss
+from actorcore.hf.head import check_head_options, to_scored_tokens, token_loss
 from actorcore.kernels.logprob import LossOutput
-from actorcore.kernels.logprob.fused_loss import TokenLoss, check_token_args
+from actorcore.kernels.logprob.fused_loss import TokenLoss, check_loss_fn, check_token_args
 
 
 def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args: Sequence[torch.Tensor] = (),
@@ -40,10 +40,8 @@ def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args:
     the detached ``[T]`` log-probs and entropies, equal to ``compute_logprobs``'s. Runs as the model's
     forward (FSDP2 / DDP hooks apply).
     """
-    temperature = check_temperature(temperature)
-    if not callable(loss_fn):
-        raise ValueError(f"loss_fn must be a callable (log_probs, entropy, *token_args) -> per-token losses, got "
-                         f"{type(loss_fn).__name__}")
+    temperature = check_head_options(temperature, entropy, trace)
+    check_loss_fn(loss_fn)
     spec_for_model(model)
     if sp_size(parallel) > 1:
         raise ValueError(

@@ -26,6 +26,7 @@ from actorcore.archs import spec_for_model, submodule
 from actorcore.hf.attention import attention_configs, current_implementations, register_attention, swap_attention_implementation
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION, PatchNotAppliedError, ulysses_attention_forward
 from actorcore.kernels.tiled_mlp import tiled_mlp
+from actorcore.parallel import sp_size
 from actorcore.parallel.ulysses import check_heads
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class PatchHandle:
 
     @property
     def sp_size(self) -> int:
-        return 1 if self.parallel is None else int(self.parallel.sp_size)
+        return sp_size(self.parallel)
 
     def add_undo(self, undo: Callable[[], None]) -> None:
         """Register one more restore step (for wrappers such as ``compat.verl`` that change more)."""
@@ -156,8 +157,7 @@ def _head_counts(attention_modules: list[torch.nn.Module]) -> tuple[int, int]:
 
 
 def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None) -> None:
-    if parallel is not None and not hasattr(parallel, "sp_size"):
-        raise ValueError(f"parallel must be an actorcore.ParallelContext, got {type(parallel).__name__}")
+    sp_size(parallel)
     if tiled_mlp_shards is not None:
         if isinstance(tiled_mlp_shards, bool) or not isinstance(tiled_mlp_shards, int) or tiled_mlp_shards < 1:
             raise ValueError(f"tiled_mlp_shards must be a positive int or None, got {tiled_mlp_shards!r}")
@@ -175,10 +175,10 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     Raises ``ValueError`` for an instance already patched, a model whose heads cannot split over the SP size
     (naming the valid sizes), tiled MLP on an MoE model, or a config object shared with another patched model.
     """
+    spec = spec_for_model(model)
     if is_patched(model):
         raise ValueError(f"{type(model).__name__} is already patched by actorcore (patching twice would stack); "
                          "call handle.revert() first to patch it differently")
-    spec = spec_for_model(model)
     _check_request(spec, parallel, tiled_mlp_shards)
     decoder = submodule(model, spec.decoder)
     layers = list(submodule(decoder, spec.layers))

@@ -10,6 +10,8 @@ config field the arch spec does not cover, or an attention / position difference
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,13 +110,16 @@ def verify(model: Any, batch: PackedBatch, *, temperature: float = 1.0, toleranc
     """
     import actorcore as ac
     from actorcore.archs import spec_for_model
+    from actorcore.hf.decoder import check_batch
+    from actorcore.hf.head import check_head_options
     from actorcore.hf.reference import reference_logprobs_per_sequence
 
-    if not isinstance(batch, PackedBatch):
-        raise ValueError(f"verify takes a PackedBatch (actorcore.pack / pack_padded), got {type(batch).__name__}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
     spec = spec_for_model(model)
+    batch = check_batch(model, batch)
+    temperature = check_head_options(temperature, True)
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real)
+                                  or not 0 <= tolerance < math.inf):
+        raise ValueError(f"tolerance must be None (the table's, by dtype) or a finite number >= 0, got {tolerance!r}")
     dtype = model.get_input_embeddings().weight.dtype
     tolerance = default_tolerance(dtype) if tolerance is None else float(tolerance)
     was_training = model.training

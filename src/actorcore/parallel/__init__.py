@@ -1,5 +1,5 @@
 """Parallel state (``ParallelContext``), the one module that issues collectives, and Ulysses ops."""
 
-from actorcore.parallel.context import ParallelContext
+from actorcore.parallel.context import ParallelContext, sp_size
 
-__all__ = ["ParallelContext"]
+__all__ = ["ParallelContext", "sp_size"]

@@ -6,12 +6,24 @@ context (or a group) as an argument. Sizes and ranks are read once, at construct
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 AXES = ("dp", "sp", "tp", "pp", "ep")
+
+
+def sp_size(parallel: Any) -> int:
+    """The SP size of a call's ``parallel`` argument (None: 1); anything that is not a context is refused here,
+    the one place every route reads it."""
+    if parallel is None:
+        return 1
+    if not hasattr(parallel, "sp_size"):
+        raise ValueError(f"parallel must be an actorcore.ParallelContext or None, got {type(parallel).__name__}; "
+                         "build one with ParallelContext(sp_group=...) or ParallelContext.from_device_mesh(...)")
+    return int(parallel.sp_size)
 
 
 def _size(group: Any) -> int:
@@ -50,6 +62,23 @@ class ParallelContext:
             if self._ranks[axis] < 0:
                 raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the {axis} "
                                  "group it was given; pass the group this rank belongs to")
+
+    # A context is frozen and its groups are process-wide: copies of an object holding one (a deep-copied model)
+    # share it. Groups cannot leave their process, so pickling a context that has any is refused.
+    def __copy__(self) -> "ParallelContext":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "ParallelContext":
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        held = [axis for axis in AXES if getattr(self, f"{axis}_group") is not None]
+        if held:
+            raise pickle.PicklingError(
+                f"a ParallelContext with process groups ({', '.join(f'{a}_group' for a in held)}) cannot be pickled: "
+                "groups belong to the process that made them. Save the model's state_dict instead, or revert the "
+                "patch that stored the context on the model (handle.revert()) before torch.save")
+        return dict(self.__dict__)
 
     @classmethod
     def from_device_mesh(cls, mesh: Any, **axis_names: str | None) -> "ParallelContext":

@@ -8,7 +8,7 @@ token-wise loss of the two and, on the Triton path, forms its gradient during th
 package imports torch only.
 """
 
-from actorcore.kernels.logprob._common import merge_partial_stats
+from actorcore.kernels.logprob._common import check_options, merge_partial_stats
 from actorcore.kernels.logprob.api import BACKENDS, linear_logprob_entropy
 from actorcore.kernels.logprob.fused_loss import LossOutput, linear_logprob_loss
 from actorcore.kernels.logprob.reference import linear_logprob_entropy_reference
@@ -16,6 +16,7 @@ from actorcore.kernels.logprob.vocab_shard import linear_logprob_entropy_vocab_s
 
 __all__ = [
     "BACKENDS",
+    "check_options",
     "LossOutput",
     "linear_logprob_entropy",
     "linear_logprob_loss",

@@ -22,8 +22,12 @@ Keeping (z - m) inside ``a`` avoids the cancellation of ``lse - sum p z`` for la
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 
 import torch
+
+from actorcore.kernels.trace import check_trace
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ def check_inputs(
     temperature: float,
     softcap: float | None,
     chunk_size: int | None = None,
+    entropy: bool = True,
+    trace: object = None,
     labels_in_range: bool = True,
 ) -> None:
     """Cheap validation shared by all backends; raises ValueError that says what to fix.
@@ -77,14 +83,9 @@ def check_inputs(
     if hidden_TD.device != weight_VD.device or labels_T.device != hidden_TD.device:
         raise ValueError(
             f"all inputs must be on one device, got hidden {hidden_TD.device}, weight {weight_VD.device}, "
-            f"labels {labels_T.device}"
+            f"labels {labels_T.device}; move them to the weight's device (e.g. hidden_TD.to(weight_VD.device))"
         )
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap must be None or a positive number, got {softcap!r}")
-    if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
-        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    check_options(temperature=temperature, softcap=softcap, chunk_size=chunk_size, entropy=entropy, trace=trace)
     if labels_in_range and labels_T.device.type == "cpu" and labels_T.numel() > 0:
         lo, hi = int(labels_T.min()), int(labels_T.max())
         if lo < 0 or hi >= weight_VD.shape[0]:
@@ -92,6 +93,29 @@ def check_inputs(
                 f"labels_T must lie in [0, {weight_VD.shape[0]}), got min {lo} max {hi}; "
                 "mask ignored positions (e.g. -100) before calling"
             )
+
+
+def _positive_finite(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def check_options(
+    *, temperature: float = 1.0, softcap: float | None = None, chunk_size: int | None = None, entropy: bool = True,
+    trace: object = None,
+) -> None:
+    """The scalar options of every head entry point (kernels and routes): refuse what would silently mislead.
+
+    ``True`` is not a temperature, ``"yes"`` not a flag, NaN / inf / 0 not a scale.
+    """
+    if not _positive_finite(temperature):
+        raise ValueError(f"temperature must be a finite positive number (e.g. 1.0), got {temperature!r}")
+    if softcap is not None and not _positive_finite(softcap):
+        raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    if not isinstance(entropy, bool):
+        raise ValueError(f"entropy must be True or False, got {entropy!r}")
+    check_trace(trace)
 
 
 def _desc(x: object) -> str:

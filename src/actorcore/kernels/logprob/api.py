@@ -88,7 +88,8 @@ def linear_logprob_entropy(
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     check_inputs(
-        hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size
+        hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size,
+        entropy=entropy, trace=trace,
     )
     if backend == "reference":
         add(trace, "logprob:reference")

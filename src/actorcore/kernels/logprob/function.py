@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from actorcore.kernels.logprob._common import finish_stats
+from actorcore.kernels.precision import autocast_disabled
 
 Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
 # (m, s, a or None, zy) of this rank's vocabulary -> the same statistics of the whole vocabulary
@@ -74,19 +75,14 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TD, weight_VD, labels_T, engine, temperature, softcap, entropy, chunk_size,
                 reduce_stats, trace):
-        stats = engine.forward_stats(
-            hidden_TD,
-            weight_VD,
-            labels_T,
-            temperature=temperature,
-            softcap=softcap,
-            entropy=entropy,
-            chunk_size=chunk_size,
-            trace=trace,
-        )
-        if reduce_stats is not None:
-            stats = reduce_stats(stats)
-        lse_T, logprob_T, ent_T = finish_stats(*stats)
+        with autocast_disabled(hidden_TD.device):  # fp32 logits also inside a caller's autocast region
+            stats = engine.forward_stats(
+                hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, entropy=entropy,
+                chunk_size=chunk_size, trace=trace,
+            )
+            if reduce_stats is not None:
+                stats = reduce_stats(stats)
+            lse_T, logprob_T, ent_T = finish_stats(*stats)
         ctx.set_materialize_grads(False)
         ctx.engine = engine
         ctx.trace = trace
@@ -112,19 +108,12 @@ class LinearLogprobEntropyFunction(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprob_T is None and grad_ent_T is None) or not (need_h or need_w):
             return no_grads
-        grad_h, grad_w = ctx.engine.backward(
-            hidden_TD,
-            weight_VD,
-            labels_T,
-            lse_T,
-            ent_T,
-            None if grad_logprob_T is None else grad_logprob_T.to(lse_T.dtype).contiguous(),
-            None if grad_ent_T is None else grad_ent_T.to(lse_T.dtype).contiguous(),
-            temperature=ctx.temperature,
-            softcap=ctx.softcap,
-            chunk_size=ctx.chunk_size,
-            need_hidden=need_h,
-            need_weight=need_w,
-            trace=ctx.trace,
-        )
+        with autocast_disabled(hidden_TD.device):  # a backward may run inside the caller's region too
+            grad_h, grad_w = ctx.engine.backward(
+                hidden_TD, weight_VD, labels_T, lse_T, ent_T,
+                None if grad_logprob_T is None else grad_logprob_T.to(lse_T.dtype).contiguous(),
+                None if grad_ent_T is None else grad_ent_T.to(lse_T.dtype).contiguous(),
+                temperature=ctx.temperature, softcap=ctx.softcap, chunk_size=ctx.chunk_size,
+                need_hidden=need_h, need_weight=need_w, trace=ctx.trace,
+            )
         return (grad_h, grad_w) + no_grads[2:]

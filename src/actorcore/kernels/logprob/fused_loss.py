@@ -32,6 +32,7 @@ from actorcore.kernels.logprob._common import check_inputs, compute_dtype, finis
 from actorcore.kernels.logprob.api import BACKENDS, select_engine
 from actorcore.kernels.logprob.chunked import default_chunk_rows
 from actorcore.kernels.logprob.reference import linear_logprob_entropy_reference
+from actorcore.kernels.precision import autocast_disabled
 from actorcore.kernels.trace import add
 
 TokenLoss = Callable[..., torch.Tensor]
@@ -68,19 +69,20 @@ def linear_logprob_loss(
     per-token losses. ``token_args`` are constants: no gradient flows to them. Backend selection and
     numerics are those of ``linear_logprob_entropy``; ``trace`` counts what ran (keys in ``actorcore.kernels``).
     """
+    check_loss_fn(loss_fn)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     check_inputs(
-        hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size
+        hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size,
+        entropy=entropy, trace=trace,
     )
     token_args = check_token_args(token_args, labels_T.shape[0], labels_T.device)
-    if not callable(loss_fn):
-        raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    want_grads = torch.is_grad_enabled() and (hidden_TD.requires_grad or weight_VD.requires_grad)
     if backend == "reference":
         add(trace, "logprob:reference")
-        return _composed(hidden_TD, weight_VD, labels_T, loss_fn, token_args, temperature, entropy, softcap)
+        return _composed(hidden_TD, weight_VD, labels_T, loss_fn, token_args, temperature, entropy, softcap,
+                         want_grads)
     engine = select_engine(backend, hidden_TD)
-    want_grads = torch.is_grad_enabled() and (hidden_TD.requires_grad or weight_VD.requires_grad)
     token_loss = _ChunkedTokenLoss(loss_fn, token_args, want_grads)
     loss, logprob_T, ent_T = _FusedLossFunction.apply(
         hidden_TD, weight_VD, labels_T, engine, token_loss, float(temperature),
@@ -89,10 +91,21 @@ def linear_logprob_loss(
     return LossOutput(loss, logprob_T, ent_T)
 
 
+def check_loss_fn(loss_fn: TokenLoss) -> None:
+    """Refuse a ``loss_fn`` that cannot be called, before any work is done."""
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable (logprob, entropy, *token_args) -> per-token losses, got "
+                         f"{type(loss_fn).__name__}")
+
+
 def check_token_args(
     token_args: Sequence[torch.Tensor], n_tok: int, device: torch.device | None
 ) -> tuple[torch.Tensor, ...]:
-    """Each must be a constant tensor with one row per token (on ``device``, unless None)."""
+    """A tuple (or list) of constant tensors with one row per token (on ``device``, unless None)."""
+    if not isinstance(token_args, (tuple, list)):
+        what = "a bare tensor" if isinstance(token_args, torch.Tensor) else type(token_args).__name__
+        raise ValueError(f"token_args must be a tuple of [tokens, ...] tensors, got {what}; for one tensor pass "
+                         "a 1-tuple: token_args=(advantages,)")
     token_args = tuple(token_args)
     for i, arg in enumerate(token_args):
         if not isinstance(arg, torch.Tensor) or arg.dim() < 1 or arg.shape[0] != n_tok:
@@ -103,12 +116,31 @@ def check_token_args(
         if arg.requires_grad:
             raise ValueError(f"token_args[{i}] requires grad; token_args are constants: pass it detached")
         if device is not None and arg.device != device:
-            raise ValueError(f"token_args[{i}] is on {arg.device}, the tokens are on {device}")
+            raise ValueError(f"token_args[{i}] is on {arg.device}, the tokens are on {device}; move it there "
+                             f"with .to({str(device)!r})")
     return token_args
 
 
 def _per_token_losses(loss_fn: TokenLoss, logprob_C, entropy_C, args_C) -> torch.Tensor:
-    loss_C = loss_fn(logprob_C, entropy_C, *args_C)
+    """``loss_fn`` on one chunk; raises if it changed its inputs in place or did not return one loss per token."""
+    named = [("the log-probs", logprob_C), ("the entropies", entropy_C)]
+    named += [(f"token_args[{i}]", a) for i, a in enumerate(args_C)]
+    named = [(name, t) for name, t in named if t is not None and not t.is_inference()]  # those track versions
+    versions = [t._version for _, t in named]
+    try:
+        loss_C = loss_fn(logprob_C, entropy_C, *args_C)
+    except TypeError as err:
+        if entropy_C is None:
+            raise ValueError(f"loss_fn failed on entropy=None ({err}): with entropy=False it gets None for the "
+                             "entropies; pass entropy=True if the loss uses them") from err
+        raise
+    changed = [name for (name, t), v in zip(named, versions) if t._version != v]
+    if changed:
+        raise ValueError(
+            f"loss_fn modifies its inputs in place ({', '.join(changed)}): the head reuses them, so the losses "
+            "and gradients would be wrong. Use out-of-place ops (logprob * w, not logprob.mul_(w)), or clone an "
+            "input before changing it"
+        )
     if not isinstance(loss_C, torch.Tensor) or loss_C.shape != logprob_C.shape:
         got = tuple(loss_C.shape) if isinstance(loss_C, torch.Tensor) else type(loss_C).__name__
         raise ValueError(
@@ -124,16 +156,18 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def check_token_wise(loss_fn: TokenLoss, logprob_C, entropy_C, args_C) -> None:
-    """Raise if ``loss_fn`` is not token-wise: a chunk's losses must equal those of its two halves."""
+    """Raise if ``loss_fn`` is not token-wise (a chunk's losses must equal those of its two halves), writes into
+    its inputs or does not return one loss per token. Runs on copies: the caller's tensors stay untouched."""
     n = logprob_C.shape[0]
-    if n < 2:
-        return
     half = n // 2
 
-    def rows(lo, hi):
-        return (logprob_C[lo:hi], None if entropy_C is None else entropy_C[lo:hi], [a[lo:hi] for a in args_C])
+    def rows(lo, hi):  # copies: a loss_fn that writes into its inputs is refused without touching the caller's
+        return (logprob_C[lo:hi].clone(), None if entropy_C is None else entropy_C[lo:hi].clone(),
+                [a[lo:hi].clone() for a in args_C])
 
     whole = _per_token_losses(loss_fn, *rows(0, n)).float()
+    if n < 2:
+        return
     split = torch.cat([_per_token_losses(loss_fn, *rows(0, half)), _per_token_losses(loss_fn, *rows(half, n))])
     if not torch.allclose(whole, split.float(), rtol=1e-5, atol=1e-6, equal_nan=True):
         raise ValueError(
@@ -152,6 +186,7 @@ class _ChunkedTokenLoss:
         self.want_grads = want_grads
         self.total: torch.Tensor | None = None
         self.checked = False
+        self.has_grad_path = False  # some chunk's loss depends on its log-probs / entropies with grad
 
     def __call__(self, start: int, end: int, logprob_C: torch.Tensor, entropy_C: torch.Tensor | None):
         args_C = [a[start:end] for a in self.token_args]
@@ -167,6 +202,7 @@ class _ChunkedTokenLoss:
             grads = [None, None]
             if self.want_grads and total_C.requires_grad:
                 grads = list(torch.autograd.grad(total_C, inputs, allow_unused=True)) + [None]
+        self.has_grad_path |= grads[0] is not None or grads[1] is not None
         self.total = total_C.detach() if self.total is None else self.total + total_C.detach()
         return grads[0], grads[1]
 
@@ -180,10 +216,13 @@ class _FusedLossFunction(torch.autograd.Function):
         need_h = token_loss.want_grads and ctx.needs_input_grad[0]
         need_w = token_loss.want_grads and ctx.needs_input_grad[1]
         run = getattr(engine, "fused_loss_forward", None) or partial(_loss_forward_by_chunks, engine)
-        logprob_T, ent_T, grad_h, grad_w = run(
-            hidden_TD, weight_VD, labels_T, token_loss, temperature=temperature, softcap=softcap,
-            entropy=entropy, chunk_size=chunk_size, need_hidden=need_h, need_weight=need_w, trace=trace,
-        )
+        with autocast_disabled(hidden_TD.device):  # fp32 logits (and loss_fn) also inside a caller's autocast
+            logprob_T, ent_T, grad_h, grad_w = run(
+                hidden_TD, weight_VD, labels_T, token_loss, temperature=temperature, softcap=softcap,
+                entropy=entropy, chunk_size=chunk_size, need_hidden=need_h, need_weight=need_w, trace=trace,
+            )
+        if token_loss.want_grads and token_loss.total is not None and not token_loss.has_grad_path:
+            _raise_no_grad_path()
         ctx.grads = (grad_h, grad_w)
         ctx.mark_non_differentiable(logprob_T, *(() if ent_T is None else (ent_T,)))
         loss = token_loss.total if token_loss.total is not None else logprob_T.new_zeros(())
@@ -252,11 +291,25 @@ def _loss_forward_by_chunks(
     return logprob_T, ent_T, grad_h, None if grad_w is None else grad_w.to(weight_VD.dtype)
 
 
-def _composed(hidden_TD, weight_VD, labels_T, loss_fn, token_args, temperature, entropy, softcap):
-    """The reference: plain fp32-logit outputs with autograd, then the summed loss."""
-    logprob_T, ent_T = linear_logprob_entropy_reference(
-        hidden_TD, weight_VD, labels_T, temperature=temperature, entropy=entropy, softcap=softcap
+def _raise_no_grad_path() -> None:
+    raise ValueError(
+        "loss_fn's loss does not depend on the log-probs or entropies with gradient (it detaches them, uses "
+        ".item() or torch.no_grad(), or computes from token_args only), so backward would train with zero "
+        "gradients. Compute the per-token losses from the logprob / entropy tensors loss_fn is given; to only "
+        "evaluate the loss, call under torch.no_grad()"
     )
-    check_token_wise(loss_fn, logprob_T.detach(), None if ent_T is None else ent_T.detach(), token_args)
-    loss = _at_least_fp32(_per_token_losses(loss_fn, logprob_T, ent_T, token_args)).sum()
+
+
+def _composed(hidden_TD, weight_VD, labels_T, loss_fn, token_args, temperature, entropy, softcap, want_grads):
+    """The reference: plain fp32-logit outputs with autograd, then the summed loss."""
+    with autocast_disabled(hidden_TD.device):  # loss_fn runs outside autocast, as on the chunked path
+        logprob_T, ent_T = linear_logprob_entropy_reference(
+            hidden_TD, weight_VD, labels_T, temperature=temperature, entropy=entropy, softcap=softcap
+        )
+        check_token_wise(loss_fn, logprob_T.detach(), None if ent_T is None else ent_T.detach(), token_args)
+        loss = _at_least_fp32(_per_token_losses(loss_fn, logprob_T, ent_T, token_args)).sum()
+    if want_grads and logprob_T.numel() and (not loss.requires_grad or all(
+            g is None for g in torch.autograd.grad(loss, [o for o in (logprob_T, ent_T) if o is not None],
+                                                   retain_graph=True, allow_unused=True))):
+        _raise_no_grad_path()
     return LossOutput(loss, logprob_T.detach(), None if ent_T is None else ent_T.detach())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from actorcore.kernels.logprob._common import check_inputs, compute_dtype
+from actorcore.kernels.precision import without_autocast
 
 
 def linear_logprob_entropy_reference(
@@ -22,9 +23,16 @@ def linear_logprob_entropy_reference(
     """Per-token log p(label) and entropy from fp32 (fp64 for fp64 inputs) logits; autograd-differentiable.
 
     The definition every other backend must match: logits = hidden @ weight.T in fp32, then
-    ``softcap * tanh(logits / softcap)`` if softcap, then divided by temperature.
+    ``softcap * tanh(logits / softcap)`` if softcap, then divided by temperature. Plain autograd, with
+    autocast off in forward and backward (``kernels.precision.without_autocast``).
     """
-    check_inputs(hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap)
+    check_inputs(hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, entropy=entropy)
+    return without_autocast(
+        lambda h, w: _definition(h, w, labels_T, temperature=temperature, entropy=entropy, softcap=softcap),
+        hidden_TD, weight_VD)
+
+
+def _definition(hidden_TD, weight_VD, labels_T, *, temperature, entropy, softcap):
     cdt = compute_dtype(hidden_TD.dtype)
     logits_TV = hidden_TD.to(cdt) @ weight_VD.to(cdt).t()
     if softcap is not None:

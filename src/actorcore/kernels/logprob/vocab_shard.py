@@ -53,6 +53,8 @@ def linear_logprob_entropy_vocab_shard(
         temperature=temperature,
         softcap=softcap,
         chunk_size=chunk_size,
+        entropy=entropy,
+        trace=trace,
         labels_in_range=False,
     )
     engine = select_engine(backend, hidden_TD)
