@@ -31,6 +31,7 @@ from actorcore.mcore import fault_points
 
 USER_ERRORS = (ValueError, OSError, KeyError)
 EXIT_USER_ERROR = 2
+_NEARLY_FULL_BYTES = 1 << 20
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,6 +96,11 @@ def _atomic_output(dst: str) -> Iterator[str]:
         yield tmp
         fault_points.reach("renaming")
         os.rename(tmp, dst)
+    except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        interrupted = isinstance(exc, (Interrupted, KeyboardInterrupt))
+        if not interrupted and not _disk_full(exc) and _nearly_full(parent):  # torch's writer hides ENOSPC
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from exc
+        raise
     finally:
         with signals_blocked():
             if os.path.exists(tmp):
@@ -166,6 +172,8 @@ def _spawned_rank(rank: int, world_size: int, port: int, error_dir: str, args: t
         _hf_to_mcore_rank(rank, world_size, port, *args)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
         message = _user_message(exc)
+        if message is None and _nearly_full(os.path.dirname(args[1])):
+            message = _user_message(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         with open(os.path.join(error_dir, f"rank{rank}"), "w") as f:
             f.write(f"user:{message}" if message else f"bug:{traceback.format_exc()}")
         raise SystemExit(1) from None
@@ -192,6 +200,13 @@ def _disk_full(exc: BaseException) -> bool:
         todo += [e.__cause__, e.__context__]
         todo += [f for f in (getattr(e, "failures", None) or {}).values() if isinstance(f, BaseException)]
     return False
+
+
+def _nearly_full(directory: str) -> bool:
+    """Is the filesystem of ``directory`` (almost) out of space? Checked when a write failed, before the
+    temporary output is removed."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize < _NEARLY_FULL_BYTES
 
 
 def _user_message(exc: BaseException) -> str | None:
