@@ -101,17 +101,48 @@ def _stop_at(tmp_path, argv: list[str], point: str, signum: int, paused: int) ->
     assert [n for n in os.listdir(os.path.dirname(dst)) if ".tmp-" in n] == []
 
 
-@pytest.mark.parametrize("point,signum", [
-    ("loading", signal.SIGINT),
-    ("saving", signal.SIGTERM),
-    ("renaming", signal.SIGTERM),
-])
-def test_signal_during_hf_to_mcore(tmp_path, checkpoints, point, signum):
-    _stop_at(tmp_path, ["hf-to-mcore", checkpoints[0], str(tmp_path / "out")], point, signum, paused=1)
+def _stop_in_process(tmp_path, monkeypatch, capsys, argv: list[str], point: str, signum: int) -> None:
+    """The same in this process (cheap, so every point and signal): a thread signals it once it paused."""
+    import threading
+
+    from actorcore.cli.convert import main
+
+    marker = tmp_path / "paused"
+    monkeypatch.setenv("ACTORCORE_TEST_PAUSE_AT", point)
+    monkeypatch.setenv("ACTORCORE_TEST_PAUSED_FILE", str(marker))
+
+    def send() -> None:
+        while not marker.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=send, daemon=True).start()
+    assert main(argv) == 128 + signum
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error: ")] == [
+        f"error: interrupted by {signal.Signals(signum).name}; nothing was written to {argv[2]}"], err
+    assert not os.path.exists(argv[2])
+    assert [n for n in os.listdir(os.path.dirname(argv[2])) if ".tmp-" in n] == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
 
 
-def test_signal_during_mcore_to_hf(tmp_path, checkpoints):
-    _stop_at(tmp_path, ["mcore-to-hf", checkpoints[1], str(tmp_path / "back")], "exporting", signal.SIGINT, paused=1)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("point", ["loading", "saving", "renaming"])
+def test_signal_during_hf_to_mcore(tmp_path, monkeypatch, capsys, checkpoints, point, signum):
+    _stop_in_process(tmp_path, monkeypatch, capsys, ["hf-to-mcore", checkpoints[0], str(tmp_path / "out")], point,
+                     signum)
+
+
+@pytest.mark.parametrize("point", ["loading", "exporting", "renaming"])
+def test_signal_during_mcore_to_hf(tmp_path, monkeypatch, capsys, checkpoints, point):
+    _stop_in_process(tmp_path, monkeypatch, capsys, ["mcore-to-hf", checkpoints[1], str(tmp_path / "back")], point,
+                     signal.SIGTERM)
+
+
+def test_sigterm_to_a_real_process(tmp_path, checkpoints):
+    """Without the handler, SIGTERM would kill Python at once and leave the temporary directory."""
+    _stop_at(tmp_path, ["hf-to-mcore", checkpoints[0], str(tmp_path / "out")], "saving", signal.SIGTERM, paused=1)
 
 
 @pytest.mark.parametrize("point,signum", [("loading", signal.SIGTERM), ("saving", signal.SIGINT)])
