@@ -50,12 +50,14 @@ class SignalGuard:
         raise Interrupted(signum)
 
     def __enter__(self) -> "SignalGuard":
-        self._previous = {s: signal.signal(s, self._handle) for s in HANDLED_SIGNALS}
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals only there
+            self._previous = {s: signal.signal(s, self._handle) for s in HANDLED_SIGNALS}
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        self._previous = {}
 
 
 @contextlib.contextmanager

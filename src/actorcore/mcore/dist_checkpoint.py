@@ -129,7 +129,7 @@ def _tensors_only(sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    objects, tensors = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
+    _objects, tensors = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
     return tensors
 
 
