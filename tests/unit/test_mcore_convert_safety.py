@@ -255,7 +255,8 @@ def no_work(monkeypatch):
 def _six_heads(directory: str) -> str:
     from actorcore.testing.tiny_configs import tiny_config
 
-    tiny_config("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16).save_pretrained(directory)
+    config = tiny_config("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    config.save_pretrained(directory)
     return directory
 
 
@@ -304,6 +305,6 @@ def test_edited_mcore_config_names_the_tensors(tmp_path, checkpoints, capsys):
     _edit_layers(os.path.join(mcore, "hf", "config.json"), 3)
     dst = str(tmp_path / "back")
     assert _convert(["mcore-to-hf", mcore, dst]) == 2
-    _one_error(capsys, "config.json and its weights disagree",
-               "decoder.layers.self_attention.linear_qkv.layer_norm_weight has shape [2, 64], the config builds [3, 64]")
+    _one_error(capsys, "config.json and its weights disagree", "decoder.layers.self_attention.linear_qkv."
+               "layer_norm_weight has shape [2, 64], the config builds [3, 64]")
     _nothing_left(dst)

@@ -19,8 +19,6 @@ import argparse
 import contextlib
 import errno
 import os
-import secrets
-import shutil
 import signal
 import socket
 import sys
@@ -28,12 +26,12 @@ import tempfile
 import traceback
 from typing import Any, Iterator
 
-from actorcore.cli.processes import Interrupted, SignalGuard, pid_alive, run_ranks, signals_blocked
+from actorcore.cli.output_dir import atomic_output, disk_full, nearly_full
+from actorcore.cli.processes import Interrupted, SignalGuard, run_ranks
 from actorcore.mcore import fault_points
 
 USER_ERRORS = (ValueError, OSError, KeyError)
 EXIT_USER_ERROR = 2
-_NEARLY_FULL_BYTES = 1 << 20
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,62 +49,6 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("src", help="directory written by hf-to-mcore")
     to_hf.add_argument("dst", help="output directory (must not exist)")
     return parser
-
-
-def _temp_name(dst: str) -> str:
-    return f".{os.path.basename(dst)}.tmp-"
-
-
-def _sweep_stale_temps(dst: str) -> None:
-    """Remove temporary directories of ``dst`` left by runs that were killed (SIGKILL, power loss): their
-    names carry the pid of the run, which is gone. Others are reported, not touched."""
-    parent, prefix = os.path.dirname(dst), _temp_name(dst)
-    for name in sorted(os.listdir(parent)):
-        if not name.startswith(prefix):
-            continue
-        path = os.path.join(parent, name)
-        pid = name[len(prefix):].split("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            print(f"removed {path}, left by an interrupted conversion (pid {pid} no longer runs)", file=sys.stderr)
-        else:
-            print(f"note: {path} belongs to another conversion (running, or of an older actorcore); remove it "
-                  "if none is running", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _atomic_output(dst: str) -> Iterator[str]:
-    """A temporary directory next to ``dst``, renamed to ``dst`` on success and removed on failure.
-
-    Made with ``os.mkdir`` so that its mode follows the umask like any directory the user creates; named
-    ``.DST.tmp-<pid>-<random>`` so that a later run can tell whether the run that made it still lives.
-    """
-    dst = os.path.abspath(dst)
-    if os.path.exists(dst):
-        raise FileExistsError(f"{dst} already exists; choose a new output directory")
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    _sweep_stale_temps(dst)
-    while True:
-        tmp = os.path.join(parent, f"{_temp_name(dst)}{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            os.mkdir(tmp)
-            break
-        except FileExistsError:
-            continue
-    try:
-        yield tmp
-        fault_points.reach("renaming")
-        os.rename(tmp, dst)
-    except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-        interrupted = isinstance(exc, (Interrupted, KeyboardInterrupt))
-        if not interrupted and not _disk_full(exc) and _nearly_full(parent):  # torch's writer hides ENOSPC
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from exc
-        raise
-    finally:
-        with signals_blocked():
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -174,7 +116,7 @@ def _spawned_rank(rank: int, world_size: int, port: int, error_dir: str, args: t
         _hf_to_mcore_rank(rank, world_size, port, *args)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
         message = _user_message(exc)
-        if message is None and _nearly_full(os.path.dirname(args[1])):
+        if message is None and nearly_full(os.path.dirname(args[1])):
             message = _user_message(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         with open(os.path.join(error_dir, f"rank{rank}"), "w") as f:
             f.write(f"user:{message}" if message else f"bug:{traceback.format_exc()}")
@@ -186,34 +128,9 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _disk_full(exc: BaseException) -> bool:
-    """Did ``exc`` (or what it wraps: a cause, torch's per-rank checkpoint failures) come from a full disk?"""
-    seen: list[BaseException] = []
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or any(e is s for s in seen):
-            continue
-        seen.append(e)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(e) or "StorageFull" in str(e):
-            return True
-        todo += [e.__cause__, e.__context__]
-        todo += [f for f in (getattr(e, "failures", None) or {}).values() if isinstance(f, BaseException)]
-    return False
-
-
-def _nearly_full(directory: str) -> bool:
-    """Is the filesystem of ``directory`` (almost) out of space? Checked when a write failed, before the
-    temporary output is removed."""
-    stat = os.statvfs(directory)
-    return stat.f_bavail * stat.f_frsize < _NEARLY_FULL_BYTES
-
-
 def _user_message(exc: BaseException) -> str | None:
     """The one line to show for an error the user can act on; None for a bug (shown with its traceback)."""
-    if _disk_full(exc):
+    if disk_full(exc):
         return "no space left on the device of the output directory: free some space or choose another DST"
     if isinstance(exc, USER_ERRORS + (ImportError,)):
         return _first_line(exc)
@@ -253,7 +170,7 @@ def _hf_to_mcore(args: argparse.Namespace) -> None:
     _check_source_dir(src, "a local Hugging Face model directory (config.json + *.safetensors)")
     _check_layout(args, _read_hf_config(src))
     world = McoreParallel(tp=args.tp, pp=args.pp, ep=args.ep).world_size
-    with _atomic_output(args.dst) as out:
+    with atomic_output(args.dst) as out:
         task = (src, out, (args.tp, args.pp, args.ep), args.vocab_multiple)
         if world == 1:
             _hf_to_mcore_rank(0, 1, _free_port(), *task)
@@ -280,7 +197,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     src = os.path.abspath(args.src)
     _check_source_dir(src, "a directory written by `actorcore convert hf-to-mcore`")
     meta, hf_config, dtype = read_mcore_metadata(src)
-    with _atomic_output(args.dst) as out, _megatron_runtime(0, 1, _free_port()):
+    with atomic_output(args.dst) as out, _megatron_runtime(0, 1, _free_port()):
         context = initialize_megatron(McoreParallel())
         chunks = build_gpt_model(hf_config, McoreParallel(), dtype, vocab_multiple=int(meta["vocab_multiple"]))
         fault_points.reach("loading")

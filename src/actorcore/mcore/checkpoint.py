@@ -97,7 +97,8 @@ class SafetensorsReader:
         """The dtype stored in the file's header (nothing is read)."""
         code = self._slice(name).get_dtype()
         if code not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{self.directory}: tensor {name} has dtype {code}, which Megatron weights cannot hold")
+            raise CheckpointError(f"{self.directory}: tensor {name} has dtype {code}, which Megatron weights "
+                                  "cannot hold")
         return _SAFETENSORS_DTYPES[code]
 
     def shape(self, name: str) -> tuple[int, ...]:
