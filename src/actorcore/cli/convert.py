@@ -6,7 +6,9 @@
 hf-to-mcore writes a Megatron distributed checkpoint (loadable at any layout); with a layout bigger than
 one rank it runs one gloo process per rank (CPU). mcore-to-hf loads in one process and writes
 ``model.safetensors`` + config. Output goes to a temporary directory next to DST, renamed at the end: a
-failure leaves nothing behind. Damaged or incomplete input is a one-line error and exit code 2.
+failure leaves nothing behind. Damaged or incomplete input, a full disk and flags the model cannot take are a
+one-line error and exit code 2. SIGINT / SIGTERM stop the run (ranks included) and clean up
+(``actorcore.cli.processes``); dtypes come from the tensors, never from config.json.
 On machines without CUDA megatron-core runs inside ``actorcore.mcore.cpu_runtime.CpuRuntime`` (its CPU shims,
 applied for the run and restored after).
 """
@@ -15,15 +17,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
-import shutil
+import signal
 import socket
 import sys
 import tempfile
 import traceback
 from typing import Any, Iterator
 
+from actorcore.cli.output_dir import atomic_output, disk_full, nearly_full
+from actorcore.cli.processes import Interrupted, SignalGuard, run_ranks
+from actorcore.mcore import fault_points
+
 USER_ERRORS = (ValueError, OSError, KeyError)
+EXIT_USER_ERROR = 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,23 +49,6 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("src", help="directory written by hf-to-mcore")
     to_hf.add_argument("dst", help="output directory (must not exist)")
     return parser
-
-
-@contextlib.contextmanager
-def _atomic_output(dst: str) -> Iterator[str]:
-    """A temporary directory next to ``dst``, renamed to ``dst`` on success and removed on failure."""
-    dst = os.path.abspath(dst)
-    if os.path.exists(dst):
-        raise FileExistsError(f"{dst} already exists; choose a new output directory")
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
-    try:
-        yield tmp
-        os.rename(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -92,33 +83,43 @@ def _free_port() -> int:
 
 def _hf_to_mcore_rank(rank: int, world_size: int, port: int, src: str, out: str, sizes: tuple[int, int, int],
                       vocab_multiple: int) -> None:
-    from transformers import AutoConfig
-
-    from actorcore.mcore.checkpoint import CheckpointError, load_hf_into_mcore
+    from actorcore.mcore.checkpoint import load_hf_into_mcore, safetensors_dtype
     from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
-    try:
-        hf_config = AutoConfig.from_pretrained(src)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{src}: cannot read the HF config ({_first_line(exc)})") from None
+    hf_config = _read_hf_config(src)
+    dtype = safetensors_dtype(src)  # the tensors' own dtype, whatever config.json declares: no re-typing
     tp, pp, ep = sizes
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     with _megatron_runtime(rank, world_size, port):
         context = initialize_megatron(parallel)
-        chunks = build_gpt_model(hf_config, parallel, vocab_multiple=vocab_multiple)
+        chunks = build_gpt_model(hf_config, parallel, dtype, vocab_multiple=vocab_multiple)
+        fault_points.reach("loading")
         load_hf_into_mcore(chunks, src, context, progress=rank == 0)
         save_mcore_checkpoint(chunks, out, src, vocab_multiple)
+
+
+def _read_hf_config(src: str) -> Any:
+    from transformers import AutoConfig
+
+    from actorcore.mcore.checkpoint import CheckpointError
+
+    try:
+        return AutoConfig.from_pretrained(src)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{src}: cannot read the HF config ({_first_line(exc)})") from None
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, error_dir: str, args: tuple) -> None:
     try:
         _hf_to_mcore_rank(rank, world_size, port, *args)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
-        user = isinstance(exc, USER_ERRORS)
+        message = _user_message(exc)
+        if message is None and nearly_full(os.path.dirname(args[1])):
+            message = _user_message(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         with open(os.path.join(error_dir, f"rank{rank}"), "w") as f:
-            f.write(("user:" if user else "bug:") + (_first_line(exc) if user else traceback.format_exc()))
+            f.write(f"user:{message}" if message else f"bug:{traceback.format_exc()}")
         raise SystemExit(1) from None
 
 
@@ -127,29 +128,62 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _user_message(exc: BaseException) -> str | None:
+    """The one line to show for an error the user can act on; None for a bug (shown with its traceback)."""
+    if disk_full(exc):
+        return "no space left on the device of the output directory: free some space or choose another DST"
+    if isinstance(exc, USER_ERRORS + (ImportError,)):
+        return _first_line(exc)
+    return None
+
+
+def _check_source_dir(src: str, what: str) -> None:
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"{src}: no such directory; give the path of {what}")
+
+
+def _check_layout(args: argparse.Namespace, hf_config: Any) -> None:
+    """Refuse sizes the model cannot take, before any rank is spawned or weight read."""
+    for flag in ("tp", "pp", "ep", "vocab_multiple"):
+        value = getattr(args, flag)
+        if value < 1:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"{name} must be a positive integer, got {value}" +
+                             (" (the default, 128, suits every usual TP size)" if flag == "vocab_multiple" else ""))
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads and heads % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the model's {heads} attention heads: choose a --tp that "
+                         f"divides {heads}" + (f" and its {kv_heads} key-value heads" if kv_heads != heads else ""))
+    if kv_heads and kv_heads % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the model's {kv_heads} key-value heads: choose a --tp "
+                         f"that divides {kv_heads}")
+    if args.vocab_multiple % args.tp:
+        raise ValueError(f"--vocab-multiple {args.vocab_multiple} must be divisible by --tp {args.tp}: use a "
+                         f"multiple of {args.tp} (the default, 128, suits every power-of-two --tp)")
+
+
 def _hf_to_mcore(args: argparse.Namespace) -> None:
     from actorcore.mcore.parallel import McoreParallel
 
-    parallel = McoreParallel(tp=args.tp, pp=args.pp, ep=args.ep)
-    if args.vocab_multiple % args.tp:
-        raise ValueError(f"--vocab-multiple {args.vocab_multiple} must be divisible by --tp {args.tp}")
-    world = parallel.world_size
-    with _atomic_output(args.dst) as out:
-        task = (os.path.abspath(args.src), out, (args.tp, args.pp, args.ep), args.vocab_multiple)
+    src = os.path.abspath(args.src)
+    _check_source_dir(src, "a local Hugging Face model directory (config.json + *.safetensors)")
+    _check_layout(args, _read_hf_config(src))
+    world = McoreParallel(tp=args.tp, pp=args.pp, ep=args.ep).world_size
+    with atomic_output(args.dst) as out:
+        task = (src, out, (args.tp, args.pp, args.ep), args.vocab_multiple)
         if world == 1:
             _hf_to_mcore_rank(0, 1, _free_port(), *task)
             return
-        import torch.multiprocessing as mp
-
         with tempfile.TemporaryDirectory() as error_dir:
-            try:
-                mp.spawn(_spawned_rank, args=(world, _free_port(), error_dir, task), nprocs=world, join=True)
-            except Exception:  # noqa: BLE001 - the ranks wrote what went wrong
+            codes = run_ranks(_spawned_rank, world, (_free_port(), error_dir, task))
+            if any(codes):
                 messages = [open(os.path.join(error_dir, n)).read() for n in sorted(os.listdir(error_dir))]
                 user = [m[5:] for m in messages if m.startswith("user:")]
                 if user:
-                    raise ValueError(user[0]) from None
-                raise RuntimeError("conversion failed:\n" + "\n".join(m[4:] for m in messages)) from None
+                    raise ValueError(user[0])
+                details = "\n".join(m[4:] for m in messages) or f"rank exit codes {codes}"
+                raise RuntimeError("conversion failed:\n" + details)
 
 
 def _mcore_to_hf(args: argparse.Namespace) -> None:
@@ -161,33 +195,43 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     src = os.path.abspath(args.src)
-    meta, hf_config = read_mcore_metadata(src)
-    with _atomic_output(args.dst) as out, _megatron_runtime(0, 1, _free_port()):
+    _check_source_dir(src, "a directory written by `actorcore convert hf-to-mcore`")
+    meta, hf_config, dtype = read_mcore_metadata(src)
+    with atomic_output(args.dst) as out, _megatron_runtime(0, 1, _free_port()):
         context = initialize_megatron(McoreParallel())
-        chunks = build_gpt_model(hf_config, McoreParallel(), vocab_multiple=int(meta["vocab_multiple"]))
+        chunks = build_gpt_model(hf_config, McoreParallel(), dtype, vocab_multiple=int(meta["vocab_multiple"]))
+        fault_points.reach("loading")
         load_mcore_checkpoint(chunks, src)
         # One process holds the whole model: this stage's export is every tensor, gathered one by one.
         state = dict(tqdm(export_mcore_to_hf(chunks, context), desc="export Megatron -> HF", unit="tensor"))
+        fault_points.reach("exporting")
         copy_hf_side_files(os.path.join(src, HF_DIR), out)
         save_hf_checkpoint(state, hf_config, out)
 
 
 def main(argv: list[str]) -> int:
+    """Run one conversion; SIGINT / SIGTERM stop it cleanly (no process, no output, no temporary left)."""
     args = _parser().parse_args(argv)
-    try:
-        from actorcore.mcore._megatron import require_megatron
+    with SignalGuard() as guard:
+        try:
+            from actorcore.mcore._megatron import require_megatron
 
-        require_megatron()
-        if args.direction == "hf-to-mcore":
-            _hf_to_mcore(args)
-        else:
-            _mcore_to_hf(args)
-    except USER_ERRORS as exc:
-        print(f"error: {_first_line(exc)}", file=sys.stderr)
-        return 2
-    except ImportError as exc:
-        print(f"error: {_first_line(exc)}", file=sys.stderr)
-        return 2
+            require_megatron()
+            if args.direction == "hf-to-mcore":
+                _hf_to_mcore(args)
+            else:
+                _mcore_to_hf(args)
+        except BaseException as exc:  # noqa: BLE001 - sorted below; bugs re-raised with their traceback
+            if guard.signum is not None or isinstance(exc, (Interrupted, KeyboardInterrupt)):
+                signum = guard.signum or signal.SIGINT
+                print(f"error: interrupted by {signal.Signals(signum).name}; nothing was written to "
+                      f"{os.path.abspath(args.dst)}", file=sys.stderr)
+                return 128 + signum
+            message = _user_message(exc)
+            if message is None:
+                raise
+            print(f"error: {message}", file=sys.stderr)
+            return EXIT_USER_ERROR
     print(f"wrote {os.path.abspath(args.dst)}")
     return 0
 

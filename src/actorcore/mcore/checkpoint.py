@@ -38,6 +38,9 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint's tensors do not match the model: names the missing, extra and mis-shaped tensors."""
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
 # ---- reading --------------------------------------------------------------------------------------
 
 
@@ -90,6 +93,14 @@ class SafetensorsReader:
     def _slice(self, name: str):
         return self._files[self.file_of[name]].get_slice(name)
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype stored in the file's header (nothing is read)."""
+        code = self._slice(name).get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{self.directory}: tensor {name} has dtype {code}, which Megatron weights "
+                                  "cannot hold")
+        return _SAFETENSORS_DTYPES[code]
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
@@ -103,6 +114,25 @@ class SafetensorsReader:
             return part[index]
         except Exception as exc:  # noqa: BLE001 - truncated data surfaces here
             raise CheckpointError(f"{os.path.join(self.directory, self.file_of[name])}: cannot read {name} ({exc})") from None
+
+
+def safetensors_dtype(hf_dir: str) -> torch.dtype:
+    """The one dtype of an HF checkpoint's tensors, from the safetensors headers.
+
+    Conversion builds the Megatron model in this dtype, not in the one ``config.json`` declares: a model
+    saved in float32 with a config saying bfloat16 must come back float32, bit for bit.
+    """
+    reader = SafetensorsReader(hf_dir)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in sorted(reader.names()):
+        by_dtype.setdefault(reader.dtype(name), []).append(name)
+    if len(by_dtype) > 1:
+        found = ", ".join(f"{len(names)} in {dtype} (e.g. {names[0]})" for dtype, names in by_dtype.items())
+        raise CheckpointError(f"{hf_dir}: the tensors have several dtypes ({found}); a Megatron model holds one: "
+                              "cast the checkpoint to one dtype first")
+    if not by_dtype:
+        raise CheckpointError(f"{hf_dir}: the checkpoint holds no tensors")
+    return next(iter(by_dtype))
 
 
 # ---- names and shapes ------------------------------------------------------------------------------
@@ -227,8 +257,9 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, context: ParallelContext,
     if extra:
         problems.append(f"unexpected tensors not used by the {hf_config.model_type} model: {', '.join(extra)}")
     if problems:
-        raise CheckpointMismatchError(f"{hf_dir} does not match the {hf_config.model_type} model: "
-                                      + "; ".join(problems))
+        raise CheckpointMismatchError(f"{hf_dir} does not match the {hf_config.model_type} model its config.json "
+                                      "describes: the config and the weights disagree (was config.json edited, or "
+                                      "is it another model's?): " + "; ".join(problems))
 
 
 # ---- export ----------------------------------------------------------------------------------------

@@ -3,6 +3,10 @@
 The checkpoint directory holds Megatron's sharded tensors (global shapes, loadable at any TP / PP / EP
 layout) plus ``hf/``: the source HF config and tokenizer files, and ``actorcore.json``: what is needed to
 rebuild the model (model type, vocabulary padding).
+
+Saving writes the shards in the calling process (``_InProcessSaveStrategy``): megatron-core's default writer
+forks worker processes and a manager process, which a signal can kill while the parent waits on them for
+ever. Loading never unpickles anything the checkpoint could have crafted (``safe_load``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import os
 import shutil
 from typing import Any
 
-from actorcore.mcore.checkpoint import CheckpointError
+from actorcore.mcore import fault_points
+from actorcore.mcore.checkpoint import CheckpointError, CheckpointMismatchError
 
 META_FILE = "actorcore.json"
 HF_DIR = "hf"
@@ -20,13 +25,35 @@ HF_DIR = "hf"
 _HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
+def _link_roots(src: str) -> list[str]:
+    """Where a side file of ``src`` may resolve to: inside ``src`` itself, and for a Hugging Face cache
+    snapshot (``models--org--name/snapshots/<revision>/``, whose files link to ``../../blobs/<hash>``) the
+    ``blobs/`` directory of that same repository cache."""
+    real = os.path.realpath(src)
+    roots = [real]
+    snapshots, repo = os.path.dirname(real), os.path.dirname(os.path.dirname(real))
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith(("models--", "datasets--")):
+        roots.append(os.path.join(repo, "blobs"))
+    return roots
+
+
 def copy_hf_side_files(src: str, dst: str) -> None:
-    """Config, generation config, tokenizer, chat template... (not the weights)."""
+    """Config, generation config, tokenizer, chat template... (not the weights).
+
+    A symbolic link is followed only if it resolves inside ``src`` (or, for a Hugging Face cache snapshot,
+    inside its repository's ``blobs/``); one pointing elsewhere is refused, never copied.
+    """
     os.makedirs(dst, exist_ok=True)
+    roots = _link_roots(src)
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
-        if os.path.isfile(path) and not name.endswith(_HF_WEIGHT_SUFFIXES):
-            shutil.copy2(path, os.path.join(dst, name))
+        if not os.path.isfile(path) or name.endswith(_HF_WEIGHT_SUFFIXES):
+            continue
+        target = os.path.realpath(path)
+        if not any(os.path.commonpath([target, root]) == root for root in roots):
+            raise CheckpointError(f"{path} is a link to {target}, outside the model directory: copy the file into "
+                                  f"{src} (or remove the link) if it belongs to the model")
+        shutil.copyfile(target, os.path.join(dst, name))
 
 
 def _sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
@@ -35,17 +62,33 @@ def _sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
+def _in_process_save_strategy() -> Any:
+    """megatron-core's ``torch_dist`` format, written by torch's synchronous ``FileSystemWriter`` in this
+    process (no forked writers to be orphaned or waited on)."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+    class _InProcessSaveStrategy(mcore_torch.TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+            sharded_state_dict, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica)
+            state = mcore_torch.mcore_to_pyt_state_dict(sharded_state_dict, False)
+            planner = mcore_torch.MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                                   flatten_state_dict=False)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                     planner=planner)
+
+    return _InProcessSaveStrategy("torch_dist", 1)
+
+
 def save_mcore_checkpoint(chunks: list[Any], directory: str, hf_dir: str, vocab_multiple: int) -> None:
     """Collective: every rank calls it with its chunks; rank 0 also writes the HF side files and metadata."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if not filesystem_async.HAVE_PSUTIL and filesystem_async._process_memory.__module__ == filesystem_async.__name__:
-        # Its forked writer calls psutil unconditionally and the save would then wait forever.
-        raise ImportError("megatron-core's distributed checkpoint writer needs psutil: pip install psutil")
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(_sharded_state_dict(chunks), directory)
+    dist_checkpointing.save(_sharded_state_dict(chunks), directory, sharded_strategy=_in_process_save_strategy())
+    fault_points.reach("saving")
     if not dist.is_initialized() or dist.get_rank() == 0:
         copy_hf_side_files(hf_dir, os.path.join(directory, HF_DIR))
         meta = {"format": "actorcore-mcore/1", "model_type": chunks[0].actorcore_hf_config.model_type,
@@ -54,9 +97,12 @@ def save_mcore_checkpoint(chunks: list[Any], directory: str, hf_dir: str, vocab_
             json.dump(meta, f, indent=2)
 
 
-def read_mcore_metadata(directory: str) -> tuple[dict[str, Any], Any]:
-    """(actorcore metadata, HF config) of a checkpoint written by ``save_mcore_checkpoint``."""
+def read_mcore_metadata(directory: str) -> tuple[dict[str, Any], Any, Any]:
+    """(actorcore metadata, HF config, dtype of the saved tensors) of a checkpoint written by
+    ``save_mcore_checkpoint``. The dtype comes from the tensors (``.metadata``), not from the config."""
     from transformers import AutoConfig
+
+    from actorcore.mcore.safe_load import check_checkpoint_pickles, tensor_dtypes
 
     meta_path = os.path.join(directory, META_FILE)
     try:
@@ -70,17 +116,38 @@ def read_mcore_metadata(directory: str) -> tuple[dict[str, Any], Any]:
         hf_config = AutoConfig.from_pretrained(os.path.join(directory, HF_DIR))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{directory}/{HF_DIR}: cannot read the HF config ({exc})") from None
-    return meta, hf_config
+    dtypes = tensor_dtypes(check_checkpoint_pickles(directory))
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{directory}: the checkpoint's tensors have dtypes {sorted(map(str, dtypes))}; "
+                              "actorcore writes one dtype per checkpoint: this one was not written by it")
+    return meta, hf_config, dtypes.pop()
+
+
+def _tensors_only(sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The sharded state dict without its ``ShardedObject``s (the layers' empty ``_extra_state``): torch's
+    reader would ``torch.load(weights_only=False)`` their bytes, i.e. run whatever a crafted file holds."""
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    _objects, tensors = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
+    return tensors
 
 
 def load_mcore_checkpoint(chunks: list[Any], directory: str) -> None:
-    """Fill this rank's chunks from a distributed checkpoint (any saved layout). Collective."""
+    """Fill this rank's chunks from a distributed checkpoint (any saved layout). Collective.
+
+    The checkpoint's pickled files are validated first (``safe_load``) and no pickled object is loaded.
+    """
     from megatron.core import dist_checkpointing
 
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from actorcore.mcore.safe_load import check_checkpoint_pickles
+
+    sharded = _tensors_only(_sharded_state_dict(chunks))
+    _check_against_metadata(sharded, check_checkpoint_pickles(directory), directory)
     try:
-        state = dist_checkpointing.load(_sharded_state_dict(chunks), directory)
+        state = dist_checkpointing.load(sharded, directory)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - many types for damaged input
         # CheckpointException (a BaseException) carries each rank's traceback; its last line is the cause.
         lines = [line for line in str(exc).strip().splitlines() if line.strip()]
@@ -93,6 +160,28 @@ def load_mcore_checkpoint(chunks: list[Any], directory: str) -> None:
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(state[f"model{i}"], strict=False)
             _check_loaded(chunk, state[f"model{i}"])
+
+
+def _check_against_metadata(sharded: dict[str, Any], metadata: Any, directory: str) -> None:
+    """Name the tensors the model expects that the checkpoint lacks or holds in another global shape (what an
+    edited ``hf/config.json`` causes), before megatron-core reports only the first one."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = metadata.state_dict_metadata
+    problems = []
+    for tensor in nested_values(sharded):
+        if not isinstance(tensor, ShardedTensor):
+            continue
+        found = saved.get(tensor.key)
+        if found is None:
+            problems.append(f"missing tensor {tensor.key}")
+        elif tuple(found.size) != tuple(tensor.global_shape):
+            problems.append(f"tensor {tensor.key} has shape {list(found.size)}, the config builds "
+                            f"{list(tensor.global_shape)}")
+    if problems:
+        raise CheckpointMismatchError(f"{directory}: its {HF_DIR}/config.json and its weights disagree (was the "
+                                      f"config edited?): {'; '.join(sorted(set(problems)))}")
 
 
 def _check_loaded(chunk: Any, state: dict[str, Any]) -> None:

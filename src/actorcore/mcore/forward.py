@@ -122,13 +122,18 @@ def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], context: Par
         micro_batch_size=1, forward_only=forward_only)
 
 
-def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int],
-                           context: ParallelContext) -> list[torch.Tensor]:
-    """Every rank gets the last stage's per-micro-batch ``[T]`` float32 tensors."""
+def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int], context: ParallelContext,
+                           chunks: list[Any]) -> list[torch.Tensor]:
+    """Every rank gets the last stage's per-micro-batch ``[T]`` float32 tensors.
+
+    The receive buffers live on the model's device: NCCL has no CPU tensors (a CPU buffer fails with "No
+    backend type associated with device type cpu")."""
     out = []
     last = context.pp_size - 1
+    device = next(chunks[0].parameters()).device
     for tensor, length in zip(tensors, shapes):
-        buffer = tensor.detach().clone() if tensor is not None else torch.empty(length, dtype=torch.float32)
+        buffer = (tensor.detach().clone() if tensor is not None
+                  else torch.empty(length, dtype=torch.float32, device=device))
         out.append(collectives.broadcast_tensor(buffer, last, context.pp_group))
     return out
 
@@ -165,10 +170,12 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
     with torch.set_grad_enabled(not forward_only):
         data = run_schedule(chunks, batch_list, context, head, forward_only=forward_only)
     lengths = [b.num_real_tokens for b in batch_list]
-    log_probs = _share_from_last_stage([d["log_probs"] for d in data] or [None] * len(lengths), lengths, context)
+    log_probs = _share_from_last_stage([d["log_probs"] for d in data] or [None] * len(lengths), lengths, context,
+                                       chunks)
     ent = None
     if entropy:
-        ent = _share_from_last_stage([d["entropy"] for d in data] or [None] * len(lengths), lengths, context)
+        ent = _share_from_last_stage([d["entropy"] for d in data] or [None] * len(lengths), lengths, context,
+                                     chunks)
     outputs = [LogProbOutput(log_probs=lp, entropy=None if ent is None else ent[i]) for i, lp in enumerate(log_probs)]
     return outputs[0] if single else outputs
 
@@ -185,5 +192,6 @@ def compute_values(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatc
     with torch.no_grad():
         data = run_schedule(chunks, batch_list, context, head, forward_only=True)
     lengths = [b.num_real_tokens for b in batch_list]
-    values = _share_from_last_stage([d["values"] for d in data] or [None] * len(lengths), lengths, context)
+    values = _share_from_last_stage([d["values"] for d in data] or [None] * len(lengths), lengths, context,
+                                    chunks)
     return values[0] if single else values

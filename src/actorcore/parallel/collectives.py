@@ -127,7 +127,10 @@ def all_gather_tensor(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
 
 
 def all_gather_object(obj: Any, group: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, in group-rank order."""
+    """Every rank's picklable ``obj``, in group-rank order.
+
+    Over NCCL torch stages the bytes on ``torch.cuda.current_device()``: call ``torch.cuda.set_device`` for
+    the rank first (otherwise every rank uses GPU 0)."""
     size = _size_or_one(group)
     if size == 1:
         return [obj]
@@ -137,7 +140,7 @@ def all_gather_object(obj: Any, group: Any) -> list[Any]:
 
 
 def broadcast_tensor(tensor: torch.Tensor, src_group_rank: int, group: Any) -> torch.Tensor:
-    """``tensor`` of group rank ``src_group_rank`` on every rank (in place)."""
+    """``tensor`` of group rank ``src_group_rank`` on every rank (in place); over NCCL it must be a CUDA tensor."""
     if _size_or_one(group) > 1:
         dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
     return tensor
