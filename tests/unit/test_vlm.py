@@ -293,17 +293,18 @@ def test_demo_vlm_row_agrees_with_hf():
     assert row["tolerance"] == TOL_VLM
 
 
-def test_text_only_batch_runs_a_dummy_image_when_ranks_may_disagree(monkeypatch):
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "kimi_k25"])  # kimi_k25: [P, 3, p, p] pixel rows, (h, w) kernel
+def test_text_only_batch_runs_a_dummy_image_when_ranks_may_disagree(monkeypatch, model_type):
     """With a sharded tower (FSDP2) or a data-parallel axis, a text-only batch still runs the tower (collectives
     match on every rank), its features enter multiplied by 0: same outputs, zero (not missing) tower grads."""
     import actorcore.hf.vlm as vlm
 
-    model = build_tiny_vlm("qwen3_vl")
+    model = build_tiny_vlm(model_type)
     samples = [synthetic_sample(model, text_lengths=(n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4)]
     batch = _pack(model, samples)
     with torch.no_grad():
         ref_lp, ref_ent = reference_logprobs_vlm(model, samples)
-    assert not vlm.tower_must_run(model.model, get_spec("qwen3_vl").vision, None)
+    assert not vlm.tower_must_run(model.model, get_spec(model_type).vision, None)
     monkeypatch.setattr(vlm, "tower_must_run", lambda *a: True)
     tower = _TowerCalls(model)
     out = ac.compute_logprobs(model, batch)
@@ -312,7 +313,7 @@ def test_text_only_batch_runs_a_dummy_image_when_ranks_may_disagree(monkeypatch)
     assert torch.equal(out.log_probs, ac.compute_logprobs(model, batch).log_probs)
     assert _max_diff(out.log_probs, ref_lp) <= TOL_VLM and _max_diff(out.entropy, ref_ent) <= TOL_VLM
     (out.log_probs.sum() + out.entropy.sum()).backward()
-    tower_grads = [p.grad for n, p in model.named_parameters() if n.startswith("model.visual.")]
+    tower_grads = [p.grad for n, p in model.named_parameters() if n.startswith(_tower_prefix(model))]
     assert tower_grads and all(g is not None and not bool(g.any()) for g in tower_grads)
 
 
