@@ -15,7 +15,13 @@ import torch
 
 import actorcore as ac
 from actorcore.archs import get_spec
-from actorcore.testing.tiny_vlm import VIDEO_TOKEN, build_tiny_vlm, mixed_samples, synthetic_sample
+from actorcore.testing.tiny_vlm import (
+    VIDEO_TOKEN,
+    build_tiny_vlm,
+    mixed_samples,
+    padded_processor_batch,
+    synthetic_sample,
+)
 from actorcore.testing.tolerances import TOL
 
 
@@ -55,6 +61,13 @@ def test_positions_are_plain_1d_per_sequence(kimi):
     batch = _pack(kimi, samples)
     want = torch.cat([torch.arange(s.input_ids.numel()) for s in samples])
     assert torch.equal(batch.position_ids, want)
+    # a padded processor batch (no mm_token_type_ids: derived from the placeholder ids) packs the same
+    b = padded_processor_batch(samples)
+    assert "mm_token_type_ids" not in b
+    padded = ac.pack_padded(b.pop("input_ids"), b.pop("attention_mask"), model=kimi, **b)
+    assert torch.equal(padded.input_ids, batch.input_ids) and torch.equal(padded.position_ids, want)
+    assert padded.multimodal.keys() == batch.multimodal.keys()
+    assert all(torch.equal(padded.multimodal[k], batch.multimodal[k]) for k in batch.multimodal)
     # a grid's t frames are pooled into h*w/merge² features: the [2, 4, 4] video is 4 placeholders, not 8
     video = next(s for s in samples if "video_grid_thw" in s.multimodal)
     assert int((video.input_ids == VIDEO_TOKEN).sum()) == 4 and video.multimodal["video_grid_thw"].tolist() == [[2, 4, 4]]
