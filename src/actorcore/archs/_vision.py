@@ -33,8 +33,8 @@ class VisionSpec:
     # video placeholders included (Kimi-K2.5), so a packed batch has ``[T]`` position ids, ``arange(L)`` per
     # sequence, as for a text model.
     rope_index: str | None = "get_rope_index"
-    # Runs the vision tower: (pixels [P, C*t*p*p], grid_thw [I, 3]) -> output with ``pooler_output`` (merged
-    # features, split per grid row). actorcore calls it ONCE per batch, on the images and the videos together
+    # Runs the vision tower (and projector): (pixels [P, *pixel row], grid_thw [I, 3]) -> output with
+    # ``pooler_output`` (merged features, split per grid row). actorcore calls it ONCE per batch, on the images and the videos together
     # (each item attends only to itself inside the tower), so every rank issues the same collectives.
     image_features: str = "get_image_features"
     # GLM-4V's tower sees a video as single-frame grids ``[1, h, w]`` repeated ``t`` times (its
