@@ -17,7 +17,7 @@ from actorcore.testing.distributed import run_distributed
 from actorcore.testing.tolerances import TOL
 
 SP = 2
-ARCHS = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_vl_moe")
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_vl_moe", "kimi_k25")
 
 
 def _batches(model):
@@ -47,14 +47,17 @@ def _check_arch(model_type, ctx):
     import torch.distributed as dist
 
     import actorcore as ac
+    from actorcore.archs import get_spec
     from actorcore.testing.tiny_vlm import build_tiny_vlm
     from actorcore.hf.vlm_packing import pack_multimodal
 
     reference, actor = build_tiny_vlm(model_type, seed=3), build_tiny_vlm(model_type, seed=3)
     ac.patch_model(actor, parallel=ctx)
-    result = {"num_layers": actor.config.text_config.num_hidden_layers}
+    vision = get_spec(model_type).vision
+    tower = f"{vision.base_model}.{vision.tower}"
+    result = {"num_layers": actor.config.text_config.num_hidden_layers, "tower": tower}
     tower_calls = []
-    actor.model.visual.register_forward_hook(lambda *a: tower_calls.append(1))
+    actor.get_submodule(tower).register_forward_hook(lambda *a: tower_calls.append(1))
     for name, samples in _batches(reference).items():
         batch = pack_multimodal(reference, [s.input_ids for s in samples], [s.multimodal for s in samples])
         result[f"{name}/visual_tokens_per_shard"] = _shards_with_visual_tokens(batch, ctx.sp_size)
@@ -116,6 +119,6 @@ def test_vlm_sp2_matches_one_process():
                     assert worst <= tol, f"{where} {name}: {key} max |Δ| {worst:.2e}"
             for name in ("mixed", "images_on_first_shard"):
                 grads = r[f"{name}/grads"]
-                assert any(k.startswith("model.visual.") and v is not None for k, v in grads.items())
+                assert any(k.startswith(r["tower"] + ".") and v is not None for k, v in grads.items())
                 for pname, rel in grads.items():
                     assert rel is None or rel <= grad_tol, f"{where} {name}: grad {pname} relative diff {rel:.2e}"

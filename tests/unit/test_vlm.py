@@ -40,12 +40,22 @@ def _max_diff(a, b):
     return (a - b).abs().max().item()
 
 
+def _tower(model):
+    vision = get_spec(model.config.model_type).vision
+    return model.get_submodule(f"{vision.base_model}.{vision.tower}")
+
+
+def _tower_prefix(model):
+    vision = get_spec(model.config.model_type).vision
+    return f"{vision.base_model}.{vision.tower}."
+
+
 class _TowerCalls:
     """Counts vision-tower forwards."""
 
     def __init__(self, model):
         self.count = 0
-        self._h = model.model.visual.register_forward_hook(lambda *a: setattr(self, "count", self.count + 1))
+        self._h = _tower(model).register_forward_hook(lambda *a: setattr(self, "count", self.count + 1))
 
     def close(self):
         self._h.remove()
@@ -53,7 +63,7 @@ class _TowerCalls:
 
 def test_every_registered_vlm_has_a_tiny_vlm_config():
     vlms = [m for m in registered_model_types() if get_spec(m).vision is not None and not get_spec(m).vision.refused]
-    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"} <= set(vlms)
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "kimi_k25"} <= set(vlms)
     missing = [m for m in vlms if m not in TINY_VLM_CONFIGS]
     assert not missing, f"VLM architectures without a tiny config in actorcore.testing.tiny_vlm: {missing}"
 
@@ -63,7 +73,8 @@ def test_packed_vlm_equals_padded_hf_per_token(model_type):
     model = build_tiny_vlm(model_type)
     samples = mixed_samples(model)
     batch = _pack(model, samples)
-    assert batch.position_ids.shape == (3, batch.num_tokens)
+    mrope = get_spec(model_type).vision.rope_index is not None  # else plain 1-D positions (Kimi-K2.5)
+    assert batch.position_ids.shape == ((3, batch.num_tokens) if mrope else (batch.num_tokens,))
     tower = _TowerCalls(model)
     with torch.no_grad():
         trace = Counter()
@@ -99,7 +110,7 @@ def test_vlm_parameter_gradients_match_padded_hf(model_type):
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     want = _grads(model)
     assert packed.keys() == want.keys()
-    assert any(name.startswith("model.visual.") for name in want)  # the vision tower is trained too
+    assert any(name.startswith(_tower_prefix(model)) for name in want)  # the vision tower is trained too
     for name in want:
         rel = ((packed[name] - want[name]).abs().max() / want[name].abs().max().clamp(min=1e-30)).item()
         assert rel <= TOL["grad_packed_vs_hf_fp32_rel"], f"{name}: relative grad difference {rel:.2e}"
@@ -282,17 +293,18 @@ def test_demo_vlm_row_agrees_with_hf():
     assert row["tolerance"] == TOL_VLM
 
 
-def test_text_only_batch_runs_a_dummy_image_when_ranks_may_disagree(monkeypatch):
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "kimi_k25"])  # kimi_k25: [P, 3, p, p] pixel rows, (h, w) kernel
+def test_text_only_batch_runs_a_dummy_image_when_ranks_may_disagree(monkeypatch, model_type):
     """With a sharded tower (FSDP2) or a data-parallel axis, a text-only batch still runs the tower (collectives
     match on every rank), its features enter multiplied by 0: same outputs, zero (not missing) tower grads."""
     import actorcore.hf.vlm as vlm
 
-    model = build_tiny_vlm("qwen3_vl")
+    model = build_tiny_vlm(model_type)
     samples = [synthetic_sample(model, text_lengths=(n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4)]
     batch = _pack(model, samples)
     with torch.no_grad():
         ref_lp, ref_ent = reference_logprobs_vlm(model, samples)
-    assert not vlm.tower_must_run(model.model, get_spec("qwen3_vl").vision, None)
+    assert not vlm.tower_must_run(model.model, get_spec(model_type).vision, None)
     monkeypatch.setattr(vlm, "tower_must_run", lambda *a: True)
     tower = _TowerCalls(model)
     out = ac.compute_logprobs(model, batch)
@@ -301,7 +313,7 @@ def test_text_only_batch_runs_a_dummy_image_when_ranks_may_disagree(monkeypatch)
     assert torch.equal(out.log_probs, ac.compute_logprobs(model, batch).log_probs)
     assert _max_diff(out.log_probs, ref_lp) <= TOL_VLM and _max_diff(out.entropy, ref_ent) <= TOL_VLM
     (out.log_probs.sum() + out.entropy.sum()).backward()
-    tower_grads = [p.grad for n, p in model.named_parameters() if n.startswith("model.visual.")]
+    tower_grads = [p.grad for n, p in model.named_parameters() if n.startswith(_tower_prefix(model))]
     assert tower_grads and all(g is not None and not bool(g.any()) for g in tower_grads)
 
 

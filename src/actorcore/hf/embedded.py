@@ -95,10 +95,6 @@ class SyntheticSample:
     multimodal: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _patch_dim(vision_config: Any) -> int:
-    return int(vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size ** 2)
-
-
 class _ConfigHolder:
     """Lets ``spec_for_model`` read a bare config."""
 
@@ -113,14 +109,17 @@ def synthetic_sample(model_or_config: Any, *, images: list[tuple[int, int]] = ()
 
     Text runs of ``text_lengths`` go before, between and after the visual blocks (cycled). Grids must be
     multiples of the merge size. ``mm_token_type_ids`` marks image placeholders 1, video placeholders 2, all
-    else 0 (GLM-4V's video frames use the image token id: only the type tells them apart).
+    else 0 (GLM-4V's video frames use the image token id: only the type tells them apart). Pixel rows have the
+    shape the model's tower takes (``VisionSpec.patch_row``); a model whose tower pools a grid's frames
+    (Kimi-K2.5) gets one ``h*w/merge²`` placeholder run for the video.
     """
     from actorcore.archs import spec_for_model
+    from actorcore.hf.vlm_packing import merge_kernel, patch_row_shape
 
     config = getattr(model_or_config, "config", model_or_config)
     vision = spec_for_model(_ConfigHolder(config)).vision
-    vc = config.vision_config
-    merge = int(vc.spatial_merge_size)
+    kernel = merge_kernel(config, vision)
+    row = patch_row_shape(vision, config.vision_config)
     image_token = int(getattr(config, vision.image_token_field))
     video_token = int(getattr(config, vision.video_token_field))
     g = generator or torch.Generator().manual_seed(0)
@@ -142,9 +141,9 @@ def synthetic_sample(model_or_config: Any, *, images: list[tuple[int, int]] = ()
     grids: list[list[int]] = []
     for i, (h, w) in enumerate(images):
         grids.append([1, h, w])
-        pixels.append(torch.randn(h * w, _patch_dim(vc), generator=g))
+        pixels.append(torch.randn(h * w, *row, generator=g))
         add([start])
-        add([image_token] * (h * w // merge**2), kind=1)
+        add([image_token] * ((h // kernel[0]) * (w // kernel[1])), kind=1)
         add([end])
         text(i + 1)
     out: dict[str, torch.Tensor] = {}
@@ -153,7 +152,7 @@ def synthetic_sample(model_or_config: Any, *, images: list[tuple[int, int]] = ()
         out["image_grid_thw"] = torch.tensor(grids)
     if video is not None:
         t, h, w = video
-        frame_tokens = h * w // merge**2
+        frame_tokens = (h // kernel[0]) * (w // kernel[1])
         if vision.video_frames_in_separate_runs:
             # "<t0> <start> frame0 <end> <t1> <start> frame1 <end> ...", GLM-4V inside its video markers
             if glm:
@@ -166,12 +165,13 @@ def synthetic_sample(model_or_config: Any, *, images: list[tuple[int, int]] = ()
                 add([VIDEO_END])
         else:
             add([start])
-            add([video_token] * (t * frame_tokens), kind=2)
+            add([video_token] * (frame_tokens if vision.frames_pooled else t * frame_tokens), kind=2)
             add([end])
-        out["pixel_values_videos"] = torch.randn(t * h * w, _patch_dim(vc), generator=g)
+        out["pixel_values_videos"] = torch.randn(t * h * w, *row, generator=g)
         out["video_grid_thw"] = torch.tensor([[t, h, w]])
         if "second_per_grid_ts" in vision.rope_index_inputs:
             out["second_per_grid_ts"] = torch.tensor([1.5])
         text(len(images) + 1)
-    out["mm_token_type_ids"] = torch.cat(types)
+    if vision.token_types_input:  # Kimi-K2.5's processor returns none: packing derives them from the ids
+        out["mm_token_type_ids"] = torch.cat(types)
     return SyntheticSample(input_ids=torch.cat(ids), multimodal=out)

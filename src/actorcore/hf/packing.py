@@ -1,7 +1,8 @@
 """``actorcore.pack`` / ``actorcore.pack_padded``: the data layer's packing, plus VLM inputs.
 
 Text batches need nothing but token ids (``actorcore.batch``). A VLM batch also needs the model: its own
-rope-index function gives the M-RoPE position ids (``actorcore.hf.vlm_packing``). This module is the one
+rope-index function gives the M-RoPE position ids, and its vision spec says how pixels, grids and
+placeholders must agree (``actorcore.hf.vlm_packing``). This module is the one
 public door to both, so the data layer never imports a route.
 """
 
@@ -26,7 +27,8 @@ def pack(sequences: Sequence[torch.Tensor], multimodal: Sequence[dict | None] | 
         return vlm_packing.pack_multimodal(
             model, sequences, [None] * len(sequences) if multimodal is None else multimodal)
     if multimodal is not None:
-        raise ValueError("multimodal inputs need model=... (its rope-index function computes the position ids)")
+        raise ValueError("multimodal inputs need model=... (its rope-index function computes the position ids, its "
+                         "vision spec checks the pixels against the placeholders)")
     return text_batch.pack(sequences)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from actorcore.archs._vision import IMAGE_KEYS, IMAGE_PATCH_KEYS, VIDEO_KEYS, VIDEO_PATCH_KEYS
 from actorcore.batch import PackedBatch
-from actorcore.hf.vlm_packing import IMAGE, TOKEN_TYPES_KEY, VIDEO, merge_size, split_rows
+from actorcore.hf.vlm_packing import IMAGE, TOKEN_TYPES_KEY, VIDEO, grid_tokens, merge_kernel, split_rows, vision_spec
 
 
 def padded_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -76,16 +76,18 @@ def right_padded(sequences: list[torch.Tensor], pad_id: int = 0, left: bool = Fa
 def split_multimodal(model: Any, batch: PackedBatch) -> list[dict[str, torch.Tensor]]:
     """Each real sequence's own processor inputs, cut from the batch's concatenated ``multimodal`` inputs.
 
-    Text batches give empty dicts. ``mm_token_type_ids`` comes back ``[1, L]``, pixel rows and grids as the
-    processor gives them for a batch of one.
+    Text batches give empty dicts. ``mm_token_type_ids`` comes back ``[1, L]`` (for models whose forward takes
+    it), pixel rows and grids as the processor gives them for a batch of one.
     """
     n, bounds, mm = batch.num_sequences, batch.cu_seqlens.tolist(), batch.multimodal
     if not mm:
         return [{} for _ in range(n)]
+    vision = vision_spec(model)
     types_T = mm[TOKEN_TYPES_KEY]
-    per_seq: list[dict[str, torch.Tensor]] = [{TOKEN_TYPES_KEY: types_T[bounds[i]: bounds[i + 1]][None]}
-                                              for i in range(n)]
-    merge = merge_size(model.config)
+    per_seq: list[dict[str, torch.Tensor]] = [
+        {TOKEN_TYPES_KEY: types_T[bounds[i]: bounds[i + 1]][None]} if vision.token_types_input else {}
+        for i in range(n)]
+    kernel = merge_kernel(model.config, vision)
     for name, kind, (patch_key,), (grid_key, *extra_keys) in (("image", IMAGE, IMAGE_PATCH_KEYS, IMAGE_KEYS),
                                                                ("video", VIDEO, VIDEO_PATCH_KEYS, VIDEO_KEYS)):
         grid_I3 = mm.get(grid_key)
@@ -93,7 +95,7 @@ def split_multimodal(model: Any, batch: PackedBatch) -> list[dict[str, torch.Ten
             continue
         counts = [int((types_T[bounds[i]: bounds[i + 1]] == kind).sum()) for i in range(n)]
         patch_ends = torch.cat([grid_I3.new_zeros(1), grid_I3.prod(-1).cumsum(0)]).tolist()
-        for i, rows in enumerate(split_rows(grid_I3, counts, merge, name)):
+        for i, rows in enumerate(split_rows(grid_tokens(grid_I3, kernel, vision).tolist(), counts, name)):
             if rows.start == rows.stop:
                 continue
             per_seq[i][patch_key] = mm[patch_key][patch_ends[rows.start]: patch_ends[rows.stop]]

@@ -32,7 +32,17 @@ import torch
 from actorcore.archs import ArchSpec, submodule
 from actorcore.archs._vision import VisionSpec
 from actorcore.batch import PackedBatch, shard_bounds
-from actorcore.hf.vlm_packing import IMAGE, TOKEN_TYPES_KEY, VIDEO, check_grid, token_types, vision_spec
+from actorcore.hf.vlm_packing import (
+    IMAGE,
+    TOKEN_TYPES_KEY,
+    VIDEO,
+    check_grid,
+    grid_tokens,
+    merge_kernel,
+    patch_row_shape,
+    token_types,
+    vision_spec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +94,8 @@ def visual_features(base: Any, vision: VisionSpec, multimodal: dict[str, Any]) -
     separate image and video calls, and every rank (and every FSDP shard) runs the tower the same number of
     times. The merged rows are split back: image tokens first, then video tokens.
     """
-    merge = int(base.config.vision_config.spatial_merge_size)
+    kernel = merge_kernel(base.config, vision)
+    row_shape = patch_row_shape(vision, base.config.vision_config)
     pixels, grids = [], []
     for name, patch_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
                                       ("video", "pixel_values_videos", "video_grid_thw")):
@@ -92,19 +103,15 @@ def visual_features(base: Any, vision: VisionSpec, multimodal: dict[str, Any]) -
             continue
         if multimodal.get(patch_key) is None:
             raise ValueError(f"batch: {grid_key} given without {patch_key}")
-        check_grid(multimodal.get(grid_key), multimodal[patch_key], merge, name, "batch")
+        check_grid(multimodal.get(grid_key), multimodal[patch_key], kernel, name, "batch", row_shape)
         pixels.append(multimodal[patch_key])
         grids.append(multimodal[grid_key] if name == "image" else tower_grids(multimodal[grid_key], vision))
     if not pixels:
         return VisualFeatures()
-    widths = {p.shape[-1] for p in pixels}
-    if len(widths) != 1:
-        raise ValueError(f"image and video patches have different widths {sorted(widths)}; they must come from "
-                         "the same processor")
     merged_ND, deepstack = _run_tower(base, vision.image_features, torch.cat(pixels), torch.cat(grids), vision)
     image_rows = 0
     if multimodal.get("image_grid_thw") is not None:
-        image_rows = int(multimodal["image_grid_thw"].prod(-1).sum()) // merge**2
+        image_rows = int(grid_tokens(multimodal["image_grid_thw"], kernel, vision).sum())
     has_images, has_videos = multimodal.get("pixel_values") is not None, multimodal.get("pixel_values_videos") is not None
     return VisualFeatures(
         image_ND=merged_ND[:image_rows] if has_images else None,
@@ -125,11 +132,9 @@ def tower_must_run(base: Any, vision: VisionSpec, parallel: Any) -> bool:
 
 def dummy_visual_term(base: Any, vision: VisionSpec, config: Any) -> torch.Tensor:
     """``0 * (features of one minimal blank image)``: a scalar zero that depends on every tower parameter."""
-    vc = config.vision_config
-    merge = int(vc.spatial_merge_size)
-    patch_dim = int(vc.in_channels * vc.temporal_patch_size * vc.patch_size**2)
-    grid = torch.tensor([[1, merge, merge]], device=base.device)
-    pixels = torch.zeros(merge * merge, patch_dim, device=base.device)
+    kernel = merge_kernel(config, vision)
+    grid = torch.tensor([[1, *kernel]], device=base.device)
+    pixels = torch.zeros(kernel[0] * kernel[1], *patch_row_shape(vision, config.vision_config), device=base.device)
     merged, deepstack = _run_tower(base, vision.image_features, pixels, grid, vision)
     return 0.0 * (merged.sum() + sum(layer.sum() for layer in deepstack))
 

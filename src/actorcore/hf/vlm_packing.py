@@ -7,7 +7,8 @@ video patches, ``I`` images or videos, ``B`` sequences, ``S`` padded length.
 processor returns for it (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
 ``second_per_grid_ts``, ``mm_token_type_ids``). Position ids are the model's own M-RoPE positions
 (``[3, T]``), computed one sequence at a time with the model's rope-index function, so they restart in every
-sequence exactly as in a padded forward. Visual inputs are concatenated in sequence order into
+sequence exactly as in a padded forward; a model without M-RoPE (``VisionSpec.rope_index`` None: Kimi-K2.5)
+gets ``[T]`` positions, ``arange(L)`` per sequence. Visual inputs are concatenated in sequence order into
 ``PackedBatch.multimodal``, with ``mm_token_type_ids`` as one ``[T]`` tensor (0 text, 1 image, 2 video).
 Every count is checked here, before any model runs: pixels against grids, placeholder tokens against the
 features the grids will produce, placeholder runs against images and video frames.
@@ -40,8 +41,29 @@ def vision_spec(model: Any) -> VisionSpec:
     return spec.vision
 
 
-def merge_size(config: Any) -> int:
-    return int(config.vision_config.spatial_merge_size)
+def merge_kernel(config: Any, vision: VisionSpec) -> tuple[int, int]:
+    """The ``(height, width)`` merge kernel from the vision config's ``vision.merge_field`` (an int or a pair)."""
+    value = getattr(config.vision_config, vision.merge_field)
+    kernel = (int(value), int(value)) if isinstance(value, int) else tuple(int(v) for v in value)
+    if len(kernel) != 2 or min(kernel) <= 0:
+        raise ValueError(f"vision_config.{vision.merge_field} is {value!r}; expected a positive int or a "
+                         "positive (height, width) pair")
+    return kernel
+
+
+def grid_tokens(grid_I3: torch.Tensor, kernel: tuple[int, int], vision: VisionSpec) -> torch.Tensor:
+    """``[I]`` features (placeholder tokens) each grid row yields: ``t*h*w/merge²``, or ``h*w/merge²`` when
+    the tower pools a grid's frames (``vision.frames_pooled``)."""
+    frames = torch.ones_like(grid_I3[:, 0]) if vision.frames_pooled else grid_I3[:, 0]
+    return frames * (grid_I3[:, 1] // kernel[0]) * (grid_I3[:, 2] // kernel[1])
+
+
+def patch_row_shape(vision: VisionSpec, vision_config: Any) -> tuple[int, ...]:
+    """The shape of one pixel row (one patch) the tower takes (``vision.patch_row``)."""
+    patch = int(vision_config.patch_size)
+    if vision.patch_row == "image":
+        return (3, patch, patch)
+    return (int(vision_config.in_channels * vision_config.temporal_patch_size * patch**2),)
 
 
 def _as_1d(x: torch.Tensor, length: int, what: str) -> torch.Tensor:
@@ -92,14 +114,17 @@ def _runs(types_L: torch.Tensor, kind: int) -> list[int]:
     return [len(list(group)) for key, group in itertools.groupby(types_L.tolist()) if key == kind]
 
 
-def check_grid(grid_I3: torch.Tensor | None, pixels_P: torch.Tensor | None, merge: int, name: str,
-               where: str) -> None:
-    """Grids are ``[I, 3]``, positive, spatially divisible by the merge size, and describe the pixel rows."""
+def check_grid(grid_I3: torch.Tensor | None, pixels_P: torch.Tensor | None, kernel: tuple[int, int], name: str,
+               where: str, row_shape: tuple[int, ...] | None = None) -> None:
+    """Grids are ``[I, 3]``, positive, spatially divisible by the merge kernel, and describe the pixel rows
+    (their number, and with ``row_shape`` the shape of each)."""
     if grid_I3 is None:
         raise ValueError(f"{where}: {name} pixels given without {name}_grid_thw")
     if grid_I3.dim() != 2 or grid_I3.shape[1] != 3:
         raise ValueError(f"{where}: {name}_grid_thw has shape {tuple(grid_I3.shape)}; expected [num_{name}s, 3]")
-    if bool((grid_I3 <= 0).any()) or bool((grid_I3[:, 1:] % merge != 0).any()):
+    if bool((grid_I3 <= 0).any()) or bool((grid_I3[:, 1] % kernel[0] != 0).any()) or bool(
+            (grid_I3[:, 2] % kernel[1] != 0).any()):
+        merge = kernel[0] if kernel[0] == kernel[1] else kernel
         raise ValueError(f"{where}: {name}_grid_thw {grid_I3.tolist()} must be positive with height and width "
                          f"multiples of the spatial merge size {merge}")
     patches = int(grid_I3.prod(-1).sum())
@@ -109,13 +134,19 @@ def check_grid(grid_I3: torch.Tensor | None, pixels_P: torch.Tensor | None, merg
         raise ValueError(f"{where}: {name} grids {grid_I3.tolist()} describe {patches} patches but the pixel "
                          f"tensor has {pixels_P.shape[0]} rows; grids and pixels must come from the same "
                          "processor call")
+    if row_shape is not None and tuple(pixels_P.shape[1:]) != tuple(row_shape):
+        raise ValueError(f"{where}: {name} pixel rows have shape {tuple(pixels_P.shape[1:])} but this model's "
+                         f"vision tower takes rows of shape {tuple(row_shape)}; pass the pixels of this model's "
+                         "own processor")
 
 
-def _expected_runs(grid_I3: torch.Tensor, merge: int, frames_separate: bool) -> list[int]:
+def _expected_runs(grid_I3: torch.Tensor, kernel: tuple[int, int], vision: VisionSpec,
+                   frames_separate: bool) -> list[int]:
+    if not frames_separate:
+        return grid_tokens(grid_I3, kernel, vision).tolist()
     runs = []
     for t, h, w in grid_I3.tolist():
-        per_frame = h * w // merge**2
-        runs.extend([per_frame] * t if frames_separate else [t * per_frame])
+        runs.extend([(h // kernel[0]) * (w // kernel[1])] * t)
     return runs
 
 
@@ -125,7 +156,7 @@ def check_sequence(ids_L: torch.Tensor, types_L: torch.Tensor, inputs: Mapping[s
     unknown = set(inputs) - set(MULTIMODAL_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown multimodal inputs {sorted(unknown)}; known: {list(MULTIMODAL_KEYS)}")
-    merge = merge_size(config)
+    kernel, row_shape = merge_kernel(config, vision), patch_row_shape(vision, config.vision_config)
     for name, patch_key, grid_key, kind, separate in (
         ("image", "pixel_values", "image_grid_thw", IMAGE, False),
         ("video", "pixel_values_videos", "video_grid_thw", VIDEO, vision.video_frames_in_separate_runs),
@@ -139,8 +170,8 @@ def check_sequence(ids_L: torch.Tensor, types_L: torch.Tensor, inputs: Mapping[s
                 raise ValueError(f"{where}: {sum(runs)} {name} tokens but no {name} inputs ({patch_key}, "
                                  f"{grid_key}): image tokens and features do not match")
             continue
-        check_grid(grid, pixels, merge, name, where)
-        expected = _expected_runs(grid, merge, separate)
+        check_grid(grid, pixels, kernel, name, where, row_shape)
+        expected = _expected_runs(grid, kernel, vision, separate)
         if sum(runs) != sum(expected):
             raise ValueError(f"{where}: {sum(runs)} {name} tokens but the {name} grids {grid.tolist()} give "
                              f"{sum(expected)} features: {name} tokens and features do not match")
@@ -159,8 +190,11 @@ def rope_positions(model: Any, vision: VisionSpec, ids_L: torch.Tensor, types_L:
     """``[3, L]`` M-RoPE position ids of one sequence, from the model's own rope-index function.
 
     A sequence without images or videos gets ``arange(L)`` on every row, which is what the rope-index
-    function returns for it and what the model uses for text.
+    function returns for it and what the model uses for text. A model without M-RoPE (``vision.rope_index``
+    None) gets ``[L]`` positions ``arange(L)``, what its forward uses without ``position_ids``.
     """
+    if vision.rope_index is None:
+        return torch.arange(ids_L.numel(), device=ids_L.device)
     if inputs.get("image_grid_thw") is None and inputs.get("video_grid_thw") is None:
         return torch.arange(ids_L.numel(), device=ids_L.device).expand(vision.position_rows, -1).clone()
     base = submodule(model, vision.base_model)
@@ -182,7 +216,7 @@ def pack_multimodal(model: Any, sequences: Sequence[torch.Tensor],
                     multimodal: Sequence[Mapping[str, Any] | None]) -> PackedBatch:
     """Pack 1-D id tensors with each sequence's processor outputs (``None`` or ``{}`` for text only).
 
-    Returns a ``PackedBatch`` with ``[3, T]`` M-RoPE position ids and the visual inputs concatenated in
+    Returns a ``PackedBatch`` with ``[3, T]`` M-RoPE position ids (``[T]`` without M-RoPE) and the visual inputs concatenated in
     sequence order in ``multimodal``. ``model`` is the ``...ForConditionalGeneration`` (its rope-index
     function and config are used; no forward pass runs).
     """
@@ -211,10 +245,11 @@ def pack_multimodal(model: Any, sequences: Sequence[torch.Tensor],
     return dataclasses.replace(batch, position_ids=torch.cat(positions, dim=-1), multimodal=packed_mm)
 
 
-def split_rows(grid_I3: torch.Tensor | None, tokens_per_row: list[int], merge: int, name: str) -> list[slice]:
-    """Which grids belong to which row: consume grids in order until their tokens fill the row's count."""
+def split_rows(grid_tokens_I: list[int], tokens_per_row: list[int], name: str) -> list[slice]:
+    """Which grids belong to which row: consume grids (``grid_tokens_I``: the tokens each yields) in order until
+    their tokens fill the row's count."""
     slices, start = [], 0
-    counts = [] if grid_I3 is None else (grid_I3.prod(-1) // merge**2).tolist()
+    counts = list(grid_tokens_I)
     for row, need in enumerate(tokens_per_row):
         end, have = start, 0
         while have < need and end < len(counts):
@@ -238,7 +273,8 @@ def pack_multimodal_padded(model: Any, input_ids: torch.Tensor, attention_mask: 
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
     mask = check_mask(attention_mask, input_ids)
-    config, merge = model.config, merge_size(model.config)
+    config = model.config
+    kernel, row_shape = merge_kernel(config, vision), patch_row_shape(vision, config.vision_config)
     processor_outputs = {k: v for k, v in processor_outputs.items() if v is not None}
     types_BS = processor_outputs.pop(TOKEN_TYPES_KEY, None)
     rows_ids = [row[keep] for row, keep in zip(input_ids, mask)]
@@ -252,12 +288,14 @@ def pack_multimodal_padded(model: Any, input_ids: torch.Tensor, attention_mask: 
         ("video", "pixel_values_videos", "video_grid_thw", VIDEO_KEYS, VIDEO),
     ):
         grid = processor_outputs.get(grid_key)
-        slices = split_rows(grid, [int((t == kind).sum()) for t in rows_types], merge, name)
+        pixels = processor_outputs.get(patch_key)
+        if grid is not None:
+            check_grid(grid, pixels, kernel, name, "batch", row_shape)
+        counts = [] if grid is None else grid_tokens(grid, kernel, vision).tolist()
+        slices = split_rows(counts, [int((t == kind).sum()) for t in rows_types], name)
         if grid is None:
             continue
         patch_ends = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
-        pixels = processor_outputs.get(patch_key)
-        check_grid(grid, pixels, merge, name, "batch")
         for b, sl in enumerate(slices):
             if sl.start == sl.stop:
                 continue

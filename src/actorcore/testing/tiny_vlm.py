@@ -31,11 +31,16 @@ from actorcore.hf.embedded import (  # noqa: F401 - re-exported for the tests
     synthetic_sample,
 )
 from actorcore.hf.embedded import QWEN_VLM_IDS as QWEN_IDS
+from actorcore.testing.tiny_configs import TINY_CONFIGS
 from actorcore.hf.embedded import VLM_TEXT as TEXT
 from actorcore.hf.embedded import VLM_VISION as VISION
 
 MOE_TEXT: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, decoder_sparse_step=1,
                                 mlp_only_layers=[])
+# Kimi-K2.5's text model is DeepSeek-V3 (the text tiny config's MLA and MoE shapes), with yarn rope scaling whose
+# mscale and mscale_all_dim differ: the attention scale is not 1/sqrt(qk head dim) and the rotary cos/sin are scaled.
+KIMI_YARN: dict[str, Any] = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64,
+                                 mscale=1.0, mscale_all_dim=0.7, beta_fast=16.0, beta_slow=2.0)
 GLM_IDS: dict[str, Any] = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, image_start_token_id=IMAGE_START,
                                image_end_token_id=IMAGE_END, video_start_token_id=VIDEO_START,
                                video_end_token_id=VIDEO_END)
@@ -73,6 +78,15 @@ TINY_VLM_CONFIGS: dict[str, dict[str, Any]] = {
                          routed_scaling_factor=1.0, norm_topk_prob=True,
                          rope_parameters=dict(MROPE, mrope_section=[2, 1, 1], partial_rotary_factor=0.5)),
         vision_config=dict(VISION, intermediate_size=40, out_hidden_size=64, image_size=16),
+    ),
+    # Vision part: patch 4 (pixel rows [3, 4, 4]), a 4x4 learned position table resampled to every grid, 3 time
+    # embeddings, merge kernel 2x2 (the processors only make square ones). tie_word_embeddings as the model's
+    # default (True: lm_head is the embedding matrix).
+    "kimi_k25": dict(
+        **QWEN_IDS, tie_word_embeddings=True, projection_hidden_size=32, projection_layer_norm_eps=1e-6,
+        text_config=dict(TEXT, **TINY_CONFIGS["deepseek_v3"], rope_parameters=KIMI_YARN),
+        vision_config=dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=3, num_attention_heads=2,
+                           num_hidden_layers=2, hidden_size=32, intermediate_size=40, merge_kernel_size=[2, 2]),
     ),
 }
 
@@ -114,15 +128,20 @@ def mixed_samples(model_or_config: Any, seed: int = 0, video: bool = True) -> li
 
 def padded_processor_batch(samples: list[SyntheticSample], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """What a processor returns for a right-padded batch: ``input_ids``, ``attention_mask``,
-    ``mm_token_type_ids`` ``[B, S]`` and the visual inputs concatenated in sample order."""
+    ``mm_token_type_ids`` ``[B, S]`` (if the samples have them) and the visual inputs concatenated in sample order."""
     longest = max(int(s.input_ids.numel()) for s in samples)
     ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(samples), longest), dtype=torch.long)
     types = torch.zeros((len(samples), longest), dtype=torch.int32)
+    with_types = all("mm_token_type_ids" in s.multimodal for s in samples)
     for i, s in enumerate(samples):
         n = int(s.input_ids.numel())
-        ids[i, :n], mask[i, :n], types[i, :n] = s.input_ids, 1, s.multimodal["mm_token_type_ids"]
-    out: dict[str, torch.Tensor] = dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=types)
+        ids[i, :n], mask[i, :n] = s.input_ids, 1
+        if with_types:
+            types[i, :n] = s.multimodal["mm_token_type_ids"]
+    out: dict[str, torch.Tensor] = dict(input_ids=ids, attention_mask=mask)
+    if with_types:
+        out["mm_token_type_ids"] = types
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
         parts = [s.multimodal[key] for s in samples if key in s.multimodal]
         if parts:
