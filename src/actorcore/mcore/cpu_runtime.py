@@ -186,3 +186,21 @@ class CpuRuntime:
                 delattr(obj, name)
             else:
                 setattr(obj, name, original)
+
+
+@contextlib.contextmanager
+def te_absent_fixes():
+    """megatron-core 0.16.x without TransformerEngine, on any device (CUDA too): its MoE router tests an
+    undefined ``te_general_gemm`` (a NameError on the first MoE forward). Defined as ``None`` (the no-TE branch)
+    for the block and removed again; nothing is changed when the name exists."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        yield
+        return
+    moe_utils.te_general_gemm = None
+    try:
+        yield
+    finally:
+        if _own(moe_utils, "te_general_gemm") is None:
+            delattr(moe_utils, "te_general_gemm")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from actorcore.batch import PackedBatch, next_token_labels, pad_to_multiple, shift_to_scored_token, unpad
+from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.outputs import LogProbOutput
 from actorcore.parallel import collectives
 from actorcore.parallel.context import ParallelContext
@@ -116,10 +117,11 @@ def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], context: Par
     if context.pp_size > 1 and any(b.num_tokens != max_tokens for b in batches):
         raise ValueError("with pipeline parallelism every micro-batch must have the same token count: pad the "
                          "packed batches to a common length (pad_to_multiple) first")
-    return get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches), seq_length=max_tokens,
-        micro_batch_size=1, forward_only=forward_only)
+    with te_absent_fixes():
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches), seq_length=max_tokens,
+            micro_batch_size=1, forward_only=forward_only)
 
 
 def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int], context: ParallelContext,
