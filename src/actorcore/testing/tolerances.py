@@ -42,6 +42,14 @@ TOL: dict[str, float] = {
     # Tiled MLP vs untiled in bf16 (shard sums of parameter gradients in fp32, rounded once to bf16).
     "tiled_mlp_grad_bf16_rel": 2e-2,
     "tiled_mlp_logprob_bf16": 1e-3,
+    # Linear-attention kernels (packed conv1d, gated delta rule) vs plain per-sequence references, fp32; gradients
+    # relative to their max magnitude.
+    "linear_kernel_vs_reference_fp32": 1e-5,
+    "linear_kernel_grad_vs_reference_fp32_rel": 1e-5,
+    # Hybrid models (packed) vs their own forward run one sequence at a time, fp32: log-probs and entropies, and
+    # parameter gradients relative to their max magnitude.
+    "hybrid_vs_own_forward_fp32": VERIFY_TOLERANCE[torch.float32],
+    "grad_hybrid_vs_own_forward_fp32_rel": 1e-5,
     # A changed input must move the log-probs of its own sequence by more than this (isolation tests).
     "logprob_changed_at_least": 1e-3,
 }
