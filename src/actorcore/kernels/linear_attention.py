@@ -86,8 +86,8 @@ def causal_conv1d_packed(
     if backend == "fla":
         from fla.modules.causal_conv1d import causal_conv1d
 
-        out, _ = causal_conv1d(x_TC.unsqueeze(0).to(weight_CW.dtype), weight_CW, bias_C, activation=activation,
-                               cu_seqlens=cu_seqlens.long())
+        out, _ = causal_conv1d(x_TC.unsqueeze(0).to(weight_CW.dtype).contiguous(), weight_CW.contiguous(), bias_C,
+                               activation=activation, cu_seqlens=cu_seqlens.long())
         return out[0].to(x_TC.dtype)
     return _conv_torch(x_TC, weight_CW, bias_C, cu_seqlens, activation)
 
@@ -141,8 +141,8 @@ def gated_delta_rule_packed(
     if backend == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        out, _ = chunk_gated_delta_rule(q_TNK[None], k_TNK[None], v_TMV[None], g_TM[None], beta_TM[None],
-                                        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
+        q, k, v, g, beta = (x.unsqueeze(0).contiguous() for x in (q_TNK, k_TNK, v_TMV, g_TM, beta_TM))
+        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
                                         cu_seqlens=cu_seqlens.long())
         return out[0].to(q_TNK.dtype)
     outs = []
