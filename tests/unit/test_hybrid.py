@@ -285,3 +285,20 @@ def test_installed_forward_follows_a_deep_copy():
     restore()
     assert "forward" not in module.__dict__
     assert clone.model.layers[0].linear_attn.forward.module is clone.model.layers[0].linear_attn
+
+
+def test_register_arch_proves_a_real_sized_hybrid_config():
+    """``register_arch`` shrinks a Qwen3.5-sized config keeping one layer of each kind, and verify passes."""
+    from transformers import AutoConfig
+
+    from actorcore.archs import registry
+    from actorcore.hf.register import shrink_config
+
+    big = AutoConfig.for_model("qwen3_5", text_config=dict(num_hidden_layers=8, vocab_size=1000)).text_config
+    assert big.layer_types[:3] == ["linear_attention"] * 3
+    assert set(shrink_config(big).layer_types) == {"linear_attention", "full_attention"}
+    shipped = get_spec("qwen3_5_text")
+    try:
+        assert ac.register_arch(shipped, big, replace=True).ok
+    finally:
+        registry().remove("qwen3_5_text", restore=shipped)
