@@ -6,7 +6,9 @@ The decoder runs with packed attention (no padding, nothing across sequences): t
 switched to actorcore's implementation for the call, and the packing metadata (``cu_seq_lens_q/k``,
 ``max_length_q/k``), the call's ``ParallelContext`` and its trace travel as explicit keyword arguments down to
 the attention function. Under Ulysses sequence parallelism each rank runs its contiguous shard of the padded
-batch. The trace proves, per call, that our attention ran in every layer.
+batch. A hybrid model's linear-attention (Gated DeltaNet) modules get actorcore's packed forward for the call
+as well (``hf.linear_attention``). The trace proves, per call, that our attention ran in every attention layer
+and our linear attention in every linear-attention layer.
 """
 
 from __future__ import annotations
