@@ -3,8 +3,7 @@
 The kernels against independent plain references (per-sequence ``F.conv1d``; the token-by-token delta rule);
 the models against their own ``ForCausalLM.forward`` run one sequence at a time (log-probs, entropy, every
 parameter's gradient); packing isolation, with each of the two boundaries (the conv's and the delta rule's state)
-broken on its own to show that the isolation test catches it; the trace self-check; activation checkpointing;
-copies of a model carrying the packed forward.
+broken on its own to show that the isolation test catches it; the trace self-check; copies of a model carrying the packed forward.
 """
 
 import contextlib
@@ -217,7 +216,7 @@ def test_each_boundary_is_needed(monkeypatch, broken):
     assert others > TOL["logprob_changed_at_least"], f"breaking {broken} alone went unnoticed"
 
 
-# ---- self-checks, checkpointing, copies ----
+# ---- self-checks, copies (activation checkpointing: tests/unit/test_hf_logprobs.py) ----
 
 
 class _UnpackedForward:
@@ -255,24 +254,6 @@ def test_plain_forward_is_unchanged():
         ac.compute_logprobs(model, ac.pack(_sequences()))
         after = model(input_ids=ids).logits
     assert torch.equal(before, after)
-
-
-def test_activation_checkpointing_recomputes_with_packed_linear_attention():
-    model = build_tiny_model("qwen3_5_text")
-    batch = ac.pack(_sequences(seed=5))
-    out = ac.compute_logprobs(model, batch)
-    (out.log_probs.sum() + out.entropy.sum()).backward()
-    want = _grads(model)
-    model.zero_grad(set_to_none=True)
-    model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trace = Counter()
-    out = ac.compute_logprobs(model, batch, trace=trace)
-    (out.log_probs.sum() + out.entropy.sum()).backward()
-    assert trace[LINEAR] == 2 and trace["attention:actorcore_packed"] == 2  # forward + recomputation
-    for name, ref in want.items():
-        rel = ((_grads(model)[name] - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
-        assert rel <= TOL["grad_packed_vs_hf_fp32_rel"], name
 
 
 def test_installed_forward_follows_a_deep_copy():
