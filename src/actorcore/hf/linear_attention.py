@@ -117,7 +117,7 @@ class GatedDeltaNetForward:
     def __call__(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None,
                  cache_params: Any = None, **kwargs: Any) -> torch.Tensor:
         m = self.module
-        if cache is not None or cache_params is not None:
+        if cache is not None or cache_params is not None or kwargs.get("past_key_values") is not None:
             raise ValueError(f"{type(m).__name__}: actorcore's packed linear attention keeps no cache (training and "
                              "scoring); generate with the model's own forward outside actorcore's calls")
         if attention_mask is not None and not bool(attention_mask.all()):
