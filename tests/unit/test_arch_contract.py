@@ -132,7 +132,7 @@ def test_hybrid_tiny_configs_mix_layer_kinds_and_shapes(model_type):
     swapped key/value count or dim would otherwise go unseen), key heads shared by several value heads, a
     non-default conv width and partial RoPE."""
     linear = get_spec(model_type).linear_attention
-    config = text_config(tiny_config(model_type))
+    config = text_config(_tiny(model_type))
     types = getattr(config, linear.layer_types_field)
     assert linear.layer_type in types and any(t != linear.layer_type for t in types)
     heads = (config.linear_num_key_heads, config.linear_num_value_heads)

@@ -21,7 +21,7 @@ from actorcore.kernels.linear_attention import causal_conv1d_packed, gated_delta
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 
-HYBRID = [m for m in registered_model_types() if get_spec(m).linear_attention is not None]
+HYBRID = [m for m in registered_model_types() if get_spec(m).linear_attention is not None and get_spec(m).vision is None]
 LINEAR = "linear_attention:actorcore_packed"
 # Lengths 1 and 2 (shorter than the conv), 70 (two delta-rule chunks of 64).
 LENGTHS = [9, 1, 70, 2, 17]
@@ -38,6 +38,7 @@ def _cu(lengths):
 
 def test_hybrid_archs_are_registered():
     assert set(HYBRID) == {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
+    assert get_spec("qwen3_5").linear_attention == get_spec("qwen3_5_text").linear_attention  # the image-text model
 
 
 # ---- kernels against plain references ----
