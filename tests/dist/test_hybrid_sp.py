@@ -6,7 +6,7 @@ Lengths 7 + 12 + 4 = 23 tokens: a padding segment is added, and the shard edge f
 configs have 2 linear key heads serving 6 value heads: sp=2 splits them; Qwen3-Next also runs with 1 key head,
 which sp=2 replicates (both ranks' value heads read it), as attention's kv heads (sp=4 would cost 4 processes on
 the CPU for the same code path). Slow decays (small ``A``) keep the linear state alive across whole sequences, so a wrong split
-or a leak at a shard edge would show.
+or a leak at a shard edge would show. The same run checks FSDP2 over the SP ranks around the patched model.
 """
 
 from collections import Counter
@@ -65,13 +65,43 @@ def _check_arch(model_type, overrides, ctx):
     )
 
 
+def _check_fsdp(model_type):
+    """FSDP2 over the SP ranks (the linear-attention forward runs inside sharded layers): per-token outputs and
+    the gradients FSDP2 reduces equal one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import actorcore as ac
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("sp",))
+    ctx = ac.ParallelContext.from_device_mesh(mesh, sp="sp")
+    batch = ac.pack(_sequences())
+    reference, model = _model(model_type, {}), _model(model_type, {})
+    ac.patch_model(model, parallel=ctx)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    trace = Counter()
+    out = ac.compute_logprobs(model, batch, parallel=ctx, trace=trace)
+    ref = ac.compute_logprobs(reference, batch)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    (ref.log_probs.sum() + ref.entropy.sum()).backward()
+    grads = {n: ((p.grad.full_tensor() - r.grad).abs().max() / r.grad.abs().max().clamp(min=1e-30)).item()
+             for (n, p), (_, r) in zip(model.named_parameters(), reference.named_parameters())}
+    return dict(linear_calls=trace["linear_attention:actorcore_ulysses"], grads=grads,
+                logprob=(out.log_probs - ref.log_probs).abs().max().item(),
+                entropy=(out.entropy - ref.entropy).abs().max().item())
+
+
 def _worker(rank, world_size, archs):
     import torch.distributed as dist
 
     from actorcore.parallel import ParallelContext
 
     ctx = ParallelContext(sp_group=dist.new_group(list(range(world_size))))
-    return {f"{arch} {overrides}": _check_arch(arch, overrides, ctx) for arch, overrides in archs}
+    results = {f"{arch} {overrides}": _check_arch(arch, overrides, ctx) for arch, overrides in archs}
+    results["fsdp"] = _check_fsdp(archs[0][0])
+    return results
 
 
 def _assert_results(results, sp_size, archs):
@@ -86,6 +116,11 @@ def _assert_results(results, sp_size, archs):
             for name, rel in r["grads"].items():
                 assert rel <= TOL["grad_sp_vs_single_fp32_rel"], f"{where}: {name} relative grad diff {rel:.2e}"
             assert r["reverted"]
+        fsdp = res["fsdp"]
+        assert fsdp["linear_calls"] == 1, f"rank {rank} FSDP2: Ulysses linear attention did not run"
+        assert max(fsdp["logprob"], fsdp["entropy"]) <= TOL["sp_vs_single_fp32"], f"rank {rank} FSDP2: {fsdp}"
+        for name, rel in fsdp["grads"].items():
+            assert rel <= TOL["grad_sp_vs_single_fp32_rel"], f"rank {rank} FSDP2 {name}: relative grad diff {rel:.2e}"
 
 
 @pytest.mark.dist
