@@ -5,8 +5,9 @@ conv channels split over ranks) and the gated full-attention layers alike.
 Lengths 7 + 12 + 4 = 23 tokens: a padding segment is added, and the shard edge falls inside a sequence. The tiny
 configs have 2 linear key heads serving 6 value heads: sp=2 splits them; Qwen3-Next also runs with 1 key head,
 which sp=2 replicates (both ranks' value heads read it), as attention's kv heads (sp=4 would cost 4 processes on
-the CPU for the same code path). Slow decays (small ``A``) keep the linear state alive across whole sequences, so a wrong split
-or a leak at a shard edge would show. The same run checks FSDP2 over the SP ranks around the patched model.
+the CPU for the same code path). Slow decays (small ``A``) keep the linear state alive across whole sequences, so a
+wrong split or a leak at a shard edge would show. The same run checks FSDP2 over the SP ranks around the patched
+model.
 """
 
 from collections import Counter

@@ -63,7 +63,8 @@ def _check_arch(model_type, ctx):
         ref = ac.compute_logprobs(reference, batch, temperature=0.9)
         out = ac.compute_logprobs(actor, batch, temperature=0.9, parallel=ctx, trace=trace)
         # attention layers, or (hybrid models) linear-attention layers
-        result[f"{name}/ulysses_calls"] = trace["attention:actorcore_ulysses"] + trace["linear_attention:actorcore_ulysses"]
+        result[f"{name}/ulysses_calls"] = (trace["attention:actorcore_ulysses"]
+                                           + trace["linear_attention:actorcore_ulysses"])
         result[f"{name}/tower_calls"] = len(tower_calls) - before_tower
         result[f"{name}/logprob"] = (out.log_probs - ref.log_probs).abs().tolist()
         result[f"{name}/entropy"] = (out.entropy - ref.entropy).abs().tolist()

@@ -126,7 +126,8 @@ def test_register_arch_shrinks_a_real_sized_config(restore_granite):
     assert big.num_hidden_layers == 40, "the caller's config is not modified"
 
 
-@pytest.mark.parametrize("model_type", [m for m in registered_model_types() if get_spec(m).linear_attention is not None])
+@pytest.mark.parametrize("model_type",
+                         [m for m in registered_model_types() if get_spec(m).linear_attention is not None])
 def test_hybrid_tiny_configs_mix_layer_kinds_and_shapes(model_type):
     """A hybrid tiny config has both layer kinds, and linear-attention heads and dims unlike the attention's (a
     swapped key/value count or dim would otherwise go unseen), key heads shared by several value heads, a

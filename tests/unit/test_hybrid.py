@@ -3,7 +3,8 @@
 The kernels against independent plain references (per-sequence ``F.conv1d``; the token-by-token delta rule);
 the models against their own ``ForCausalLM.forward`` run one sequence at a time (log-probs, entropy, every
 parameter's gradient); packing isolation, with each of the two boundaries (the conv's and the delta rule's state)
-broken on its own to show that the isolation test catches it; the trace self-check; copies of a model carrying the packed forward.
+broken on its own to show that the isolation test catches it; the trace self-check; copies of a model carrying
+the packed forward.
 """
 
 import contextlib
@@ -21,7 +22,8 @@ from actorcore.kernels.linear_attention import causal_conv1d_packed, gated_delta
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 
-HYBRID = [m for m in registered_model_types() if get_spec(m).linear_attention is not None and get_spec(m).vision is None]
+HYBRID = [m for m in registered_model_types()
+          if get_spec(m).linear_attention is not None and get_spec(m).vision is None]  # text models
 LINEAR = "linear_attention:actorcore_packed"
 # Lengths 1 and 2 (shorter than the conv), 70 (two delta-rule chunks of 64).
 LENGTHS = [9, 1, 70, 2, 17]
@@ -284,3 +286,15 @@ def test_register_arch_proves_a_real_sized_hybrid_config():
         assert ac.register_arch(shipped, big, replace=True).ok
     finally:
         registry().remove("qwen3_5_text", restore=shipped)
+
+
+def test_sp_size_the_linear_heads_cannot_take_is_refused():
+    """4 attention heads / 2 kv heads take sp=4, but 6 linear value heads do not: refused at patch time."""
+    from types import SimpleNamespace
+
+    model = build_tiny_model("qwen3_5_text")
+    refusal = r"linear-attention .*6 value heads and 2 key heads over sp_size=4.*\[1, 2, 6\]"
+    with pytest.raises(ValueError, match=refusal):
+        ac.patch_model(model, parallel=SimpleNamespace(sp_size=4, sp_group=object(), sp_rank=0))
+    assert "_actorcore_patch" not in model.__dict__ and model.config._attn_implementation == "eager"
+    assert "forward" not in model.model.layers[0].linear_attn.__dict__

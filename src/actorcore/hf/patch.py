@@ -3,7 +3,8 @@
 What a patch changes, all on this model instance only:
 - Ulysses SP (``parallel.sp_size > 1``): ``_attn_implementation`` of the configs this model's attention
   modules read is set to ``actorcore_ulysses``; a hybrid model's linear-attention modules get their packed
-  instance ``forward`` (``hf.linear_attention.GatedDeltaNetForward``), which splits their heads over the SP group. The SP group itself is not stored: it arrives with every call
+  instance ``forward`` (``hf.linear_attention.GatedDeltaNetForward``), which splits their heads over the SP group.
+  The SP group itself is not stored: it arrives with every call
   (``compute_logprobs(..., parallel=ctx)``), through the decoder's keyword arguments.
 - Tiled MLP (``tiled_mlp_shards``): each decoder layer's MLP gets an instance ``forward`` (a ``TiledMLPForward``
   object that holds its module) running the original forward shard by shard (``kernels.tiled_mlp``); decoder
