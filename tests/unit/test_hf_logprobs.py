@@ -91,7 +91,10 @@ def test_parameter_gradients_match_padded_hf(model_type):
     lp, ent = logprobs_from_logits(padded_logits(model, ids, mask), ids, mask, 0.7)
     lp, ent = padded_to_packed(lp, mask), padded_to_packed(ent, mask)
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
-    _assert_grads_close(packed, _grads(model), TOL["grad_packed_vs_hf_fp32_rel"])
+    spec = get_spec(model_type)
+    hybrid_moe = spec.linear_attention is not None and spec.mlp_kind == "moe"  # see the tolerance's comment
+    _assert_grads_close(packed, _grads(model), TOL["grad_hybrid_moe_vs_hf_fp32_rel" if hybrid_moe
+                                                   else "grad_packed_vs_hf_fp32_rel"])
 
 
 def test_packed_attention_ran_and_plain_forward_is_unchanged():

@@ -148,9 +148,11 @@ def test_equals_own_forward_per_sequence_with_gradients(model_type):
     assert (out.log_probs - lp).abs().max().item() <= tol
     assert (out.entropy - ent).abs().max().item() <= tol
     assert packed.keys() == want.keys() and any("linear_attn" in n for n in want)
+    grad_tol = TOL["grad_hybrid_moe_vs_hf_fp32_rel" if get_spec(model_type).mlp_kind == "moe"
+                   else "grad_packed_vs_hf_fp32_rel"]
     for name in want:
         rel = ((packed[name] - want[name]).abs().max() / want[name].abs().max().clamp(min=1e-30)).item()
-        assert rel <= TOL["grad_hybrid_vs_own_forward_fp32_rel"], f"{name}: relative grad difference {rel:.2e}"
+        assert rel <= grad_tol, f"{name}: relative grad difference {rel:.2e}"
     assert "forward" not in model.model.layers[0].linear_attn.__dict__, "the per-call forward was not restored"
 
 
