@@ -69,6 +69,15 @@ TINY_VLM_CONFIGS: dict[str, dict[str, Any]] = {
                                               partial_rotary_factor=0.5)),
         vision_config=dict(VISION, intermediate_size=40, out_hidden_size=64, num_position_embeddings=16),
     ),
+    "qwen3_5_moe": dict(
+        **QWEN_IDS,
+        text_config=dict(TEXT, **{k: v for k, v in HYBRID.items() if k != "rope_parameters"},
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                         shared_expert_intermediate_size=24,
+                         rope_parameters=dict(MROPE, mrope_section=[2, 1, 1], mrope_interleaved=True,
+                                              partial_rotary_factor=0.5)),
+        vision_config=dict(VISION, intermediate_size=40, out_hidden_size=64, num_position_embeddings=16),
+    ),
     "glm4v": dict(
         **GLM_IDS,
         # partial rotary 0.5: 4 rotary frequencies per head
