@@ -17,7 +17,7 @@ from actorcore.testing.distributed import run_distributed
 from actorcore.testing.tolerances import TOL
 
 SP = 2
-ARCHS = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_vl_moe", "kimi_k25")
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen3_vl_moe", "kimi_k25", "qwen3_5")
 
 
 def _batches(model):
@@ -65,7 +65,9 @@ def _check_arch(model_type, ctx):
         w = 0.5 + torch.rand(2, batch.num_tokens, generator=torch.Generator().manual_seed(7))
         ref = ac.compute_logprobs(reference, batch, temperature=0.9)
         out = ac.compute_logprobs(actor, batch, temperature=0.9, parallel=ctx, trace=trace)
-        result[f"{name}/ulysses_calls"] = trace["attention:actorcore_ulysses"]
+        # attention layers, or (hybrid models) linear-attention layers
+        result[f"{name}/ulysses_calls"] = (trace["attention:actorcore_ulysses"]
+                                           + trace["linear_attention:actorcore_ulysses"])
         result[f"{name}/tower_calls"] = len(tower_calls) - before_tower
         result[f"{name}/logprob"] = (out.log_probs - ref.log_probs).abs().tolist()
         result[f"{name}/entropy"] = (out.entropy - ref.entropy).abs().tolist()

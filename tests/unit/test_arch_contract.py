@@ -124,3 +124,20 @@ def test_register_arch_shrinks_a_real_sized_config(restore_granite):
     report = ac.register_arch(spec, big, replace=True)
     assert report.ok
     assert big.num_hidden_layers == 40, "the caller's config is not modified"
+
+
+@pytest.mark.parametrize("model_type",
+                         [m for m in registered_model_types() if get_spec(m).linear_attention is not None])
+def test_hybrid_tiny_configs_mix_layer_kinds_and_shapes(model_type):
+    """A hybrid tiny config has both layer kinds, and linear-attention heads and dims unlike the attention's (a
+    swapped key/value count or dim would otherwise go unseen), key heads shared by several value heads, a
+    non-default conv width and partial RoPE."""
+    linear = get_spec(model_type).linear_attention
+    config = text_config(_tiny(model_type))
+    types = getattr(config, linear.layer_types_field)
+    assert linear.layer_type in types and any(t != linear.layer_type for t in types)
+    heads = (config.linear_num_key_heads, config.linear_num_value_heads)
+    assert heads[0] < heads[1] and heads != (config.num_key_value_heads, config.num_attention_heads)
+    assert config.linear_key_head_dim != config.linear_value_head_dim
+    assert config.linear_conv_kernel_dim != 4
+    assert config.rope_parameters["partial_rotary_factor"] not in (None, 0.25, 1.0)

@@ -16,12 +16,13 @@ from actorcore.archs.spec import (
     HEAD_CONFIG_FIELDS,
     ArchSpec,
     HeadTransform,
+    LinearAttentionSpec,
     UnsupportedArchitectureError,
     submodule,
 )
 
-__all__ = ["ArchSpec", "HeadTransform", "Registry", "UnsupportedArchitectureError", "check_config", "get_spec",
-           "registered_model_types", "spec_for_model", "submodule", "text_config"]
+__all__ = ["ArchSpec", "HeadTransform", "LinearAttentionSpec", "Registry", "UnsupportedArchitectureError",
+           "check_config", "get_spec", "registered_model_types", "spec_for_model", "submodule", "text_config"]
 
 _NOT_SPECS = {"spec", "megatron_rules"}
 

@@ -51,6 +51,33 @@ class HeadTransform:
         return value == 0 if self.op == "softcap" else value == 1
 
 
+# How a Gated DeltaNet module projects its input (``LinearAttentionSpec.projections``). "separate": one linear
+# per part, ``in_proj_qkv`` (q, k, v channels head-major, the conv's input), ``in_proj_z``, ``in_proj_b``,
+# ``in_proj_a`` (Qwen3.5). "grouped": ``in_proj_qkvz`` and ``in_proj_ba`` with the parts interleaved per key
+# head, ``[q_h, k_h, v_h..., z_h...]`` for each key head ``h`` (Qwen3-Next).
+LINEAR_PROJECTIONS = ("separate", "grouped")
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """The linear-attention (Gated DeltaNet) layers of a hybrid model.
+
+    A layer is linear attention when ``config.<layer_types_field>[i] == layer_type``; its module is at
+    ``module`` (relative to the layer) and reads ``linear_num_key_heads``, ``linear_num_value_heads``,
+    ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim`` from the config. The other
+    layers are full attention (``ArchSpec.attention``).
+    """
+
+    module: str = "linear_attn"
+    layer_types_field: str = "layer_types"
+    layer_type: str = "linear_attention"
+    projections: str = "separate"
+
+    def __post_init__(self) -> None:
+        if self.projections not in LINEAR_PROJECTIONS:
+            raise ValueError(f"linear attention projections {self.projections!r} is not one of {LINEAR_PROJECTIONS}")
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """Declarative facts about one architecture.
@@ -79,6 +106,9 @@ class ArchSpec:
     mcore: Any = None
     # Vision-language part (vision tower, rope-index function, feature merging); filled for VLMs.
     vision: Any = None
+    # Hybrid models: which layers are linear attention and how their module is laid out (``LinearAttentionSpec``);
+    # None for models whose every layer is full attention.
+    linear_attention: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,6 +117,9 @@ class ArchSpec:
         if not isinstance(self.mcore, McoreSpec):
             raise ValueError(f"{self.model_type}: the spec must state its Megatron part: mcore=McoreSpec(rules=...) "
                              "or McoreSpec(refused='why this architecture has no Megatron route')")
+        if self.linear_attention is not None and not isinstance(self.linear_attention, LinearAttentionSpec):
+            raise ValueError(f"{self.model_type}: linear_attention must be a LinearAttentionSpec, got "
+                             f"{type(self.linear_attention).__name__}")
         if not all(isinstance(t, HeadTransform) for t in self.head):
             raise ValueError(f"{self.model_type}: head must be a tuple of HeadTransform, got {self.head!r}")
 

@@ -200,9 +200,15 @@ def current_implementations(configs: list[Any]) -> set[str | None]:
     return {c.__dict__.get(_IMPLEMENTATION_ATTR) for c in configs}
 
 
+def packed_attention(decoder: torch.nn.Module, configs: list[Any], name: str) -> Any:
+    """Switch ``configs`` to ``name`` for one forward, including the recomputation in backward
+    (``switched_for_call``)."""
+    return switched_for_call(decoder, functools.partial(attention_implementation, configs, name))
+
+
 @contextlib.contextmanager
-def packed_attention(decoder: torch.nn.Module, configs: list[Any], name: str) -> Iterator[None]:
-    """Switch ``configs`` to ``name`` for one forward, including the recomputation in backward.
+def switched_for_call(decoder: torch.nn.Module, switch: Callable[[], Any]) -> Iterator[None]:
+    """Enter ``switch()`` (a context manager factory) for one forward, including the recomputation in backward.
 
     With activation checkpointing, layers are re-run during backward, after this context has exited. The
     checkpoint functions (Hugging Face's per-layer ``_gradient_checkpointing_func``, and torch's
@@ -213,10 +219,10 @@ def packed_attention(decoder: torch.nn.Module, configs: list[Any], name: str) ->
     for module in decoder.modules():
         for attr in _checkpoint_function_attrs(module):
             original = module.__dict__[attr]
-            setattr(module, attr, _recompute_under(original, configs, name))
+            setattr(module, attr, _recompute_under(original, switch))
             wrapped.append((module, attr, original))
     try:
-        with attention_implementation(configs, name):
+        with switch():
             yield
     finally:
         for module, attr, original in wrapped:
@@ -234,10 +240,10 @@ def _checkpoint_function_attrs(module: torch.nn.Module) -> list[str]:
     return attrs
 
 
-def _recompute_under(checkpoint_fn: Any, configs: list[Any], name: str) -> Any:
+def _recompute_under(checkpoint_fn: Any, switch: Callable[[], Any]) -> Any:
     def checkpoint_with_switch(fn: Any, *args: Any, **kwargs: Any) -> Any:
         def switched(*a: Any, **k: Any) -> Any:
-            with attention_implementation(configs, name):
+            with switch():
                 return fn(*a, **k)
 
         return checkpoint_fn(switched, *args, **kwargs)

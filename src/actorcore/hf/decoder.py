@@ -6,18 +6,21 @@ The decoder runs with packed attention (no padding, nothing across sequences): t
 switched to actorcore's implementation for the call, and the packing metadata (``cu_seq_lens_q/k``,
 ``max_length_q/k``), the call's ``ParallelContext`` and its trace travel as explicit keyword arguments down to
 the attention function. Under Ulysses sequence parallelism each rank runs its contiguous shard of the padded
-batch. The trace proves, per call, that our attention ran in every layer.
+batch. A hybrid model's linear-attention (Gated DeltaNet) modules get actorcore's packed forward for the call
+as well (``hf.linear_attention``). The trace proves, per call, that our attention ran in every attention layer
+and our linear attention in every linear-attention layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from typing import Any, Callable
 
 import torch
 
-from actorcore.archs import ArchSpec, submodule
+from actorcore.archs import ArchSpec, submodule, text_config
 from actorcore.batch import PackedBatch, pad_to_multiple, shard_for_sp
 from actorcore.hf.attention import (
     PACKED_ATTENTION,
@@ -26,11 +29,14 @@ from actorcore.hf.attention import (
     PackingNotAppliedError,
     TraceRef,
     attention_configs,
+    attention_implementation,
     current_implementations,
     packed_attention,
     register_attention,
+    switched_for_call,
     trace_key,
 )
+from actorcore.hf.linear_attention import LINEAR_TRACE_KEYS, is_installed, packed_linear_attention, split_layers
 from actorcore.hf.patch import require_sequence_parallel_patch
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
 from actorcore.kernels.trace import check_trace
@@ -103,13 +109,29 @@ def _decoder_inputs(batch: PackedBatch, parallel: Any) -> tuple[PackedBatch, tor
     return work, shard_for_sp(work.input_ids, rank, sp), shard_for_sp(work.position_ids, rank, sp)
 
 
-def _attention_switch(model: Any, decoder: Any, configs: list[Any], parallel: Any) -> Any:
+def _attention_switch(model: Any, decoder: Any, configs: list[Any], linear_modules: list[Any], spec: ArchSpec,
+                      parallel: Any) -> Any:
     if sp_size(parallel) > 1:
         require_sequence_parallel_patch(model, parallel)
         return contextlib.nullcontext()
-    if all(name and name.startswith("actorcore_") for name in current_implementations(configs)):
-        return contextlib.nullcontext()  # an actorcore attention is in place already (a patched model)
-    return packed_attention(decoder, configs, register_attention())
+    # An actorcore attention / linear attention may be in place already (a patched model).
+    attention_in_place = all(name and name.startswith("actorcore_") for name in current_implementations(configs))
+    if all(is_installed(m) for m in linear_modules):
+        return contextlib.nullcontext() if attention_in_place else packed_attention(decoder, configs,
+                                                                                   register_attention())
+    name = None if attention_in_place else register_attention()
+    return switched_for_call(decoder, functools.partial(_hybrid_switch, configs, name, linear_modules,
+                                                        spec.linear_attention))
+
+
+@contextlib.contextmanager
+def _hybrid_switch(configs: list[Any], name: str | None, linear_modules: list[Any], linear_spec: Any) -> Any:
+    """Packed attention (unless ``name`` is None) and packed linear attention, for one forward."""
+    with contextlib.ExitStack() as stack:
+        if name is not None:
+            stack.enter_context(attention_implementation(configs, name))
+        stack.enter_context(packed_linear_attention(linear_modules, linear_spec))
+        yield
 
 
 def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = None,
@@ -121,9 +143,10 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     """
     decoder = submodule(model, spec.decoder)
     layers = submodule(decoder, spec.layers)
-    configs = attention_configs(layers, spec.attention)
+    attention_layers, linear_modules = split_layers(text_config(model.config), layers, spec)
+    configs = attention_configs(attention_layers, spec.attention)
     work, input_ids, position_ids = _decoder_inputs(batch, parallel)
-    switch = _attention_switch(model, decoder, configs, parallel)
+    switch = _attention_switch(model, decoder, configs, linear_modules, spec, parallel)
     trace = Counter() if check_trace(trace) is None else trace
     cu = work.cu_seqlens
     kwargs: dict[str, Any] = dict(
@@ -139,13 +162,21 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     if "inputs_embeds" in kwargs:
         kwargs.pop("input_ids")
     before = sum(trace[k] for k in ATTENTION_TRACE_KEYS)
+    before_linear = sum(trace[k] for k in LINEAR_TRACE_KEYS)
     with switch, finite_checks(model.get_input_embeddings(), layers, check_finite):
         out = decoder(**kwargs)
     ran = sum(trace[k] for k in ATTENTION_TRACE_KEYS) - before
-    if ran < len(layers):
+    if ran < len(attention_layers):
         raise PackingNotAppliedError(
-            f"packed attention ran {ran} times for {len(layers)} layers: the installed transformers bypassed "
-            "actorcore's attention; refusing to return unpacked results"
+            f"packed attention ran {ran} times for {len(attention_layers)} attention layers: the installed "
+            "transformers bypassed actorcore's attention; refusing to return unpacked results"
+        )
+    ran = sum(trace[k] for k in LINEAR_TRACE_KEYS) - before_linear
+    if ran < len(linear_modules):
+        raise PackingNotAppliedError(
+            f"packed linear attention ran {ran} times for {len(linear_modules)} linear-attention layers: the "
+            "installed transformers bypassed actorcore's linear attention (its conv and delta-rule state would run "
+            "across sequences); refusing to return unpacked results"
         )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     if check_finite and not bool(torch.isfinite(hidden).all()):

@@ -2,7 +2,9 @@
 
 What a patch changes, all on this model instance only:
 - Ulysses SP (``parallel.sp_size > 1``): ``_attn_implementation`` of the configs this model's attention
-  modules read is set to ``actorcore_ulysses``. The SP group itself is not stored: it arrives with every call
+  modules read is set to ``actorcore_ulysses``; a hybrid model's linear-attention modules get their packed
+  instance ``forward`` (``hf.linear_attention.GatedDeltaNetForward``), which splits their heads over the SP group.
+  The SP group itself is not stored: it arrives with every call
   (``compute_logprobs(..., parallel=ctx)``), through the decoder's keyword arguments.
 - Tiled MLP (``tiled_mlp_shards``): each decoder layer's MLP gets an instance ``forward`` (a ``TiledMLPForward``
   object that holds its module) running the original forward shard by shard (``kernels.tiled_mlp``); decoder
@@ -22,8 +24,9 @@ from typing import Any, Callable
 
 import torch
 
-from actorcore.archs import spec_for_model, submodule
+from actorcore.archs import spec_for_model, submodule, text_config
 from actorcore.hf.attention import attention_configs, current_implementations, register_attention, swap_attention_implementation
+from actorcore.hf.linear_attention import check_linear_heads, install_linear_forwards, is_installed, split_layers
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION, PatchNotAppliedError, ulysses_attention_forward
 from actorcore.kernels.tiled_mlp import tiled_mlp
 from actorcore.parallel import sp_size
@@ -185,7 +188,11 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards)
     try:
         if handle.sp_size > 1:
-            _patch_attention(handle, layers, spec.attention)
+            attention_layers, linear_modules = split_layers(text_config(model.config), layers, spec)
+            if attention_layers:
+                _patch_attention(handle, attention_layers, spec.attention)
+            if linear_modules:
+                _patch_linear_attention(handle, linear_modules, spec.linear_attention)
         if tiled_mlp_shards is not None:
             _patch_mlps(handle, decoder, [submodule(layer, spec.mlp) for layer in layers], tiled_mlp_shards)
         model.__dict__[PATCH_ATTR] = PatchState(sp_size=handle.sp_size, tiled_mlp_shards=tiled_mlp_shards)
@@ -209,6 +216,15 @@ def _patch_attention(handle: PatchHandle, layers: list[torch.nn.Module], attenti
                          "switches both; build each model from its own config (copy.deepcopy(config))")
     name = register_attention(ULYSSES_ATTENTION, ulysses_attention_forward)
     handle._undo.append(swap_attention_implementation(configs, name))
+
+
+def _patch_linear_attention(handle: PatchHandle, modules: list[torch.nn.Module], linear_spec: Any) -> None:
+    """Ulysses SP for Gated DeltaNet layers: their packed forward, for good (it reads the SP context per call)."""
+    check_linear_heads(modules, handle.sp_size)
+    if any(is_installed(m) for m in modules):
+        raise ValueError("this model's linear-attention modules already run actorcore's packed forward although the "
+                         "model is not patched; revert the other patch (or build a fresh model) first")
+    handle._undo.append(install_linear_forwards(modules, linear_spec))
 
 
 def _patch_mlps(handle: PatchHandle, decoder: torch.nn.Module, mlps: list[torch.nn.Module], shards: int) -> None:

@@ -22,20 +22,27 @@ logger = logging.getLogger(__name__)
 TINY_SIZES: dict[str, int] = dict(hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=16, vocab_size=131, moe_intermediate_size=40,
                                   shared_expert_intermediate_size=24, num_experts=4, num_local_experts=4,
-                                  n_routed_experts=4, num_experts_per_tok=2)
+                                  n_routed_experts=4, num_experts_per_tok=2, linear_num_key_heads=2,
+                                  linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12)
 TINY_SEQUENCE_LENGTHS = (1, 7, 23, 12)
 
 
 def shrink_config(config: Any) -> Any:
     """A copy of ``config`` with the sizes of ``TINY_SIZES`` (only where it has those fields), its per-layer
-    lists cut to the new depth, and every other field unchanged."""
+    lists cut to the new depth (deep enough for one layer of each kind in ``layer_types``: a hybrid model keeps a
+    linear-attention and a full-attention layer), and every other field unchanged."""
     tiny = copy.deepcopy(config)
     for name, value in TINY_SIZES.items():
         if getattr(tiny, name, None) is not None:
             setattr(tiny, name, value)
     layers = tiny.num_hidden_layers
     if isinstance(getattr(tiny, "layer_types", None), (list, tuple)):
-        tiny.layer_types = list(tiny.layer_types)[:layers]
+        types = list(tiny.layer_types)
+        kinds = list(dict.fromkeys(types))
+        if not set(kinds) <= set(types[:layers]):  # the first layers miss a kind: one of each, in order of first use
+            layers = tiny.num_hidden_layers = max(layers, len(kinds))
+            types = kinds + types
+        tiny.layer_types = types[:layers]
     if isinstance(getattr(tiny, "mlp_only_layers", None), (list, tuple)):
         tiny.mlp_only_layers = [i for i in tiny.mlp_only_layers if i < layers]
     if getattr(tiny, "first_k_dense_replace", None):

@@ -2,11 +2,11 @@
 
 Nothing heavy is imported here; import the submodule you need, e.g.
 ``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch
-(and triton lazily, when a triton backend is chosen); they never import model code or issue collectives.
+(and triton / flash-linear-attention lazily, when such a backend is chosen); they never import model code or issue collectives.
 
 Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``linear_logprob_loss``,
 ``linear_logprob_entropy_vocab_shard`` and ``parallel.vocab_parallel.linear_logprob_entropy_vocab_parallel``,
-``varlen_causal_attention``) take ``trace: collections.Counter[str] | None``. When given, they add to it
+``varlen_causal_attention``, ``causal_conv1d_packed``, ``gated_delta_rule_packed``) take ``trace: collections.Counter[str] | None``. When given, they add to it
 (backward recomputation included: the autograd context keeps the same Counter) under these keys:
 
     logprob:reference             calls that ran the plain fp32 reference
@@ -17,6 +17,8 @@ Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``l
     logprob:triton_backward       launches of the Triton grad_logits recompute kernel (one per backward block)
     logprob:triton_fused_loss     chunks run by the Triton loss-fused forward (``linear_logprob_loss``)
     varlen_attention:<backend>    calls per attention backend that ran: flash_attn, torch_varlen, segments
+    causal_conv1d:<backend>       packed causal conv1d calls (``linear_attention.causal_conv1d_packed``): torch, fla
+    gated_delta_rule:<backend>    packed gated delta rule calls (``linear_attention.gated_delta_rule_packed``): torch, fla
 
 Nothing else in the package keeps counters: there is no module-level state that a test reads or sets.
 """

@@ -47,6 +47,16 @@ def replicate_kv_heads(x_LKH: torch.Tensor, sp_size: int) -> torch.Tensor:
     return x_LKH.repeat_interleave(sp_size // num_kv, dim=1)
 
 
+def heads_of_rank(x_NX: torch.Tensor, sp_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s block of heads along dim 0 (``[N / sp, ...]``), as ``sequence_to_head_sharded`` of
+    ``replicate_kv_heads`` gives it for activations: each head repeated ``sp / N`` times first when ``N < sp``.
+    For per-head parameters (a convolution's channels) that go with exchanged activations."""
+    if x_NX.shape[0] < sp_size:
+        x_NX = x_NX.repeat_interleave(sp_size // x_NX.shape[0], dim=0)
+    n = x_NX.shape[0] // sp_size
+    return x_NX[rank * n:(rank + 1) * n]
+
+
 def split_heads_into_blocks(x_LNH: torch.Tensor, sp_size: int) -> torch.Tensor:
     """``[L, N, H]`` -> ``[S, L, n, H]``: block ``s`` holds head group ``s`` (to be sent to rank ``s``)."""
     L, N, H = x_LNH.shape

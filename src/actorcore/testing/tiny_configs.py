@@ -24,6 +24,12 @@ COMMON: dict[str, Any] = dict(
 
 MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True)
 
+HYBRID: dict[str, Any] = dict(
+    layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=3, linear_num_key_heads=2,
+    linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12, rms_norm_eps=1e-5,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+)
+
 # One entry per registered model_type: only what differs from COMMON.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {},
@@ -57,6 +63,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32,
                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
                         routed_scaling_factor=2.5, norm_topk_prob=True),
+    # Hybrid Gated DeltaNet / gated full attention: linear heads and dims unlike the attention's (2 key heads
+    # serving 6 value heads, key dim 8, value dim 12), a conv of width 3, partial RoPE on half the head dim.
+    "qwen3_5_text": dict(head_dim=16, **HYBRID),
+    "qwen3_5_moe_text": dict(head_dim=16, **HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                             shared_expert_intermediate_size=24),
+    "qwen3_next": dict(head_dim=16, **HYBRID, **MOE, shared_expert_intermediate_size=24, decoder_sparse_step=1,
+                       mlp_only_layers=[1]),
 }
 
 

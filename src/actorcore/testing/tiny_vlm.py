@@ -34,6 +34,7 @@ from actorcore.hf.embedded import QWEN_VLM_IDS as QWEN_IDS
 from actorcore.testing.tiny_configs import TINY_CONFIGS
 from actorcore.hf.embedded import VLM_TEXT as TEXT
 from actorcore.hf.embedded import VLM_VISION as VISION
+from actorcore.testing.tiny_configs import HYBRID
 
 MOE_TEXT: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, decoder_sparse_step=1,
                                 mlp_only_layers=[])
@@ -64,6 +65,23 @@ TINY_VLM_CONFIGS: dict[str, dict[str, Any]] = {
         text_config=dict(TEXT, **MOE_TEXT, rope_parameters=dict(MROPE, mrope_interleaved=True)),
         vision_config=dict(VISION, intermediate_size=40, out_hidden_size=64, num_position_embeddings=16,
                            deepstack_visual_indexes=[0]),
+    ),
+    "qwen3_5": dict(
+        **QWEN_IDS,
+        # Qwen3.5's hybrid decoder (tiny_configs.HYBRID), partial RoPE 0.5: 4 rotary frequencies over (t, h, w)
+        text_config=dict(TEXT, **{k: v for k, v in HYBRID.items() if k != "rope_parameters"},
+                         rope_parameters=dict(MROPE, mrope_section=[2, 1, 1], mrope_interleaved=True,
+                                              partial_rotary_factor=0.5)),
+        vision_config=dict(VISION, intermediate_size=40, out_hidden_size=64, num_position_embeddings=16),
+    ),
+    "qwen3_5_moe": dict(
+        **QWEN_IDS,
+        text_config=dict(TEXT, **{k: v for k, v in HYBRID.items() if k != "rope_parameters"},
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                         shared_expert_intermediate_size=24,
+                         rope_parameters=dict(MROPE, mrope_section=[2, 1, 1], mrope_interleaved=True,
+                                              partial_rotary_factor=0.5)),
+        vision_config=dict(VISION, intermediate_size=40, out_hidden_size=64, num_position_embeddings=16),
     ),
     "glm4v": dict(
         **GLM_IDS,
