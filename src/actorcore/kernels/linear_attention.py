@@ -37,11 +37,30 @@ def has_fla() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def _choose(backend: str, device: torch.device) -> str:
+def fla_delta_rule_refusal(device: torch.device) -> str | None:
+    """Why fla's gated delta rule cannot train here, or None. fla 0.6 itself refuses its backward on Hopper with
+    Triton >= 3.4 and < 3.7.1 (wrong gradients, fla issue #640) unless tilelang is installed; measured on the
+    H200 with Triton 3.6: the RuntimeError comes only in backward, after the forward has run."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    if importlib.util.find_spec("tilelang") is not None or importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3] if p.isdigit())
+    if (3, 4) <= version < (3, 7, 1):
+        return (f"fla's gated delta rule backward is wrong on Hopper with Triton {triton.__version__} (fla #640); "
+                "install Triton >= 3.7.1 or tilelang")
+    return None
+
+
+def _choose(backend: str, device: torch.device, delta_rule_needs_grad: bool = False) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown linear-attention backend {backend!r}; choose one of {BACKENDS}")
     if backend == "auto":
-        return "fla" if device.type == "cuda" and has_fla() else "torch"
+        if device.type != "cuda" or not has_fla():
+            return "torch"
+        return "torch" if delta_rule_needs_grad and fla_delta_rule_refusal(device) else "fla"
     if backend == "fla" and device.type != "cuda":
         raise ValueError("the fla backend runs on CUDA only; use backend='torch' on the CPU")
     return backend
@@ -136,7 +155,9 @@ def gated_delta_rule_packed(
         raise ValueError(f"{M} value heads cannot share {N} key heads evenly")
     _check_cu_seqlens(cu_seqlens, T)
     scale = K**-0.5 if scale is None else scale
-    backend = _choose(backend, q_TNK.device)
+    needs_grad = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (q_TNK, k_TNK, v_TMV, g_TM, beta_TM))
+    backend = _choose(backend, q_TNK.device, delta_rule_needs_grad=needs_grad)
     add(trace, f"gated_delta_rule:{backend}")
     if backend == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
