@@ -131,3 +131,27 @@ def test_pack_padded_shape_errors():
 def test_unpack_wrong_length():
     with pytest.raises(ValueError, match="tokens"):
         ac.unpack(torch.zeros(5), ac.pack(_seqs()))
+
+
+def test_pack_takes_a_generator():
+    seqs = [torch.tensor([3, 4, 5]), torch.tensor([6])]
+    assert torch.equal(ac.pack(s for s in seqs).input_ids, ac.pack(seqs).input_ids)
+
+
+def test_unpack_of_a_scalar_says_what_it_takes():
+    with pytest.raises(ValueError, match=r"per-token values \[T, \.\.\.\].*0-d tensor"):
+        ac.unpack(torch.tensor(1.0), ac.pack([torch.tensor([3, 4])]))
+
+
+@pytest.mark.parametrize("cu, match", [
+    (torch.tensor([0, 3, 2, 5], dtype=torch.int32), "increase strictly"),
+    (torch.tensor([0.0, 2.0, 5.0]), "int32/int64"),
+    (torch.tensor([0, 2, 4], dtype=torch.int32), "end at the token count 5"),
+    (torch.tensor([1, 2, 5], dtype=torch.int32), "start at 0"),
+])
+def test_hand_built_batch_is_validated_on_construction(cu, match):
+    from actorcore.batch import PackedBatch
+
+    ids = torch.arange(3, 8)
+    with pytest.raises(ValueError, match=match):
+        PackedBatch(input_ids=ids, position_ids=torch.zeros(5, dtype=torch.long), cu_seqlens=cu, max_seqlen=5)
