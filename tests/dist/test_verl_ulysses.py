@@ -148,7 +148,7 @@ def _worker(rank, world_size):
     model = build_tiny_model("qwen3", seed=5)
     apply_monkey_patch(model, world_size, True, True)
     out = model(input_ids=ids_s, position_ids=pos_s, attention_mask=None, use_cache=False, temperature=TEMPERATURE,
-                return_dict=True)
+                return_dict=True, shift_labels=rolled_s)  # verl 0.9's engine passes its sliced rolled labels
     assert out.log_probs.shape == ids_s.shape, (out.log_probs.shape, ids_s.shape)
     lp = gather_outputs_and_unpad(out.log_probs.squeeze(0), 0, 0, pad, group)
     (lp * weights).sum().backward()

@@ -280,3 +280,24 @@ def test_critic_returns_verls_value_logits_per_token(kind):
     with pytest.raises(ValueError, match="use_fused_kernels=True does not apply"):
         handle.revert()
         apply_monkey_patch(model, use_fused_kernels=True)
+
+
+def test_shift_labels_of_verl_09_are_accepted_and_checked():
+    """verl 0.9's FSDP engine passes ``shift_labels`` (its rolled input_ids) to the fused forward."""
+    seqs = _sequences()
+    reference = build_tiny_model("qwen2", seed=4)
+    model = build_tiny_model("qwen2", seed=4)
+    apply_monkey_patch(model, use_fused_kernels=True)
+    input_ids, position_ids = _rmpad(seqs)
+    rolled = torch.roll(input_ids, shifts=-1, dims=1)  # crosses each sequence's end, as verl's does
+    with torch.no_grad():
+        out = model(input_ids=input_ids, position_ids=position_ids, temperature=0.7, shift_labels=rolled,
+                    return_dict=True)
+    want_lp, _ = _hf_next_token(reference, seqs, 0.7)
+    assert (out.log_probs[0] - want_lp).abs().max().item() <= TOL["packed_vs_hf_fp32"]
+    wrong = rolled.clone()
+    wrong[0, 2] += 1  # inside the first sequence
+    with pytest.raises(ValueError, match="shift_labels differ from the next token within a sequence"):
+        model(input_ids=input_ids, position_ids=position_ids, shift_labels=wrong)
+    with pytest.raises(ValueError, match=r"shift_labels must be \(1, total_nnz\)"):
+        model(input_ids=input_ids, position_ids=position_ids, shift_labels=rolled[:, :-1])

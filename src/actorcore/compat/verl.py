@@ -226,7 +226,7 @@ class VerlForward:
 
     def __call__(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, temperature: float = 1.0, labels: Any = None,
-                 **unused: Any):
+                 shift_labels: torch.Tensor | None = None, **unused: Any):
         """Packed forward; runs inside ``model(...)`` so FSDP hooks apply."""
         from actorcore.hf.logprobs import logprobs_inside_forward, values_inside_forward
 
@@ -241,8 +241,13 @@ class VerlForward:
         ctx = self.parallel.resolve() if isinstance(self.parallel, VerlUlyssesGroup) else self.parallel
         if ctx is not None:
             _check_slice(input_ids, position_ids)
+            if shift_labels is not None:
+                _check_slice(input_ids, shift_labels, "shift_labels")
+                shift_labels = _gather_slices(shift_labels, ctx)
             input_ids, position_ids = _gather_slices(input_ids, ctx), _gather_slices(position_ids, ctx)
         batch = batch_from_position_ids(input_ids, position_ids)
+        if shift_labels is not None:
+            _check_shift_labels(shift_labels, batch)
         output_class = _output_class()
         if self.kind == "log_probs":
             out = logprobs_inside_forward(self.model, batch, temperature=temperature, entropy=True, parallel=ctx)
@@ -254,14 +259,31 @@ class VerlForward:
         return output_class(logits=_packed_logits(self.model, batch, ctx))
 
 
-def _check_slice(input_ids: Any, position_ids: Any) -> None:
+def _check_slice(input_ids: Any, other: Any, name: str = "position_ids") -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be this rank's (1, total_nnz_padded / sp) slice (verl's "
                          f"ulysses_pad_and_slice_inputs), got {got}")
-    if not isinstance(position_ids, torch.Tensor) or position_ids.shape != input_ids.shape:
-        raise ValueError("under Ulysses SP, position_ids must be this rank's slice, shaped like input_ids "
+    if not isinstance(other, torch.Tensor) or other.shape != input_ids.shape:
+        raise ValueError(f"under Ulysses SP, {name} must be this rank's slice, shaped like input_ids "
                          f"{tuple(input_ids.shape)} (verl's ulysses_pad_and_slice_inputs slices both)")
+
+
+def _check_shift_labels(shift_labels: Any, batch: PackedBatch) -> None:
+    """verl 0.9 passes ``shift_labels`` (its rolled ``input_ids``) to a fused forward. actorcore takes each label
+    from the next token of the same sequence, which is what verl's are wherever they are read (not at a sequence's
+    last token); labels that differ elsewhere are refused. Checked where it costs no device sync (not on CUDA)."""
+    if not isinstance(shift_labels, torch.Tensor) or tuple(shift_labels.shape) != (1, batch.num_tokens):
+        got = tuple(shift_labels.shape) if isinstance(shift_labels, torch.Tensor) else type(shift_labels).__name__
+        raise ValueError(f"shift_labels must be (1, total_nnz) like input_ids, got {got}")
+    if shift_labels.is_cuda:
+        return
+    inner = torch.ones(batch.num_tokens, dtype=torch.bool)
+    inner[(batch.cu_seqlens[1:] - 1).long().cpu()] = False
+    next_token = torch.roll(batch.input_ids, -1).cpu()
+    if not torch.equal(shift_labels[0].cpu()[inner], next_token[inner]):
+        raise ValueError("shift_labels differ from the next token within a sequence; actorcore scores each token's "
+                         "next token in its own sequence (verl's rolled input_ids) and supports no other labels")
 
 
 def _gather_slices(local_1L: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
