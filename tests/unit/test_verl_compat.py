@@ -204,7 +204,8 @@ def test_liger_backend_is_served_by_our_head_with_a_log_line(caplog):
     model = build_tiny_model("qwen2", seed=4)
     with caplog.at_level("INFO", logger="actorcore.compat.verl"):
         apply_monkey_patch(model, use_fused_kernels=True, fused_kernels_backend="liger")
-    assert any("liger" in r.getMessage() and "actorcore's fused log-prob head" in r.getMessage() for r in caplog.records)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("liger" in m and "actorcore's fused log-prob head" in m for m in messages), messages
     input_ids, position_ids = _rmpad(seqs)
     with torch.no_grad():
         out = model(input_ids=input_ids, position_ids=position_ids, temperature=0.7)

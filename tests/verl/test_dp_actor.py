@@ -87,8 +87,8 @@ def _worker(rank, world_size):
         out = _actor(model, world_size, fused)._forward_micro_batch(_micro_batch(), temperature=TEMPERATURE,
                                                                     calculate_entropy=True)
         lp, ent = out["log_probs"].detach(), out["entropys"].detach()
-        results[fused] = max(max((lp[i, :r] - want_lp[i]).abs().max().item(), (ent[i, :r] - want_ent[i]).abs().max().item())
-                             for i, r in enumerate(RESPONSES))
+        results[fused] = max(max((lp[i, :r] - want_lp[i]).abs().max().item(),
+                                 (ent[i, :r] - want_ent[i]).abs().max().item()) for i, r in enumerate(RESPONSES))
     return results
 
 
