@@ -1,7 +1,8 @@
-"""verl's own actor code drives actorcore's ``apply_monkey_patch``: verl 0.7.1's
-``DataParallelPPOActor._forward_micro_batch`` (remove-padding, with and without fused kernels; Ulysses SP on 2 gloo
-ranks with verl's own Ulysses group) on a tiny model on the CPU. Per response token, its log-probs and entropy
-equal the unpatched model run one sequence at a time.
+"""verl's own actor and critic code drive actorcore's ``apply_monkey_patch``: verl 0.7.1's
+``DataParallelPPOActor._forward_micro_batch`` (remove-padding, with and without fused kernels) and
+``DataParallelPPOCritic._forward_micro_batch``, in one process and under Ulysses SP on 2 gloo ranks with verl's own
+Ulysses group, on tiny models on the CPU. Per response token, log-probs, entropy and values equal the unpatched
+model run one sequence at a time.
 
 Installs nothing: skipped where ``verl.workers.actor.dp_actor`` cannot be imported (verl 0.7.1 installed with
 ``--no-deps`` still imports ray, tensordict, omegaconf, codetiming and more at module level).
@@ -89,12 +90,38 @@ def _worker(rank, world_size):
         lp, ent = out["log_probs"].detach(), out["entropys"].detach()
         results[fused] = max(max((lp[i, :r] - want_lp[i]).abs().max().item(),
                                  (ent[i, :r] - want_ent[i]).abs().max().item()) for i, r in enumerate(RESPONSES))
+    results["critic"] = _critic_worst(world_size)
     return results
+
+
+def _critic_worst(world_size):
+    """verl 0.7.1's DataParallelPPOCritic._forward_micro_batch: values of the response tokens' predecessors. Its
+    forward runs under a bf16 CPU autocast; a float64 model is left alone by autocast, so the comparison is exact
+    up to actorcore's float32 value head."""
+    from omegaconf import OmegaConf
+    from verl.workers.critic.dp_critic import DataParallelPPOCritic
+
+    from actorcore.compat.verl import apply_monkey_patch
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    batch, P = _micro_batch(), max(PROMPTS)
+    reference = build_tiny_model("llama", task="token_classification", seed=8, dtype=torch.float64)
+    model = build_tiny_model("llama", task="token_classification", seed=8, dtype=torch.float64)
+    apply_monkey_patch(model, ulysses_sp_size=world_size, use_remove_padding=True)
+    config = OmegaConf.create({"model": {"use_remove_padding": True}, "ulysses_sequence_parallel_size": world_size})
+    values = DataParallelPPOCritic(config, model, None)._forward_micro_batch(batch).detach()
+    worst = 0.0
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+            seq = batch["input_ids"][i, P - p:P + r]
+            want = reference(input_ids=seq[None]).logits[0, p - 1:p + r - 1, 0]  # verl: values[:, -R - 1:-1]
+            worst = max(worst, (values[i, :r] - want).abs().max().item())
+    return worst
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_verl_dp_actor_forward_micro_batch_matches_plain_hf(world_size):
+def test_verl_dp_actor_and_critic_forward_micro_batch_match_plain_hf(world_size):
     for rank, res in enumerate(run_distributed(_worker, world_size)):
-        for fused, worst in res.items():
-            assert worst <= TOL["packed_vs_hf_fp32"], f"rank {rank} fused={fused}: max |Δ| {worst:.2e}"
+        for path, worst in res.items():
+            assert worst <= TOL["packed_vs_hf_fp32"], f"rank {rank} {path} (True/False: fused): max |Δ| {worst:.2e}"
