@@ -1,20 +1,27 @@
 """verl-compatible entry point: ``apply_monkey_patch`` and a patched forward returning log-probs/entropy.
 
-Switch with ``from actorcore.compat.verl import apply_monkey_patch``. Everything runs through actorcore's own
-API (``patch_model``, ``compute_logprobs``); there is no second implementation.
+Switch with ``from actorcore.compat.verl import apply_monkey_patch``: same arguments in the same order as
+verl's (0.7 to 0.9). Everything runs through actorcore's own API (``patch_model``, the packed decoder, the
+fused head, ``compute_values``' path); there is no second implementation.
 
 Contract of the patched forward (verl's remove-padding layout):
 - ``input_ids`` and ``position_ids`` are ``(1, total_nnz)``: every sequence concatenated, no padding.
 - Sequence boundaries come from ``position_ids``: a sequence starts at token 0, wherever the position is 0,
   and wherever it does not continue the previous position by one. ``attention_mask`` must be ``None``.
-- Under Ulysses SP every rank of the SP group passes the SAME full ``(1, total_nnz)`` tensors and gets the
-  full outputs back: skip verl's ``ulysses_pad_and_slice_inputs`` / ``gather_outputs_and_unpad`` (actorcore
-  pads, shards and gathers inside, and scores each shard's last token against the next shard's first).
+- Under Ulysses SP (verl's contract): each rank of the SP group passes ITS slice ``(1, total_nnz_padded / sp)``
+  of the padded inputs (verl's ``ulysses_pad_and_slice_inputs``) and gets ITS slice of the outputs back (verl
+  gathers them with ``gather_outputs_and_unpad``). The forward all-gathers the id/position slices, finds the
+  boundaries on the whole batch, runs actorcore's SP path, and returns this rank's slice. The SP group is
+  ``sp_group=`` / ``parallel=`` if given, else verl's own (``verl.utils.ulysses.get_ulysses_sequence_parallel_group``,
+  read at each call).
 - ``use_fused_kernels=True``: the output has ``log_probs`` and ``entropy`` ``(1, total_nnz)``, float32, at
   verl's alignment: position ``t`` holds ``log p(input_ids[t + 1])`` (the token it predicts), and 0 at the
   last token of each sequence (which predicts nothing in its own sequence). ``temperature`` divides the logits.
 - ``use_fused_kernels=False``: the output has ``logits`` ``(1, total_nnz, vocab)`` from the packed decoder
-  (temperature is left to the caller, as in verl).
+  (temperature is left to the caller, as in verl). The tensor is fresh (no view of anything autograd or
+  FSDP holds), so verl's in-place ``logits.div_(temperature)`` keeps the backward hooks FSDP registered on it.
+- Critics and reward models (``...ForTokenClassification`` / ``...ForSequenceClassification`` with one label):
+  ``logits`` is ``(1, total_nnz, 1)``, the float32 value at every token, as verl's critic reads it.
 - Zero tokens (``input_ids`` of shape ``(1, 0)``) is a ``ValueError``, not an empty output: verl never runs an
   empty micro-batch, and a rank that skipped the decoder would leave the other ranks' FSDP collectives waiting.
 """
@@ -34,7 +41,8 @@ from actorcore.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
 
-FUSED_KERNELS_BACKENDS = (None, "torch", "triton")
+# verl 0.7 accepts None/"torch"/"triton"; verl 0.9 adds "liger". actorcore's own fused head serves them all.
+FUSED_KERNELS_BACKENDS = (None, "torch", "triton", "liger")
 
 
 @functools.cache
@@ -83,35 +91,100 @@ def to_predicting_position(scored_T: torch.Tensor, batch: PackedBatch) -> torch.
     return out.index_fill(0, (batch.cu_seqlens[1:] - 1).long(), 0.0)
 
 
-def _context(ulysses_sp_size: int, sp_group: Any, parallel: Any) -> ParallelContext | None:
-    if not isinstance(ulysses_sp_size, int) or ulysses_sp_size < 1:
+class VerlUlyssesGroup:
+    """A ``ParallelContext``-shaped SP context whose group is verl's, read at each call.
+
+    verl sets its Ulysses group (``verl.utils.ulysses.set_ulysses_sequence_parallel_group``) inside its sharding
+    manager, after ``apply_monkey_patch`` ran, so the group cannot be taken at patch time. Holds only the size.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    @property
+    def sp_size(self) -> int:
+        return self.size
+
+    def resolve(self) -> ParallelContext:
+        """A ``ParallelContext`` on verl's current Ulysses group, of the size given at patch time."""
+        from verl.utils.ulysses import get_ulysses_sequence_parallel_group
+
+        group = get_ulysses_sequence_parallel_group()
+        if group is None:
+            raise ValueError(f"apply_monkey_patch(ulysses_sp_size={self.size}) reads verl's Ulysses group at each "
+                             "call, but verl has not set one: run the forward inside verl's sharding manager (which "
+                             "calls set_ulysses_sequence_parallel_group), or patch with sp_group= / parallel=")
+        ctx = ParallelContext(sp_group=group)
+        if ctx.sp_size != self.size:
+            raise ValueError(f"the model was patched with ulysses_sp_size={self.size} but verl's Ulysses group has "
+                             f"{ctx.sp_size} ranks; patch with the size of verl's group")
+        return ctx
+
+
+def _verl_ulysses_importable() -> bool:
+    try:
+        import verl.utils.ulysses  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _context(ulysses_sp_size: int, sp_group: Any, parallel: Any) -> Any:
+    """The SP context of the patch: None (no SP), a ``ParallelContext``, or a ``VerlUlyssesGroup``."""
+    if isinstance(ulysses_sp_size, bool) or not isinstance(ulysses_sp_size, int) or ulysses_sp_size < 1:
         raise ValueError(f"ulysses_sp_size must be a positive int, got {ulysses_sp_size!r}")
     if sp_group is not None and parallel is not None:
         raise ValueError("pass either sp_group or parallel, not both")
     ctx = ParallelContext(sp_group=sp_group) if sp_group is not None else parallel
+    if ctx is None and ulysses_sp_size > 1:
+        if _verl_ulysses_importable():
+            logger.info("ulysses_sp_size=%d: the SP group is verl's (get_ulysses_sequence_parallel_group), read "
+                        "at each call", ulysses_sp_size)
+            return VerlUlyssesGroup(ulysses_sp_size)
+        raise ValueError(f"ulysses_sp_size={ulysses_sp_size} needs the SP group and verl is not importable: pass "
+                         "sp_group= (e.g. device_mesh['sp'].get_group()) or "
+                         "parallel=ParallelContext.from_device_mesh(...)")
     have = 1 if ctx is None else ctx.sp_size
     if have != ulysses_sp_size:
-        if ulysses_sp_size > 1 and ctx is None:
-            raise ValueError(f"ulysses_sp_size={ulysses_sp_size} needs the SP group: pass sp_group= (e.g. "
-                             "device_mesh['sp'].get_group()) or parallel=ParallelContext.from_device_mesh(...)")
         raise ValueError(f"ulysses_sp_size={ulysses_sp_size} but the given SP group has {have} ranks")
-    return ctx
+    return ctx if ulysses_sp_size > 1 else None
+
+
+def _is_critic(model: torch.nn.Module) -> bool:
+    """A one-label value model (``...ForTokenClassification`` / ``...ForSequenceClassification``): no LM head."""
+    from actorcore.archs import spec_for_model
+
+    if model.get_output_embeddings() is not None:
+        return False
+    head = getattr(model, spec_for_model(model).value_head, None)
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__} has neither an LM head nor a value head "
+                         f"'{spec_for_model(model).value_head}'; apply_monkey_patch serves causal LMs and critics")
+    if head.out_features != 1:
+        raise ValueError(f"{type(model).__name__} has {head.out_features} labels; verl's critic and reward model "
+                         "read one value per token: build it with num_labels=1")
+    return True
 
 
 def apply_monkey_patch(model: torch.nn.Module, ulysses_sp_size: int = 1, use_remove_padding: bool = True,
                        use_fused_kernels: bool = False, fused_kernels_backend: str | None = None,
-                       use_tiled_mlp: bool = False, tiled_mlp_shards: int = 4, *, sp_group: Any = None,
-                       parallel: ParallelContext | None = None) -> PatchHandle:
+                       use_prefix_grouper: bool = False, use_tiled_mlp: bool = False, tiled_mlp_shards: int = 4,
+                       *, sp_group: Any = None, parallel: ParallelContext | None = None) -> PatchHandle:
     """Patch this model instance the way verl's ``apply_monkey_patch`` does, reversibly.
 
-    ``ulysses_sp_size``: Ulysses SP degree (needs ``sp_group`` or ``parallel`` of that size and remove-padding);
-    ``use_remove_padding``: packed ``(1, total_nnz)`` inputs, boundaries from ``position_ids``;
-    ``use_fused_kernels``: the forward returns ``log_probs`` / ``entropy`` without materialising logits;
-    ``fused_kernels_backend``: None/"torch"/"triton", accepted for compatibility; actorcore chooses the kernel
-    itself (Triton on CUDA when installed, its chunked torch kernel otherwise), and "triton" is refused where
-    triton is not installed; ``use_tiled_mlp`` / ``tiled_mlp_shards``: tiled MLP.
+    Arguments in verl's order (0.7.1 to 0.9.1): ``ulysses_sp_size``: Ulysses SP degree (the group is ``sp_group``
+    / ``parallel`` if given, else verl's own, read at each call); ``use_remove_padding``: packed
+    ``(1, total_nnz)`` inputs, boundaries from ``position_ids``; ``use_fused_kernels``: the forward returns
+    ``log_probs`` / ``entropy`` without materialising logits; ``fused_kernels_backend``: None/"torch"/"triton"/
+    "liger", accepted for compatibility: actorcore's own fused head serves them all (Triton on CUDA when
+    installed, its chunked torch kernel otherwise), and "triton" is refused where triton is not installed;
+    ``use_prefix_grouper``: refused (not implemented); ``use_tiled_mlp`` / ``tiled_mlp_shards``: tiled MLP.
     Returns the ``PatchHandle``; ``handle.revert()`` restores the model.
     """
+    if use_prefix_grouper:
+        raise ValueError("use_prefix_grouper=True is not supported by actorcore's apply_monkey_patch (it does not "
+                         "implement verl's PrefixGrouper shared-prefix attention); set use_prefix_grouper=False in "
+                         "the actor's model config, or use verl's own apply_monkey_patch for that run")
     ctx = _context(ulysses_sp_size, sp_group, parallel)
     if ulysses_sp_size > 1 and not use_remove_padding:
         raise ValueError("Ulysses sequence parallelism needs use_remove_padding=True (packed sequences), as in verl")
@@ -122,12 +195,19 @@ def apply_monkey_patch(model: torch.nn.Module, ulysses_sp_size: int = 1, use_rem
 
         if not triton_importable():
             raise ValueError("fused_kernels_backend='triton' but triton is not installed; use 'torch'")
+    if fused_kernels_backend == "liger" and use_fused_kernels:
+        logger.info("fused_kernels_backend='liger': served by actorcore's fused log-prob head (liger is not used)")
+    critic = _is_critic(model)
+    if critic and use_fused_kernels:
+        raise ValueError(f"{type(model).__name__} is a value model (critic / reward model): it has no log-probs, so "
+                         "use_fused_kernels=True does not apply; patch it with use_fused_kernels=False")
     shards = tiled_mlp_shards if use_tiled_mlp else None
-    handle = patch_model(model, parallel=ctx if ulysses_sp_size > 1 else None, tiled_mlp_shards=shards)
+    handle = patch_model(model, parallel=ctx, tiled_mlp_shards=shards)
     if use_remove_padding or use_fused_kernels:
-        _install_forward(handle, model, ctx if ulysses_sp_size > 1 else None, use_fused_kernels)
-    logger.info("verl-style patch: ulysses_sp_size=%d remove_padding=%s fused_kernels=%s tiled_mlp=%s",
-                ulysses_sp_size, use_remove_padding, use_fused_kernels, shards)
+        kind = "values" if critic else "log_probs" if use_fused_kernels else "logits"
+        _install_forward(handle, model, ctx, kind)
+    logger.info("verl-style patch: ulysses_sp_size=%d remove_padding=%s fused_kernels=%s tiled_mlp=%s critic=%s",
+                ulysses_sp_size, use_remove_padding, use_fused_kernels, shards, critic)
     return handle
 
 
@@ -136,19 +216,19 @@ class VerlForward:
 
     An object holding its model (not a closure over it), so ``copy.deepcopy`` / ``torch.save`` of the model give
     a copy whose forward runs the copy's weights. ``parallel`` is shared by copies (a ``ParallelContext`` holds
-    process-wide groups; pickling one with groups is refused).
+    process-wide groups; pickling one with groups is refused). ``kind``: "log_probs", "logits" or "values".
     """
 
-    def __init__(self, model: torch.nn.Module, parallel: ParallelContext | None, fused: bool) -> None:
+    def __init__(self, model: torch.nn.Module, parallel: Any, kind: str) -> None:
         self.model = model
         self.parallel = parallel
-        self.fused = fused
+        self.kind = kind
 
     def __call__(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, temperature: float = 1.0, labels: Any = None,
-                 **unused: Any):
+                 shift_labels: torch.Tensor | None = None, **unused: Any):
         """Packed forward; runs inside ``model(...)`` so FSDP hooks apply."""
-        from actorcore.hf.logprobs import logprobs_inside_forward
+        from actorcore.hf.logprobs import logprobs_inside_forward, values_inside_forward
 
         if attention_mask is not None:
             raise ValueError("the remove-padding forward takes attention_mask=None; sequences are delimited by "
@@ -158,17 +238,77 @@ class VerlForward:
         for key in ("inputs_embeds", "pixel_values"):
             if unused.get(key) is not None:
                 raise ValueError(f"{key} is not supported by actorcore's verl entry point")
+        ctx = self.parallel.resolve() if isinstance(self.parallel, VerlUlyssesGroup) else self.parallel
+        if ctx is not None:
+            _check_slice(input_ids, position_ids)
+            if shift_labels is not None:
+                _check_slice(input_ids, shift_labels, "shift_labels")
+                shift_labels = _gather_slices(shift_labels, ctx)
+            input_ids, position_ids = _gather_slices(input_ids, ctx), _gather_slices(position_ids, ctx)
         batch = batch_from_position_ids(input_ids, position_ids)
+        if shift_labels is not None:
+            _check_shift_labels(shift_labels, batch)
         output_class = _output_class()
-        if self.fused:
-            out = logprobs_inside_forward(self.model, batch, temperature=temperature, entropy=True,
-                                          parallel=self.parallel)
-            return output_class(log_probs=to_predicting_position(out.log_probs, batch)[None],
-                                entropy=to_predicting_position(out.entropy, batch)[None])
-        return output_class(logits=_packed_logits(self.model, batch, self.parallel)[None])
+        if self.kind == "log_probs":
+            out = logprobs_inside_forward(self.model, batch, temperature=temperature, entropy=True, parallel=ctx)
+            return output_class(log_probs=_my_slice(to_predicting_position(out.log_probs, batch), ctx)[None],
+                                entropy=_my_slice(to_predicting_position(out.entropy, batch), ctx)[None])
+        if self.kind == "values":
+            values_T = values_inside_forward(self.model, batch, parallel=ctx)
+            return output_class(logits=_my_slice(values_T, ctx)[None, :, None])
+        return output_class(logits=_packed_logits(self.model, batch, ctx))
 
 
-def _install_forward(handle: PatchHandle, model: torch.nn.Module, ctx: Any, fused: bool) -> None:
+def _check_slice(input_ids: Any, other: Any, name: str = "position_ids") -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be this rank's (1, total_nnz_padded / sp) slice (verl's "
+                         f"ulysses_pad_and_slice_inputs), got {got}")
+    if not isinstance(other, torch.Tensor) or other.shape != input_ids.shape:
+        raise ValueError(f"under Ulysses SP, {name} must be this rank's slice, shaped like input_ids "
+                         f"{tuple(input_ids.shape)} (verl's ulysses_pad_and_slice_inputs slices both)")
+
+
+def _check_shift_labels(shift_labels: Any, batch: PackedBatch) -> None:
+    """verl 0.9 passes ``shift_labels`` (its rolled ``input_ids``) to a fused forward. actorcore takes each label
+    from the next token of the same sequence, which is what verl's are wherever they are read (not at a sequence's
+    last token); labels that differ elsewhere are refused. Checked where it costs no device sync (not on CUDA)."""
+    if not isinstance(shift_labels, torch.Tensor) or tuple(shift_labels.shape) != (1, batch.num_tokens):
+        got = tuple(shift_labels.shape) if isinstance(shift_labels, torch.Tensor) else type(shift_labels).__name__
+        raise ValueError(f"shift_labels must be (1, total_nnz) like input_ids, got {got}")
+    if shift_labels.is_cuda:
+        return
+    inner = torch.ones(batch.num_tokens, dtype=torch.bool)
+    inner[(batch.cu_seqlens[1:] - 1).long().cpu()] = False
+    next_token = torch.roll(batch.input_ids, -1).cpu()
+    if not torch.equal(shift_labels[0].cpu()[inner], next_token[inner]):
+        raise ValueError("shift_labels differ from the next token within a sequence; actorcore scores each token's "
+                         "next token in its own sequence (verl's rolled input_ids) and supports no other labels")
+
+
+def _gather_slices(local_1L: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """The SP group's ``(1, L)`` slices (verl's, in rank order) -> the whole ``(1, sp * L)`` (ids: no autograd)."""
+    import torch.distributed as dist
+
+    sizes = [torch.zeros(1, dtype=torch.long, device=local_1L.device) for _ in range(ctx.sp_size)]
+    dist.all_gather(sizes, torch.tensor([local_1L.shape[1]], device=local_1L.device), group=ctx.sp_group)
+    if len({int(n) for n in sizes}) != 1:
+        raise ValueError(f"the SP ranks pass slices of {[int(n) for n in sizes]} tokens; under Ulysses each rank "
+                         "passes an equal slice of the padded batch (verl's ulysses_pad_and_slice_inputs)")
+    parts = [torch.empty_like(local_1L) for _ in range(ctx.sp_size)]
+    dist.all_gather(parts, local_1L.contiguous(), group=ctx.sp_group)
+    return torch.cat(parts, dim=1)
+
+
+def _my_slice(full_T: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """This rank's contiguous slice of a full per-token output (the slice verl's gather expects from it)."""
+    if ctx is None:
+        return full_T
+    n = full_T.shape[0] // ctx.sp_size
+    return full_T[ctx.sp_rank * n:(ctx.sp_rank + 1) * n]
+
+
+def _install_forward(handle: PatchHandle, model: torch.nn.Module, ctx: Any, kind: str) -> None:
     had_own = "forward" in model.__dict__
     previous = model.__dict__.get("forward")
 
@@ -179,18 +319,21 @@ def _install_forward(handle: PatchHandle, model: torch.nn.Module, ctx: Any, fuse
             model.__dict__.pop("forward", None)
 
     handle.add_undo(restore)
-    model.__dict__["forward"] = VerlForward(model, ctx, fused)
+    model.__dict__["forward"] = VerlForward(model, ctx, kind)
 
 
 def _packed_logits(model: torch.nn.Module, batch: PackedBatch, ctx: Any) -> torch.Tensor:
-    """Full ``[T, V]`` logits from the packed decoder (gathered over SP), for callers that want logits."""
+    """``[1, T, V]`` logits from the packed decoder (this rank's slice under SP), a fresh tensor.
+
+    Made by the LM head directly in the output's shape (no view of another tensor): verl divides it in place
+    by the temperature, and an in-place change through a view would drop the backward hooks FSDP registered
+    on the returned tensor.
+    """
     from actorcore.archs import spec_for_model
-    from actorcore.batch import unpad
     from actorcore.hf.decoder import run_decoder
     from actorcore.hf.head import head_params
-    from actorcore.hf.logprobs import gather_sp
 
     spec = spec_for_model(model)
-    hidden_TD, work = run_decoder(model, spec, batch, ctx)
-    logits_TV = model.get_output_embeddings()(unpad(gather_sp(hidden_TD, ctx), work))
-    return head_params(model, spec).apply(logits_TV)
+    hidden_TD, _ = run_decoder(model, spec, batch, ctx)  # this rank's slice under SP (verl pre-padded it)
+    logits_1TV = model.get_output_embeddings()(hidden_TD.unsqueeze(0))
+    return head_params(model, spec).apply(logits_1TV)

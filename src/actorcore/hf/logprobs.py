@@ -84,21 +84,25 @@ def compute_values(model: Any, batch: PackedBatch, parallel: Any = None, trace: 
             f"compute_values needs a critic with a 1-output '{spec.value_head}' head (e.g. "
             f"AutoModelForTokenClassification with num_labels=1); {type(model).__name__} has {head!r}"
         )
+    return call_as_forward(model, lambda: values_inside_forward(model, batch, parallel, trace, check_finite))
 
-    def values_inside_forward() -> torch.Tensor:
-        hidden_TD, work = run_decoder(model, spec, batch, parallel, trace, check_finite)
-        dropout = getattr(model, "dropout", None)
-        if isinstance(dropout, torch.nn.Module):
-            hidden_TD = dropout(hidden_TD)
 
-        def value_head() -> torch.Tensor:
-            # fp32 as promised, also inside a caller's autocast region (forward and backward)
-            params = (head.weight,) if head.bias is None else (head.weight, head.bias)
-            return without_autocast(_fp32_values, hidden_TD, *params)[0]
+def values_inside_forward(model: Any, batch: PackedBatch, parallel: Any = None, trace: Counter | None = None,
+                          check_finite: bool = False) -> torch.Tensor:
+    """``compute_values`` for callers already inside the model's forward (e.g. a patched forward)."""
+    spec = spec_for_model(model)
+    head = getattr(model, spec.value_head)
+    hidden_TD, work = run_decoder(model, spec, batch, parallel, trace, check_finite)
+    dropout = getattr(model, "dropout", None)
+    if isinstance(dropout, torch.nn.Module):
+        hidden_TD = dropout(hidden_TD)
 
-        return unpad(gather_sp(call_as_forward(head, value_head), parallel), work)
+    def value_head() -> torch.Tensor:
+        # fp32 as promised, also inside a caller's autocast region (forward and backward)
+        params = (head.weight,) if head.bias is None else (head.weight, head.bias)
+        return without_autocast(_fp32_values, hidden_TD, *params)[0]
 
-    return call_as_forward(model, values_inside_forward)
+    return unpad(gather_sp(call_as_forward(head, value_head), parallel), work)
 
 
 def _fp32_values(hidden_TD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
