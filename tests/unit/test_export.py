@@ -50,6 +50,13 @@ def test_buckets_respect_the_bound(bucket_bytes):
         assert len(buckets) == 1
     names = [n for b in buckets for n, _ in b]
     assert names == [n for n in model.state_dict()]  # state_dict order, nothing lost or repeated
+    # Checkpoint names: an oversized bucket is the per-expert views of one fused tensor larger than the bound.
+    fused = {n: t.numel() * t.element_size() for n, t in model.state_dict().items()}
+    for bucket in hf_weight_stream(model, bucket_bytes=bucket_bytes):
+        if _nbytes(bucket) > bucket_bytes and len(bucket) > 1:
+            prefix = bucket[0][0].split(".experts.")[0]
+            assert all(n.startswith(prefix + ".experts.") for n, _ in bucket), [n for n, _ in bucket]
+            assert _nbytes(bucket) in fused.values()
 
 
 def test_dtype_is_kept_or_cast_explicitly():

@@ -97,8 +97,10 @@ def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCK
     - Collective: when the model is sharded (FSDP2 ``DTensor`` parameters), EVERY rank of its mesh must iterate the
       whole stream, in step, because each bucket all-gathers its tensors. Every rank gets the same full tensors.
     - Memory: one bucket is gathered at a time. A bucket's bytes (of the yielded tensors) are at most
-      ``bucket_bytes``, unless one tensor alone is larger: it is then alone in its bucket. Drop your references to a
-      bucket before asking for the next one, or the bound is yours to break.
+      ``bucket_bytes``, unless one tensor alone is larger: it is then alone in its bucket. With checkpoint names
+      the bound is on the gathered (model) tensors: a fused MoE tensor larger than the bound is alone in its bucket
+      as all of its per-expert checkpoint tensors (views of it). Drop your references to a bucket before asking for
+      the next one, or the bound is yours to break.
     - Names: ``names="checkpoint"`` (default) gives what ``save_pretrained`` writes and what vLLM / SGLang load: the
       state-dict names minus tied duplicates (Gemma's ``lm_head.weight`` when the embeddings are tied), with
       transformers' weight conversions reverted per tensor (a transformers 5 MoE's fused ``experts.gate_up_proj``

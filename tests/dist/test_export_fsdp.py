@@ -1,0 +1,77 @@
+"""Weight export from FSDP2 (gloo, CPU): every rank iterates hf_weight_stream of a sharded model; what the receivers
+get is bitwise the unsharded model's (checkpoint names: what save_pretrained writes; model names: load_into), each
+bucket within its bound, and the safetensors directory written by rank 0 round-trips through from_pretrained."""
+
+import pytest
+import torch
+
+from actorcore.testing.distributed import run_distributed
+
+MODEL_TYPES = ["llama", "qwen3_moe", "gemma2"]
+BUCKET_BYTES = 20_000
+
+
+def _shard(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _worker(rank, world_size, out_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from actorcore.export import hf_weight_stream, iter_tensors, load_into, save_sharded_safetensors
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = {}
+    for model_type in MODEL_TYPES:
+        model = _shard(build_tiny_model(model_type), mesh)
+        assert any(isinstance(p, DTensor) for p in model.parameters())
+        buckets = [[(n, t.numel() * t.element_size()) for n, t in b]
+                   for b in hf_weight_stream(model, bucket_bytes=BUCKET_BYTES, names="model")]
+        checkpoint = dict(iter_tensors(hf_weight_stream(model, bucket_bytes=BUCKET_BYTES)))
+        bf16 = dict(iter_tensors(hf_weight_stream(model, bucket_bytes=BUCKET_BYTES, dtype=torch.bfloat16)))
+        plain = build_tiny_model(model_type, seed=7)
+        load_into(plain, hf_weight_stream(model, bucket_bytes=BUCKET_BYTES, names="model"))
+        save_sharded_safetensors(hf_weight_stream(model, bucket_bytes=BUCKET_BYTES), f"{out_dir}/{model_type}",
+                                 max_shard_bytes=50_000, config=model.config, write=rank == 0)
+        results[model_type] = dict(buckets=buckets, checkpoint=checkpoint, bf16=bf16, loaded=plain.state_dict())
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_fsdp2_stream_is_bitwise_the_unsharded_model(tmp_path, world_size):
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    results = run_distributed(_worker, world_size, args=(str(tmp_path),))
+    for model_type in MODEL_TYPES:
+        model = build_tiny_model(model_type)
+        state = model.state_dict()
+        checkpoint = revert_weight_conversion(model, remove_tied_weights_from_state_dict(dict(state), model))
+        from_disk = AutoModelForCausalLM.from_pretrained(str(tmp_path / model_type), dtype=torch.float32).state_dict()
+        assert sorted(from_disk) == sorted(state)
+        for name, tensor in state.items():
+            assert from_disk[name].dtype == tensor.dtype and torch.equal(from_disk[name], tensor), (model_type, name)
+        for rank, per_model in enumerate(results):
+            got = per_model[model_type]
+            where = f"{model_type} rank {rank}"
+            for bucket in got["buckets"]:
+                assert sum(b for _, b in bucket) <= BUCKET_BYTES or len(bucket) == 1, (where, bucket)
+            assert len(got["buckets"]) > 1
+            assert sorted(got["checkpoint"]) == sorted(checkpoint), where
+            for name, tensor in checkpoint.items():
+                assert got["checkpoint"][name].dtype == tensor.dtype, (where, name)
+                assert torch.equal(got["checkpoint"][name], tensor), (where, name)
+                assert torch.equal(got["bf16"][name], tensor.to(torch.bfloat16)), (where, name)
+            for name, tensor in state.items():
+                assert got["loaded"][name].dtype == tensor.dtype, (where, name)
+                assert torch.equal(got["loaded"][name], tensor), (where, name)
