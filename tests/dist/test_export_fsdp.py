@@ -75,3 +75,42 @@ def test_fsdp2_stream_is_bitwise_the_unsharded_model(tmp_path, world_size):
             for name, tensor in state.items():
                 assert got["loaded"][name].dtype == tensor.dtype, (where, name)
                 assert torch.equal(got["loaded"][name], tensor), (where, name)
+
+
+def _broadcast_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from actorcore.export import broadcast_stream, hf_weight_stream, load_into
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    group = dist.new_group(list(range(world_size)))
+    src = world_size - 1  # not rank 0: group ranks, not only the default
+    odd = [[("scalar", torch.tensor(2.5, dtype=torch.float64)), ("ids", torch.arange(5, dtype=torch.int64)),
+            ("flags", torch.tensor([True, False])),
+            ("half", torch.randn(3, 2, generator=torch.Generator().manual_seed(1)).bfloat16())],
+           [], [("last", torch.ones(1, 7))]]
+    # received tensors are views of one buffer per bucket: cloned to travel back through torch.save
+    received_odd = [[(n, t.clone()) for n, t in b] for b in broadcast_stream(odd if rank == src else None, group, src)]
+    model = build_tiny_model("qwen3_moe", seed=0 if rank == src else 5)
+    stream = hf_weight_stream(model, bucket_bytes=BUCKET_BYTES, names="model") if rank == src else None
+    load_into(model, broadcast_stream(stream, group, src))
+    with pytest.raises(ValueError, match="passes its stream"):
+        next(broadcast_stream(None if rank == src else [], group, src))
+    return dict(odd=received_odd, state=model.state_dict())
+
+
+def test_broadcast_stream_gives_every_rank_the_senders_tensors():
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    results = run_distributed(_broadcast_worker, 2)
+    want = build_tiny_model("qwen3_moe").state_dict()
+    for rank, got in enumerate(results):
+        assert [[n for n, _ in b] for b in got["odd"]] == [["scalar", "ids", "flags", "half"], ["last"]]
+        sent = {"scalar": torch.tensor(2.5, dtype=torch.float64), "ids": torch.arange(5),
+                "flags": torch.tensor([True, False]),
+                "half": torch.randn(3, 2, generator=torch.Generator().manual_seed(1)).bfloat16(),
+                "last": torch.ones(1, 7)}
+        for name, tensor in (p for b in got["odd"] for p in b):
+            assert tensor.dtype == sent[name].dtype and torch.equal(tensor, sent[name]), (rank, name)
+        for name, tensor in want.items():
+            assert got["state"][name].dtype == tensor.dtype and torch.equal(got["state"][name], tensor), (rank, name)
