@@ -44,6 +44,7 @@ _EXPORTS = {
     "load_into_vllm": "actorcore.export",
     "load_into_sglang": "actorcore.export",
     "save_sharded_safetensors": "actorcore.export",
+    "broadcast_stream": "actorcore.export",
 }
 
 __all__ = sorted(_EXPORTS)
