@@ -196,3 +196,20 @@ def test_safetensors_write_is_atomic(tmp_path):
     save_sharded_safetensors(hf_weight_stream(model), str(out))
     with pytest.raises(ValueError, match="exists"):
         save_sharded_safetensors(hf_weight_stream(model), str(out))
+
+
+def test_bound_counts_the_cast_bytes_and_bad_arguments_are_refused():
+    model = build_tiny_model("llama")
+    bound = 3 * 64 * 64 * 2  # three bf16 64x64 matrices, 1.5 fp32 ones
+    buckets = list(hf_weight_stream(model, bucket_bytes=bound, dtype=torch.bfloat16))
+    assert all(_nbytes(b) <= bound or len(b) == 1 for b in buckets)
+    assert max(len(b) for b in buckets) >= 3  # the cast size, not the fp32 size, was planned
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        next(hf_weight_stream(model, bucket_bytes=0))
+
+
+def test_shared_tensors_the_model_does_not_declare_tied_are_refused():
+    model = build_tiny_model("llama")
+    model.model.norm.weight = model.model.layers[0].input_layernorm.weight  # shared, but no _tied_weights_keys says so
+    with pytest.raises(ValueError, match=r"model.layers.0.input_layernorm.weight.*model.norm.weight.*untie"):
+        next(hf_weight_stream(model))
