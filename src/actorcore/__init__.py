@@ -39,6 +39,12 @@ _EXPORTS = {
     "get_spec": "actorcore.archs",
     "register_arch": "actorcore.hf.register",
     "registered_model_types": "actorcore.archs",
+    "hf_weight_stream": "actorcore.export",
+    "load_into": "actorcore.export",
+    "load_into_vllm": "actorcore.export",
+    "load_into_sglang": "actorcore.export",
+    "save_sharded_safetensors": "actorcore.export",
+    "broadcast_stream": "actorcore.export",
 }
 
 __all__ = sorted(_EXPORTS)

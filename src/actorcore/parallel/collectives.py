@@ -144,3 +144,17 @@ def broadcast_tensor(tensor: torch.Tensor, src_group_rank: int, group: Any) -> t
     if _size_or_one(group) > 1:
         dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
     return tensor
+
+
+# ---- Weight export over a process group (no autograd). ----
+
+
+def broadcast_object(obj: Any, src_group_rank: int, group: Any) -> Any:
+    """The picklable ``obj`` of group rank ``src_group_rank`` on every rank (others pass anything, e.g. ``None``).
+
+    Over NCCL torch stages the bytes on ``torch.cuda.current_device()``: call ``torch.cuda.set_device`` first."""
+    if _size_or_one(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src_group_rank), group=group)
+    return box[0]

@@ -1,0 +1,157 @@
+"""``hf_weight_stream``: an HF model's weights as buckets of ``(hf_name, full_tensor)``, gathered one bucket at a time.
+
+The model may be plain or sharded with FSDP2 (``fully_shard``: its parameters are ``DTensor``s, on any mesh).
+Each bucket's sharded tensors are gathered (``DTensor.full_tensor()``, one all-gather per tensor) only when the
+bucket is produced, so the extra memory at any time is one bucket, not the model. The order of the tensors is the
+model's ``state_dict()`` order, which is the same on every rank (the module tree is the same).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Iterable, Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+NAME_KINDS = ("checkpoint", "model")
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def _tied_weight_patterns(model: torch.nn.Module) -> list[str]:
+    """Every module's ``_tied_weights_keys`` (a dict ``{tied: source}`` in transformers 5, a list before), prefixed
+    with the module's path: the names ``save_pretrained`` may drop as duplicates."""
+    patterns = []
+    for path, module in model.named_modules():
+        keys = getattr(module, "_tied_weights_keys", None) or {}
+        patterns += [f"{path}.{k}" if path else k for k in (keys.keys() if isinstance(keys, dict) else keys)]
+    return patterns
+
+
+def exported_names(model: torch.nn.Module) -> list[str]:
+    """The state-dict names ``save_pretrained`` keeps, in ``state_dict()`` order: every name, except a tied
+    duplicate (a name holding the same tensor object as another) declared in ``_tied_weights_keys``.
+
+    A group of tied names that the declared keys do not reduce to one is refused, as ``save_pretrained`` refuses it.
+    """
+    state_names = list(model.state_dict().keys())
+    wanted = set(state_names)
+    by_object: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name in wanted:
+            by_object.setdefault(id(tensor), []).append(name)
+    patterns = _tied_weight_patterns(model)
+    dropped = set()
+    for names in by_object.values():
+        if len(names) < 2:
+            continue
+        tied = [n for n in sorted(names) if any(re.search(p, n) for p in patterns)]
+        drop = tied[: len(names) - 1]
+        if len(names) - len(drop) > 1:
+            raise ValueError(f"tensors {sorted(names)} are one tensor, but the model's _tied_weights_keys "
+                             f"({patterns}) declare only {tied} as tied: the checkpoint could not name them. Tie them "
+                             "through the config (tie_word_embeddings) or untie them before exporting")
+        dropped.update(drop)
+    if dropped:
+        logger.debug("not exporting tied duplicates %s", sorted(dropped))
+    return [n for n in state_names if n not in dropped]
+
+
+def _full_nbytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+    element = torch.empty((), dtype=_out_dtype(tensor, dtype)).element_size()
+    return tensor.numel() * element  # a DTensor's numel is its global one
+
+
+def _out_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def _gather(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    return full.to(_out_dtype(full, dtype))
+
+
+def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Consecutive names grouped so each group's bytes are <= ``bucket_bytes``; a tensor larger than that is alone."""
+    buckets: list[list[str]] = []
+    used = bucket_bytes + 1  # forces a new bucket for the first name
+    for name, nbytes in sizes:
+        if used + nbytes > bucket_bytes or not buckets:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(name)
+        used += nbytes
+    return buckets
+
+
+def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     dtype: torch.dtype | None = None, names: str = "checkpoint") -> Iterator[Bucket]:
+    """Yield the model's weights as buckets (lists) of ``(hf_name, full_tensor)``.
+
+    - Collective: when the model is sharded (FSDP2 ``DTensor`` parameters), EVERY rank of its mesh must iterate the
+      whole stream, in step, because each bucket all-gathers its tensors. Every rank gets the same full tensors.
+    - Memory: one bucket is gathered at a time. A bucket's bytes (of the yielded tensors) are at most
+      ``bucket_bytes``, unless one tensor alone is larger: it is then alone in its bucket. With checkpoint names
+      the bound is on the gathered (model) tensors: a fused MoE tensor larger than the bound is alone in its bucket
+      as all of its per-expert checkpoint tensors (views of it). Drop your references to a bucket before asking for
+      the next one, or the bound is yours to break.
+    - Names: ``names="checkpoint"`` (default) gives what ``save_pretrained`` writes and what vLLM / SGLang load: the
+      state-dict names minus tied duplicates (Gemma's ``lm_head.weight`` when the embeddings are tied), with
+      transformers' weight conversions reverted per tensor (a transformers 5 MoE's fused ``experts.gate_up_proj``
+      becomes the checkpoint's per-expert ``experts.{e}.gate_proj.weight`` / ``up_proj.weight``).
+      ``names="model"`` gives the model's own state-dict names (minus tied duplicates), which ``load_into`` and
+      ``load_state_dict`` take.
+    - dtype: ``None`` yields the tensors as the model holds them; ``dtype=torch.bfloat16`` casts floating tensors
+      (integer buffers are kept). Nothing is cast unless asked.
+    - Tensors of an unsharded model are the model's own storage (detached, not copied): do not modify them.
+    """
+    if names not in NAME_KINDS:
+        raise ValueError(f"names must be one of {NAME_KINDS}, got {names!r}")
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype (it applies to floating tensors), got {dtype}")
+    state = model.state_dict()
+    order = exported_names(model)
+    plan = plan_buckets([(n, _full_nbytes(state[n], dtype)) for n in order], bucket_bytes)
+    del state  # the plan only needs sizes; tensors are read fresh per bucket below
+    revert = _reverter(model) if names == "checkpoint" else None
+    logger.info("exporting %d tensors in %d buckets of <= %d bytes", len(order), len(plan), bucket_bytes)
+    for bucket_names in plan:
+        state = model.state_dict()  # sharded (local) tensors: no gathering here
+        bucket: Bucket = []
+        for name in bucket_names:
+            full = _gather(state[name], dtype)
+            bucket.extend(revert(name, full) if revert is not None else [(name, full)])
+        del state
+        yield bucket
+        del bucket
+
+
+def _reverter(model: torch.nn.Module):
+    """``(name, tensor) -> [(checkpoint_name, tensor), ...]`` through transformers' ``revert_weight_conversion``
+    (the function ``save_pretrained`` uses), one tensor at a time."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    def revert(name: str, tensor: torch.Tensor) -> Bucket:
+        try:
+            out = revert_weight_conversion(model, {name: tensor})
+        except Exception as exc:  # noqa: BLE001 - re-raised with what to do
+            raise ValueError(f"transformers could not convert {name} back to its checkpoint name(s) on its own "
+                             f"({exc}); this model's weight conversion needs several tensors at once, which the "
+                             "stream does not do yet: export with names='model'") from exc
+        return list(out.items())
+
+    return revert
+
+
+def iter_tensors(stream: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs of a stream of buckets, in order."""
+    for bucket in stream:
+        yield from bucket
