@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from actorcore.batch import PackedBatch, next_token_labels, pad_to_multiple, shift_to_scored_token, unpad
+from actorcore.kernels.logprob import check_options
 from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.outputs import LogProbOutput
 from actorcore.parallel import collectives
@@ -152,8 +153,7 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
     """
     single = isinstance(batches, PackedBatch)
     batch_list = [batches] if single else list(batches)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_options(temperature=temperature, entropy=entropy)
 
     def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, index: int):
         out = logprobs_from_hidden(model, hidden_TD, batch, context, temperature=temperature, entropy=entropy)

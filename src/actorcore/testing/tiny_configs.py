@@ -8,13 +8,12 @@ from typing import Any
 
 import torch
 
+from actorcore.hf.register import TINY_SIZES
+
+# The sizes register_arch proves a spec on (one table, in the product), plus what a test model also needs.
 COMMON: dict[str, Any] = dict(
-    vocab_size=131,
-    hidden_size=64,
-    intermediate_size=88,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    **{k: TINY_SIZES[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                  "num_attention_heads", "num_key_value_heads")},
     max_position_embeddings=256,
     tie_word_embeddings=False,
     pad_token_id=0,
