@@ -14,8 +14,11 @@ model's linear attention run over the whole stream) shows up as a large |Δ|.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import time
+from collections import Counter
 
 import torch
 
@@ -61,6 +64,26 @@ def _measure(fn, repeats: int) -> tuple[float, float, object]:
     return sorted(times)[len(times) // 2], peak, result
 
 
+@contextlib.contextmanager
+def transformers_torch_delta_rule(model, train: bool):
+    """Plain transformers picks flash-linear-attention's delta rule at import when fla is installed; fla 0.6 refuses
+    its backward on Hopper with Triton < 3.7.1 (fla #640). There, plain transformers trains on its own torch delta
+    rule (the function its fla wrapper falls back to), as actorcore does; forward-only keeps fla on both sides."""
+    from actorcore.kernels.linear_attention import fla_delta_rule_refusal
+
+    layer = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    if layer is None or not train or not torch.cuda.is_available() or not fla_delta_rule_refusal(torch.device("cuda")):
+        yield
+        return
+    module = sys.modules[type(layer).__module__]
+    wrapped = module.torch_chunk_gated_delta_rule
+    module.torch_chunk_gated_delta_rule = getattr(wrapped, "__wrapped__", wrapped)
+    try:
+        yield
+    finally:
+        module.torch_chunk_gated_delta_rule = wrapped
+
+
 def main() -> None:
     import actorcore as ac
     from actorcore.hf.reference import logprobs_from_logits, padded_position_ids, right_padded
@@ -92,10 +115,13 @@ def main() -> None:
     micro = [sequences[i : i + args.micro_batch] for i in range(0, len(sequences), args.micro_batch)]
     padded = [tuple(t.to(device) for t in right_padded(m)) for m in micro]
 
+    paths = Counter()
+
     def packed(train: bool):
         model.train(train)
         with torch.set_grad_enabled(train):
-            out = ac.compute_logprobs(model, batch)
+            paths.clear()
+            out = ac.compute_logprobs(model, batch, trace=paths)
             if train:
                 (out.log_probs.sum() + out.entropy.sum()).backward()
         return out.log_probs.detach()
@@ -103,7 +129,7 @@ def main() -> None:
     def plain_packed(train: bool):
         model.train(train)
         cu = batch.cu_seqlens.to(torch.int32)
-        with torch.set_grad_enabled(train):
+        with torch.set_grad_enabled(train), transformers_torch_delta_rule(model, train):
             logits = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
                            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
                            max_length_k=batch.max_seqlen).logits[0]
@@ -122,7 +148,7 @@ def main() -> None:
         model.train(train)
         parts = []
         for ids, mask in padded:
-            with torch.set_grad_enabled(train):
+            with torch.set_grad_enabled(train), transformers_torch_delta_rule(model, train):
                 logits = model(input_ids=ids, attention_mask=mask, position_ids=padded_position_ids(mask),
                                use_cache=False).logits
                 lp, ent = logprobs_from_logits(logits, ids, mask)
@@ -140,8 +166,15 @@ def main() -> None:
                 seconds, peak, lp = _measure(lambda: fn(train), args.repeats)
                 rows[key] = {"seconds": seconds, "extra_peak_gib": peak, "log_probs": lp}
             except torch.OutOfMemoryError:
-                rows[key] = {"seconds": None, "extra_peak_gib": None, "log_probs": None}
+                rows[key] = {"seconds": None, "extra_peak_gib": None, "log_probs": None, "error": "OOM"}
+            except (ValueError, RuntimeError) as error:  # e.g. transformers refusing packed input it cannot keep apart
+                if name == "actorcore packed":
+                    raise
+                rows[key] = {"seconds": None, "extra_peak_gib": None, "log_probs": None,
+                             "error": f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"}
             model.zero_grad(set_to_none=True)
+        if name == "actorcore packed":
+            rows["actorcore paths"] = dict(paths)  # the kernels the last (training) call ran
     ref = rows["actorcore packed fwd"]["log_probs"]
     tokens = batch.num_tokens
     padded_tokens = sum(ids.numel() for ids, _ in padded)
@@ -151,9 +184,10 @@ def main() -> None:
           f"{len(sequences)} sequences, {tokens} tokens ({padded_tokens} padded in micro-batches of "
           f"{args.micro_batch}), activation checkpointing on")
     print(f"{'path':<34} {'time':>10} {'tokens/s':>10} {'extra peak':>11} {'max|Δ lp| vs packed':>20}")
+    print(f"actorcore paths (forward+backward call): {rows.pop('actorcore paths')}")
     for key, r in rows.items():
         if r["seconds"] is None:
-            print(f"{key:<34} {'OOM':>10}")
+            print(f"{key:<34} {r['error']}")
             continue
         diff = (r["log_probs"].float() - ref.float()).abs().max().item()
         print(f"{key:<34} {r['seconds'] * 1e3:>8.1f}ms {tokens / r['seconds']:>10.0f} "

@@ -9,8 +9,8 @@ Both functions restart at every boundary of ``cu_seqlens``: nothing of one seque
   taps that stay inside ``t``'s own sequence), plus bias and activation.
 - ``gated_delta_rule_packed``: the gated delta rule, state ``S`` (``[K, V]`` per value head) starting at zero in
   every sequence: ``S = exp(g_t) S``, ``S += k_t (beta_t (v_t - S^T k_t))^T``, ``o_t = S^T q_t`` (q scaled by
-  ``K^-0.5``, q and k L2-normalised when asked), computed in fp32 chunk by chunk (chunks of 64, one sequence at
-  a time) as transformers' torch reference does.
+  ``K^-0.5``, q and k L2-normalised when asked), computed in fp32 chunk by chunk (chunks of 64) as transformers' torch
+  reference does, every sequence of the pack at once (one recurrence step per chunk index).
 Backends: ``torch`` (any device; the plain reference) and ``fla`` (flash-linear-attention's Triton kernels with
 ``cu_seqlens``; CUDA, when installed, imported lazily). ``auto`` picks ``fla`` on CUDA when it is installed.
 Each call counts its backend in ``trace`` under ``"causal_conv1d:<backend>"`` / ``"gated_delta_rule:<backend>"``.
@@ -166,54 +166,80 @@ def gated_delta_rule_packed(
         out, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
                                         cu_seqlens=cu_seqlens.long())
         return out[0].to(q_TNK.dtype)
-    outs = []
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            outs.append(delta_rule_sequence(q_TNK[start:end], k_TNK[start:end], v_TMV[start:end], g_TM[start:end],
-                                            beta_TM[start:end], use_qk_l2norm, scale)[0])
-    return torch.cat(outs, dim=0).to(q_TNK.dtype)
+    return _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale).to(q_TNK.dtype)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def delta_rule_sequence(q_LNK, k_LNK, v_LMV, g_LM, beta_LM, use_qk_l2norm=True, scale=None, initial_state=None,
-                        chunk_size=CHUNK_SIZE):
-    """One sequence, chunked, in fp32: ``(out [L, M, V], final state [M, K, V])``. ``initial_state`` None: zeros."""
-    L, N, K = q_LNK.shape
-    M, V = v_LMV.shape[1:]
+def _chunk_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk_size: int):
+    """Where each token goes when every sequence is padded to whole chunks, laid end to end.
+
+    Returns ``(dest_T, first_chunk_B, chunks_B)``: the padded slot of each token, each sequence's first chunk and
+    its number of chunks (an empty sequence has none).
+    """
+    lengths_B = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    chunks_B = (lengths_B + chunk_size - 1) // chunk_size
+    first_chunk_B = torch.cumsum(chunks_B, 0) - chunks_B
+    seq_T = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(num_tokens, device=cu_seqlens.device), right=True)
+    dest_T = first_chunk_B[seq_T] * chunk_size + positions_in_sequence(cu_seqlens, num_tokens)
+    return dest_T, first_chunk_B, chunks_B
+
+
+def _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale, chunk_size=CHUNK_SIZE):
+    """Every sequence of the pack at once, in fp32: ``[T, M, V]``.
+
+    Each sequence is padded to whole chunks (zero keys, values, decay and write strength: the padding changes
+    nothing), the intra-chunk WY solves run batched over every chunk of the pack, and the state recurrence steps
+    over the chunk index with all sequences that still have a chunk, so one Python step serves the whole pack
+    (as many steps as the longest sequence has chunks) and no state crosses a boundary: each sequence's state
+    starts at zero in its own first chunk.
+    """
+    T, N, K = q_TNK.shape
+    M, V = v_TMV.shape[1:]
     rep = M // N
-    q, k = (x.repeat_interleave(rep, dim=1) if rep > 1 else x for x in (q_LNK, k_LNK))
-    # [M, L, ...] in fp32
-    q, k, v = (x.transpose(0, 1).float() for x in (q, k, v_LMV))
-    beta, g = (x.transpose(0, 1).float() for x in (beta_LM, g_LM))
+    q, k = (x.repeat_interleave(rep, dim=1) if rep > 1 else x for x in (q_TNK, k_TNK))
+    q, k, v, beta, g = (x.float() for x in (q, k, v_TMV, beta_TM, g_TM))
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * (K**-0.5 if scale is None else scale)
-    pad = (chunk_size - L % chunk_size) % chunk_size
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
-    chunks = (L + pad) // chunk_size
+    dest_T, first_chunk_B, chunks_B = _chunk_layout(cu_seqlens, T, chunk_size)
+    total_chunks = int(chunks_B.sum())
+    P = total_chunks * chunk_size
+
+    def to_chunks(x):  # [T, M, ...] -> [M, chunks, chunk_size, ...], zero in the padding
+        padded = x.new_zeros((P,) + x.shape[1:]).index_copy(0, dest_T, x)
+        return padded.reshape(total_chunks, chunk_size, *x.shape[1:]).movedim(2, 0)
+
+    q, k, v, beta, g = (to_chunks(x) for x in (q, k, v, beta, g))
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
-    q, k, k_beta, v_beta = (x.reshape(M, chunks, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
-    g = g.reshape(M, chunks, chunk_size).cumsum(-1)  # log decay from the chunk start to each position
+    g = g.cumsum(-1)  # log decay from the chunk start to each position
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
     decay = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()
     system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower-triangular after adding I (WY form)
     intra = (q @ k.transpose(-1, -2)) * decay
     new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     k_decayed = torch.linalg.solve_triangular(system, k_beta * g.exp()[..., None], upper=False, unitriangular=True)
-    state = (torch.zeros(M, K, V, dtype=torch.float32, device=q.device) if initial_state is None
-             else initial_state.float())
     q = q * g.exp()[..., None]
     k = k * (g[..., -1:] - g).exp()[..., None]
     chunk_decay = g[..., -1].exp()[..., None, None]
-    out = []
-    for i in range(chunks):
-        v_i = new_v[:, i] - k_decayed[:, i] @ state
-        out.append(q[:, i] @ state + intra[:, i] @ v_i)
-        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_i
-    out_MLV = torch.stack(out, dim=1).reshape(M, chunks * chunk_size, V)[:, :L]
-    return out_MLV.transpose(0, 1), state
+
+    # Sequences with the most chunks first: at step i the ones still running are a prefix, so the state shrinks.
+    order = torch.argsort(chunks_B, descending=True, stable=True)
+    chunks_sorted = chunks_B[order].tolist()
+    first_sorted = first_chunk_B[order]
+    state = q.new_zeros(M, sum(1 for c in chunks_sorted if c > 0), K, V)
+    outs, chunk_ids = [], []
+    for i in range(chunks_sorted[0] if chunks_sorted else 0):
+        running = sum(1 for c in chunks_sorted if c > i)
+        ids = first_sorted[:running] + i
+        state = state[:, :running]
+        v_i = new_v[:, ids] - k_decayed[:, ids] @ state
+        outs.append(q[:, ids] @ state + intra[:, ids] @ v_i)
+        chunk_ids.append(ids)
+        state = state * chunk_decay[:, ids] + k[:, ids].transpose(-1, -2) @ v_i
+    if not outs:
+        return v_TMV.new_zeros(T, M, V, dtype=torch.float32)
+    out = torch.cat(outs, dim=1)[:, torch.argsort(torch.cat(chunk_ids))]  # back to chunk order
+    return out.reshape(M, P, V).index_select(1, dest_T).transpose(0, 1)
