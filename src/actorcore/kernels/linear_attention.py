@@ -173,18 +173,24 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _chunk_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk_size: int):
-    """Where each token goes when every sequence is padded to whole chunks, laid end to end.
+def _step_major_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk_size: int):
+    """Where each token goes when every sequence is padded to whole chunks and the chunks are ordered by step.
 
-    Returns ``(dest_T, first_chunk_B, chunks_B)``: the padded slot of each token, each sequence's first chunk and
-    its number of chunks (an empty sequence has none).
+    Step ``i`` holds the ``i``-th chunk of every sequence that has one, longest sequences first, so the sequences
+    still running at step ``i`` are a prefix and each step's chunks are contiguous. Returns ``(dest_T,
+    running_per_step)``: the padded slot of each token and how many sequences run at each step.
     """
     lengths_B = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     chunks_B = (lengths_B + chunk_size - 1) // chunk_size
-    first_chunk_B = torch.cumsum(chunks_B, 0) - chunks_B
+    order = torch.argsort(chunks_B, descending=True, stable=True)
+    rank_B = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    chunks_sorted = chunks_B[order].tolist()
+    running = [sum(1 for c in chunks_sorted if c > i) for i in range(chunks_sorted[0] if chunks_sorted else 0)]
+    step_offset = torch.tensor([0, *running], device=cu_seqlens.device).cumsum(0)
     seq_T = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(num_tokens, device=cu_seqlens.device), right=True)
-    dest_T = first_chunk_B[seq_T] * chunk_size + positions_in_sequence(cu_seqlens, num_tokens)
-    return dest_T, first_chunk_B, chunks_B
+    pos_T = positions_in_sequence(cu_seqlens, num_tokens)
+    dest_T = (step_offset[pos_T // chunk_size] + rank_B[seq_T]) * chunk_size + pos_T % chunk_size
+    return dest_T, running
 
 
 def _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale, chunk_size=CHUNK_SIZE):
@@ -193,8 +199,8 @@ def _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2n
     Each sequence is padded to whole chunks (zero keys, values, decay and write strength: the padding changes
     nothing), the intra-chunk WY solves run batched over every chunk of the pack, and the state recurrence steps
     over the chunk index with all sequences that still have a chunk, so one Python step serves the whole pack
-    (as many steps as the longest sequence has chunks) and no state crosses a boundary: each sequence's state
-    starts at zero in its own first chunk.
+    and no state crosses a boundary: each sequence's state starts at zero in its own first chunk. The chunks are
+    laid out step by step and split once, so autograd never builds a pack-sized gradient per step.
     """
     T, N, K = q_TNK.shape
     M, V = v_TMV.shape[1:]
@@ -204,8 +210,10 @@ def _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2n
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * (K**-0.5 if scale is None else scale)
-    dest_T, first_chunk_B, chunks_B = _chunk_layout(cu_seqlens, T, chunk_size)
-    total_chunks = int(chunks_B.sum())
+    dest_T, running = _step_major_layout(cu_seqlens, T, chunk_size)
+    if not running:
+        return v_TMV.new_zeros(T, M, V, dtype=torch.float32)
+    total_chunks = sum(running)
     P = total_chunks * chunk_size
 
     def to_chunks(x):  # [T, M, ...] -> [M, chunks, chunk_size, ...], zero in the padding
@@ -222,24 +230,14 @@ def _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2n
     new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     k_decayed = torch.linalg.solve_triangular(system, k_beta * g.exp()[..., None], upper=False, unitriangular=True)
     q = q * g.exp()[..., None]
-    k = k * (g[..., -1:] - g).exp()[..., None]
+    k_t = (k * (g[..., -1:] - g).exp()[..., None]).transpose(-1, -2)
     chunk_decay = g[..., -1].exp()[..., None, None]
-
-    # Sequences with the most chunks first: at step i the ones still running are a prefix, so the state shrinks.
-    order = torch.argsort(chunks_B, descending=True, stable=True)
-    chunks_sorted = chunks_B[order].tolist()
-    first_sorted = first_chunk_B[order]
-    state = q.new_zeros(M, sum(1 for c in chunks_sorted if c > 0), K, V)
-    outs, chunk_ids = [], []
-    for i in range(chunks_sorted[0] if chunks_sorted else 0):
-        running = sum(1 for c in chunks_sorted if c > i)
-        ids = first_sorted[:running] + i
-        state = state[:, :running]
-        v_i = new_v[:, ids] - k_decayed[:, ids] @ state
-        outs.append(q[:, ids] @ state + intra[:, ids] @ v_i)
-        chunk_ids.append(ids)
-        state = state * chunk_decay[:, ids] + k[:, ids].transpose(-1, -2) @ v_i
-    if not outs:
-        return v_TMV.new_zeros(T, M, V, dtype=torch.float32)
-    out = torch.cat(outs, dim=1)[:, torch.argsort(torch.cat(chunk_ids))]  # back to chunk order
-    return out.reshape(M, P, V).index_select(1, dest_T).transpose(0, 1)
+    steps = zip(*(x.split(running, dim=1) for x in (new_v, k_decayed, q, intra, k_t, chunk_decay)))
+    state = q.new_zeros(M, running[0], K, V)
+    outs = []
+    for n, (new_v_i, k_decayed_i, q_i, intra_i, k_t_i, chunk_decay_i) in zip(running, steps):
+        state = state[:, :n]  # the sequences still running are a prefix
+        v_i = new_v_i - k_decayed_i @ state
+        outs.append(q_i @ state + intra_i @ v_i)
+        state = state * chunk_decay_i + k_t_i @ v_i
+    return torch.cat(outs, dim=1).reshape(M, P, V).index_select(1, dest_T).transpose(0, 1)
