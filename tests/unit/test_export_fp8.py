@@ -159,3 +159,13 @@ def test_fp8_checkpoint_loads_in_transformers(tmp_path, model_type, keep):
         else:
             want = streamed[name]
         assert tensor.dtype == torch.float32 and torch.equal(tensor, want), name
+
+
+def test_skip_patterns_match_at_module_boundaries():
+    from actorcore.export.fp8 import DEFAULT_MODULES_TO_NOT_CONVERT, matches_module
+
+    skips = list(DEFAULT_MODULES_TO_NOT_CONVERT) + ["model.layers.1"]
+    assert matches_module("model.layers.3.mlp.gate", skips) and matches_module("lm_head", skips)
+    assert matches_module("model.layers.1.mlp.up_proj", skips) and matches_module("model.layers.2.mlp.shared_expert_gate", skips)
+    assert not matches_module("model.layers.3.mlp.gate_proj", skips)
+    assert not matches_module("model.layers.11.mlp.up_proj", skips)

@@ -16,6 +16,7 @@ are never quantized.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -47,25 +48,39 @@ class BlockwiseFP8:
 
     def skip_patterns(self, model: torch.nn.Module) -> list[str]:
         """Every module-name pattern kept in high precision for ``model`` (a transformers model)."""
-        from transformers.quantizers.base import get_keys_to_not_convert
-
-        try:
-            defaults = get_keys_to_not_convert(model)
-        except AttributeError:  # not a PreTrainedModel: no tied keys, no output embedding to ask for
-            defaults = []
-        return sorted({*defaults, *DEFAULT_MODULES_TO_NOT_CONVERT, *self.modules_to_not_convert})
+        return sorted({*_default_skips(model), *DEFAULT_MODULES_TO_NOT_CONVERT, *self.modules_to_not_convert})
 
     def hf_quantization_config(self, model: torch.nn.Module) -> dict:
         """The ``quantization_config`` for the exported ``config.json`` (transformers' ``FineGrainedFP8Config``
         fields, as the DeepSeek-V3 / Qwen3 FP8 checkpoints write them), listing by name the ``nn.Linear`` modules
         kept in high precision, so a loader (transformers, vLLM, SGLang) expects exactly the streamed layout."""
-        from transformers.quantizers.quantizers_utils import should_convert_module
-
         skip = self.skip_patterns(model)
         kept = {p.replace(".base_layer", "") for p, m in model.named_modules()  # a LoRA layer: the plain name
-                if _quantizable_module(p, m) and ".lora_" not in p and not should_convert_module(p, skip)}
+                if _quantizable_module(p, m) and ".lora_" not in p and matches_module(p, skip)}
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(self.block_size), "modules_to_not_convert": sorted(kept)}
+
+
+def _default_skips(model: torch.nn.Module) -> list[str]:
+    """transformers' default skip list (``get_keys_to_not_convert``): tied weights' modules, the output embedding
+    and the module of the last parameter (the head); computed here too when that function is missing or moved."""
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        return list(get_keys_to_not_convert(model))
+    except (ImportError, AttributeError):  # another transformers layout, or not a PreTrainedModel
+        pass
+    skips = {name.rpartition(".")[0] for name, _ in list(model.named_parameters())[-1:]}
+    output = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    skips |= {path for path, module in model.named_modules() if output is not None and module is output}
+    return sorted(skips)
+
+
+def matches_module(path: str, patterns: list[str]) -> bool:
+    """Whether a module name matches a skip pattern as transformers' ``should_convert_module`` reads one: a prefix
+    up to a module boundary (``layers.1`` matches ``layers.1.mlp``, not ``layers.11``), a regex with the same
+    boundary (``.*mlp\\.gate`` matches ``layers.3.mlp.gate``, not ``mlp.gate_proj``), or a suffix."""
+    return any(re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", path) or path.endswith(p) for p in patterns)
 
 
 def _quantizable_module(path: str, module: torch.nn.Module) -> bool:
@@ -87,8 +102,6 @@ def resolve_scheme(quantize: str | BlockwiseFP8 | None) -> BlockwiseFP8 | None:
 
 def quantized_model_names(model: torch.nn.Module, scheme: BlockwiseFP8, names: list[str]) -> set[str]:
     """The state-dict names (of ``model``'s own tree) whose tensors the scheme quantizes."""
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
     skip = scheme.skip_patterns(model)
     state = model.state_dict()
     modules = dict(model.named_modules())
@@ -100,7 +113,7 @@ def quantized_model_names(model: torch.nn.Module, scheme: BlockwiseFP8, names: l
             continue
         linear_weight = isinstance(module, torch.nn.Linear) and attr == "weight" and tensor.dim() == 2
         expert_projection = not isinstance(module, torch.nn.Linear) and tensor.dim() >= 3  # not a bias
-        if (linear_weight or expert_projection) and should_convert_module(path, skip):
+        if (linear_weight or expert_projection) and not matches_module(path, skip):
             out.add(name)
     return out
 
