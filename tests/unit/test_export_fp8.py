@@ -46,7 +46,8 @@ def test_quantize_is_bitwise_the_plain_reference_and_within_the_bound(block):
         assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape, label
         assert s.dtype == torch.float32
         assert s.shape == (*w.shape[:-2], math.ceil(w.shape[-2] / block[0]), math.ceil(w.shape[-1] / block[1]))
-        flat_w, flat_q, flat_s = w.reshape(-1, *w.shape[-2:]), q.reshape(-1, *q.shape[-2:]), s.reshape(-1, *s.shape[-2:])
+        flat_w, flat_q = w.reshape(-1, *w.shape[-2:]), q.reshape(-1, *q.shape[-2:])
+        flat_s = s.reshape(-1, *s.shape[-2:])
         for k in range(flat_w.shape[0]):
             ref_q, ref_s = _reference_quantize(flat_w[k], block)
             assert torch.equal(flat_q[k].view(torch.uint8), ref_q.view(torch.uint8)), (label, k)
@@ -119,7 +120,8 @@ def test_fp8_stream_has_the_fp8_checkpoint_layout(model_type):
         if name in scaled:
             assert got[name].dtype == torch.float8_e4m3fn and got[name].shape == tensor.shape, name
             assert got[name + "_scale_inv"].dtype == torch.float32
-            assert got[name + "_scale_inv"].shape == (math.ceil(tensor.shape[0] / 128), math.ceil(tensor.shape[1] / 128))
+            blocks = (math.ceil(tensor.shape[0] / 128), math.ceil(tensor.shape[1] / 128))
+            assert got[name + "_scale_inv"].shape == blocks
             ref_q, ref_s = _reference_quantize(tensor)  # from the model's own (fp32) values, not the bf16 cast
             assert torch.equal(got[name].view(torch.uint8), ref_q.view(torch.uint8)), name
             assert torch.equal(got[name + "_scale_inv"], ref_s), name
@@ -166,6 +168,7 @@ def test_skip_patterns_match_at_module_boundaries():
 
     skips = list(DEFAULT_MODULES_TO_NOT_CONVERT) + ["model.layers.1"]
     assert matches_module("model.layers.3.mlp.gate", skips) and matches_module("lm_head", skips)
-    assert matches_module("model.layers.1.mlp.up_proj", skips) and matches_module("model.layers.2.mlp.shared_expert_gate", skips)
+    assert matches_module("model.layers.1.mlp.up_proj", skips)
+    assert matches_module("model.layers.2.mlp.shared_expert_gate", skips)
     assert not matches_module("model.layers.3.mlp.gate_proj", skips)
     assert not matches_module("model.layers.11.mlp.up_proj", skips)

@@ -138,5 +138,6 @@ def test_merged_lora_in_fp8():
     merged = copy.deepcopy(model).merge_and_unload().state_dict()
     for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
         q, s = quantize_fp8_blockwise(merged[name])
-        assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[name + "_scale_inv"], s)
+        assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(got[name + "_scale_inv"], s)
     assert got["model.norm.weight"].dtype == torch.float32 and "lm_head.weight_scale_inv" not in got
