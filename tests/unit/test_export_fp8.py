@@ -172,3 +172,10 @@ def test_skip_patterns_match_at_module_boundaries():
     assert matches_module("model.layers.2.mlp.shared_expert_gate", skips)
     assert not matches_module("model.layers.3.mlp.gate_proj", skips)
     assert not matches_module("model.layers.11.mlp.up_proj", skips)
+
+
+def test_nan_is_refused_too():
+    w = torch.zeros(200, 300)
+    w[150, 250] = float("nan")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        quantize_fp8_blockwise(w)

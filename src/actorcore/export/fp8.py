@@ -137,10 +137,10 @@ def _quantize_2d(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[tor
     rows, cols = weight.shape
     bm, bn = block_size
     sr, sc = math.ceil(rows / bm), math.ceil(cols / bn)
-    padded = torch.nn.functional.pad(weight.float(), (0, sc * bn - cols, 0, sr * bm - rows))
+    padded = torch.nn.functional.pad(weight.float(), (0, sc * bn - cols, 0, sr * bm - rows)).contiguous()
     blocks = padded.view(sr, bm, sc, bn)
     amax = blocks.abs().amax(dim=(1, 3))  # [sr, sc]; zero padding never raises it
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale_inv = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)  # inf, NaN stay visible
     q = (blocks / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(sr * bm, sc * bn)[:rows, :cols].contiguous(), scale_inv
 
@@ -152,13 +152,13 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block_size: tuple[int, int] = B
     if weight.dim() < 2 or not weight.is_floating_point():
         raise ValueError(f"{name}: blockwise FP8 needs a floating tensor of at least 2 dims, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
-    if not torch.isfinite(weight).all():
-        raise ValueError(f"{name} holds inf or NaN, which FP8 cannot scale: fix the weights (or export without "
-                         "quantize)")
     flat = weight.reshape(-1, *weight.shape[-2:])
     parts = [_quantize_2d(w, block_size) for w in flat]  # one [out, in] at a time: fp32 temporaries stay small
     q = torch.stack([p[0] for p in parts]).reshape(weight.shape)
     s = torch.stack([p[1] for p in parts]).reshape(_scale_shape(weight.shape, block_size))
+    if not torch.isfinite(s).all():  # amax propagates inf and NaN: checking the scales checks every element
+        raise ValueError(f"{name} holds inf or NaN, which FP8 cannot scale: fix the weights (or export without "
+                         "quantize)")
     return q, s
 
 
