@@ -127,6 +127,11 @@ def test_fp8_stream_has_the_fp8_checkpoint_layout(model_type):
             assert torch.equal(got[name + "_scale_inv"], ref_s), name
         else:  # kept in high precision, cast as asked
             assert torch.equal(got[name], tensor.to(torch.bfloat16)), name
+    if model_type != "qwen3_moe":  # the bound counts FP8 bytes plus scales (a fused MoE tensor is one unit)
+        buckets = list(hf_weight_stream(model, quantize="fp8_blockwise", bucket_bytes=10_000))
+        sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
+        assert all(size <= 10_000 or len(b) <= 2 for size, b in zip(sizes, buckets))
+        assert max(len(b) for b in buckets) >= 4  # two 64x64 FP8 weights (8 KiB) fit where one fp32 one would not
     if model_type == "qwen3_moe":
         assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in got
         assert got["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
