@@ -45,6 +45,9 @@ _EXPORTS = {
     "load_into_sglang": "actorcore.export",
     "save_sharded_safetensors": "actorcore.export",
     "broadcast_stream": "actorcore.export",
+    "BlockwiseFP8": "actorcore.export",
+    "quantize_fp8_blockwise": "actorcore.export",
+    "dequantize_fp8_blockwise": "actorcore.export",
 }
 
 __all__ = sorted(_EXPORTS)

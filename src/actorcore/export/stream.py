@@ -14,6 +14,11 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from actorcore.archs.spec import task_model
+from actorcore.export.fp8 import (BlockwiseFP8, quantize_fp8_blockwise, quantized_model_names, quantized_nbytes,
+                                  resolve_scheme, scale_name)
+from actorcore.export.lora import LORA_MODES, Entry, adapter_state, is_peft_model, merge_lora, merged_entries
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -61,20 +66,21 @@ def exported_names(model: torch.nn.Module) -> list[str]:
     return [n for n in state_names if n not in dropped]
 
 
-def _full_nbytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
-    element = torch.empty((), dtype=_out_dtype(tensor, dtype)).element_size()
-    return tensor.numel() * element  # a DTensor's numel is its global one
-
-
 def _out_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
-def _gather(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None, scheme: BlockwiseFP8 | None) -> int:
+    """Bytes of the tensor as yielded (a ``DTensor``'s numel is its global one); FP8: weight plus scales."""
+    if scheme is not None:
+        return quantized_nbytes(tensor.shape, scheme.block_size)
+    return tensor.numel() * torch.empty((), dtype=_out_dtype(tensor, dtype)).element_size()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-    return full.to(_out_dtype(full, dtype))
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
 def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
@@ -91,7 +97,8 @@ def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[s
 
 
 def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     dtype: torch.dtype | None = None, names: str = "checkpoint") -> Iterator[Bucket]:
+                     dtype: torch.dtype | None = None, names: str = "checkpoint",
+                     quantize: str | BlockwiseFP8 | None = None, lora: str = "merged") -> Iterator[Bucket]:
     """Yield the model's weights as buckets (lists) of ``(hf_name, full_tensor)``.
 
     - Collective: when the model is sharded (FSDP2 ``DTensor`` parameters), EVERY rank of its mesh must iterate the
@@ -109,6 +116,15 @@ def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCK
       ``load_state_dict`` take.
     - dtype: ``None`` yields the tensors as the model holds them; ``dtype=torch.bfloat16`` casts floating tensors
       (integer buffers are kept). Nothing is cast unless asked.
+    - quantize: ``"fp8_blockwise"`` (or a ``BlockwiseFP8``) yields the weights an FP8 checkpoint quantizes (every
+      ``nn.Linear`` weight and fused expert projections, not embeddings, lm_head, norms, router gates) as
+      ``float8_e4m3fn`` plus a float32 ``<name>_scale_inv`` per 128x128 block (the DeepSeek-V3 / Qwen3 FP8 layout;
+      see ``actorcore.export.fp8``), quantized from the model's own values; ``dtype`` applies to the others. The
+      bucket bound counts FP8 bytes plus scales.
+    - lora: for a PEFT (LoRA) model, ``"merged"`` (default) yields the plain model's weights with the active
+      adapters merged (``W + scaling * B @ A`` in float32, cast back; the model is not modified), under the base
+      model's names, as ``merge_and_unload()`` would give them; ``"adapters"`` yields only the adapter tensors
+      under PEFT's saved names (``get_peft_model_state_dict``; ``names`` and ``quantize`` do not apply).
     - Tensors of an unsharded model are the model's own storage (detached, not copied): do not modify them.
     """
     if names not in NAME_KINDS:
@@ -117,21 +133,57 @@ def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCK
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype (it applies to floating tensors), got {dtype}")
-    state = model.state_dict()
-    order = exported_names(model)
-    plan = plan_buckets([(n, _full_nbytes(state[n], dtype)) for n in order], bucket_bytes)
+    scheme = resolve_scheme(quantize)
+    if scheme is not None and names != "checkpoint":
+        raise ValueError("quantize gives the FP8 checkpoint layout (per-expert weights and scales), which has "
+                         "checkpoint names only: stream with names='checkpoint'")
+    if lora not in LORA_MODES:
+        raise ValueError(f"lora must be one of {LORA_MODES}, got {lora!r}")
+    peft = is_peft_model(model)
+    if lora == "adapters":
+        if not peft:
+            raise ValueError(f"lora='adapters' needs a PEFT model; {type(model).__name__} has no adapters")
+        if scheme is not None:
+            raise ValueError("quantize applies to the model's weights, not to LoRA adapters: export the adapters "
+                             "without quantize (or the merged weights with it)")
+        yield from _adapter_stream(model, bucket_bytes, dtype)
+        return
+    tree = task_model(model)  # the plain transformers model (inside a PEFT wrapper: its base model with the adapters)
+    order = exported_names(tree)
+    entries = merged_entries(model, order) if peft else [Entry(n, n) for n in order]
+    fp8 = quantized_model_names(tree, scheme, [e.source for e in entries]) if scheme is not None else set()
+    state = tree.state_dict()
+    plan = plan_buckets([(e.name, _nbytes(state[e.source], dtype, scheme if e.source in fp8 else None))
+                         for e in entries], bucket_bytes)
     del state  # the plan only needs sizes; tensors are read fresh per bucket below
-    revert = _reverter(model) if names == "checkpoint" else None
-    logger.info("exporting %d tensors in %d buckets of <= %d bytes", len(order), len(plan), bucket_bytes)
+    by_name = {e.name: e for e in entries}
+    revert = _reverter(tree) if names == "checkpoint" else None
+    logger.info("exporting %d tensors in %d buckets of <= %d bytes%s", len(entries), len(plan), bucket_bytes,
+                f" ({len(fp8)} in blockwise FP8)" if fp8 else "")
     for bucket_names in plan:
-        state = model.state_dict()  # sharded (local) tensors: no gathering here
+        state = tree.state_dict()  # sharded (local) tensors: no gathering here
         bucket: Bucket = []
         for name in bucket_names:
-            full = _gather(state[name], dtype)
-            bucket.extend(revert(name, full) if revert is not None else [(name, full)])
+            entry = by_name[name]
+            full = merge_lora(_full(state[entry.source]), [(_full(state[d.a_name]), _full(state[d.b_name]), d.scaling)
+                                                           for d in entry.deltas])
+            for out_name, tensor in (revert(name, full) if revert is not None else [(name, full)]):
+                if entry.source in fp8:
+                    weight, scale_inv = quantize_fp8_blockwise(tensor, scheme.block_size, name=out_name)
+                    bucket += [(out_name, weight), (scale_name(out_name), scale_inv)]
+                else:
+                    bucket.append((out_name, tensor.to(_out_dtype(tensor, dtype))))
         del state
         yield bucket
         del bucket
+
+
+def _adapter_stream(model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[Bucket]:
+    adapters = adapter_state(model)
+    plan = plan_buckets([(n, _nbytes(t, dtype, None)) for n, t in adapters.items()], bucket_bytes)
+    logger.info("exporting %d LoRA adapter tensors in %d buckets", len(adapters), len(plan))
+    for bucket_names in plan:
+        yield [(n, _full(adapters[n]).to(_out_dtype(adapters[n], dtype))) for n in bucket_names]
 
 
 def _reverter(model: torch.nn.Module):

@@ -78,4 +78,10 @@ TOL: dict[str, float] = {
     # some log-prob by more than this: ten times what verify accepts, so a dropped mscale cannot pass verify
     # (random tiny weights attend weakly, so the move is small: 5e-4 measured).
     "logprob_changed_by_attention_scale_at_least": 10 * VERIFY_TOLERANCE[torch.float32],
+    # Blockwise FP8 (e4m3) round trip: round-to-nearest with 3 mantissa bits is off by at most half a spacing,
+    # 2^-4 of |w| for normal numbers and 2^-10 of the block's scale_inv for subnormals; fp32 division and
+    # multiplication add a relative slack.
+    "fp8_e4m3_round_rel": 2.0**-4,
+    "fp8_e4m3_subnormal_abs_per_scale": 2.0**-10,
+    "fp8_fp32_arith_slack_rel": 1e-6,
 }
