@@ -226,9 +226,11 @@ def main() -> None:
                 need = FULL_LAYERS * checkpoint_bytes
                 cell["offload_host_gib_full"] = need / 2**30
                 available = _host_available_bytes()
-                if available is not None and args.layers * checkpoint_bytes > 0.9 * available:
-                    cell["status"] = (f"skipped: {args.layers} layers need {args.layers * checkpoint_bytes / 2**30:.0f}"
-                                      f" GiB pinned host memory, {available / 2**30:.0f} GiB available")
+                # torch's pinned-memory cache rounds each block up to a power of two
+                pinned = args.layers * (1 << (checkpoint_bytes - 1).bit_length())
+                if available is not None and pinned > 0.9 * available:
+                    cell["status"] = (f"skipped: {args.layers} layers need {pinned / 2**30:.0f} GiB pinned host "
+                                      f"memory, {available / 2**30:.0f} GiB available")
                     results["cells"].append(cell)
                     _write(results, args.out)
                     continue

@@ -90,7 +90,7 @@ class ActivationOffloader:
             side.wait_stream(torch.cuda.current_stream(tensor.device))
             cpu = torch.empty_like(tensor, device="cpu", pin_memory=True)
             with torch.cuda.stream(side):
-                cpu.copy_(tensor, non_blocking=True)
+                cpu.copy_(tensor.detach(), non_blocking=True)
             tensor.record_stream(side)  # the device block is not reused before the copy is done
         else:
             cpu = tensor.detach().to("cpu", copy=True)
