@@ -51,7 +51,7 @@ _ENABLE_HINT = ("model.gradient_checkpointing_enable(gradient_checkpointing_kwar
 class _Offloaded:
     """One saved tensor while it is away: its CPU copy and, once brought back, its device copy."""
 
-    __slots__ = ("position", "device", "cpu", "back", "ready")
+    __slots__ = ("position", "device", "cpu", "back", "ready", "restored")
 
     def __init__(self, position: int, device: torch.device, cpu: torch.Tensor) -> None:
         self.position = position
@@ -59,6 +59,7 @@ class _Offloaded:
         self.cpu = cpu
         self.back: torch.Tensor | None = None
         self.ready: Any = None  # CUDA event recorded after the copy back
+        self.restored = False  # handed back once: never prefetched again (only a second backward reloads it)
 
 
 class ActivationOffloader:
@@ -107,9 +108,9 @@ class ActivationOffloader:
             self._bring_back(entry)
         if packed.position > 0:  # backward reaches the layer before next: start its copy now
             for entry in self.layers[packed.position - 1]:
-                if self._bring_back(entry):
+                if not entry.restored and self._bring_back(entry):
                     self.trace[OFFLOAD_PREFETCHED] += 1
-        tensor, packed.back = packed.back, None
+        tensor, packed.back, packed.restored = packed.back, None, True
         if packed.ready is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.ready)
             packed.ready = None
