@@ -7,8 +7,9 @@ switched to actorcore's implementation for the call, and the packing metadata (`
 ``max_length_q/k``), the call's ``ParallelContext`` and its trace travel as explicit keyword arguments down to
 the attention function. Under Ulysses sequence parallelism each rank runs its contiguous shard of the padded
 batch. A hybrid model's linear-attention (Gated DeltaNet) modules get actorcore's packed forward for the call
-as well (``hf.linear_attention``). The trace proves, per call, that our attention ran in every attention layer
-and our linear attention in every linear-attention layer.
+as well (``hf.linear_attention``). A model patched with ``offload_activations`` runs its training calls with
+the checkpointed layers' inputs offloaded (``hf.offload``). The trace proves, per call, that our attention ran
+in every attention layer, our linear attention in every linear-attention layer, and the offload in every layer.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from actorcore.hf.attention import (
     trace_key,
 )
 from actorcore.hf.linear_attention import LINEAR_TRACE_KEYS, is_installed, packed_linear_attention, split_layers
-from actorcore.hf.patch import require_sequence_parallel_patch
+from actorcore.hf.offload import OFFLOAD_LAYERS, OFFLOAD_TENSORS, offloaded_layers
+from actorcore.hf.patch import PatchNotAppliedError, patch_state, require_sequence_parallel_patch
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
 from actorcore.kernels.trace import check_trace
 from actorcore.parallel import sp_size
@@ -163,8 +165,16 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
         kwargs.pop("input_ids")
     before = sum(trace[k] for k in ATTENTION_TRACE_KEYS)
     before_linear = sum(trace[k] for k in LINEAR_TRACE_KEYS)
-    with switch, finite_checks(model.get_input_embeddings(), layers, check_finite):
+    offload = _wants_offload(model)
+    before_offload = (trace[OFFLOAD_LAYERS], trace[OFFLOAD_TENSORS])
+    # Offload wraps the layers' checkpoint functions first, so the attention switch (which wraps them too, for
+    # the recomputation) runs inside it.
+    offloading = offloaded_layers(list(layers), trace, type(model).__name__) if offload else contextlib.nullcontext()
+    with offloading, switch, finite_checks(model.get_input_embeddings(), layers, check_finite):
         out = decoder(**kwargs)
+    if offload:
+        _check_offload_ran(model, len(layers), trace[OFFLOAD_LAYERS] - before_offload[0],
+                           trace[OFFLOAD_TENSORS] - before_offload[1])
     ran = sum(trace[k] for k in ATTENTION_TRACE_KEYS) - before
     if ran < len(attention_layers):
         raise PackingNotAppliedError(
@@ -182,6 +192,25 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     if check_finite and not bool(torch.isfinite(hidden).all()):
         raise NonFiniteError("the decoder's final norm produced non-finite values (NaN or inf)")
     return hidden[0], work
+
+
+def _wants_offload(model: Any) -> bool:
+    """Offload in calls that record gradients (without them nothing is checkpointed, nothing kept)."""
+    state = patch_state(model)
+    return state is not None and state.offload_activations and torch.is_grad_enabled()
+
+
+def _check_offload_ran(model: Any, layers: int, ran: int, tensors: int) -> None:
+    if ran < layers:
+        raise PatchNotAppliedError(
+            f"activation offload ran in {ran} of {layers} decoder layers of {type(model).__name__}: their checkpoint "
+            "did not run (transformers checkpoints only in training mode: call model.train(); "
+            f"model.training={model.training}) or the installed transformers bypassed the layers' "
+            "_gradient_checkpointing_func; refusing to continue without the offload that was asked for")
+    if tensors < layers:
+        raise PatchNotAppliedError(
+            f"activation offload moved {tensors} tensors for {layers} checkpointed layers: the installed torch "
+            "checkpoint saved its inputs without the saved-tensor hooks in force; actorcore must be updated")
 
 
 def call_as_forward(module: torch.nn.Module, fn: Callable[[], Any]) -> Any:
