@@ -29,7 +29,9 @@ def _assert_same_checkpoint(a: str, b: str) -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    ref, got = load_file(os.path.join(a, "model.safetensors")), load_file(os.path.join(b, "model.safetensors"))
+    from actorcore.testing.checkpoints import load_checkpoint_tensors
+
+    ref, got = load_file(os.path.join(a, "model.safetensors")), load_checkpoint_tensors(b)  # b: sharded, indexed
     assert sorted(ref) == sorted(got)
     for name, tensor in ref.items():
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name

@@ -1,11 +1,12 @@
 """``actorcore convert``: HF <-> Megatron-Core checkpoints (part of the CLI: it prints).
 
   actorcore convert hf-to-mcore SRC_HF_DIR DST_DIR [--tp N --pp N --ep N]
-  actorcore convert mcore-to-hf SRC_MCORE_DIR DST_HF_DIR
+  actorcore convert mcore-to-hf SRC_MCORE_DIR DST_HF_DIR [--max-shard-size BYTES]
 
 hf-to-mcore writes a Megatron distributed checkpoint (loadable at any layout); with a layout bigger than
-one rank it runs one gloo process per rank (CPU). mcore-to-hf loads in one process and writes
-``model.safetensors`` + config. Output goes to a temporary directory next to DST, renamed at the end: a
+one rank it runs one gloo process per rank (CPU). mcore-to-hf loads in one process and writes sharded
+safetensors (``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``) + config, streamed
+bucket by bucket (``mcore_weight_stream`` into ``export.save_sharded_safetensors``). Output goes to a temporary directory next to DST, renamed at the end: a
 failure leaves nothing behind. Damaged or incomplete input, a full disk and flags the model cannot take are a
 one-line error and exit code 2. SIGINT / SIGTERM stop the run (ranks included) and clean up
 (``actorcore.cli.processes``); dtypes come from the tensors, never from config.json.
@@ -48,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors + config")
     to_hf.add_argument("src", help="directory written by hf-to-mcore")
     to_hf.add_argument("dst", help="output directory (must not exist)")
+    to_hf.add_argument("--max-shard-size", type=int, default=5 * 1024**3,
+                       help="bytes per safetensors shard (a larger tensor gets a shard of its own)")
     return parser
 
 
@@ -186,27 +189,49 @@ def _hf_to_mcore(args: argparse.Namespace) -> None:
                 raise RuntimeError("conversion failed:\n" + details)
 
 
+def _exporting(stream: Iterator[Any]) -> Iterator[Any]:
+    """The stream, passing the ``exporting`` fault point once its first bucket is made (mid-export)."""
+    for k, bucket in enumerate(stream):
+        yield bucket
+        if k == 0:
+            fault_points.reach("exporting")
+
+
+def _save_sharded(stream: Iterator[Any], hf_config: Any, out: str, max_shard_bytes: int) -> None:
+    """The stream as sharded safetensors + index + config.json in the existing directory ``out`` (the CLI's own
+    temporary output): written into a fresh directory inside it, then moved up."""
+    from actorcore.export import save_sharded_safetensors
+
+    weights = os.path.join(out, ".weights")
+    save_sharded_safetensors(stream, weights, max_shard_bytes, config=hf_config)
+    for name in sorted(os.listdir(weights)):
+        os.replace(os.path.join(weights, name), os.path.join(out, name))
+    os.rmdir(weights)
+
+
 def _mcore_to_hf(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from actorcore.mcore.checkpoint import export_mcore_to_hf, save_hf_checkpoint
     from actorcore.mcore.dist_checkpoint import HF_DIR, copy_hf_side_files, load_mcore_checkpoint, read_mcore_metadata
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.weight_stream import mcore_weight_stream
 
     src = os.path.abspath(args.src)
     _check_source_dir(src, "a directory written by `actorcore convert hf-to-mcore`")
+    if args.max_shard_size <= 0:
+        raise ValueError(f"--max-shard-size must be a positive number of bytes, got {args.max_shard_size}")
     meta, hf_config, dtype = read_mcore_metadata(src)
     with atomic_output(args.dst) as out, _megatron_runtime(0, 1, _free_port()):
         context = initialize_megatron(McoreParallel())
         chunks = build_gpt_model(hf_config, McoreParallel(), dtype, vocab_multiple=int(meta["vocab_multiple"]))
         fault_points.reach("loading")
         load_mcore_checkpoint(chunks, src)
-        # One process holds the whole model: this stage's export is every tensor, gathered one by one.
-        state = dict(tqdm(export_mcore_to_hf(chunks, context), desc="export Megatron -> HF", unit="tensor"))
-        fault_points.reach("exporting")
         copy_hf_side_files(os.path.join(src, HF_DIR), out)
-        save_hf_checkpoint(state, hf_config, out)
+        # One process holds the whole model; the shards are written as the buckets come (one shard in memory).
+        stream = mcore_weight_stream(chunks, context, bucket_bytes=min(args.max_shard_size, 512 * 1024**2))
+        _save_sharded(tqdm(_exporting(stream), desc="export Megatron -> HF", unit="bucket"), hf_config, out,
+                      args.max_shard_size)
 
 
 def main(argv: list[str]) -> int:

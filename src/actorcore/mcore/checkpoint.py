@@ -3,8 +3,9 @@
 Loading streams tensor by tensor: each rank opens the safetensors files lazily and reads, per parameter it
 holds, only its slice of each HF tensor (``safe_open(...).get_slice``). Problems (missing, extra,
 mis-shaped tensors) are collected on every rank and reported together in one ``CheckpointMismatchError``.
-Export splits each local parameter into its HF parts, gathers them over TP / EP (``collectives``) and
-yields full HF tensors; ``gather_hf_state_dict`` also gathers over pipeline stages.
+Export (``mcore.weight_stream``) splits each local parameter into its HF parts and gathers them over TP / EP / PP
+into full HF tensors, in buckets; ``export_mcore_to_hf`` and ``gather_hf_state_dict`` are its one-tensor and
+whole-model forms.
 """
 
 from __future__ import annotations
@@ -265,56 +266,19 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, context: ParallelContext,
 # ---- export ----------------------------------------------------------------------------------------
 
 
-def export_mcore_to_hf(chunks: list[Any], context: ParallelContext) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF-named tensors of this pipeline stage, gathered over TP and EP (every rank of the stage
-    gets them; all ranks of a TP / EP group must iterate together)."""
-    hf_config = chunks[0].actorcore_hf_config
-    spec = mcore_spec_for(hf_config)
-    if getattr(chunks[0], "actorcore_grouped_experts", False):
-        spec = spec.with_grouped_experts()
-    stacks: dict[str, dict[int, torch.Tensor]] = {}  # grouped experts being assembled, by HF name
-    for chunk in chunks:
-        counts = _head_counts(chunk.config, context.tp_size)
-        for local_name, tensor in _tensors(chunk):
-            name = global_mcore_name(chunk, local_name, context)
-            rule, indices = spec.rule_for_mcore(name)
-            if _is_tied(rule, hf_config):
-                continue  # HF stores the tied lm_head only as the embedding
-            parts = split_parts(rule.transform, tensor.detach(), **counts)
-            if rule.parallel == "expert":
-                per_rank = len(local_experts(chunk.config.num_moe_experts, context.ep_rank, context.ep_size))
-                local_index = indices["expert"] - context.ep_rank * per_rank
-                gathered = [collectives.all_gather_tensor(p, context.ep_group) for p in parts]
-                if rule.grouped:
-                    for hf_name, ranks in zip(rule.hf_names_for(indices), gathered):
-                        stack = stacks.setdefault(hf_name, {})
-                        stack.update({rank * per_rank + local_index: t for rank, t in enumerate(ranks)})
-                        if len(stack) == chunk.config.num_moe_experts:
-                            yield hf_name, torch.stack([stack[e] for e in range(len(stack))])
-                            del stacks[hf_name]
-                    continue
-                for rank in range(context.ep_size):
-                    names = rule.hf_names_for({**indices, "expert": rank * per_rank + local_index})
-                    for hf_name, ranks in zip(names, gathered):
-                        yield hf_name, ranks[rank]
-                continue
-            for hf_name, part in zip(rule.hf_names_for(indices), parts):
-                if tp_dim(rule.parallel) is None or context.tp_size == 1:
-                    full = part
-                else:
-                    full = torch.cat(collectives.all_gather_tensor(part, context.tp_group), dim=tp_dim(rule.parallel))
-                if rule.parallel == "vocab":
-                    full = full[: hf_config.vocab_size]
-                yield hf_name, full.clone()
+def export_mcore_to_hf(chunks: list[Any], context: ParallelContext, *,
+                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model's full HF-named tensors, one at a time, on every rank (all stages, gathered over TP / EP /
+    PP): ``mcore_weight_stream`` with one tensor per bucket. Collective: every rank iterates it to the end."""
+    from actorcore.mcore.weight_stream import mcore_weight_stream  # it builds on this module
+
+    for bucket in mcore_weight_stream(chunks, context, bucket_bytes=1, dtype=dtype):
+        yield from bucket
 
 
 def gather_hf_state_dict(chunks: list[Any], context: ParallelContext) -> dict[str, torch.Tensor]:
     """The whole model as HF-named tensors on every rank (gathered over TP, EP and pipeline stages)."""
-    stage = dict(export_mcore_to_hf(chunks, context))
-    merged: dict[str, torch.Tensor] = {}
-    for part in collectives.all_gather_object(stage, context.pp_group):
-        merged.update(part)
-    return merged
+    return dict(export_mcore_to_hf(chunks, context))
 
 
 def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], hf_config: Any, out_dir: str) -> None:

@@ -1,0 +1,204 @@
+"""``mcore_weight_stream``: a Megatron model sharded over TP / PP / EP as buckets of HF checkpoint-named full
+tensors, gathered one bucket at a time (the Megatron side of the weight sync to a rollout engine).
+
+The buckets have the format of ``actorcore.export``'s streams (a list of ``(hf_name, tensor)``), so its receivers
+take them as they are: ``save_sharded_safetensors``, ``broadcast_stream``, ``load_into``, the vLLM / SGLang adapters.
+
+Every rank of the model receives the whole stream. Each HF tensor is made where it lives and then sent to the rest:
+a TP-split part is all-gathered over the TP group (the ranks of a stage hold its shards), a per-expert tensor is
+broadcast over the EP group from the rank that owns the expert, a grouped-experts tensor (``[E, ...]``) is
+all-gathered over EP, and then the tensor is broadcast over the PP group from the stage that holds it. Ranks that
+only take part (every rank but the one that writes or forwards the stream) iterate it and drop the buckets.
+
+Planning needs only sizes: each stage lists its tensors' HF names, shapes and dtypes (one ``all_gather_object``
+over the PP group), and every rank cuts the same list into the same buckets, so the collectives line up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from actorcore.archs.megatron_rules import WeightRule
+from actorcore.mcore.checkpoint import (_EXPERT, _hf_part_shapes, _head_counts, _is_tied, _tensors,
+                                        global_mcore_name)
+from actorcore.mcore.model import mcore_spec_for
+from actorcore.mcore.transforms import split_parts, tp_dim
+from actorcore.parallel import collectives
+from actorcore.parallel.context import ParallelContext
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+
+Bucket = list[tuple[str, torch.Tensor]]  # the format of ``actorcore.export``'s buckets
+_Meta = tuple[str, tuple[int, ...], torch.dtype]  # (hf_name, full shape, dtype): what the PP ranks exchange
+
+
+@dataclass
+class _Source:
+    """How this stage makes one full HF tensor from its local parameters.
+
+    ``kind``: ``tp`` (a part of one parameter, gathered over TP when split), ``expert`` (a part of one local
+    expert's parameter, sent by the EP rank ``ep_owner``), ``grouped`` (a part of every local expert of a layer,
+    stacked and gathered over EP into ``[E, ...]``).
+    """
+
+    kind: str
+    tensors: list[torch.Tensor]
+    part: int
+    rule: WeightRule
+    counts: dict[str, int]
+    ep_owner: int = 0
+
+
+def _out_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    return target if target is not None and dtype.is_floating_point else dtype
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _local_part(tensor: torch.Tensor, source: _Source, dtype: torch.dtype | None) -> torch.Tensor:
+    part = split_parts(source.rule.transform, tensor.detach(), **source.counts)[source.part]
+    return part.to(_out_dtype(part.dtype, dtype)).contiguous()
+
+
+def _stage_sources(chunks: list[Any], context: ParallelContext,
+                   dtype: torch.dtype | None) -> tuple[list[_Meta], list[_Source]]:
+    """This stage's HF tensors, in the chunks' state-dict order: the same list on every rank of the stage."""
+    hf_config = chunks[0].actorcore_hf_config
+    spec = mcore_spec_for(hf_config)
+    if getattr(chunks[0], "actorcore_grouped_experts", False):
+        spec = spec.with_grouped_experts()  # the layout the checkpoint was loaded from
+    metas: list[_Meta] = []
+    sources: list[_Source] = []
+
+    def add(names: tuple[str, ...], shapes: list[tuple[int, ...]], out: torch.dtype, **source: Any) -> None:
+        for part, (hf_name, shape) in enumerate(zip(names, shapes)):
+            metas.append((hf_name, tuple(shape), out))
+            sources.append(_Source(part=part, **source))
+
+    for chunk in chunks:
+        counts = _head_counts(chunk.config, context.tp_size)
+        local = dict(_tensors(chunk))
+        for local_name, tensor in local.items():
+            rule, indices = spec.rule_for_mcore(global_mcore_name(chunk, local_name, context))
+            if _is_tied(rule, hf_config):
+                continue  # HF stores the tied lm_head only as the embedding
+            shapes = _hf_part_shapes(rule, tensor.shape, chunk.config, context.tp_size, hf_config.vocab_size)
+            out = _out_dtype(tensor.dtype, dtype)
+            common = {"rule": rule, "counts": counts}
+            if rule.parallel != "expert":
+                add(rule.hf_names_for(indices), shapes, out, kind="tp", tensors=[tensor], **common)
+                continue
+            num_experts = chunk.config.num_moe_experts
+            per_rank = num_experts // context.ep_size
+            local_index = int(_EXPERT.search(local_name).group(1))
+            if rule.grouped:
+                if local_index == 0:  # one [E, ...] tensor per layer, made from all local experts at once
+                    siblings = [local[_EXPERT.sub(f".local_experts.{j}.", local_name, count=1)]
+                                for j in range(per_rank)]
+                    add(rule.hf_names_for(indices), [(num_experts, *s) for s in shapes], out, kind="grouped",
+                        tensors=siblings, **common)
+                continue
+            for owner in range(context.ep_size):  # local expert i of every EP rank, in EP-rank order
+                names = rule.hf_names_for({**indices, "expert": owner * per_rank + local_index})
+                add(names, shapes, out, kind="expert", tensors=[tensor], ep_owner=owner, **common)
+    return metas, sources
+
+
+def _make(source: _Source, meta: _Meta, context: ParallelContext, dtype: torch.dtype | None,
+          hf_vocab: int) -> torch.Tensor:
+    """The full tensor of ``meta`` on every rank of this stage (collectives over TP or EP)."""
+    if source.kind == "grouped":
+        stacked = torch.stack([_local_part(t, source, dtype) for t in source.tensors])
+        return torch.cat(collectives.all_gather_tensor(stacked, context.ep_group), dim=0)
+    if source.kind == "expert":
+        if context.ep_size == 1:
+            return _local_part(source.tensors[0], source, dtype)
+        if context.ep_rank == source.ep_owner:
+            tensor = _local_part(source.tensors[0], source, dtype)
+        else:
+            tensor = torch.empty(meta[1], dtype=meta[2], device=source.tensors[0].device)
+        return collectives.broadcast_tensor(tensor, source.ep_owner, context.ep_group)
+    part = _local_part(source.tensors[0], source, dtype)
+    dim = tp_dim(source.rule.parallel)
+    if dim is not None and context.tp_size > 1:
+        part = torch.cat(collectives.all_gather_tensor(part, context.tp_group), dim=dim)
+    if source.rule.parallel == "vocab":
+        part = part[:hf_vocab]  # drop the padded rows
+    return part
+
+
+def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive indices grouped so each group's bytes are <= ``bucket_bytes``; a larger tensor is alone."""
+    buckets: list[list[int]] = []
+    used = 0
+    for index, nbytes in enumerate(sizes):
+        if not buckets or used + nbytes > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(index)
+        used += nbytes
+    return buckets
+
+
+def mcore_weight_stream(chunks: list[Any], context: ParallelContext, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                        dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+    """Yield this rank's model chunks (built by ``build_gpt_model``) as buckets of ``(hf_name, full_tensor)``.
+
+    - Collective over every rank of the model: each rank passes its own chunks and iterates the WHOLE stream, in
+      step; every rank gets every tensor of the model (all stages, all experts). A rank that does not need the
+      weights iterates and drops them (e.g. ``save_sharded_safetensors(..., write=False)``).
+    - Names and layout are the HF checkpoint's, from the architecture's weight rules: QKV and gate/up split into
+      their HF tensors, per-expert names (``...experts.{e}.gate_proj.weight``) where the checkpoint uses them, a
+      grouped ``experts.gate_up_proj`` ``[E, 2I, D]`` when the model was loaded from such a checkpoint, no
+      ``lm_head.weight`` when the embeddings are tied, the vocabulary without Megatron's padding.
+    - Memory: a bucket's tensors add up to at most ``bucket_bytes`` (of the output dtype), unless one tensor alone
+      is larger: it is then alone in its bucket. Only one bucket is made at a time (plus, while a TP-split tensor
+      is gathered, its shards): drop your references to a bucket before asking for the next one.
+    - dtype: ``None`` keeps the model's dtype (bitwise the weights); ``dtype=torch.bfloat16`` casts floating
+      tensors (before the gather, so less is sent when it narrows them).
+    - Tensors are fresh, except where a parameter already is the full tensor (no TP split, one pipeline stage):
+      then it may be the model's own storage, so do not modify them.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype (it applies to floating tensors), got {dtype}")
+    if not chunks:
+        raise ValueError("mcore_weight_stream needs this rank's model chunks (the list build_gpt_model returned)")
+    hf_vocab = chunks[0].actorcore_hf_config.vocab_size
+    device = next(p.device for chunk in chunks for p in chunk.parameters())
+    metas, sources = _stage_sources(chunks, context, dtype)
+    stages = collectives.all_gather_object(metas, context.pp_group)
+    plan = [(stage, index) for stage, stage_metas in enumerate(stages) for index in range(len(stage_metas))]
+    names = [stages[s][i][0] for s, i in plan]
+    if len(set(names)) != len(names):
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"mcore_weight_stream: HF names {repeated} come from several Megatron parameters: the "
+                         "architecture's weight rules map two parameters to one tensor")
+    buckets = plan_buckets([_nbytes(*stages[s][i][1:]) for s, i in plan], bucket_bytes)
+    logger.info("exporting %d tensors in %d buckets of <= %d bytes", len(plan), len(buckets), bucket_bytes)
+    for bucket_indices in buckets:
+        bucket: Bucket = []
+        for stage, index in (plan[k] for k in bucket_indices):
+            meta = stages[stage][index]
+            if stage == context.pp_rank:
+                tensor = _make(sources[index], meta, context, dtype, hf_vocab)
+                if (tuple(tensor.shape), tensor.dtype) != meta[1:]:
+                    raise RuntimeError(f"mcore_weight_stream: {meta[0]} came out {tuple(tensor.shape)} "
+                                       f"{tensor.dtype}, planned {meta[1]} {meta[2]} (a bug in the weight rules)")
+            else:
+                tensor = torch.empty(meta[1], dtype=meta[2], device=device)
+            if context.pp_size > 1:
+                tensor = collectives.broadcast_tensor(tensor, stage, context.pp_group)
+            bucket.append((meta[0], tensor))
+        yield bucket
+        del bucket
