@@ -55,8 +55,11 @@ def test_cli_roundtrip_is_bit_exact(tmp_path, model_type, layout, overrides, cap
     mcore, back = str(tmp_path / "mcore"), str(tmp_path / "back")
     assert _convert(["hf-to-mcore", src, mcore, *layout]) == 0
     assert os.path.exists(os.path.join(mcore, "metadata.json"))
-    assert _convert(["mcore-to-hf", mcore, back]) == 0  # loads at TP=PP=EP=1 whatever layout wrote it
+    # loads at TP=PP=EP=1 whatever layout wrote it; small shards, so the index spans several files
+    assert _convert(["mcore-to-hf", mcore, back, "--max-shard-size", "60000"]) == 0
     _assert_same_checkpoint(src, back)
+    assert not os.path.exists(os.path.join(back, "model.safetensors"))
+    assert len([n for n in os.listdir(back) if n.endswith(".safetensors")]) > 1
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no temporary directory left
 
 
@@ -137,3 +140,8 @@ def test_cli_refuses_existing_output(tmp_path, capsys):
     src = _tiny(tmp_path, "llama")
     assert _convert(["hf-to-mcore", src, src]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_cli_bad_shard_size(tmp_path, capsys):
+    _expect_error(tmp_path, capsys, ["mcore-to-hf", str(tmp_path), str(tmp_path / "back"), "--max-shard-size", "0"],
+                  "--max-shard-size must be a positive number of bytes")
