@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 
 LENGTHS = [(5, 11, 3, 9), (14, 2, 7), (1, 6, 12)]
 PAD_TO = 32  # pipeline parallelism needs one token count for every micro-batch
+BUCKET_BYTES = 20_000
 
 
 def _sequences() -> list[list[torch.Tensor]]:
@@ -52,6 +53,7 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, ep: int, hf_dir: str) 
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.weight_stream import mcore_weight_stream
     from transformers import AutoConfig
 
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
@@ -60,13 +62,15 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, ep: int, hf_dir: str) 
     assert next(chunks[0].parameters()).is_cuda
     load_hf_into_mcore(chunks, hf_dir, context)
     exported = {k: v.cpu() for k, v in gather_hf_state_dict(chunks, context).items()}
+    buckets = [[(n, t.cpu(), t.device.type) for n, t in bucket]  # several tensors a bucket, over NCCL
+               for bucket in mcore_weight_stream(chunks, context, bucket_bytes=BUCKET_BYTES)]
     batches = [ac.pack(s) for s in _sequences()]
     batches = [pad_to_multiple(b, PAD_TO) if b.num_tokens % PAD_TO else b for b in batches]
     outputs = compute_logprobs(chunks, batches, context)
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    return {"exported": exported,
+    return {"exported": exported, "buckets": buckets,
             "got": [(o.log_probs.cpu(), o.entropy.cpu(), o.log_probs.device.type) for o in outputs]}
 
 
@@ -95,6 +99,13 @@ def test_mcore_on_nccl(tmp_path, model_type, tp, pp, ep):
         for name, tensor in source.items():
             got = result["exported"][name]
             assert got.dtype == tensor.dtype and torch.equal(got, tensor), (rank, name)
+        streamed = {n: t for bucket in result["buckets"] for n, t, _ in bucket}
+        assert sorted(streamed) == sorted(source) and len(result["buckets"]) > 2, rank
+        for bucket in result["buckets"]:
+            assert all(device == "cuda" for _, _, device in bucket)
+            assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t, _ in bucket) <= BUCKET_BYTES
+        for name, tensor in source.items():
+            assert torch.equal(streamed[name], tensor), (rank, name)
         for (lp, ent, device), (ref_lp, ref_ent) in zip(result["got"], ref):
             assert device == "cuda"
             torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=f"rank {rank} log-probs")

@@ -21,6 +21,7 @@ _EXPORTS = {
     "build_gpt_model": "actorcore.mcore.model",
     "load_hf_into_mcore": "actorcore.mcore.checkpoint",
     "export_mcore_to_hf": "actorcore.mcore.checkpoint",
+    "mcore_weight_stream": "actorcore.mcore.weight_stream",
     "save_hf_checkpoint": "actorcore.mcore.checkpoint",
     "CheckpointMismatchError": "actorcore.mcore.checkpoint",
     "compute_logprobs": "actorcore.mcore.forward",

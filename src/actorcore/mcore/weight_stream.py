@@ -167,13 +167,22 @@ def mcore_weight_stream(chunks: list[Any], context: ParallelContext, *, bucket_b
       tensors (before the gather, so less is sent when it narrows them).
     - Tensors are fresh, except where a parameter already is the full tensor (no TP split, one pipeline stage):
       then it may be the model's own storage, so do not modify them.
+    - Wrong arguments raise ``ValueError`` at the call, before any collective.
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating dtype (it applies to floating tensors), got {dtype}")
-    if not chunks:
-        raise ValueError("mcore_weight_stream needs this rank's model chunks (the list build_gpt_model returned)")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be None or a floating torch.dtype (it applies to floating tensors), got {dtype}")
+    if not isinstance(chunks, (list, tuple)) or not chunks or not hasattr(chunks[0], "actorcore_hf_config"):
+        raise ValueError("mcore_weight_stream needs this rank's model chunks: the list build_gpt_model returned, "
+                         f"got {type(chunks).__name__}")
+    if not hasattr(context, "pp_group"):
+        raise ValueError(f"context must be the ParallelContext initialize_megatron returned, got {type(context).__name__}")
+    return _stream(list(chunks), context, bucket_bytes, dtype)
+
+
+def _stream(chunks: list[Any], context: ParallelContext, bucket_bytes: int,
+            dtype: torch.dtype | None) -> Iterator[Bucket]:
     hf_vocab = chunks[0].actorcore_hf_config.vocab_size
     device = next(p.device for chunk in chunks for p in chunk.parameters())
     metas, sources = _stage_sources(chunks, context, dtype)
