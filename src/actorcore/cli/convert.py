@@ -6,10 +6,10 @@
 hf-to-mcore writes a Megatron distributed checkpoint (loadable at any layout); with a layout bigger than
 one rank it runs one gloo process per rank (CPU). mcore-to-hf loads in one process and writes sharded
 safetensors (``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``) + config, streamed
-bucket by bucket (``mcore_weight_stream`` into ``export.save_sharded_safetensors``). Output goes to a temporary directory next to DST, renamed at the end: a
-failure leaves nothing behind. Damaged or incomplete input, a full disk and flags the model cannot take are a
-one-line error and exit code 2. SIGINT / SIGTERM stop the run (ranks included) and clean up
-(``actorcore.cli.processes``); dtypes come from the tensors, never from config.json.
+bucket by bucket (``mcore_weight_stream`` into ``export.save_sharded_safetensors``). Output goes to a temporary
+directory next to DST, renamed at the end: a failure leaves nothing behind. Damaged or incomplete input, a full
+disk and flags the model cannot take are a one-line error and exit code 2. SIGINT / SIGTERM stop the run (ranks
+included) and clean up (``actorcore.cli.processes``); dtypes come from the tensors, never from config.json.
 On machines without CUDA megatron-core runs inside ``actorcore.mcore.cpu_runtime.CpuRuntime`` (its CPU shims,
 applied for the run and restored after).
 """

@@ -177,7 +177,8 @@ def mcore_weight_stream(chunks: list[Any], context: ParallelContext, *, bucket_b
         raise ValueError("mcore_weight_stream needs this rank's model chunks: the list build_gpt_model returned, "
                          f"got {type(chunks).__name__}")
     if not hasattr(context, "pp_group"):
-        raise ValueError(f"context must be the ParallelContext initialize_megatron returned, got {type(context).__name__}")
+        raise ValueError("context must be the ParallelContext initialize_megatron returned, got "
+                         f"{type(context).__name__}")
     return _stream(list(chunks), context, bucket_bytes, dtype)
 
 
@@ -196,18 +197,26 @@ def _stream(chunks: list[Any], context: ParallelContext, bucket_bytes: int,
     buckets = plan_buckets([_nbytes(*stages[s][i][1:]) for s, i in plan], bucket_bytes)
     logger.info("exporting %d tensors in %d buckets of <= %d bytes", len(plan), len(buckets), bucket_bytes)
     for bucket_indices in buckets:
-        bucket: Bucket = []
-        for stage, index in (plan[k] for k in bucket_indices):
-            meta = stages[stage][index]
-            if stage == context.pp_rank:
-                tensor = _make(sources[index], meta, context, dtype, hf_vocab)
-                if (tuple(tensor.shape), tensor.dtype) != meta[1:]:
-                    raise RuntimeError(f"mcore_weight_stream: {meta[0]} came out {tuple(tensor.shape)} "
-                                       f"{tensor.dtype}, planned {meta[1]} {meta[2]} (a bug in the weight rules)")
-            else:
-                tensor = torch.empty(meta[1], dtype=meta[2], device=device)
-            if context.pp_size > 1:
-                tensor = collectives.broadcast_tensor(tensor, stage, context.pp_group)
-            bucket.append((meta[0], tensor))
+        bucket = _make_bucket([plan[k] for k in bucket_indices], stages, sources, context, dtype, hf_vocab, device)
         yield bucket
-        del bucket
+        del bucket  # nothing of a bucket is held here while the next one is made
+
+
+def _make_bucket(entries: list[tuple[int, int]], stages: list[list[_Meta]], sources: list[_Source],
+                 context: ParallelContext, dtype: torch.dtype | None, hf_vocab: int,
+                 device: torch.device) -> Bucket:
+    """One bucket's tensors (``(stage, index)`` entries of the plan), made by their stage and sent over PP."""
+    bucket: Bucket = []
+    for stage, index in entries:
+        meta = stages[stage][index]
+        if stage == context.pp_rank:
+            tensor = _make(sources[index], meta, context, dtype, hf_vocab)
+            if (tuple(tensor.shape), tensor.dtype) != meta[1:]:
+                raise RuntimeError(f"mcore_weight_stream: {meta[0]} came out {tuple(tensor.shape)} {tensor.dtype}, "
+                                   f"planned {meta[1]} {meta[2]} (a bug in the weight rules)")
+        else:
+            tensor = torch.empty(meta[1], dtype=meta[2], device=device)
+        if context.pp_size > 1:
+            tensor = collectives.broadcast_tensor(tensor, stage, context.pp_group)
+        bucket.append((meta[0], tensor))
+    return bucket
