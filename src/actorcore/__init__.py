@@ -45,6 +45,9 @@ _EXPORTS = {
     "load_into_sglang": "actorcore.export",
     "save_sharded_safetensors": "actorcore.export",
     "broadcast_stream": "actorcore.export",
+    "ipc_send": "actorcore.export",
+    "ipc_receive": "actorcore.export",
+    "TransportError": "actorcore.export",
 }
 
 __all__ = sorted(_EXPORTS)
