@@ -12,7 +12,8 @@ buffers' handle fields), so nothing received is unpickled or can run code, and e
 
 Messages, sender -> receiver: ``hello``; ``bucket`` (slot, a new buffer description when the slot's buffer is new,
 the tensors' ``[name, dtype, shape, offset]``); ``end`` (counts); ``abort`` (reason). Receiver -> sender: ``ready``;
-``ack`` (slot, sequence number); ``abort`` (reason). Either side that fails sends ``abort`` (best effort) and the
+``ack`` (slot, sequence number); ``closed`` (after ``end``: it has let go of the buffers, which the sender then
+frees at once rather than leaving CUDA IPC blocks to torch's limbo); ``abort`` (reason). Either side that fails sends ``abort`` (best effort) and the
 other raises ``TransportError`` with that reason; a peer whose process died closes the channel, which the other
 side reports the same way.
 """
@@ -220,6 +221,9 @@ class _Sender:
         while self.in_flight:
             self._wait_ack()
         self.channel.send(dict(op="end", buckets=self.stats.buckets, tensors=self.stats.tensors))
+        closed = self.channel.recv("the receiver's closed")  # it let go of the buffers: they can be freed now
+        if closed.get("op") != "closed":
+            raise ValueError(f"ipc_send: expected the receiver's closed after end, got {closed}")
 
     def release(self) -> None:
         for buffer in self.buffers:
@@ -334,6 +338,8 @@ class IpcReceiver:
                         raise ValueError(f"ipc_receive: the sender ended after {message.get('buckets')} buckets, "
                                          f"{seq} arrived")
                     self._finished = True
+                    self._buffers = [None, None]
+                    self._channel.send(dict(op="closed"))
                     return
                 slot = message.get("slot")
                 if message["op"] != "bucket" or message.get("seq") != seq or slot not in (0, 1):
