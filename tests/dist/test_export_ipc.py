@@ -299,3 +299,23 @@ def test_threads_share_the_protocol_and_the_consumer_stopping_early_is_told():
     thread.join(TIMEOUT)
     assert errors and "stopped reading before the end" in errors[0]
     assert _own_shm_files() == []
+
+
+def test_an_interrupted_receiver_tells_the_sender():
+    """Ctrl-C in the receiving process while it loads a bucket: the sender is told, with the reason."""
+    from actorcore.export.ipc_buffers import SendBuffer
+
+    real = SendBuffer("shm", 64, torch.device("cpu"))
+    try:
+        real.tensor[:8].view(torch.float32).copy_(torch.tensor([1.5, -2.0]))
+        channel = _Scripted([json.dumps(dict(op="hello", version=1)),
+                             _bucket_message(real.description, [["w", "float32", [2], 0]])])
+        with pytest.raises(KeyboardInterrupt):
+            with ipc_receive(channel) as stream:
+                for bucket in stream:
+                    assert torch.equal(bucket[0][1], torch.tensor([1.5, -2.0]))
+                    raise KeyboardInterrupt
+        assert [m["op"] for m in channel.sent] == ["ready", "abort"]
+        assert "KeyboardInterrupt" in channel.sent[-1]["reason"]
+    finally:
+        real.release()
