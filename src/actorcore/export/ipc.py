@@ -13,9 +13,9 @@ buffers' handle fields), so nothing received is unpickled or can run code, and e
 Messages, sender -> receiver: ``hello``; ``bucket`` (slot, a new buffer description when the slot's buffer is new,
 the tensors' ``[name, dtype, shape, offset]``); ``end`` (counts); ``abort`` (reason). Receiver -> sender: ``ready``;
 ``ack`` (slot, sequence number); ``closed`` (after ``end``: it has let go of the buffers, which the sender then
-frees at once rather than leaving CUDA IPC blocks to torch's limbo); ``abort`` (reason). Either side that fails sends ``abort`` (best effort) and the
-other raises ``TransportError`` with that reason; a peer whose process died closes the channel, which the other
-side reports the same way.
+frees at once rather than leaving CUDA IPC blocks to torch's limbo); ``abort`` (reason). Either side that fails
+sends ``abort`` (best effort) and the other raises ``TransportError`` with that reason; a peer whose process died
+closes the channel, which the other side reports the same way.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class _Sender:
             self.kind = "cuda" if self.device.type == "cuda" else "shm"
         sizes = []
         for entry in bucket:
-            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
                     and isinstance(entry[1], torch.Tensor)):
                 raise ValueError(f"ipc_send: a bucket must hold (name, tensor) pairs, got {type(entry).__name__}")
             name, tensor = entry
@@ -243,7 +243,8 @@ def ipc_send(stream: Iterable[Bucket], channel: Any, *, buffer_bytes: int = DEFA
     first tensor's device: CUDA -> CUDA IPC (the receiver must be on the same GPU), CPU -> shared memory. Returns
     after the receiver acknowledged the last bucket. ``timeout``: seconds to wait for any one answer (where the
     channel can poll), ``None`` waits for ever. With an FSDP2 stream, every rank iterates its own stream; only the
-    rank that holds the channel calls ``ipc_send``.
+    rank that holds the channel calls ``ipc_send`` (if it fails, the other ranks are left inside a gather: end
+    the job, as after any failed collective).
     Raises ``TransportError`` when the receiver stops (its reason is in the message) or its process dies; on any
     error or interrupt here the receiver is told (``abort``) and the buffers are freed.
     """
