@@ -234,10 +234,18 @@ def _bucket_message(buffer, tensors, seq=0, slot=0):
     return json.dumps(dict(op="bucket", seq=seq, slot=slot, buffer=buffer, tensors=tensors))
 
 
+_CUDA = dict(kind="cuda", nbytes=64, device=0, handle="00" * 64, size=64, offset=0,
+             ref_handle=b"/torch_1_2_3".hex(), ref_offset=0, event_handle="00" * 64, event_sync=True,
+             ready_event="00" * 64)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(buffer=dict(kind="shm", nbytes=64, name="../../etc/passwd")), "must look like"),
     (dict(buffer=dict(kind="shm", nbytes=64, name="actorcore-ipc-1-" + "0" * 32)), "does not exist"),
     (dict(buffer=dict(kind="pickle", nbytes=64)), "kind 'cuda' or 'shm'"),
+    (dict(buffer=dict(_CUDA, device="0")), "needs 'device' as int"),
+    (dict(buffer=dict(_CUDA, ref_handle=b"/../../etc/passwd".hex())), "ref_handle must name"),
+    (dict(buffer=dict(_CUDA, device=99)), "does not see"),
     (dict(tensors=[["w", "torch.float32", [2], 0]]), "dtype 'torch.float32'"),
     (dict(tensors=[["w", "float32", [100], 0]]), "does not fit"),
     (dict(tensors=[["w", "float32", [2], 4]]), "does not fit an aligned"),

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 ALIGN = 64  # every tensor starts at a multiple of this offset: any dtype's view of the bytes is then aligned
 _SHM_NAME = re.compile(r"^actorcore-ipc-[0-9]+-[0-9a-f]{32}$")
+_SHM_HANDLE = re.compile(rb"^/[A-Za-z0-9_]{1,200}$")  # torch's reference-counter file (shm_open name)
 _CUDA_FIELDS = {"device": int, "handle": str, "size": int, "offset": int, "ref_handle": str, "ref_offset": int,
                 "event_handle": str, "event_sync": bool, "ready_event": str}
 
@@ -138,6 +139,9 @@ class ReceiveBuffer:
         if description["size"] < nbytes or description["offset"] < 0 or description["ref_offset"] < 0:
             raise ValueError(f"a CUDA buffer description with size {description['size']}, offset "
                              f"{description['offset']} cannot hold {nbytes} bytes")
+        if not _SHM_HANDLE.match(_hex(description, "ref_handle")):
+            raise ValueError("a CUDA buffer description's ref_handle must name a shared-memory object like torch's "
+                             f"/torch_<pid>_<n>_<n>, got {_hex(description, 'ref_handle')[:64]!r}")
         if not torch.cuda.is_available() or not 0 <= description["device"] < torch.cuda.device_count():
             raise ValueError(f"the CUDA buffer is on device {description['device']}, which this process does not "
                              "see (the receiver must see the sender's GPU under the same CUDA_VISIBLE_DEVICES)")
