@@ -327,3 +327,22 @@ def test_an_interrupted_receiver_tells_the_sender():
         assert "KeyboardInterrupt" in channel.sent[-1]["reason"]
     finally:
         real.release()
+
+
+def test_one_buffer_mode_is_bitwise_and_never_overlaps_packing():
+    """buffers=1 (the memory bound of a sharded model): one buffer, rewritten only after each acknowledgement."""
+    here, there = multiprocessing.Pipe()
+    gen = torch.Generator().manual_seed(3)
+    buckets = [[(f"w{k}.{j}", torch.randn(5 + k, 3, generator=gen)) for j in range(2)] for k in range(6)]
+    stats = []
+    thread = threading.Thread(target=lambda: stats.append(ipc_send(buckets, here, buffer_bytes=200, buffers=1,
+                                                                   timeout=TIMEOUT)))
+    thread.start()
+    got = [(n, t.clone()) for b in ipc_receive(there, timeout=TIMEOUT) for n, t in b]
+    thread.join(TIMEOUT)
+    assert [n for n, _ in got] == [n for b in buckets for n, _ in b]
+    for (_, want), (_, tensor) in zip((p for b in buckets for p in b), got):
+        assert torch.equal(tensor, want)
+    assert stats[0].buckets > 2 and stats[0].overlapped == 0
+    with pytest.raises(ValueError, match="buffers must be 1 or 2"):
+        ipc_send(buckets, here, buffers=3)

@@ -131,13 +131,13 @@ class IpcSendStats:
 
 
 class _Sender:
-    def __init__(self, channel: _Channel, buffer_bytes: int, kind: str | None, device: torch.device | None):
+    def __init__(self, channel: _Channel, buffer_bytes: int, buffers: int, device: torch.device | None):
         self.channel = channel
         self.capacity = buffer_bytes
-        self.kind = kind
+        self.kind: str | None = None
         self.device = device
-        self.buffers: list[SendBuffer | None] = [None, None]
-        self.announced = [False, False]
+        self.buffers: list[SendBuffer | None] = [None] * buffers
+        self.announced = [False] * buffers
         self.in_flight: deque[tuple[int, int]] = deque()  # (slot, seq) shipped, not acknowledged, in order
         self.stats = IpcSendStats(buffer_bytes=buffer_bytes)
         self.slot = 0
@@ -177,7 +177,7 @@ class _Sender:
         self.announced[self.slot] = True
         self.in_flight.append((self.slot, seq))
         self.stats.buckets += 1
-        self.slot ^= 1
+        self.slot = (self.slot + 1) % len(self.buffers)
         self.layout, self.used = [], 0
 
     def add(self, bucket: Bucket) -> None:
@@ -229,17 +229,22 @@ class _Sender:
         for buffer in self.buffers:
             if buffer is not None:
                 buffer.release()
-        self.buffers = [None, None]
+        self.buffers = [None] * len(self.buffers)
         if self.kind == "cuda":
             torch.cuda.ipc_collect()  # frees the blocks the receiver has let go of
 
 
-def ipc_send(stream: Iterable[Bucket], channel: Any, *, buffer_bytes: int = DEFAULT_BUCKET_BYTES,
+def ipc_send(stream: Iterable[Bucket], channel: Any, *, buffer_bytes: int = DEFAULT_BUCKET_BYTES, buffers: int = 2,
              device: torch.device | str | None = None, timeout: float | None = None) -> IpcSendStats:
     """Send every bucket of ``stream`` to the process reading ``channel`` with ``ipc_receive``; return stats.
 
     Buckets are packed, in order, into flat buffers of ``buffer_bytes`` (consecutive small buckets share one; a
-    bucket larger than that gets a buffer grown to its size). ``device``: where the buffers live, by default the
+    bucket larger than that gets a buffer grown to its size). ``buffers=2`` (default): packing the next buffer
+    overlaps the receiver's load of the previous one; extra memory two buffers plus the stream's gathered bucket
+    (nothing more for an unsharded model or FSDP2 on one GPU, where gathering is free). ``buffers=1``: the stream's
+    next gathered bucket is the second buffer: the gathering still overlaps the receiver's load, the packing waits
+    for it; extra memory one buffer plus one gathered bucket (a sharded model with the memory bound of 2 buckets).
+    ``device``: where the buffers live, by default the
     first tensor's device: CUDA -> CUDA IPC (the receiver must be on the same GPU), CPU -> shared memory. Returns
     after the receiver acknowledged the last bucket. ``timeout``: seconds to wait for any one answer (where the
     channel can poll), ``None`` waits for ever. With an FSDP2 stream, every rank iterates its own stream; only the
@@ -250,9 +255,11 @@ def ipc_send(stream: Iterable[Bucket], channel: Any, *, buffer_bytes: int = DEFA
     """
     if buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+    if buffers not in (1, 2):
+        raise ValueError(f"buffers must be 1 or 2, got {buffers}")
     start = time.perf_counter()
     link = _Channel(channel, timeout, "ipc_send")
-    sender = _Sender(link, _aligned(buffer_bytes), None, device)
+    sender = _Sender(link, _aligned(buffer_bytes), buffers, device)
     try:
         link.send(dict(op="hello", version=PROTOCOL_VERSION))
         ready = link.recv("the receiver's ready")
