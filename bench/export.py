@@ -356,7 +356,9 @@ def main() -> None:
     if args.tiny:
         args.bucket_mb = min(args.bucket_mb, 0.05)
     if args.nproc == 2 and "LOCAL_RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *sys.argv]
+        forwarded = [a for k, a in enumerate(sys.argv) if a != "--nproc" and sys.argv[k - 1] != "--nproc"
+                     and not a.startswith("--nproc=")]  # under torchrun, WORLD_SIZE says it
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *forwarded]
         raise SystemExit(subprocess.call(cmd))
 
     import torch.distributed as dist
