@@ -153,7 +153,7 @@ def test_two_processes_bitwise_double_buffered_and_the_receivers_accept_it(tmp_p
         assert got["state"][name].dtype == tensor.dtype and torch.equal(got["state"][name], tensor), name
     # several stream buckets share one buffer; the embedding (131*64*4 bytes) grew a buffer past 20_000 bytes
     assert stats.buckets > 3 and stats.buffer_bytes > 20_000 and stats.tensors == len(want)
-    assert stats.overlapped >= stats.buckets // 2  # the next buffer was packed while the receiver slept
+    assert stats.overlapped >= 1  # a buffer was packed while the receiver (sleeping) still held the other one
     assert odd.buckets == 2 and odd.buffer_bytes >= 256  # the one-float16 bucket could not join the first
     sent = [p for b in _odd_buckets() for p in b]
     assert [n for b in got["odd"] for n, _ in b] == [n for n, _ in sent]
