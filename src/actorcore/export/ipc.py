@@ -244,9 +244,8 @@ def ipc_send(stream: Iterable[Bucket], channel: Any, *, buffer_bytes: int = DEFA
     (nothing more for an unsharded model or FSDP2 on one GPU, where gathering is free). ``buffers=1``: the stream's
     next gathered bucket is the second buffer: the gathering still overlaps the receiver's load, the packing waits
     for it; extra memory one buffer plus one gathered bucket (a sharded model with the memory bound of 2 buckets).
-    ``device``: where the buffers live, by default the
-    first tensor's device: CUDA -> CUDA IPC (the receiver must be on the same GPU), CPU -> shared memory. Returns
-    after the receiver acknowledged the last bucket. ``timeout``: seconds to wait for any one answer (where the
+    ``device``: where the buffers live, by default the first tensor's device: CUDA -> CUDA IPC (the receiver must
+    be on the same GPU), CPU -> shared memory. Returns after the receiver acknowledged the last bucket. ``timeout``: seconds to wait for any one answer (where the
     channel can poll), ``None`` waits for ever. With an FSDP2 stream, every rank iterates its own stream; only the
     rank that holds the channel calls ``ipc_send`` (if it fails, the other ranks are left inside a gather: end
     the job, as after any failed collective).
