@@ -48,6 +48,9 @@ _EXPORTS = {
     "BlockwiseFP8": "actorcore.export",
     "quantize_fp8_blockwise": "actorcore.export",
     "dequantize_fp8_blockwise": "actorcore.export",
+    "ipc_send": "actorcore.export",
+    "ipc_receive": "actorcore.export",
+    "TransportError": "actorcore.export",
 }
 
 __all__ = sorted(_EXPORTS)
