@@ -36,6 +36,7 @@ from actorcore.hf.attention import (
     switched_for_call,
     trace_key,
 )
+from actorcore.hf.batch_invariant import LINEAR_TRACE_KEY, batch_invariant_decoder, check_ran
 from actorcore.hf.linear_attention import LINEAR_TRACE_KEYS, is_installed, packed_linear_attention, split_layers
 from actorcore.hf.patch import require_sequence_parallel_patch
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
@@ -135,11 +136,13 @@ def _hybrid_switch(configs: list[Any], name: str | None, linear_modules: list[An
 
 
 def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = None,
-                trace: Counter | None = None, check_finite: bool = False) -> tuple[torch.Tensor, PackedBatch]:
+                trace: Counter | None = None, check_finite: bool = False,
+                batch_invariant: bool = False) -> tuple[torch.Tensor, PackedBatch]:
     """Packed decoder pass; returns this rank's final hidden states ``[T, D]`` and the batch as run.
 
     Raises ``PackingNotAppliedError`` if actorcore's attention did not run in every layer, and (with
-    ``check_finite``) ``NonFiniteError`` at the first layer whose output holds NaN or inf.
+    ``check_finite``) ``NonFiniteError`` at the first layer whose output holds NaN or inf. ``batch_invariant``:
+    each token's hidden states do not depend on the rest of the pack (``hf.batch_invariant``).
     """
     decoder = submodule(model, spec.decoder)
     layers = submodule(decoder, spec.layers)
@@ -148,6 +151,7 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     work, input_ids, position_ids = _decoder_inputs(batch, parallel)
     switch = _attention_switch(model, decoder, configs, linear_modules, spec, parallel)
     trace = Counter() if check_trace(trace) is None else trace
+    invariant = batch_invariant_decoder(decoder, spec, trace) if batch_invariant else contextlib.nullcontext()
     cu = work.cu_seqlens
     kwargs: dict[str, Any] = dict(
         input_ids=input_ids.unsqueeze(0),
@@ -163,8 +167,11 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
         kwargs.pop("input_ids")
     before = sum(trace[k] for k in ATTENTION_TRACE_KEYS)
     before_linear = sum(trace[k] for k in LINEAR_TRACE_KEYS)
-    with switch, finite_checks(model.get_input_embeddings(), layers, check_finite):
+    before_invariant = trace[LINEAR_TRACE_KEY]
+    with switch, invariant, finite_checks(model.get_input_embeddings(), layers, check_finite):
         out = decoder(**kwargs)
+    if batch_invariant:
+        check_ran(trace, before_invariant, len(layers))
     ran = sum(trace[k] for k in ATTENTION_TRACE_KEYS) - before
     if ran < len(attention_layers):
         raise PackingNotAppliedError(
