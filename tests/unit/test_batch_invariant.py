@@ -69,24 +69,24 @@ def test_tiled_linear_gradients_and_tiled_rows_match_plain_torch():
         tiled_linear(x, lin.weight, tile_rows=0)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # qwen3: attention bias off, q/k norms per head
-def test_a_sequence_is_bitwise_the_same_in_every_packing(model_type):
+# llama: forward-only; qwen3 (q/k norms per head): a training forward with activation checkpointing and backward
+@pytest.mark.parametrize("model_type,length,grad", [("llama", 3, False), ("qwen3", 7, True)])
+def test_a_sequence_is_bitwise_the_same_in_every_packing(model_type, length, grad):
     model = build_tiny_model(model_type)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train(grad)
     layers = model.config.num_hidden_layers
-    for length, grad in ((3, False), (7, True), (11, False)):
-        model.train(grad)
-        outputs = {}
-        for name, seqs, index in _packings(length, seed=length):
-            trace = Counter()
-            outputs[name] = _target_outputs(model, seqs, index, True, grad, trace)
-            assert trace[LINEAR_TRACE_KEY] == 7 * layers * (2 if grad else 1)  # with grad: checkpoint recompute
-            assert trace[NORM_TRACE_KEY] >= (2 * layers + 1)
-        model.zero_grad(set_to_none=True)
-        alone = outputs["alone"]
-        for name, (lp, ent) in outputs.items():
-            assert torch.equal(lp, alone[0]) and torch.equal(ent, alone[1]), (model_type, length, grad, name)
-    model.eval()
+    norms_per_layer = sum(type(m).__name__.endswith("RMSNorm") for m in model.model.layers[0].modules())
+    outputs = {}
+    for name, seqs, index in _packings(length, seed=length):
+        trace = Counter()
+        outputs[name] = _target_outputs(model, seqs, index, True, grad, trace)
+        assert trace[LINEAR_TRACE_KEY] == 7 * layers * (2 if grad else 1)  # with grad: the checkpoint recompute
+        # every norm of the forward (the recomputation may stop early once it has what backward needs)
+        assert trace[NORM_TRACE_KEY] >= norms_per_layer * layers + 1
+    alone = outputs["alone"]
+    for name, (lp, ent) in outputs.items():
+        assert torch.equal(lp, alone[0]) and torch.equal(ent, alone[1]), (model_type, length, grad, name)
     for module in model.modules():  # the per-call forwards are gone, recomputation included
         assert "forward" not in module.__dict__
 
@@ -94,9 +94,11 @@ def test_a_sequence_is_bitwise_the_same_in_every_packing(model_type):
 def test_without_the_mode_some_packing_differs_on_this_cpu():
     model = build_tiny_model("llama")
     differs = []
-    for length in (3, 7, 11):
+    for length in (3, 7):
         outputs = {name: _target_outputs(model, seqs, i, False, False) for name, seqs, i in _packings(length, length)}
         differs += [name for name, (lp, _) in outputs.items() if not torch.equal(lp, outputs["alone"][0])]
+        if differs:
+            break
     assert differs, "the plain route became batch-invariant on this CPU: update this module's docstring"
 
 

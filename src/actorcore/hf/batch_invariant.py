@@ -6,7 +6,7 @@ Where a token's result could depend on the rest of the pack, and what this mode 
   for the call, an ``InvariantLinearForward`` running ``kernels.batch_invariant.tiled_linear`` on fixed-size row
   tiles;
 - the norms (``...RMSNorm`` / ``...LayerNorm`` modules and torch's own; per-token, but their reduction's launch
-  configuration depends on the row count): an ``InvariantRowsForward`` running them on the same tiles;
+  configuration depends on the row count): an ``InvariantRowsForward`` running them on fixed-size row tiles;
 - attention is per sequence already (flash / varlen kernels tile each sequence from its own start and do not
   split the keys for queries longer than one token; the ``segments`` backend runs one call per sequence);
 - rotary embeddings, activations, residual adds: element-wise (the rotary "matmul" has one term per output);
@@ -30,7 +30,7 @@ import torch
 
 from actorcore.archs import ArchSpec
 from actorcore.hf.attention import switched_for_call
-from actorcore.kernels.batch_invariant import TILE_ROWS, tiled_linear, tiled_rows
+from actorcore.kernels.batch_invariant import NORM_TILE_ROWS, TILE_ROWS, tiled_linear, tiled_rows
 
 LINEAR_TRACE_KEY = "batch_invariant:linear"
 NORM_TRACE_KEY = "batch_invariant:norm"
@@ -112,7 +112,7 @@ def invariant_modules(decoder: torch.nn.Module) -> tuple[list[torch.nn.Linear], 
 
 
 @contextlib.contextmanager
-def _installed(linears: list, norms: list, tile_rows: int, trace: Counter) -> Iterator[None]:
+def _installed(linears: list, norms: list, tile_rows: int, norm_tile_rows: int, trace: Counter) -> Iterator[None]:
     """The invariant forwards on these modules for one forward (or one recomputation), then the class's again."""
     installed = []
     try:
@@ -120,7 +120,7 @@ def _installed(linears: list, norms: list, tile_rows: int, trace: Counter) -> It
             module.__dict__["forward"] = InvariantLinearForward(module, tile_rows, trace)
             installed.append(module)
         for module in norms:
-            module.__dict__["forward"] = InvariantRowsForward(module, tile_rows, trace)
+            module.__dict__["forward"] = InvariantRowsForward(module, norm_tile_rows, trace)
             installed.append(module)
         yield
     finally:
@@ -128,12 +128,12 @@ def _installed(linears: list, norms: list, tile_rows: int, trace: Counter) -> It
             module.__dict__.pop("forward", None)
 
 
-def batch_invariant_decoder(decoder: torch.nn.Module, spec: ArchSpec, trace: Counter,
-                            tile_rows: int = TILE_ROWS) -> Any:
+def batch_invariant_decoder(decoder: torch.nn.Module, spec: ArchSpec, trace: Counter, tile_rows: int = TILE_ROWS,
+                            norm_tile_rows: int = NORM_TILE_ROWS) -> Any:
     """Context manager: the decoder's linears and norms run batch-invariant for one call (and its recomputation)."""
     check_batch_invariant_support(spec)
     linears, norms = invariant_modules(decoder)
-    return switched_for_call(decoder, functools.partial(_installed, linears, norms, tile_rows, trace))
+    return switched_for_call(decoder, functools.partial(_installed, linears, norms, tile_rows, norm_tile_rows, trace))
 
 
 def check_ran(trace: Counter, before: int, layers: int) -> None:

@@ -21,9 +21,11 @@ from typing import Callable
 
 import torch
 
-# Rows per tile. Large enough that the GEMMs stay efficient (and few launches: 65 per linear at 66K tokens),
-# small enough that padding one partial tile per call costs little (<= 1023 rows).
+# Rows per tile of a linear. Large enough that the GEMMs stay efficient (and few launches: 65 per linear at 66K
+# tokens), small enough that padding one partial tile per call costs little (<= 1023 rows).
 TILE_ROWS = 1024
+# Rows per tile of a norm: memory-bound and cheap, so larger tiles (fewer launches) cost little padding.
+NORM_TILE_ROWS = 8192
 
 
 def check_tile_rows(tile_rows: int) -> int:
@@ -101,7 +103,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-               tile_rows: int = TILE_ROWS) -> torch.Tensor:
+               tile_rows: int = NORM_TILE_ROWS) -> torch.Tensor:
     """``fn(x)`` for a row-wise ``fn`` over the last dimension (a norm), run on ``[tile_rows, D]`` tiles.
 
     Plain autograd through ``fn`` on every tile; padding rows are zeros, which a norm maps to zeros.
