@@ -64,7 +64,7 @@ def test_bitwise_the_same_in_every_packing_cuda(length):
             inv[name] = _run(model, seqs, index, True, grad, trace)
             assert trace[LINEAR_TRACE_KEY] == 7 * 3 * (2 if grad else 1)
             assert trace["logprob:triton_forward"] >= 1
-            assert trace["varlen_attention:torch_varlen"] + trace["varlen_attention:flash_attn"] == 3 * (2 if grad else 1)
+            assert trace["varlen_attention:torch_varlen"] + trace["varlen_attention:flash_attn"] >= 3
             plain[name] = _run(model, seqs, index, False, grad, None)
         for name in inv:
             assert torch.equal(inv[name][0], inv["alone"][0]), (length, grad, name)
@@ -91,3 +91,62 @@ def test_compute_loss_bitwise_the_same_in_every_packing_cuda():
         outputs[name] = (out.logprob[lo:hi], out.entropy[lo:hi])
     for name, (lp, ent) in outputs.items():
         assert torch.equal(lp, outputs["alone"][0]) and torch.equal(ent, outputs["alone"][1]), name
+
+
+# Component checks: which part broke, if the model-level test fails.
+
+def _row_slices(n):
+    return [(0, 5), (3, 300), (1000, n), (517, 2600), (0, n)]
+
+
+def test_tiled_linear_rows_do_not_depend_on_the_other_rows_cuda():
+    from actorcore.kernels.batch_invariant import tiled_linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3000, 1536, device="cuda", generator=g).bfloat16()
+    w = torch.randn(8960, 1536, device="cuda", generator=g).bfloat16()
+    b = torch.randn(8960, device="cuda", generator=g).bfloat16()
+    full = tiled_linear(x, w, b)
+    plain_differs = False
+    for lo, hi in _row_slices(3000):
+        assert torch.equal(tiled_linear(x[lo:hi], w, b), full[lo:hi]), (lo, hi)
+        plain_differs |= not torch.equal(torch.nn.functional.linear(x[lo:hi], w, b),
+                                         torch.nn.functional.linear(x, w, b)[lo:hi])
+    print(f"cuBLAS rows depend on the row count here: {plain_differs}")
+
+
+def test_varlen_attention_of_a_sequence_does_not_depend_on_its_offset_cuda():
+    from actorcore.kernels.varlen_attention import varlen_causal_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [1500, 37, 700, 2900, 3]
+    for target in (5, 300, 1700):
+        for index in (0, 2, 5):
+            lens = lengths[:index] + [target] + lengths[index:]
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+            q = torch.randn(sum(lens), 12, 128, device="cuda", generator=g).bfloat16()
+            k = torch.randn(sum(lens), 2, 128, device="cuda", generator=g).bfloat16()
+            v = torch.randn(sum(lens), 2, 128, device="cuda", generator=g).bfloat16()
+            lo, hi = int(cu[index]), int(cu[index + 1])
+            trace = Counter()
+            packed = varlen_causal_attention(q, k, v, cu, max(lens), trace=trace)
+            alone = varlen_causal_attention(q[lo:hi].contiguous(), k[lo:hi].contiguous(), v[lo:hi].contiguous(),
+                                            torch.tensor([0, target], device="cuda", dtype=torch.int32), target)
+            assert torch.equal(packed[lo:hi], alone), (target, index, dict(trace))
+
+
+def test_triton_head_rows_do_not_depend_on_the_other_rows_cuda():
+    pytest.importorskip("triton")
+    from actorcore.kernels.logprob import linear_logprob_entropy, linear_logprob_loss
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(3000, 1536, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(151936, 1536, device="cuda", generator=g) / 40).bfloat16()
+    labels = torch.randint(0, 151936, (3000,), device="cuda", generator=g)
+    lp, ent = linear_logprob_entropy(hidden, weight, labels, batch_invariant=True)
+    full = linear_logprob_loss(hidden, weight, labels, lambda a, b: -a, batch_invariant=True)
+    for lo, hi in _row_slices(3000):
+        part = linear_logprob_entropy(hidden[lo:hi], weight, labels[lo:hi], batch_invariant=True)
+        assert torch.equal(part[0], lp[lo:hi]) and torch.equal(part[1], ent[lo:hi]), (lo, hi)
+        fused = linear_logprob_loss(hidden[lo:hi], weight, labels[lo:hi], lambda a, b: -a, batch_invariant=True)
+        assert torch.equal(fused.logprob, full.logprob[lo:hi]) and torch.equal(fused.entropy, full.entropy[lo:hi])
