@@ -172,3 +172,20 @@ def test_refusals():
         linear_logprob_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2]), backend="reference",
                                batch_invariant=True)
     copy.deepcopy(model)  # nothing is left on the instance after a call
+
+
+def test_lora_model_is_batch_invariant_and_its_adapters_train():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build_tiny_model("llama"),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # non-zero adapters, so they change the outputs
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(0))
+    outputs = {}
+    for name, seqs, index in _packings(7, seed=7)[:3]:
+        trace = Counter()
+        outputs[name] = _target_outputs(model, seqs, index, True, True, trace)
+        assert trace[LINEAR_TRACE_KEY] == (7 + 2 * 3) * 2  # base layers and both adapter linears of 3 targets
+    for name, (lp, ent) in outputs.items():
+        assert torch.equal(lp, outputs["alone"][0]) and torch.equal(ent, outputs["alone"][1]), name
+    assert all((p.grad is not None) == ("lora_" in n) for n, p in model.named_parameters())
