@@ -112,6 +112,9 @@ def test_the_mode_agrees_with_the_models_own_forward_per_token():
         ref_lp, ref_ent = reference_logprobs(model, ids, mask, 1.0)
     assert (out.log_probs - ref_lp).abs().max().item() <= TOL["packed_vs_hf_fp32"]
     assert (out.entropy - ref_ent).abs().max().item() <= TOL["packed_vs_hf_fp32"]
+    with torch.no_grad():  # the padded entry point takes the option too: the same numbers in the [B, S] grid
+        grid = ac.compute_logprobs_padded(model, ids, mask, batch_invariant=True)
+    assert torch.equal(grid.log_probs[mask.bool()], out.log_probs)
 
 
 def test_compute_loss_is_batch_invariant_and_trains():
