@@ -216,7 +216,7 @@ class TritonEngine:
             n_c = end - start
             h_CD = hidden_TD[start:end]
             l_CV = logits_CV[:n_c, :vocab]
-            if n_c < rows:  # only in the batch-invariant mode: a zero-padded chunk of the same shape
+            if self.batch_invariant and n_c < rows:  # a zero-padded chunk of the same shape
                 h_pad = hidden_TD.new_zeros(rows, dim)
                 h_pad[:n_c] = h_CD
                 _mm_fp32(h_pad, weight_VD.t(), logits_CV[:, :vocab])
