@@ -37,6 +37,7 @@ from actorcore.hf.attention import (
     switched_for_call,
     trace_key,
 )
+from actorcore.hf.batch_invariant import LINEAR_TRACE_KEY, batch_invariant_decoder, check_ran
 from actorcore.hf.linear_attention import LINEAR_TRACE_KEYS, is_installed, packed_linear_attention, split_layers
 from actorcore.hf.offload import OFFLOAD_LAYERS, OFFLOAD_TENSORS, offloaded_layers
 from actorcore.hf.patch import PatchNotAppliedError, patch_state, require_sequence_parallel_patch
@@ -137,11 +138,13 @@ def _hybrid_switch(configs: list[Any], name: str | None, linear_modules: list[An
 
 
 def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = None,
-                trace: Counter | None = None, check_finite: bool = False) -> tuple[torch.Tensor, PackedBatch]:
+                trace: Counter | None = None, check_finite: bool = False,
+                batch_invariant: bool = False) -> tuple[torch.Tensor, PackedBatch]:
     """Packed decoder pass; returns this rank's final hidden states ``[T, D]`` and the batch as run.
 
     Raises ``PackingNotAppliedError`` if actorcore's attention did not run in every layer, and (with
-    ``check_finite``) ``NonFiniteError`` at the first layer whose output holds NaN or inf.
+    ``check_finite``) ``NonFiniteError`` at the first layer whose output holds NaN or inf. ``batch_invariant``:
+    each token's hidden states do not depend on the rest of the pack (``hf.batch_invariant``).
     """
     decoder = submodule(model, spec.decoder)
     layers = submodule(decoder, spec.layers)
@@ -150,6 +153,7 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     work, input_ids, position_ids = _decoder_inputs(batch, parallel)
     switch = _attention_switch(model, decoder, configs, linear_modules, spec, parallel)
     trace = Counter() if check_trace(trace) is None else trace
+    invariant = batch_invariant_decoder(decoder, spec, trace) if batch_invariant else contextlib.nullcontext()
     cu = work.cu_seqlens
     kwargs: dict[str, Any] = dict(
         input_ids=input_ids.unsqueeze(0),
@@ -167,14 +171,17 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     before_linear = sum(trace[k] for k in LINEAR_TRACE_KEYS)
     offload = _wants_offload(model)
     before_offload = (trace[OFFLOAD_LAYERS], trace[OFFLOAD_TENSORS])
+    before_invariant = trace[LINEAR_TRACE_KEY]
     # Offload wraps the layers' checkpoint functions first, so the attention switch (which wraps them too, for
     # the recomputation) runs inside it.
     offloading = offloaded_layers(list(layers), trace, type(model).__name__) if offload else contextlib.nullcontext()
-    with offloading, switch, finite_checks(model.get_input_embeddings(), layers, check_finite):
+    with offloading, switch, invariant, finite_checks(model.get_input_embeddings(), layers, check_finite):
         out = decoder(**kwargs)
     if offload:
         _check_offload_ran(model, len(layers), trace[OFFLOAD_LAYERS] - before_offload[0],
                            trace[OFFLOAD_TENSORS] - before_offload[1])
+    if batch_invariant:
+        check_ran(trace, before_invariant, len(layers))
     ran = sum(trace[k] for k in ATTENTION_TRACE_KEYS) - before
     if ran < len(attention_layers):
         raise PackingNotAppliedError(

@@ -73,32 +73,34 @@ def output_layer(model: Any) -> torch.nn.Module:
     return head
 
 
-def check_head_options(temperature: float, entropy: bool, trace: Counter | None = None) -> float:
+def check_head_options(temperature: float, entropy: bool, trace: Counter | None = None,
+                       batch_invariant: bool = False) -> float:
     """The kernels' own option checks, run before the decoder so a bad option costs no forward pass."""
-    check_options(temperature=temperature, entropy=entropy, trace=trace)
+    check_options(temperature=temperature, entropy=entropy, trace=trace, batch_invariant=batch_invariant)
     return float(temperature)
 
 
 def token_logprobs(model: Any, spec: ArchSpec, hidden_TD: torch.Tensor, labels_T: torch.Tensor, *,
-                   temperature: float, entropy: bool,
-                   trace: Counter | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   temperature: float, entropy: bool, trace: Counter | None = None,
+                   batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token fp32 log-probs (and entropy) at the predicting positions, through the fused head."""
     head = output_layer(model)
     params = head_params(model, spec)
     return call_as_forward(head, lambda: linear_logprob_entropy(
         hidden_TD, head.weight, labels_T.clamp(min=0), temperature=temperature / params.scale, entropy=entropy,
-        softcap=params.softcap, trace=trace))
+        softcap=params.softcap, trace=trace, batch_invariant=batch_invariant))
 
 
 def token_loss(model: Any, spec: ArchSpec, hidden_TD: torch.Tensor, labels_T: torch.Tensor, loss_fn: Any,
-               token_args: tuple, *, temperature: float, entropy: bool,
-               trace: Counter | None = None) -> LossOutput:
+               token_args: tuple, *, temperature: float, entropy: bool, trace: Counter | None = None,
+               batch_invariant: bool = False) -> LossOutput:
     """``linear_logprob_loss`` through the model's output layer and its head transforms."""
     head = output_layer(model)
     params = head_params(model, spec)
     return call_as_forward(head, lambda: linear_logprob_loss(
         hidden_TD, head.weight, labels_T.clamp(min=0), loss_fn, token_args=token_args,
-        temperature=temperature / params.scale, entropy=entropy, softcap=params.softcap, trace=trace))
+        temperature=temperature / params.scale, entropy=entropy, softcap=params.softcap, trace=trace,
+        batch_invariant=batch_invariant))
 
 
 def to_scored_tokens(predicting_T: torch.Tensor, valid_T: torch.Tensor, work: PackedBatch) -> torch.Tensor:

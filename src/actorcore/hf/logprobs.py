@@ -21,6 +21,7 @@ import torch
 
 from actorcore.archs import spec_for_model
 from actorcore.batch import PackedBatch, next_token_labels, shard_for_sp, unpad
+from actorcore.hf.batch_invariant import check_batch_invariant_support
 from actorcore.hf.decoder import call_as_forward, check_batch, run_decoder, sp_size
 from actorcore.hf.head import check_head_options, to_scored_tokens, token_logprobs
 from actorcore.kernels.precision import without_autocast
@@ -36,7 +37,8 @@ def gather_sp(local_T: torch.Tensor, parallel: Any) -> torch.Tensor:
 
 
 def compute_logprobs(model: Any, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True,
-                     parallel: Any = None, trace: Counter | None = None, check_finite: bool = False) -> LogProbOutput:
+                     parallel: Any = None, trace: Counter | None = None, check_finite: bool = False,
+                     batch_invariant: bool = False) -> LogProbOutput:
     """Exact per-token log-probs (and entropy) of ``batch`` under ``model``, float32 ``[T]``.
 
     ``log_probs[t] = log softmax(logits_{t-1} / temperature)[input_ids[t]]`` within each sequence; 0 at every
@@ -44,25 +46,31 @@ def compute_logprobs(model: Any, batch: PackedBatch, temperature: float = 1.0, e
     Runs as the model's forward (FSDP2 / DDP hooks apply). Nothing else is passed to the decoder: a misspelt
     keyword is a ``TypeError``, never a silently ignored option. ``check_finite=True`` raises
     ``NonFiniteError`` naming the first decoder layer whose output holds NaN or inf (a cheap check per layer).
+    ``batch_invariant=True``: a sequence's outputs are bitwise the same whatever it is packed with, wherever it
+    sits and whatever the pack's token count, with or without grad (``hf.batch_invariant``; costs a little
+    speed: fixed-size row tiles). Dense text models only: MoE, hybrid and VLM models are refused.
     """
-    temperature = check_head_options(temperature, entropy, trace)
-    spec_for_model(model)
+    temperature = check_head_options(temperature, entropy, trace, batch_invariant)
+    spec = spec_for_model(model)
+    if batch_invariant:
+        check_batch_invariant_support(spec)
     batch = check_batch(model, batch)
     return call_as_forward(model, lambda: logprobs_inside_forward(
-        model, batch, temperature=temperature, entropy=entropy, parallel=parallel, trace=trace, check_finite=check_finite))
+        model, batch, temperature=temperature, entropy=entropy, parallel=parallel, trace=trace, check_finite=check_finite,
+        batch_invariant=batch_invariant))
 
 
 def logprobs_inside_forward(model: Any, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True,
                             parallel: Any = None, trace: Counter | None = None,
-                            check_finite: bool = False) -> LogProbOutput:
+                            check_finite: bool = False, batch_invariant: bool = False) -> LogProbOutput:
     """``compute_logprobs`` for callers already inside the model's forward (e.g. a patched forward)."""
     spec = spec_for_model(model)
-    hidden_TD, work = run_decoder(model, spec, batch, parallel, trace, check_finite)
+    hidden_TD, work = run_decoder(model, spec, batch, parallel, trace, check_finite, batch_invariant)
     labels_T, valid_T = next_token_labels(work)
     if sp_size(parallel) > 1:
         labels_T = shard_for_sp(labels_T, int(parallel.sp_rank), sp_size(parallel))
     logprob_T, entropy_T = token_logprobs(model, spec, hidden_TD, labels_T, temperature=temperature,
-                                          entropy=entropy, trace=trace)
+                                          entropy=entropy, trace=trace, batch_invariant=batch_invariant)
     logprob_T = to_scored_tokens(gather_sp(logprob_T, parallel), valid_T, work)
     if entropy_T is not None:
         entropy_T = to_scored_tokens(gather_sp(entropy_T, parallel), valid_T, work)

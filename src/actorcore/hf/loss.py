@@ -23,6 +23,7 @@ import torch
 
 from actorcore.archs import spec_for_model
 from actorcore.batch import PackedBatch, next_token_labels
+from actorcore.hf.batch_invariant import check_batch_invariant_support
 from actorcore.hf.decoder import call_as_forward, check_batch, run_decoder, sp_size
 from actorcore.hf.head import check_head_options, to_scored_tokens, token_loss
 from actorcore.kernels.logprob import LossOutput
@@ -31,18 +32,22 @@ from actorcore.kernels.logprob.fused_loss import TokenLoss, check_loss_fn, check
 
 def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args: Sequence[torch.Tensor] = (),
                  temperature: float = 1.0, entropy: bool = True, parallel: Any = None,
-                 trace: Counter | None = None, check_finite: bool = False) -> LossOutput:
+                 trace: Counter | None = None, check_finite: bool = False,
+                 batch_invariant: bool = False) -> LossOutput:
     """``sum_t loss_fn(log_probs, entropy, *token_args)[t]`` over the scored tokens of ``batch``.
 
     ``loss_fn`` is token-wise (see ``linear_logprob_loss``) and gets float32 chunks of log-probs, entropies
     (None with ``entropy=False``) and the matching rows of each ``token_args`` tensor (``[T, ...]``, e.g.
     advantages, old log-probs, per-token weights). Returns the loss (``.backward()`` trains the model) and
     the detached ``[T]`` log-probs and entropies, equal to ``compute_logprobs``'s. Runs as the model's
-    forward (FSDP2 / DDP hooks apply).
+    forward (FSDP2 / DDP hooks apply). ``batch_invariant=True``: as in ``compute_logprobs``, for the returned
+    log-probs and entropies (and so each token's loss term).
     """
-    temperature = check_head_options(temperature, entropy, trace)
+    temperature = check_head_options(temperature, entropy, trace, batch_invariant)
     check_loss_fn(loss_fn)
-    spec_for_model(model)
+    spec = spec_for_model(model)
+    if batch_invariant:
+        check_batch_invariant_support(spec)
     if sp_size(parallel) > 1:
         raise ValueError(
             "compute_loss does not run under sequence parallelism (sp_size > 1) yet; use compute_logprobs "
@@ -51,7 +56,7 @@ def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args:
     batch = check_batch(model, batch)
     token_args = tuple(a.to(batch.device) for a in check_token_args(token_args, batch.num_real_tokens, None))
     return call_as_forward(model, lambda: _loss_inside_forward(
-        model, batch, loss_fn, token_args, temperature, entropy, trace, check_finite))
+        model, batch, loss_fn, token_args, temperature, entropy, trace, check_finite, batch_invariant))
 
 
 def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
@@ -63,9 +68,9 @@ def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
 
 
 def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy, trace,
-                         check_finite) -> LossOutput:
+                         check_finite, batch_invariant) -> LossOutput:
     spec = spec_for_model(model)
-    hidden_TD, work = run_decoder(model, spec, batch, None, trace, check_finite)
+    hidden_TD, work = run_decoder(model, spec, batch, None, trace, check_finite, batch_invariant)
     labels_T, valid_T = next_token_labels(work)
 
     def scored_only(logprob_C, entropy_C, keep_C, *args_C):
@@ -76,6 +81,6 @@ def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy
 
     out = token_loss(model, spec, hidden_TD, labels_T, scored_only,
                      (valid_T, *(_to_predicting(a, valid_T) for a in token_args)),
-                     temperature=temperature, entropy=entropy, trace=trace)
+                     temperature=temperature, entropy=entropy, trace=trace, batch_invariant=batch_invariant)
     entropy_T = None if out.entropy is None else to_scored_tokens(out.entropy, valid_T, work)
     return LossOutput(out.loss, to_scored_tokens(out.logprob, valid_T, work), entropy_T)

@@ -21,13 +21,15 @@ from actorcore.outputs import LogProbOutput
 
 def compute_logprobs_padded(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                             temperature: float = 1.0, entropy: bool = True, parallel: Any = None,
-                            trace: Counter | None = None, **multimodal: Any) -> LogProbOutput:
+                            trace: Counter | None = None, batch_invariant: bool = False,
+                            **multimodal: Any) -> LogProbOutput:
     """``compute_logprobs`` on a padded ``[B, S]`` batch, with ``[B, S]`` float32 results in its layout.
 
     VLMs: pass the processor's other outputs (``pixel_values``, ``image_grid_thw``, ...) as keywords.
     """
     batch = pack_padded(input_ids, attention_mask, model=model if multimodal else None, **multimodal)
-    out = compute_logprobs(model, batch, temperature=temperature, entropy=entropy, parallel=parallel, trace=trace)
+    out = compute_logprobs(model, batch, temperature=temperature, entropy=entropy, parallel=parallel, trace=trace,
+                           batch_invariant=batch_invariant)
     return LogProbOutput(
         log_probs=packed_to_grid(out.log_probs, attention_mask),
         entropy=None if out.entropy is None else packed_to_grid(out.entropy, attention_mask),

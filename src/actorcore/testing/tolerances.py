@@ -44,6 +44,9 @@ TOL: dict[str, float] = {
     # Tiled MLP vs untiled in bf16 (shard sums of parameter gradients in fp32, rounded once to bf16).
     "tiled_mlp_grad_bf16_rel": 2e-2,
     "tiled_mlp_logprob_bf16": 1e-3,
+    # Batch-invariant mode vs the plain route, bf16 on CUDA (3 layers): the same computation with other GEMM kernels
+    # and their bf16 roundings; a misplaced tile or padding row would move log-probs by O(1). Not yet measured.
+    "batch_invariant_vs_plain_bf16": 5e-2,
     # Head inside a caller's torch.autocast region (fp32 inputs or captured hidden states) vs fp64 from the same
     # inputs: the head must still compute in fp32. Outputs absolute; gradients relative to their max magnitude.
     "head_in_autocast_vs_fp64": 1e-5,

@@ -51,6 +51,7 @@ def check_inputs(
     entropy: bool = True,
     trace: object = None,
     labels_in_range: bool = True,
+    batch_invariant: bool = False,
 ) -> None:
     """Cheap validation shared by all backends; raises ValueError that says what to fix.
 
@@ -85,7 +86,8 @@ def check_inputs(
             f"all inputs must be on one device, got hidden {hidden_TD.device}, weight {weight_VD.device}, "
             f"labels {labels_T.device}; move them to the weight's device (e.g. hidden_TD.to(weight_VD.device))"
         )
-    check_options(temperature=temperature, softcap=softcap, chunk_size=chunk_size, entropy=entropy, trace=trace)
+    check_options(temperature=temperature, softcap=softcap, chunk_size=chunk_size, entropy=entropy, trace=trace,
+                  batch_invariant=batch_invariant)
     if labels_in_range and labels_T.device.type == "cpu" and labels_T.numel() > 0:
         lo, hi = int(labels_T.min()), int(labels_T.max())
         if lo < 0 or hi >= weight_VD.shape[0]:
@@ -101,7 +103,7 @@ def _positive_finite(x: object) -> bool:
 
 def check_options(
     *, temperature: float = 1.0, softcap: float | None = None, chunk_size: int | None = None, entropy: bool = True,
-    trace: object = None,
+    trace: object = None, batch_invariant: bool = False,
 ) -> None:
     """The scalar options of every head entry point (kernels and routes): refuse what would silently mislead.
 
@@ -115,6 +117,8 @@ def check_options(
         raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
     if not isinstance(entropy, bool):
         raise ValueError(f"entropy must be True or False, got {entropy!r}")
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
     check_trace(trace)
 
 

@@ -40,29 +40,34 @@ def triton_supports(hidden_TD: torch.Tensor) -> tuple[bool, str]:
     return True, ""
 
 
-def select_engine(backend: str, hidden_TD: torch.Tensor):
+def select_engine(backend: str, hidden_TD: torch.Tensor, batch_invariant: bool = False):
     """A new engine for ``backend``; "auto" prefers Triton on CUDA when it applies.
 
     Engines are immutable options, made per call: nothing about the choice is kept between calls.
+    ``batch_invariant``: an engine whose forward gives each token bitwise the same statistics whatever the
+    other tokens of the call are (the reference backend has none: refused).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+    if batch_invariant and backend == "reference":
+        raise ValueError("backend='reference' is not batch-invariant (one matmul over all tokens); use 'auto', "
+                         "'torch' or 'triton' with batch_invariant=True")
     if backend == "torch":
-        return TorchChunkedEngine()
+        return TorchChunkedEngine(batch_invariant=batch_invariant)
     ok, why = triton_supports(hidden_TD)
     if backend == "triton":
         if not ok:
             raise ValueError(f"backend='triton' cannot run here: {why}; use backend='torch' or 'auto'")
     elif not ok:
-        return TorchChunkedEngine()
+        return TorchChunkedEngine(batch_invariant=batch_invariant)
     try:
         from actorcore.kernels.logprob.triton_engine import TritonEngine
     except ImportError as err:  # triton present but unusable (e.g. a broken install)
         if backend == "triton":
             raise ValueError(f"backend='triton' cannot run here: importing triton failed: {err}") from err
         logger.warning("triton import failed (%s); using the chunked torch backend", err)
-        return TorchChunkedEngine()
-    return TritonEngine()
+        return TorchChunkedEngine(batch_invariant=batch_invariant)
+    return TritonEngine(batch_invariant=batch_invariant)
 
 
 def linear_logprob_entropy(
@@ -76,6 +81,7 @@ def linear_logprob_entropy(
     chunk_size: int | None = None,
     softcap: float | None = None,
     trace: Counter[str] | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``log_softmax(z)[label]`` and entropy of ``softmax(z)``, z = cap(hidden @ weight.T) / T.
 
@@ -84,19 +90,21 @@ def linear_logprob_entropy(
     in [0, V): callers mask ignored positions. Differentiable w.r.t. hidden and weight, through both
     outputs. ``chunk_size`` is tokens per chunk of the fast backends (None: a bounded default).
     ``trace``: counts what ran, backward included (keys in ``actorcore.kernels``).
+    ``batch_invariant``: each token's outputs are bitwise the same whatever the other rows of ``hidden_TD``
+    are and however many there are (fixed-size padded chunks, a fixed vocabulary split; the backward is not).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     check_inputs(
         hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size,
-        entropy=entropy, trace=trace,
+        entropy=entropy, trace=trace, batch_invariant=batch_invariant,
     )
-    if backend == "reference":
+    if backend == "reference" and not batch_invariant:
         add(trace, "logprob:reference")
         return linear_logprob_entropy_reference(
             hidden_TD, weight_VD, labels_T, temperature=temperature, entropy=entropy, softcap=softcap
         )
-    engine = select_engine(backend, hidden_TD)
+    engine = select_engine(backend, hidden_TD, batch_invariant)  # refuses reference + batch_invariant
     return LinearLogprobEntropyFunction.apply(
         hidden_TD,
         weight_VD,

@@ -8,6 +8,10 @@ probabilities and, with softcap, tanh). The default C keeps one such buffer at a
 V = 151936, all tokens at V = 131). That bounds peak memory independent of T while keeping the
 matmuls large enough to run near peak.
 
+Batch-invariant forward (``batch_invariant=True``): every chunk has exactly C rows (at most
+``batch_invariant.TILE_ROWS`` by default), the last one padded with zero rows, and all its reductions run
+on the padded chunk: a token's statistics then come from calls of one shape whatever the other tokens are.
+
 Precision: logits come from fp32 matmuls (``torch.mm(out_dtype=float32)`` on CUDA for 16-bit inputs,
 else an fp32 copy of the operands); they are never rounded to 16 bits. On CUDA, grad_logits are cast
 to the input dtype for the two gradient matmuls (as Liger does), with fp32 accumulation and an fp32
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actorcore.kernels.batch_invariant import TILE_ROWS
 from actorcore.kernels.logprob._common import compute_dtype, mm_out_fp32
 from actorcore.kernels.trace import add
 
@@ -69,17 +74,38 @@ def _local_labels(labels_C: torch.Tensor, vocab: int) -> tuple[torch.Tensor, tor
     return labels_C.clamp(0, vocab - 1).long(), valid
 
 
+def _padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` ([n, ...], n <= rows) followed by zero rows up to ``rows``."""
+    if x.shape[0] == rows:
+        return x
+    out = x.new_zeros(rows, *x.shape[1:])
+    out[: x.shape[0]] = x
+    return out
+
+
 @dataclass(frozen=True)
 class TorchChunkedEngine:
-    """Forward statistics and backward gradients in token chunks with plain torch ops (stateless)."""
+    """Forward statistics and backward gradients in token chunks with plain torch ops (stateless).
+
+    ``batch_invariant``: forward chunks of one fixed size (the last padded), see the module docstring.
+    """
+
+    batch_invariant: bool = False
 
     name = "torch"
+
+    def forward_rows(self, vocab: int, chunk_size: int | None) -> int:
+        """Tokens per forward chunk; with ``batch_invariant`` a function of the vocabulary alone."""
+        if chunk_size:
+            return chunk_size
+        rows = default_chunk_rows(vocab)
+        return min(rows, TILE_ROWS) if self.batch_invariant else rows
 
     def forward_stats(self, hidden_TD, weight_VD, labels_T, *, temperature, softcap, entropy, chunk_size,
                       trace=None):
         n_tok, vocab = hidden_TD.shape[0], weight_VD.shape[0]
         cdt = compute_dtype(hidden_TD.dtype)
-        rows = chunk_size or default_chunk_rows(vocab)
+        rows = self.forward_rows(vocab, chunk_size)
         wc = _WeightCache(weight_VD, cdt)
         dev = hidden_TD.device
         m_T = torch.empty(n_tok, dtype=cdt, device=dev)
@@ -88,20 +114,24 @@ class TorchChunkedEngine:
         a_T = torch.empty(n_tok, dtype=cdt, device=dev) if entropy else None
         for start in range(0, n_tok, rows):
             end = min(start + rows, n_tok)
-            z_CV = _logits(hidden_TD[start:end], wc, trace)
+            n = end - start
+            h_CD, labels_C = hidden_TD[start:end], labels_T[start:end]
+            if self.batch_invariant:  # every chunk the same shape: reductions and matmuls of one shape
+                h_CD, labels_C = _padded_rows(h_CD, rows), _padded_rows(labels_C, rows)
+            z_CV = _logits(h_CD, wc, trace)
             if softcap is not None:
                 z_CV.div_(softcap).tanh_().mul_(softcap)
             if temperature != 1.0:
                 z_CV.div_(temperature)
-            idx_C, valid_C = _local_labels(labels_T[start:end], vocab)
-            zy_T[start:end] = z_CV.gather(1, idx_C.unsqueeze(1)).squeeze(1) * valid_C
+            idx_C, valid_C = _local_labels(labels_C, vocab)
+            zy_T[start:end] = (z_CV.gather(1, idx_C.unsqueeze(1)).squeeze(1) * valid_C)[:n]
             m_C = z_CV.amax(dim=1)
-            m_T[start:end] = m_C
+            m_T[start:end] = m_C[:n]
             z_CV.sub_(m_C.unsqueeze(1))
             e_CV = torch.exp(z_CV)
-            s_T[start:end] = e_CV.sum(dim=1)
+            s_T[start:end] = e_CV.sum(dim=1)[:n]
             if a_T is not None:
-                a_T[start:end] = e_CV.mul_(z_CV).sum(dim=1)
+                a_T[start:end] = e_CV.mul_(z_CV).sum(dim=1)[:n]
             del z_CV, e_CV
         return m_T, s_T, a_T, zy_T
 

@@ -61,6 +61,7 @@ def linear_logprob_loss(
     chunk_size: int | None = None,
     softcap: float | None = None,
     trace: Counter[str] | None = None,
+    batch_invariant: bool = False,
 ) -> LossOutput:
     """``loss = sum_t loss_fn(logprob, entropy, *token_args)[t]`` with z = cap(hidden @ weight.T) / T.
 
@@ -68,21 +69,22 @@ def linear_logprob_loss(
     None when ``entropy=False``) and the same rows of each ``token_args`` tensor, and returns the [C]
     per-token losses. ``token_args`` are constants: no gradient flows to them. Backend selection and
     numerics are those of ``linear_logprob_entropy``; ``trace`` counts what ran (keys in ``actorcore.kernels``).
+    ``batch_invariant``: each token's log-prob and entropy do not depend on the other tokens of the call.
     """
     check_loss_fn(loss_fn)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     check_inputs(
         hidden_TD, weight_VD, labels_T, temperature=temperature, softcap=softcap, chunk_size=chunk_size,
-        entropy=entropy, trace=trace,
+        entropy=entropy, trace=trace, batch_invariant=batch_invariant,
     )
     token_args = check_token_args(token_args, labels_T.shape[0], labels_T.device)
     want_grads = torch.is_grad_enabled() and (hidden_TD.requires_grad or weight_VD.requires_grad)
-    if backend == "reference":
+    if backend == "reference" and not batch_invariant:
         add(trace, "logprob:reference")
         return _composed(hidden_TD, weight_VD, labels_T, loss_fn, token_args, temperature, entropy, softcap,
                          want_grads)
-    engine = select_engine(backend, hidden_TD)
+    engine = select_engine(backend, hidden_TD, batch_invariant)  # refuses reference + batch_invariant
     token_loss = _ChunkedTokenLoss(loss_fn, token_args, want_grads)
     loss, logprob_T, ent_T = _FusedLossFunction.apply(
         hidden_TD, weight_VD, labels_T, engine, token_loss, float(temperature),

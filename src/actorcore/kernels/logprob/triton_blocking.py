@@ -67,13 +67,24 @@ def forward_tiles_per_split(t_tiles: int, v_tiles: int, sms: int, lo: int = 4, h
     return min(range(hi, lo - 1, -1), key=cost)
 
 
-def forward_grid(n_tok: int, vocab: int, cfg: Config, sms: int) -> tuple[int, int, int]:
+# Vocabulary tiles per forward program in the batch-invariant mode: the largest ``forward_tiles_per_split``
+# considers, which it also picks for large token counts (few partial statistics to merge).
+INVARIANT_TILES_PER_SPLIT = 32
+
+
+def forward_grid(n_tok: int, vocab: int, cfg: Config, sms: int,
+                 batch_invariant: bool = False) -> tuple[int, int, int]:
     """(token tiles, vocabulary tiles per split, splits) of one forward launch over [n_tok, vocab].
 
-    The splits cover the vocabulary tiles exactly once; the last split may run a few masked tiles.
+    The splits cover the vocabulary tiles exactly once; the last split may run a few masked tiles. A token's
+    statistics are merged over the splits, so with ``batch_invariant`` the split depends on the vocabulary
+    alone (not on the token count, nor on the GPU's SM count).
     """
     t_tiles, v_tiles = cdiv(n_tok, cfg.block_t), cdiv(vocab, cfg.block_v)
-    per_split = forward_tiles_per_split(t_tiles, v_tiles, sms)
+    if batch_invariant:
+        per_split = min(INVARIANT_TILES_PER_SPLIT, v_tiles)
+    else:
+        per_split = forward_tiles_per_split(t_tiles, v_tiles, sms)
     return t_tiles, per_split, cdiv(v_tiles, per_split)
 
 

@@ -53,12 +53,15 @@ class TritonEngine:
 
     ``fwd`` / ``bwd``: tile configurations of the forward and grad_logits kernels.
     ``vocab_block`` / ``workspace_bytes``: the backward's blocking (``triton_blocking.backward_blocks``).
+    ``batch_invariant``: forward statistics that do not depend on the other tokens of the call (a vocabulary
+    split fixed by the vocabulary; the loss-fused forward's chunks all of one size, the last padded).
     """
 
     fwd: Config = FWD_CONFIG
     bwd: Config = BWD_CONFIG
     vocab_block: int = BACKWARD_VOCAB_BLOCK
     workspace_bytes: int = BACKWARD_WORKSPACE_BYTES
+    batch_invariant: bool = False
 
     name = "triton"
 
@@ -70,7 +73,8 @@ class TritonEngine:
         n_tok, dim = hidden_TD.shape
         vocab = weight_VD.shape[0]
         cfg = self.fwd
-        t_tiles, tiles_per_split, num_splits = forward_grid(n_tok, vocab, cfg, _sm_count(hidden_TD))
+        t_tiles, tiles_per_split, num_splits = forward_grid(n_tok, vocab, cfg, _sm_count(hidden_TD),
+                                                            self.batch_invariant)
         m_ST = torch.empty(num_splits, n_tok, dtype=torch.float32, device=hidden_TD.device)
         s_ST = torch.empty_like(m_ST)
         zy_ST = torch.empty_like(m_ST)
@@ -193,7 +197,9 @@ class TritonEngine:
         """
         n_tok, dim = hidden_TD.shape
         vocab = weight_VD.shape[0]
-        rows = min(n_tok, chunk_size or default_loss_rows(vocab))
+        rows = chunk_size or default_loss_rows(vocab)
+        if not self.batch_invariant:  # batch-invariant: every chunk's logits matmul has exactly ``rows`` rows
+            rows = min(n_tok, rows)
         dev = hidden_TD.device
         logits_CV = torch.empty(rows, padded_row(vocab), dtype=torch.float32, device=dev)  # 16-byte rows
         grads_CV = logits_CV.view(hidden_TD.dtype)  # [rows, 2 * padded]: G of row r starts at row r's byte 0
@@ -210,7 +216,12 @@ class TritonEngine:
             n_c = end - start
             h_CD = hidden_TD[start:end]
             l_CV = logits_CV[:n_c, :vocab]
-            _mm_fp32(h_CD, weight_VD.t(), l_CV)
+            if self.batch_invariant and n_c < rows:  # a zero-padded chunk of the same shape
+                h_pad = hidden_TD.new_zeros(rows, dim)
+                h_pad[:n_c] = h_CD
+                _mm_fp32(h_pad, weight_VD.t(), logits_CV[:, :vocab])
+            else:
+                _mm_fp32(h_CD, weight_VD.t(), l_CV)
             _rows_stats(l_CV, labels_T[start:end], stats, start, scalars, softcap)
             add(trace, "logprob:triton_fused_loss")
             lse_C, logprob_T[start:end], ent_C = finish_stats(*(None if x is None else x[start:end] for x in stats))

@@ -1,0 +1,145 @@
+"""Batch-invariant decoder passes (``compute_logprobs(..., batch_invariant=True)``): the same sequence gets
+bitwise the same hidden states whatever it is packed with, wherever it sits, whatever the pack's token count.
+
+Where a token's result could depend on the rest of the pack, and what this mode does about it:
+- every ``nn.Linear`` of the decoder (matmul kernels are chosen by the row count): its instance ``forward`` is,
+  for the call, an ``InvariantLinearForward`` running ``kernels.batch_invariant.tiled_linear`` on fixed-size row
+  tiles;
+- the norms (``...RMSNorm`` / ``...LayerNorm`` modules and torch's own; per-token, but their reduction's launch
+  configuration depends on the row count): an ``InvariantRowsForward`` running them on fixed-size row tiles;
+- attention is per sequence already (flash / varlen kernels tile each sequence from its own start and do not
+  split the keys for queries longer than one token; the ``segments`` backend runs one call per sequence);
+- rotary embeddings, activations, residual adds: element-wise (the rotary "matmul" has one term per output);
+- the log-prob head: fixed-size chunks and a fixed vocabulary split (``kernels.logprob``, ``batch_invariant``).
+MoE blocks (routing and per-expert matmuls whose row counts depend on the batch), hybrid linear attention and
+vision towers are refused.
+
+The forwards are installed per call and removed after it (also around activation checkpointing's
+recomputation: ``hf.attention.switched_for_call``); they are objects holding their module, not closures. Each
+counts itself in the call's trace (``batch_invariant:linear``, ``batch_invariant:norm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter
+from typing import Any, Iterator
+
+import torch
+
+from actorcore.archs import ArchSpec
+from actorcore.hf.attention import switched_for_call
+from actorcore.kernels.batch_invariant import NORM_TILE_ROWS, TILE_ROWS, tiled_linear, tiled_rows
+
+LINEAR_TRACE_KEY = "batch_invariant:linear"
+NORM_TRACE_KEY = "batch_invariant:norm"
+_NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
+
+
+class BatchInvariantNotAppliedError(RuntimeError):
+    """The batch-invariant forwards did not run where they should have (e.g. a module bypassed them)."""
+
+
+def check_batch_invariant_support(spec: ArchSpec) -> None:
+    """Refuse what this mode does not make invariant, before any work."""
+    why = None
+    if spec.mlp_kind == "moe":
+        why = ("its MLP is a mixture of experts: the router's choices and each expert's matmul row count depend "
+               "on the other tokens of the batch")
+    elif spec.linear_attention is not None:
+        why = "its linear-attention layers are not covered by the batch-invariant mode"
+    elif spec.vision is not None:
+        why = "its vision tower is not covered by the batch-invariant mode"
+    if why:
+        raise ValueError(f"batch_invariant=True does not support {spec.model_type}: {why}; call without "
+                         "batch_invariant")
+
+
+class InvariantLinearForward:
+    """The instance ``forward`` of an ``nn.Linear`` for one call: ``tiled_linear`` with its own parameters."""
+
+    def __init__(self, linear: torch.nn.Linear, tile_rows: int, trace: Counter) -> None:
+        self.linear = linear
+        self.tile_rows = tile_rows
+        self.trace = trace
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        self.trace[LINEAR_TRACE_KEY] += 1
+        return tiled_linear(input, self.linear.weight, self.linear.bias, self.tile_rows)
+
+
+class InvariantRowsForward:
+    """The instance ``forward`` of a per-token norm for one call: its class forward on fixed-size row tiles."""
+
+    def __init__(self, norm: torch.nn.Module, tile_rows: int, trace: Counter) -> None:
+        self.norm = norm
+        self.tile_rows = tile_rows
+        self.trace = trace
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs:
+            raise ValueError(f"batch_invariant=True: {type(self.norm).__name__} takes more than the hidden states "
+                             "(e.g. a gate), which the mode does not cover; call without batch_invariant")
+        self.trace[NORM_TRACE_KEY] += 1
+        return tiled_rows(type(self.norm).forward.__get__(self.norm), hidden_states, self.tile_rows)
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+        return True
+    return type(module).__name__.endswith(_NORM_SUFFIXES) and not any(True for _ in module.children())
+
+
+def invariant_modules(decoder: torch.nn.Module) -> tuple[list[torch.nn.Linear], list[torch.nn.Module]]:
+    """The decoder's linears and norms, checked to run their class ``forward`` (nothing else replaced it)."""
+    linears, norms = [], []
+    for name, module in decoder.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            if type(module).forward is not torch.nn.Linear.forward:
+                raise ValueError(f"batch_invariant=True: {name} is a {type(module).__name__} with its own forward "
+                                 "(e.g. a quantized linear), which the mode cannot make invariant")
+            found = linears
+        elif _is_norm(module):
+            found = norms
+        else:
+            continue
+        if "forward" in module.__dict__:
+            raise ValueError(f"batch_invariant=True: {name} already has an instance forward (another patch); "
+                             "the mode would replace it")
+        found.append(module)
+    return linears, norms
+
+
+@contextlib.contextmanager
+def _installed(linears: list, norms: list, tile_rows: int, norm_tile_rows: int, trace: Counter) -> Iterator[None]:
+    """The invariant forwards on these modules for one forward (or one recomputation), then the class's again."""
+    installed = []
+    try:
+        for module in linears:
+            module.__dict__["forward"] = InvariantLinearForward(module, tile_rows, trace)
+            installed.append(module)
+        for module in norms:
+            module.__dict__["forward"] = InvariantRowsForward(module, norm_tile_rows, trace)
+            installed.append(module)
+        yield
+    finally:
+        for module in installed:
+            module.__dict__.pop("forward", None)
+
+
+def batch_invariant_decoder(decoder: torch.nn.Module, spec: ArchSpec, trace: Counter, tile_rows: int = TILE_ROWS,
+                            norm_tile_rows: int = NORM_TILE_ROWS) -> Any:
+    """Context manager: the decoder's linears and norms run batch-invariant for one call (and its recomputation)."""
+    check_batch_invariant_support(spec)
+    linears, norms = invariant_modules(decoder)
+    return switched_for_call(decoder, functools.partial(_installed, linears, norms, tile_rows, norm_tile_rows, trace))
+
+
+def check_ran(trace: Counter, before: int, layers: int) -> None:
+    """At least one invariant linear per decoder layer must have run, else something bypassed the mode."""
+    ran = trace[LINEAR_TRACE_KEY] - before
+    if ran < layers:
+        raise BatchInvariantNotAppliedError(
+            f"batch-invariant linears ran {ran} times for {layers} decoder layers: the installed transformers "
+            "bypassed the modules' forward; refusing to return results that are not batch-invariant")
