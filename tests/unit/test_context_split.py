@@ -137,6 +137,15 @@ def test_parallel_context_has_a_cp_axis_and_mcore_layouts_take_cp():
         McoreParallel(cp=0)
 
 
+def test_hf_route_refuses_a_context_parallel_group():
+    from types import SimpleNamespace
+
+    from actorcore.parallel.context import sp_size
+
+    with pytest.raises(ValueError, match="only the Megatron route reads"):
+        sp_size(SimpleNamespace(sp_size=1, cp_size=2))
+
+
 def test_packed_core_attention_refuses_cp_without_packed_batches():
     pytest.importorskip("megatron.core")
     from types import SimpleNamespace

@@ -16,13 +16,16 @@ AXES = ("dp", "sp", "tp", "pp", "ep", "cp")
 
 
 def sp_size(parallel: Any) -> int:
-    """The SP size of a call's ``parallel`` argument (None: 1); anything that is not a context is refused here,
-    the one place every route reads it."""
+    """The SP size of a call's ``parallel`` argument (None: 1); anything that is not a context, or a context with
+    a CP group, is refused here, the one place the HF route reads it."""
     if parallel is None:
         return 1
     if not hasattr(parallel, "sp_size"):
         raise ValueError(f"parallel must be an actorcore.ParallelContext or None, got {type(parallel).__name__}; "
                          "build one with ParallelContext(sp_group=...) or ParallelContext.from_device_mesh(...)")
+    if getattr(parallel, "cp_size", 1) > 1:
+        raise ValueError("the context has a context-parallel (cp) group, which only the Megatron route reads; the HF "
+                         "route splits sequences with Ulysses: pass the group as sp_group instead")
     return int(parallel.sp_size)
 
 
