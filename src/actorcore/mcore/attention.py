@@ -88,17 +88,29 @@ class PackedCoreAttention(MegatronModule):
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any,
                           dropout: float) -> torch.Tensor:
         """This rank's query chunks ``[L, N, H]`` against every rank's keys/values, gathered in one collective."""
-        cu = params.cu_seqlens_q_padded
-        cu = params.cu_seqlens_q if cu is None else cu
-        bounds = cu.tolist()
-        cp_size, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+        order, positions, cu_local, cu = _cp_layout(params, self.cp_group, query.device)
         key_width = key.shape[-1]
         kv_gathered = collectives.gather_cp_key_values(torch.cat([key, value], dim=-1), self.cp_group)
-        kv_full = kv_gathered[cp_gather_order(bounds, cp_size).to(query.device)]  # the padded layout, in order
-        cu_local = torch.div(cu, cp_size, rounding_mode="floor")
-        positions = cp_local_positions(bounds, cp_size, cp_rank).to(query.device)
+        kv_full = kv_gathered[order]  # the padded layout of the whole batch, in order
         out_LNH = causal_attention_at_positions(query, kv_full[..., :key_width], kv_full[..., key_width:], cu_local,
                                                 cu, positions, scale=self.softmax_scale,
                                                 sliding_window=self.sliding_window, dropout=dropout,
                                                 trace=self.trace)
         return out_LNH.reshape(out_LNH.shape[0], -1)
+
+
+def _cp_layout(params: Any, cp_group: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(gather order, query positions, local and global segment offsets on the CPU) of a batch's CP layout.
+
+    The first layer computes them from ``cu_seqlens_q_padded`` and keeps them on the batch's ``params``, so the
+    other layers neither rebuild the index tensors nor read offsets back from the GPU."""
+    cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    cached = getattr(params, "_actorcore_cp_layout", None)
+    if cached is None or cached[0] != (cp_size, cp_rank, device):
+        cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
+        bounds = [int(b) for b in cu.tolist()]
+        cu_cpu = torch.tensor(bounds, dtype=torch.int64)
+        cached = ((cp_size, cp_rank, device), cp_gather_order(bounds, cp_size).to(device),
+                  cp_local_positions(bounds, cp_size, cp_rank).to(device), cu_cpu // cp_size, cu_cpu)
+        params._actorcore_cp_layout = cached
+    return cached[1:]
