@@ -1,7 +1,7 @@
 """Context parallelism on the Megatron route (gloo, 4 CPU ranks, one spawned group): per-token log-probs, entropy
 and every parameter's gradient equal plain transformers' fp32 forward, at TP=2 x CP=2 (mistral: a sliding window
-shorter than the sequences, GQA), CP=4 (qwen2: q/k/v biases), PP=2 x CP=2 (llama) and CP=2 x DP=2 (deepseek_v3:
-MLA with its own RoPE path, MoE); a critic's values at CP=4. Sequences of 1 and 2 tokens are shorter than
+shorter than the sequences, GQA), CP=4 (qwen2: q/k/v biases), PP=2 x CP=2 (llama), CP=2 x DP=2 (deepseek_v3:
+MLA with its own RoPE path, MoE) and CP=2 x EP=2 (qwen3_moe); a critic's values at CP=4. Sequences of 1 and 2 tokens are shorter than
 2*CP and get padded. Gradients are averaged over the data x context parallel group first, as Megatron's DDP
 does (the schedule scales each rank's loss by cp)."""
 
@@ -19,9 +19,9 @@ from actorcore.testing.tolerances import TOL
 pytest.importorskip("megatron.core")
 
 LENGTHS = [(5, 11, 3, 9), (14, 2, 7), (1, 6, 12)]
-# (model_type, overrides, tp, pp, cp): 4 ranks each.
-LAYOUTS = [("mistral", {}, 2, 1, 2), ("qwen2", {}, 1, 1, 4), ("llama", {"tie_word_embeddings": False}, 1, 2, 2),
-           ("deepseek_v3", {}, 1, 1, 2)]
+# (model_type, overrides, tp, pp, cp, ep): 4 ranks each.
+LAYOUTS = [("mistral", {}, 2, 1, 2, 1), ("qwen2", {}, 1, 1, 4, 1), ("llama", {"tie_word_embeddings": False}, 1, 2, 2, 1),
+           ("deepseek_v3", {}, 1, 1, 2, 1), ("qwen3_moe", {}, 1, 1, 2, 2)]
 CRITIC_CP = 4
 
 
@@ -57,7 +57,7 @@ def _megatron_grads_as_hf(chunks, context) -> dict[str, torch.Tensor]:
             p.data = data
 
 
-def _layout(model_type: str, tp: int, pp: int, cp: int, directory: str) -> dict:
+def _layout(model_type: str, tp: int, pp: int, cp: int, ep: int, directory: str) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
@@ -68,9 +68,9 @@ def _layout(model_type: str, tp: int, pp: int, cp: int, directory: str) -> dict:
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
-    parallel = McoreParallel(tp=tp, pp=pp, cp=cp)
+    parallel = McoreParallel(tp=tp, pp=pp, cp=cp, ep=ep)
     context = initialize_megatron(parallel)
-    assert (context.tp_size, context.pp_size, context.cp_size) == (tp, pp, cp)
+    assert (context.tp_size, context.pp_size, context.cp_size, context.ep_size) == (tp, pp, cp, ep)
     chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
     load_hf_into_mcore(chunks, directory, context)
     trace: collections.Counter = collections.Counter()
@@ -80,11 +80,14 @@ def _layout(model_type: str, tp: int, pp: int, cp: int, directory: str) -> dict:
     batches = [ac.pack(s) for s in _sequences()]
     got = compute_logprobs(chunks, batches, context)
     fb = compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: -out.log_probs.sum())
-    group = ps.get_data_parallel_group(with_context_parallel=True)
+    # Megatron's DDP: sum over the ranks holding a copy (data x context parallel; for experts, the expert data
+    # parallel ranks), divided by the data x context parallel size.
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
     for chunk in chunks:
         for param in chunk.parameters():
-            dist.all_reduce(param.grad, group=group)
-            param.grad /= dist.get_world_size(group)
+            expert = not getattr(param, "allreduce", True)
+            dist.all_reduce(param.grad, group=ps.get_expert_data_parallel_group() if expert else dp_cp)
+            param.grad /= dist.get_world_size(dp_cp)
     grads = _megatron_grads_as_hf(chunks, context)
     ps.destroy_model_parallel()
     return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "grads": grads,
@@ -114,8 +117,8 @@ def _worker(rank: int, world_size: int, directories: list[str], critic_directory
     from actorcore.mcore.cpu_runtime import CpuRuntime
 
     with CpuRuntime():
-        layouts = [_layout(model_type, tp, pp, cp, directory)
-                   for (model_type, _, tp, pp, cp), directory in zip(LAYOUTS, directories)]
+        layouts = [_layout(model_type, tp, pp, cp, ep, directory)
+                   for (model_type, _, tp, pp, cp, ep), directory in zip(LAYOUTS, directories)]
         return {"layouts": layouts, "values": _critic(critic_directory)}
 
 
@@ -160,8 +163,8 @@ def test_context_parallel_equals_transformers():
             assert got.dtype == torch.float32 and got.shape == ref.shape
             torch.testing.assert_close(got, ref, atol=tol, rtol=0, msg=f"rank {rank} critic values at cp=4")
     for rank, per_layout in enumerate(r["layouts"] for r in results):
-        for (model_type, _, tp, pp, cp), result, (ref_out, ref_grads) in zip(LAYOUTS, per_layout, references):
-            where = f"rank {rank} {model_type} tp={tp} pp={pp} cp={cp}"
+        for (model_type, _, tp, pp, cp, ep), result, (ref_out, ref_grads) in zip(LAYOUTS, per_layout, references):
+            where = f"rank {rank} {model_type} tp={tp} pp={pp} cp={cp} ep={ep}"
             # Every attention call took the context-parallel path (2 layers over the pipeline stages, 3 batches,
             # forward-only and forward-backward).
             assert result["trace"] == {"varlen_attention:at_positions": 2 // pp * 3 * 2}, where
