@@ -100,7 +100,8 @@ class PackedCoreAttention(MegatronModule):
 
 
 def _cp_layout(params: Any, cp_group: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(gather order, query positions, local and global segment offsets on the CPU) of a batch's CP layout.
+    """(gather order on the device; query positions, local and global segment offsets on the CPU) of a batch's
+    CP layout.
 
     The first layer computes them from ``cu_seqlens_q_padded`` and keeps them on the batch's ``params``, so the
     other layers neither rebuild the index tensors nor read offsets back from the GPU."""
@@ -111,6 +112,6 @@ def _cp_layout(params: Any, cp_group: Any, device: torch.device) -> tuple[torch.
         bounds = [int(b) for b in cu.tolist()]
         cu_cpu = torch.tensor(bounds, dtype=torch.int64)
         cached = ((cp_size, cp_rank, device), cp_gather_order(bounds, cp_size).to(device),
-                  cp_local_positions(bounds, cp_size, cp_rank).to(device), cu_cpu // cp_size, cu_cpu)
+                  cp_local_positions(bounds, cp_size, cp_rank), cu_cpu // cp_size, cu_cpu)
         params._actorcore_cp_layout = cached
     return cached[1:]
