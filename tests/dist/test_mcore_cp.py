@@ -1,9 +1,9 @@
 """Context parallelism on the Megatron route (gloo, 4 CPU ranks, one spawned group): per-token log-probs, entropy
 and every parameter's gradient equal plain transformers' fp32 forward, at TP=2 x CP=2 (mistral: a sliding window
 shorter than the sequences, GQA), CP=4 (qwen2: q/k/v biases), PP=2 x CP=2 (llama), CP=2 x DP=2 (deepseek_v3:
-MLA with its own RoPE path, MoE) and CP=2 x EP=2 (qwen3_moe); a critic's values at CP=4. Sequences of 1 and 2 tokens are shorter than
-2*CP and get padded. Gradients are averaged over the data x context parallel group first, as Megatron's DDP
-does (the schedule scales each rank's loss by cp)."""
+MLA with its own RoPE path, MoE) and CP=2 x EP=2 (qwen3_moe); a critic's values at CP=4. Sequences of 1 and 2
+tokens are shorter than 2*CP and get padded. Gradients are averaged over the data x context parallel group
+first, as Megatron's DDP does (the schedule scales each rank's loss by cp)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ pytest.importorskip("megatron.core")
 
 LENGTHS = [(5, 11, 3, 9), (14, 2, 7), (1, 6, 12)]
 # (model_type, overrides, tp, pp, cp, ep): 4 ranks each.
-LAYOUTS = [("mistral", {}, 2, 1, 2, 1), ("qwen2", {}, 1, 1, 4, 1), ("llama", {"tie_word_embeddings": False}, 1, 2, 2, 1),
-           ("deepseek_v3", {}, 1, 1, 2, 1), ("qwen3_moe", {}, 1, 1, 2, 2)]
+LAYOUTS = [("mistral", {}, 2, 1, 2, 1), ("qwen2", {}, 1, 1, 4, 1),
+           ("llama", {"tie_word_embeddings": False}, 1, 2, 2, 1), ("deepseek_v3", {}, 1, 1, 2, 1),
+           ("qwen3_moe", {}, 1, 1, 2, 2)]
 CRITIC_CP = 4
 
 
