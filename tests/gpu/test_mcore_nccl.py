@@ -1,8 +1,7 @@
 """The Megatron route on GPUs with NCCL (2 GPUs): at TP=2, PP=2 and EP=2 a tiny model loads from HF, exports back
 bit-exact, and its per-token log-probs / entropy equal plain transformers' fp32 forward; at CP=2 the gradients
-too. NCCL has no CPU
-tensors, so any CPU buffer handed to a collective (the pipeline's broadcast of the last stage's outputs, object
-gathers without a current device) fails here and nowhere on the CPU tests. Also: ``actorcore convert --tp 2``
+too. NCCL has no CPU tensors, so any CPU buffer handed to a collective (the pipeline's broadcast of the last
+stage's outputs, object gathers without a current device) fails here and nowhere on the CPU tests. Also: ``actorcore convert --tp 2``
 round trip on a CUDA machine. Skipped without two CUDA devices or megatron-core."""
 
 from __future__ import annotations
