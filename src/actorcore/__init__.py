@@ -18,6 +18,8 @@ _EXPORTS = {
     "pad_to_multiple": "actorcore.batch",
     "next_token_labels": "actorcore.batch",
     "shard_for_sp": "actorcore.batch",
+    "split_for_cp": "actorcore.context_split",
+    "CpShard": "actorcore.context_split",
     "pack_multimodal": "actorcore.hf.vlm_packing",
     "pack_multimodal_padded": "actorcore.hf.vlm_packing",
     "compute_logprobs": "actorcore.hf.logprobs",

@@ -1,7 +1,7 @@
 """The Megatron route on GPUs with NCCL (2 GPUs): at TP=2, PP=2 and EP=2 a tiny model loads from HF, exports back
-bit-exact, and its per-token log-probs / entropy equal plain transformers' fp32 forward. NCCL has no CPU
-tensors, so any CPU buffer handed to a collective (the pipeline's broadcast of the last stage's outputs, object
-gathers without a current device) fails here and nowhere on the CPU tests. Also: ``actorcore convert --tp 2``
+bit-exact, and its per-token log-probs / entropy equal plain transformers' fp32 forward; at CP=2 the gradients
+too. NCCL has no CPU tensors, so any CPU buffer handed to a collective (the pipeline's broadcast of the last
+stage's outputs, object gathers without a current device) fails here and nowhere on the CPU tests. Also: ``actorcore convert --tp 2``
 round trip on a CUDA machine. Skipped without two CUDA devices or megatron-core."""
 
 from __future__ import annotations
@@ -110,6 +110,73 @@ def test_mcore_on_nccl(tmp_path, model_type, tp, pp, ep):
             assert device == "cuda"
             torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=f"rank {rank} log-probs")
             torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=f"rank {rank} entropy")
+
+
+def _cp_worker(rank: int, world_size: int, hf_dir: str) -> dict:
+    import collections
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from transformers import AutoConfig
+
+    import actorcore as ac
+    from actorcore.mcore.checkpoint import gather_hf_state_dict, load_hf_into_mcore
+    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    parallel = McoreParallel(cp=2)
+    context = initialize_megatron(parallel)
+    chunks = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel)
+    load_hf_into_mcore(chunks, hf_dir, context)
+    trace: collections.Counter = collections.Counter()
+    for layer in chunks[0].decoder.layers:
+        layer.self_attention.core_attention.trace = trace
+    batches = [ac.pack(s) for s in _sequences()]
+    outputs = compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: -out.log_probs.sum())
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    params = list(chunks[0].parameters())
+    for param in params:  # what Megatron's DDP does: average over the data x context parallel ranks
+        dist.all_reduce(param.grad, group=group)
+        param.grad /= dist.get_world_size(group)
+    weights = [p.data for p in params]
+    for p in params:
+        p.data = p.grad
+    grads = {k: v.cpu() for k, v in gather_hf_state_dict(chunks, context).items()}
+    for p, w in zip(params, weights):
+        p.data = w
+    parallel_state.destroy_model_parallel()
+    return {"got": [(o.log_probs.cpu(), o.entropy.cpu(), o.log_probs.device.type) for o in outputs],
+            "grads": grads, "trace": dict(trace)}
+
+
+def test_mcore_context_parallel_on_nccl(tmp_path):
+    """CP=2 over NCCL (mistral: GQA, a sliding window shorter than the sequences): log-probs, entropy and every
+    parameter's gradient (averaged over the CP ranks, as Megatron's DDP does) equal transformers' fp32 forward."""
+    pytest.importorskip("megatron.core")
+    from actorcore.testing.reference import reference_logprobs, right_padded
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    hf = build_tiny_model("mistral", seed=5)
+    hf_dir = str(tmp_path / "hf")
+    hf.save_pretrained(hf_dir)
+    results = _run_nccl(_cp_worker, 2, (hf_dir,))
+    ref = []
+    for sequences in _sequences():
+        lp, ent = reference_logprobs(hf, *right_padded(sequences))
+        (lp.sum() * (-1.0 / len(LENGTHS))).backward()
+        ref.append((lp.detach(), ent.detach()))
+    tol, grad_tol = TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"]
+    for rank, result in enumerate(results):
+        assert result["trace"] == {"varlen_attention:at_positions": 2 * len(LENGTHS)}, rank
+        for (lp, ent, device), (ref_lp, ref_ent) in zip(result["got"], ref):
+            assert device == "cuda"
+            torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=f"rank {rank} log-probs")
+            torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=f"rank {rank} entropy")
+        for name, param in hf.named_parameters():
+            scale = param.grad.abs().max()
+            torch.testing.assert_close(result["grads"][name], param.grad, atol=grad_tol * scale, rtol=0,
+                                       msg=f"rank {rank} {name}")
 
 
 def test_convert_cli_tp2_on_cuda(tmp_path):

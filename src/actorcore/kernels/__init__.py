@@ -6,7 +6,7 @@ Nothing heavy is imported here; import the submodule you need, e.g.
 
 Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``linear_logprob_loss``,
 ``linear_logprob_entropy_vocab_shard`` and ``parallel.vocab_parallel.linear_logprob_entropy_vocab_parallel``,
-``varlen_causal_attention``, ``causal_conv1d_packed``, ``gated_delta_rule_packed``) take ``trace: collections.Counter[str] | None``. When given, they add to it
+``varlen_causal_attention``, ``causal_attention_at_positions``, ``causal_conv1d_packed``, ``gated_delta_rule_packed``) take ``trace: collections.Counter[str] | None``. When given, they add to it
 (backward recomputation included: the autograd context keeps the same Counter) under these keys:
 
     logprob:reference             calls that ran the plain fp32 reference
@@ -17,6 +17,7 @@ Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``l
     logprob:triton_backward       launches of the Triton grad_logits recompute kernel (one per backward block)
     logprob:triton_fused_loss     chunks run by the Triton loss-fused forward (``linear_logprob_loss``)
     varlen_attention:<backend>    calls per attention backend that ran: flash_attn, torch_varlen, segments
+    varlen_attention:at_positions calls of ``causal_attention_at_positions`` (context-parallel query chunks)
     causal_conv1d:<backend>       packed causal conv1d calls (``linear_attention.causal_conv1d_packed``): torch, fla
     gated_delta_rule:<backend>    packed gated delta rule calls (``linear_attention.gated_delta_rule_packed``): torch, fla
 

@@ -176,3 +176,67 @@ def _segments(q, k, v, cu, scale, window, softcap, dropout, sinks=None):
             o = torch.matmul(probs, v_NLH)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs, dim=0)
+
+
+def causal_attention_at_positions(
+    q_LNH: torch.Tensor,
+    k_PKH: torch.Tensor,
+    v_PKH: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    q_positions: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    dropout: float = 0.0,
+    trace: Counter[str] | None = None,
+) -> torch.Tensor:
+    """Causal attention of some of each segment's queries over the whole segment's keys (context parallelism:
+    a rank's query chunks against the gathered keys); returns ``[L, N, H]`` in the input dtype.
+
+    Segment ``s`` has queries ``[cu_seqlens_q[s], cu_seqlens_q[s+1])`` at positions ``q_positions`` within
+    the segment and keys ``[cu_seqlens_k[s], cu_seqlens_k[s+1])`` at positions 0, 1, ...; query at position
+    ``p`` sees key ``j`` iff ``j <= p`` (and ``p - j < sliding_window``). The offsets and positions are read on
+    the host (CPU tensors avoid a device sync). Each run of consecutive query positions is one SDPA call over
+    the keys it can see: a lower-right causal bias (no mask tensor; the memory-efficient kernel on CUDA), or
+    with a sliding window a boolean mask over the window's band only.
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    L, N, H = q_LNH.shape
+    if N % k_PKH.shape[1]:
+        raise ValueError(f"{N} query heads cannot share {k_PKH.shape[1]} key/value heads evenly")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel() or q_positions.shape != (L,):
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, cu_seqlens_k {tuple(cu_seqlens_k.shape)} and "
+                         f"q_positions {tuple(q_positions.shape)} do not describe the same {L} queries' segments")
+    scale = H**-0.5 if scale is None else scale
+    add(trace, "varlen_attention:at_positions")
+    groups = N // k_PKH.shape[1]
+    positions = q_positions.tolist()
+    q_bounds, k_bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs = []
+    for qs, qe, ks, ke in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:]):
+        start = qs
+        while start < qe:
+            stop = start + 1
+            while stop < qe and positions[stop] == positions[stop - 1] + 1:
+                stop += 1
+            first, count = positions[start], stop - start
+            end = first + count  # the run sees keys [lo, end) of its segment
+            if end > ke - ks:
+                raise ValueError(f"query position {end - 1} is beyond its segment's {ke - ks} keys")
+            windowed = bool(sliding_window) and sliding_window < end
+            lo = max(0, first - sliding_window + 1) if windowed else 0
+            q_NQH = q_LNH[start:stop].transpose(0, 1)
+            k_NKH = k_PKH[ks + lo:ks + end].transpose(0, 1).repeat_interleave(groups, dim=0)
+            v_NKH = v_PKH[ks + lo:ks + end].transpose(0, 1).repeat_interleave(groups, dim=0)
+            if windowed:
+                diff = (first + torch.arange(count, device=q_LNH.device))[:, None] - \
+                    (lo + torch.arange(end - lo, device=q_LNH.device))[None, :]
+                mask = (diff >= 0) & (diff < sliding_window)
+            else:
+                mask = causal_lower_right(count, end)
+            o = F.scaled_dot_product_attention(q_NQH, k_NKH, v_NKH, attn_mask=mask, dropout_p=dropout, scale=scale)
+            outs.append(o.transpose(0, 1))
+            start = stop
+    return torch.cat(outs, dim=0)

@@ -6,6 +6,11 @@ float32 log-probs/entropy with the vocabulary-parallel fused kernel (no ``[T, V]
 broadcast over the pipeline group so every rank returns them, aligned exactly like the HF route
 (value at the scored token, 0 at each sequence's first token, padding dropped).
 
+Context parallelism (cp > 1): every packed batch is split over the CP ranks with Megatron's load-balanced
+layout (``actorcore.context_split.split_for_cp``: sequences padded to a multiple of 2*cp, rank r holding
+chunks r and 2*cp-1-r); labels are taken before the split, and the per-token results of all CP ranks are
+gathered back into the batch's ``[T]`` order before the loss, which every CP rank computes on the whole batch.
+
 Legend: ``T`` packed tokens, ``D`` hidden, ``V`` vocabulary (this TP rank's rows).
 """
 
@@ -17,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from actorcore.batch import PackedBatch, next_token_labels, pad_to_multiple, shift_to_scored_token, unpad
+from actorcore.context_split import CpShard, split_for_cp
 from actorcore.kernels.logprob import check_options
 from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.outputs import LogProbOutput
@@ -25,25 +31,45 @@ from actorcore.parallel.context import ParallelContext
 from actorcore.parallel.vocab_parallel import linear_logprob_entropy_vocab_parallel
 
 
-def packed_seq_params(batch: PackedBatch):
+def packed_seq_params(batch: PackedBatch | CpShard, cp_group: Any = None):
+    """Megatron's THD parameters; for a CP shard, the padded layout of the whole batch (``cu_seqlens_*_padded``,
+    which Megatron's RoPE and ``PackedCoreAttention`` read)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = batch.cu_seqlens.to(torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(batch.max_seqlen),
-                           max_seqlen_kv=int(batch.max_seqlen))
+    padded = cu if isinstance(batch, CpShard) else None
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=int(batch.max_seqlen),
+                           max_seqlen_kv=int(batch.max_seqlen), cp_group=cp_group)
+
+
+def _token_multiple(config: Any) -> int:
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
 def prepare_batch(batch: PackedBatch, chunk: Any) -> PackedBatch:
-    """Pad to the token multiple the layout needs (TP with sequence parallelism, 2*CP); move to the model device."""
+    """Pad to the token multiple the layout needs (TP with sequence parallelism); move to the model device.
+    Under context parallelism the split pads every sequence instead (``split_for_cp``)."""
     config = chunk.config
-    multiple = (config.tensor_model_parallel_size if config.sequence_parallel else 1) * (
-        2 * config.context_parallel_size if config.context_parallel_size > 1 else 1)
     if batch.position_ids.dim() != 1:
         raise ValueError("the Megatron route takes text batches with 1-D position ids")
-    if not batch.num_padding:
-        batch = pad_to_multiple(batch, multiple)
+    if not batch.num_padding and config.context_parallel_size == 1:
+        batch = pad_to_multiple(batch, _token_multiple(config))
     device = next(chunk.parameters()).device
     return batch.to(device)
+
+
+def split_batches(batches: Sequence[PackedBatch], context: ParallelContext, config: Any) -> list[CpShard]:
+    """This CP rank's shard of every micro-batch, all padded to one token count (pipeline stages exchange
+    fixed shapes)."""
+    from actorcore.context_split import cp_padded_bounds
+
+    cp, multiple = context.cp_size, 2 * context.cp_size * _token_multiple(config)
+    totals = [-(-cp_padded_bounds([int(x) for x in b.cu_seqlens.tolist()], cp)[-1] // multiple) * multiple
+              for b in batches]
+    if context.pp_size > 1:
+        totals = [max(totals)] * len(totals)
+    return [split_for_cp(b, cp, context.cp_rank, total=t) for b, t in zip(batches, totals)]
 
 
 def _output_weight_shard(chunk: Any, vocab_size: int, context: ParallelContext) -> tuple[torch.Tensor, int]:
@@ -61,61 +87,82 @@ def _hidden_TD(output: torch.Tensor) -> torch.Tensor:
     return output.reshape(-1, output.shape[-1])
 
 
+def _merge_cp(local_L: torch.Tensor, shard: CpShard | None, context: ParallelContext) -> torch.Tensor:
+    """Without CP: as it is. With CP: every CP rank's per-token results, in the batch's ``[T]`` token order."""
+    if shard is None:
+        return local_L
+    return shard.merge(collectives.gather_cp_outputs(local_L, context.cp_group))
+
+
 def logprobs_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, context: ParallelContext, *,
-                         temperature: float, entropy: bool) -> LogProbOutput:
-    """The last stage's head: fused vocabulary-parallel log-prob/entropy, aligned to the scored token."""
+                         temperature: float, entropy: bool, shard: CpShard | None = None) -> LogProbOutput:
+    """The last stage's head: fused vocabulary-parallel log-prob/entropy, aligned to the scored token.
+
+    With a CP ``shard``, ``hidden_TD`` holds this rank's tokens; the labels are the shard's (taken before the
+    split) and the results are gathered over the CP group into the batch's order."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     vocab_size = chunk.actorcore_hf_config.vocab_size
     weight, start = _output_weight_shard(chunk, vocab_size, context)
     labels_T, valid_T = next_token_labels(batch)
+    local_labels = labels_T if shard is None else shard.labels
     # Hidden states are replicated over TP: the backward all-reduce sums each rank's partial gradient.
     hidden_TD = copy_to_tensor_model_parallel_region(hidden_TD, group=context.tp_group)
     logprob_T, entropy_T = linear_logprob_entropy_vocab_parallel(
-        hidden_TD, weight, labels_T.clamp(min=0), vocab_start=start,
+        hidden_TD, weight, local_labels.clamp(min=0), vocab_start=start,
         tp_group=context.tp_group if context.tp_size > 1 else None, temperature=temperature, entropy=entropy)
 
     def finish(x: torch.Tensor) -> torch.Tensor:
-        kept = torch.where(valid_T, x.float(), torch.zeros((), dtype=torch.float32, device=x.device))
+        x = _merge_cp(x.float(), shard, context)
+        kept = torch.where(valid_T, x, torch.zeros((), dtype=torch.float32, device=x.device))
         return shift_to_scored_token(unpad(kept, batch))
 
     return LogProbOutput(log_probs=finish(logprob_T), entropy=None if entropy_T is None else finish(entropy_T))
 
 
-def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, context: ParallelContext,
+                       shard: CpShard | None = None) -> torch.Tensor:
     """Critic head, in float32, at each token itself (as the HF critic)."""
     head = chunk.value_head
     values = torch.nn.functional.linear(hidden_TD.float(), head.weight.float(),
                                         None if head.bias is None else head.bias.float())
-    return unpad(values.squeeze(-1), batch)
+    return unpad(_merge_cp(values.squeeze(-1), shard, context), batch)
 
 
-def _forward_step(batches: list[PackedBatch], context: ParallelContext, head: Callable, data_iterator: Any,
-                  model: Any):
+def _forward_step(batches: list[PackedBatch], shards: list[CpShard] | None, context: ParallelContext, head: Callable,
+                  data_iterator: Any, model: Any):
     index = next(data_iterator)
     batch = batches[index]
-    output = model(batch.input_ids.unsqueeze(0), batch.position_ids.unsqueeze(0), None,
-                   packed_seq_params=packed_seq_params(batch))
+    shard = None if shards is None else shards[index]
+    local = batch if shard is None else shard
+    output = model(local.input_ids.unsqueeze(0), local.position_ids.unsqueeze(0), None,
+                   packed_seq_params=packed_seq_params(local, context.cp_group))
 
     def loss_func(output_tensor: torch.Tensor):
-        return head(model, _hidden_TD(output_tensor), batch, index)
+        return head(model, _hidden_TD(output_tensor), batch, shard)
 
     return output, loss_func
 
 
 def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], context: ParallelContext, head: Callable, *,
                  forward_only: bool) -> list[Any]:
-    """One micro-batch per packed batch; ``head(model, hidden_TD, batch, index) -> (loss, data)`` on the last
-    stage. Returns the ``data`` of every micro-batch on the last pipeline stage (empty elsewhere)."""
+    """One micro-batch per packed batch; ``head(model, hidden_TD, batch, shard) -> (loss, data)`` on the last
+    stage (``shard``: this rank's ``CpShard`` of the batch, None without CP). Returns the ``data`` of every
+    micro-batch on the last pipeline stage (empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    config = chunks[0].config
+    if config.context_parallel_size != context.cp_size:
+        raise ValueError(f"the model was built for cp={config.context_parallel_size} but the context has "
+                         f"cp={context.cp_size}: pass the context initialize_megatron returned for its layout")
     batches = [prepare_batch(b, chunks[0]) for b in batches]
+    shards = split_batches(batches, context, config) if context.cp_size > 1 else None
     for chunk in chunks:
         chunk.train(not forward_only)
-    step = functools.partial(_forward_step, batches, context, head)
+    step = functools.partial(_forward_step, batches, shards, context, head)
     iterators = [iter(range(len(batches))) for _ in chunks]
-    max_tokens = max(b.num_tokens for b in batches)
-    if context.pp_size > 1 and any(b.num_tokens != max_tokens for b in batches):
+    max_tokens = max(b.num_tokens for b in (batches if shards is None else shards))
+    if context.pp_size > 1 and shards is None and any(b.num_tokens != max_tokens for b in batches):
         raise ValueError("with pipeline parallelism every micro-batch must have the same token count: pad the "
                          "packed batches to a common length (pad_to_multiple) first")
     with te_absent_fixes():
@@ -149,14 +196,17 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
     Without ``loss_fn``: forward only, returns a ``LogProbOutput`` (a list for a list of batches) on every
     rank. With ``loss_fn(output, batch) -> scalar``: forward and backward through the pipeline schedule
     (gradients accumulate in the parameters; Megatron averages the loss over micro-batches); outputs are
-    returned detached.
+    returned detached. Under context parallelism ``loss_fn`` sees the whole batch's outputs on every CP rank;
+    each rank's gradients are its tokens' share times cp (Megatron's schedule scales the loss by cp), so
+    averaging them over the data x context parallel ranks (Megatron's DDP) gives the whole batch's gradients.
     """
     single = isinstance(batches, PackedBatch)
     batch_list = [batches] if single else list(batches)
     check_options(temperature=temperature, entropy=entropy)
 
-    def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, index: int):
-        out = logprobs_from_hidden(model, hidden_TD, batch, context, temperature=temperature, entropy=entropy)
+    def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None):
+        out = logprobs_from_hidden(model, hidden_TD, batch, context, temperature=temperature, entropy=entropy,
+                                   shard=shard)
         loss = loss_fn(out, batch) if loss_fn is not None else hidden_TD.sum() * 0.0
         data = {"log_probs": out.log_probs.detach(), "entropy": None if out.entropy is None else out.entropy.detach()}
         return loss, data
@@ -187,8 +237,8 @@ def compute_values(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatc
     single = isinstance(batches, PackedBatch)
     batch_list = [batches] if single else list(batches)
 
-    def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, index: int):
-        values = values_from_hidden(model, hidden_TD, batch)
+    def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None):
+        values = values_from_hidden(model, hidden_TD, batch, context, shard)
         return hidden_TD.sum() * 0.0, {"values": values.detach()}
 
     with torch.no_grad():

@@ -32,20 +32,19 @@ class McoreParallel:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.vp is not None and (self.vp < 1 or self.pp < 2):
             raise ValueError(f"vp={self.vp} needs pp >= 2 and vp >= 1")
-        if self.cp != 1:
-            raise ValueError("context parallelism (cp > 1) is not supported by actorcore's packed attention yet")
 
     @property
     def world_size(self) -> int:
         """Smallest world that holds this layout (data parallel fills the rest)."""
-        return self.pp * math.lcm(self.tp, self.ep)
+        return self.pp * math.lcm(self.tp * self.cp, self.ep)
 
 
 def context_from_megatron() -> ParallelContext:
-    """This rank's ``ParallelContext`` (dp, tp, pp, ep groups) read from Megatron's ``parallel_state``.
+    """This rank's ``ParallelContext`` (dp, tp, pp, ep, cp groups) read from Megatron's ``parallel_state``.
 
     Megatron must be initialised (``initialize_megatron`` or the caller's own ``initialize_model_parallel``).
-    ``dp`` is Megatron's data-parallel group (without context parallelism, which actorcore refuses).
+    ``dp`` is Megatron's data-parallel group without the context-parallel ranks; gradients are averaged over
+    both (``parallel_state.get_data_parallel_group(with_context_parallel=True)``, as Megatron's DDP does).
     """
     from actorcore.mcore._megatron import require_megatron
 
@@ -57,7 +56,7 @@ def context_from_megatron() -> ParallelContext:
                          "McoreParallel(...)) (or megatron.core.parallel_state.initialize_model_parallel) first")
     return ParallelContext(dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
                            pp_group=ps.get_pipeline_model_parallel_group(),
-                           ep_group=ps.get_expert_model_parallel_group())
+                           ep_group=ps.get_expert_model_parallel_group(), cp_group=ps.get_context_parallel_group())
 
 
 def _megatron_layout() -> dict[str, int | None]:
@@ -93,8 +92,9 @@ def initialize_megatron(parallel: McoreParallel, seed: int = 0) -> ParallelConte
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
     world = dist.get_world_size()
-    if world % (parallel.tp * parallel.pp) or (world // parallel.pp) % parallel.ep:
-        raise ValueError(f"world size {world} does not fit tp={parallel.tp} x pp={parallel.pp} with ep={parallel.ep}")
+    if world % (parallel.tp * parallel.cp * parallel.pp) or (world // parallel.pp) % parallel.ep:
+        raise ValueError(f"world size {world} does not fit tp={parallel.tp} x cp={parallel.cp} x pp={parallel.pp} "
+                         f"with ep={parallel.ep}")
     if ps.model_parallel_is_initialized():
         wanted = {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "cp": parallel.cp, "vp": parallel.vp,
                   "expert_tp": 1}
@@ -115,6 +115,7 @@ def initialize_megatron(parallel: McoreParallel, seed: int = 0) -> ParallelConte
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
         virtual_pipeline_model_parallel_size=parallel.vp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=1,

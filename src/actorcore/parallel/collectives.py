@@ -108,6 +108,59 @@ def merge_vocab_stats(stats: tuple, group: Any) -> tuple:
     return merge_partial_stats(m_ST, s_ST, a_ST, zy_ST)
 
 
+# ---- Context parallelism (Megatron route): autograd all-gathers over the CP group. ----
+
+
+def _all_gather_cat(local: torch.Tensor, group: Any) -> torch.Tensor:
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(_group_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts, dim=0)
+
+
+class _GatherKeyValues(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_L: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_cat(local_L, group)
+
+    @staticmethod
+    def backward(ctx, grad_P: torch.Tensor):
+        return reduce_scatter_sum(grad_P, ctx.group), None
+
+
+def gather_cp_key_values(local_L: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every CP rank's ``[L, ...]`` keys/values concatenated in rank order, ``[cp * L, ...]``, on every rank.
+
+    Each rank's queries read every rank's keys, so the backward sums (reduce-scatters) the key/value
+    gradients of all ranks onto the rank that holds them. One all-gather per layer; a ring (pass one rank's
+    block at a time, merging partial softmaxes) could replace it without changing the caller's math.
+    """
+    return _GatherKeyValues.apply(local_L, group)
+
+
+class _GatherOutputs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_L: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.rank, ctx.length = dist.get_rank(group), local_L.shape[0]
+        return _all_gather_cat(local_L, group)
+
+    @staticmethod
+    def backward(ctx, grad_P: torch.Tensor):
+        return grad_P[ctx.rank * ctx.length:(ctx.rank + 1) * ctx.length].contiguous(), None
+
+
+def gather_cp_outputs(local_L: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every CP rank's ``[L, ...]`` per-token results concatenated in rank order, ``[cp * L, ...]``.
+
+    Every CP rank then computes the same loss on the same gathered results, so the backward keeps this
+    rank's block of the (identical) incoming gradient: each rank's parameter gradients are its tokens'
+    share, and their sum over the CP group is the whole batch's gradient. Megatron's schedule multiplies
+    the loss by cp and its DDP averages over data x context parallel ranks, which restores that sum.
+    """
+    return _GatherOutputs.apply(local_L, group)
+
+
 # ---- Plain collectives of the Megatron route (no autograd; a group of one, or no world, is a no-op). ----
 
 

@@ -12,17 +12,20 @@ from typing import Any
 
 import torch.distributed as dist
 
-AXES = ("dp", "sp", "tp", "pp", "ep")
+AXES = ("dp", "sp", "tp", "pp", "ep", "cp")
 
 
 def sp_size(parallel: Any) -> int:
-    """The SP size of a call's ``parallel`` argument (None: 1); anything that is not a context is refused here,
-    the one place every route reads it."""
+    """The SP size of a call's ``parallel`` argument (None: 1); anything that is not a context, or a context with
+    a CP group, is refused here, the one place the HF route reads it."""
     if parallel is None:
         return 1
     if not hasattr(parallel, "sp_size"):
         raise ValueError(f"parallel must be an actorcore.ParallelContext or None, got {type(parallel).__name__}; "
                          "build one with ParallelContext(sp_group=...) or ParallelContext.from_device_mesh(...)")
+    if getattr(parallel, "cp_size", 1) > 1:
+        raise ValueError("the context has a context-parallel (cp) group, which only the Megatron route reads; the HF "
+                         "route splits sequences with Ulysses: pass the group as sp_group instead")
     return int(parallel.sp_size)
 
 
@@ -39,9 +42,9 @@ class ParallelContext:
     """Groups for each parallel axis (``None``: that axis has size 1 and this process is rank 0 on it).
 
     ``sp`` is Ulysses sequence parallelism; ``dp`` data parallelism (the FSDP axis may span dp and sp);
-    ``tp``, ``pp``, ``ep`` tensor, pipeline and expert parallelism (the Megatron route builds its context from
-    Megatron's groups with ``actorcore.mcore.parallel.context_from_megatron()``). There is no context-parallel
-    axis: nothing in actorcore splits sequences over CP ranks.
+    ``tp``, ``pp``, ``ep``, ``cp`` tensor, pipeline, expert and context parallelism (the Megatron route builds
+    its context from Megatron's groups with ``actorcore.mcore.parallel.context_from_megatron()``; its packed
+    forward splits every sequence over the ``cp`` ranks).
     """
 
     dp_group: Any = None
@@ -49,6 +52,7 @@ class ParallelContext:
     tp_group: Any = None
     pp_group: Any = None
     ep_group: Any = None
+    cp_group: Any = None
     _sizes: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     _ranks: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -139,3 +143,11 @@ class ParallelContext:
     @property
     def ep_rank(self) -> int:
         return self._ranks["ep"]
+
+    @property
+    def cp_size(self) -> int:
+        return self._sizes["cp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self._ranks["cp"]

@@ -1,0 +1,181 @@
+"""Context parallelism on the Megatron route (gloo, 4 CPU ranks, one spawned group): per-token log-probs, entropy
+and every parameter's gradient equal plain transformers' fp32 forward, at TP=2 x CP=2 (mistral: a sliding window
+shorter than the sequences, GQA), CP=4 (qwen2: q/k/v biases), PP=2 x CP=2 (llama), CP=2 x DP=2 (deepseek_v3:
+MLA with its own RoPE path, MoE) and CP=2 x EP=2 (qwen3_moe); a critic's values at CP=4. Sequences of 1 and 2
+tokens are shorter than 2*CP and get padded. Gradients are averaged over the data x context parallel group
+first, as Megatron's DDP does (the schedule scales each rank's loss by cp)."""
+
+from __future__ import annotations
+
+import collections
+import tempfile
+
+import pytest
+import torch
+
+from actorcore.testing.distributed import run_distributed
+from actorcore.testing.tolerances import TOL
+
+pytest.importorskip("megatron.core")
+
+LENGTHS = [(5, 11, 3, 9), (14, 2, 7), (1, 6, 12)]
+# (model_type, overrides, tp, pp, cp, ep): 4 ranks each.
+LAYOUTS = [("mistral", {}, 2, 1, 2, 1), ("qwen2", {}, 1, 1, 4, 1),
+           ("llama", {"tie_word_embeddings": False}, 1, 2, 2, 1), ("deepseek_v3", {}, 1, 1, 2, 1),
+           ("qwen3_moe", {}, 1, 1, 2, 2)]
+CRITIC_CP = 4
+
+
+def _sequences() -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11)
+    return [[torch.randint(3, 131, (n,), generator=gen) for n in lengths] for lengths in LENGTHS]
+
+
+def _tiny_hf(model_type: str, overrides: dict, task: str = "causal_lm"):
+    from test_mcore_roundtrip import randomize_constant_tensors
+
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    model = build_tiny_model(model_type, seed=5, task=task, **overrides)
+    randomize_constant_tensors(model, seed=1)  # norms and DeepSeek's score-correction bias are not constant
+    return model
+
+
+def _megatron_grads_as_hf(chunks, context) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, HF-named and gathered over TP / PP (the export's converters are linear)."""
+    from actorcore.mcore.checkpoint import gather_hf_state_dict
+
+    for chunk in chunks:  # transformers 5 holds experts stacked (experts.gate_up_proj): export that layout
+        chunk.actorcore_grouped_experts = bool(chunk.config.num_moe_experts)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    saved = [p.data for p in params]
+    for p in params:
+        p.data = p.grad
+    try:
+        return gather_hf_state_dict(chunks, context)
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def _layout(model_type: str, tp: int, pp: int, cp: int, ep: int, directory: str) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from transformers import AutoConfig
+
+    import actorcore as ac
+    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    parallel = McoreParallel(tp=tp, pp=pp, cp=cp, ep=ep)
+    context = initialize_megatron(parallel)
+    assert (context.tp_size, context.pp_size, context.cp_size, context.ep_size) == (tp, pp, cp, ep)
+    chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
+    load_hf_into_mcore(chunks, directory, context)
+    trace: collections.Counter = collections.Counter()
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            layer.self_attention.core_attention.trace = trace
+    batches = [ac.pack(s) for s in _sequences()]
+    got = compute_logprobs(chunks, batches, context)
+    fb = compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: -out.log_probs.sum())
+    # Megatron's DDP: sum over the ranks holding a copy (data x context parallel; for experts, the expert data
+    # parallel ranks), divided by the data x context parallel size.
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            expert = not getattr(param, "allreduce", True)
+            dist.all_reduce(param.grad, group=ps.get_expert_data_parallel_group() if expert else dp_cp)
+            param.grad /= dist.get_world_size(dp_cp)
+    grads = _megatron_grads_as_hf(chunks, context)
+    ps.destroy_model_parallel()
+    return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "grads": grads,
+            "trace": dict(trace)}
+
+
+def _critic(directory: str) -> list[torch.Tensor]:
+    from megatron.core import parallel_state as ps
+    from transformers import AutoConfig
+
+    import actorcore as ac
+    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.forward import compute_values
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    parallel = McoreParallel(cp=CRITIC_CP)
+    context = initialize_megatron(parallel)
+    chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel, value_head=True)
+    load_hf_into_mcore(chunks, directory, context)
+    values = compute_values(chunks, [ac.pack(s) for s in _sequences()], context)
+    ps.destroy_model_parallel()
+    return values
+
+
+def _worker(rank: int, world_size: int, directories: list[str], critic_directory: str) -> dict:
+    from actorcore.mcore.cpu_runtime import CpuRuntime
+
+    with CpuRuntime():
+        layouts = [_layout(model_type, tp, pp, cp, ep, directory)
+                   for (model_type, _, tp, pp, cp, ep), directory in zip(LAYOUTS, directories)]
+        return {"layouts": layouts, "values": _critic(critic_directory)}
+
+
+def _reference(hf) -> tuple[list, dict[str, torch.Tensor]]:
+    """Per-batch ``[T]`` log-probs / entropy and the gradients of ``mean over batches of -sum(log-probs)``."""
+    from actorcore.testing.reference import reference_logprobs, right_padded
+
+    hf.zero_grad()
+    outputs = []
+    for sequences in _sequences():
+        lp, ent = reference_logprobs(hf, *right_padded(sequences))
+        (lp.sum() * (-1.0 / len(LENGTHS))).backward()
+        outputs.append((lp.detach(), ent.detach()))
+    return outputs, {name: p.grad.clone() for name, p in hf.named_parameters() if p.grad is not None}
+
+
+def _reference_values(critic, sequences: list[torch.Tensor]) -> torch.Tensor:
+    """``[T]`` values in packed order: ``ForTokenClassification.forward``'s 1-label logits at each token."""
+    from actorcore.testing.reference import padded_logits, padded_to_packed, right_padded
+
+    ids, mask = right_padded(sequences)
+    return padded_to_packed(padded_logits(critic, ids, mask)[..., 0].float(), mask)
+
+
+@pytest.mark.slow
+def test_context_parallel_equals_transformers():
+    with tempfile.TemporaryDirectory() as root:
+        directories, references = [], []
+        for i, (model_type, overrides, *_sizes) in enumerate(LAYOUTS):
+            hf = _tiny_hf(model_type, overrides)
+            hf.save_pretrained(f"{root}/{i}")
+            directories.append(f"{root}/{i}")
+            references.append(_reference(hf))
+        critic = _tiny_hf("qwen2", {}, task="token_classification")
+        critic.save_pretrained(f"{root}/critic")
+        with torch.no_grad():
+            ref_values = [_reference_values(critic, sequences) for sequences in _sequences()]
+        results = run_distributed(_worker, 4, args=(directories, f"{root}/critic"))
+    tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
+    for rank, result in enumerate(results):
+        for got, ref in zip(result["values"], ref_values):
+            assert got.dtype == torch.float32 and got.shape == ref.shape
+            torch.testing.assert_close(got, ref, atol=tol, rtol=0, msg=f"rank {rank} critic values at cp=4")
+    for rank, per_layout in enumerate(r["layouts"] for r in results):
+        for (model_type, _, tp, pp, cp, ep), result, (ref_out, ref_grads) in zip(LAYOUTS, per_layout, references):
+            where = f"rank {rank} {model_type} tp={tp} pp={pp} cp={cp} ep={ep}"
+            # Every attention call took the context-parallel path (2 layers over the pipeline stages, 3 batches,
+            # forward-only and forward-backward).
+            assert result["trace"] == {"varlen_attention:at_positions": 2 // pp * 3 * 2}, where
+            for (lp, ent), fb, (ref_lp, ref_ent) in zip(result["got"], result["fb"], ref_out):
+                assert lp.dtype == torch.float32 and lp.shape == ref_lp.shape, where
+                torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=where)
+                torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=where)
+                torch.testing.assert_close(fb, ref_lp, atol=tol, rtol=0, msg=where)
+            assert set(ref_grads) <= set(result["grads"]), where
+            for name, ref_grad in ref_grads.items():
+                scale = ref_grad.abs().max()  # 0 only for an expert no token was routed to: then exactly 0
+                torch.testing.assert_close(result["grads"][name], ref_grad, atol=grad_tol * scale, rtol=0,
+                                           msg=f"{where} {name}")
