@@ -136,6 +136,10 @@ class PinnedPool:
                 self.in_use_bytes -= size
                 self.idle_bytes += size
 
+    def idle_chunks(self) -> list[HostChunk]:
+        with self._lock:
+            return [chunk for idle in self._idle.values() for chunk in idle]
+
     def release(self) -> int:
         """Free the idle blocks (and torch's cache of freed pinned memory); the bytes freed."""
         with self._lock:
@@ -365,7 +369,8 @@ def check_checkpointed(layers: Any, model_name: str) -> None:
 
 
 @contextlib.contextmanager
-def offloaded_layers(layers: Any, trace: Counter, model_name: str, offload_layers: int) -> Iterator[ActivationOffloader]:
+def offloaded_layers(layers: Any, trace: Counter, model_name: str,
+                     offload_layers: int) -> Iterator[ActivationOffloader]:
     """Wrap every layer's checkpoint function with an ``OffloadedCheckpoint`` for one forward; the first
     ``offload_layers`` offload their input, the others keep it (and start the prefetch of the last offloaded)."""
     check_checkpointed(layers, model_name)
@@ -373,7 +378,8 @@ def offloaded_layers(layers: Any, trace: Counter, model_name: str, offload_layer
     originals = [layer.__dict__["_gradient_checkpointing_func"] for layer in layers]
     try:
         for i, (layer, original) in enumerate(zip(layers, originals)):
-            layer.__dict__["_gradient_checkpointing_func"] = OffloadedCheckpoint(original, offloader, i < offload_layers)
+            wrapped = OffloadedCheckpoint(original, offloader, offload=i < offload_layers)
+            layer.__dict__["_gradient_checkpointing_func"] = wrapped
         yield offloader
     finally:
         for layer, original in zip(layers, originals):
