@@ -6,7 +6,8 @@ bf16 parameters, gradient checkpointing (non-reentrant) on every layer. Variants
 
 - ``actorcore``: ``ac.compute_loss`` (packed attention, loss-fused head), tiled MLP (``--shards``);
 - ``offload``: the same with ``patch_model(..., offload_activations=...)``: all layers (``--offload-layers all``),
-  the first K (an int), or ``auto``: as many as fit in 85% of the host's available memory (shared by the ranks);
+  the first K (an int), or ``auto``: as many leading layers as fit in 85% of the host's available memory (shared
+  by the ranks of the host);
 - ``transformers``: the plain model (SDPA), its logits, ``log_softmax`` in fp32, the summed log-prob as the loss.
 
 ``--sp N`` (launched with ``torchrun --nproc-per-node N``): Ulysses sequence parallelism over the N processes
@@ -18,18 +19,19 @@ group's ``--timeout`` ends them.
 
 ``--layers N`` builds only N decoder layers so one run stays short; the JSON and the table say how many were used
 and add estimates for the full 32 layers, labelled as such: time x 32/N (an upper bound: the embedding and head
-are counted 32/N times), peak + (32 - N) x (per-layer parameters and gradients, plus the layer's checkpointed
-input T/N_sp x 4096 x 2 bytes unless offloaded; with K of N layers offloaded, the same fraction of the 32). Each
-cell catches out-of-memory; an offload cell whose pinned host memory (all ranks on the host) would not fit in the
-machine's available memory is skipped with the numbers. ``--memory-history``
-records ``torch.cuda.memory`` history during the first step of the offload variant (else actorcore) at the
-longest length and summarises what is live at the peak, by size and allocation site. Results go to
-``--out``.json and ``--out``.md, rewritten after every cell.
+are counted 32/N times), peak + (32 - N) x the per-layer parameters and gradients + the checkpointed inputs
+(T/SP x 4096 x 2 bytes each) of the missing layers that would not be offloaded. ``--offload-layers`` counts layers
+of the 32-layer model, whose first ones the layers built stand for (K >= N: every built layer offloads). Each cell
+catches out-of-memory; an offload cell whose pinned host memory (all ranks on the host) would not fit in the
+machine's available memory is skipped with the numbers. ``--memory-history`` records ``torch.cuda.memory``
+history during the first step of the offload variant (else actorcore) at the longest length and summarises what is
+live at the peak, by size and allocation site. Results go to ``--out``.json and ``--out``.md (rank 0), rewritten
+after every cell.
 
     PYTHONPATH=src python3 bench/long_context.py --lengths 131072,262144 --layers 4 --out /tmp/long_context
     PYTHONPATH=src python3 bench/long_context.py --tiny --out /tmp/long_context_tiny     # CPU, checks the script
-    PYTHONPATH=src torchrun --nproc-per-node 2 bench/long_context.py --sp 2 --lengths 1048576 --layers 2 \
-        --variants actorcore,offload --out /tmp/long_context_sp2
+    PYTHONPATH=src torchrun --nproc-per-node 2 bench/long_context.py --sp 2 --lengths 1048576 --layers 1 \
+        --variants offload --offload-layers auto --warmup 0 --out /tmp/long_context_sp2
     PYTHONPATH=src torchrun --nproc-per-node 2 bench/long_context.py --sp 2 --tiny --out /tmp/lc_sp2_tiny   # gloo
 """
 
@@ -170,11 +172,12 @@ def _markdown(results: dict) -> str:
              "(median). `32L` columns are estimates from the layers built (time x 32/N, an upper bound; peak + the "
              "missing layers' parameters, gradients and, for the layers not offloaded, checkpointed inputs)."
              + (" Peak memory: the largest over the ranks (the JSON has each rank's)." if sp > 1 else ""), "",
-             "| variant | tokens | offloaded layers | seconds | tokens/s | peak GiB | est. 32L seconds | "
+             "| variant | tokens | offloaded layers (built, 32L) | seconds | tokens/s | peak GiB | est. 32L seconds | "
              "est. 32L peak GiB | host GiB offloaded (32L, all ranks) | note |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in results["cells"]:
-        lines.append(f"| {c['variant']} | {c['tokens']} | {c.get('offload_layers', '-')} | "
+        offloaded = f"{c['offload_layers']}, {c['offload_layers_full']}" if "offload_layers" in c else "-"
+        lines.append(f"| {c['variant']} | {c['tokens']} | {offloaded} | "
                      f"{_fmt(c.get('seconds'), '.2f')} | "
                      f"{_fmt(c.get('tokens_per_s'), '.0f')} | {_fmt(c.get('peak_gib'), '.1f')} | "
                      f"{_fmt(c.get('est_full_seconds'), '.1f')} | {_fmt(c.get('est_full_peak_gib'), '.1f')} | "
@@ -191,13 +194,13 @@ def _markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _offload_count(spec: str, layers: int) -> int | None:
-    """``--offload-layers``: all, auto (None: decided per length) or a count of the built layers."""
+def _offload_count(spec: str) -> int | None:
+    """``--offload-layers``: of the full 32-layer model, all, the first K, or auto (None: decided per length)."""
     if spec in ("all", "auto"):
-        return layers if spec == "all" else None
+        return FULL_LAYERS if spec == "all" else None
     count = int(spec)
-    if not 1 <= count <= layers:
-        raise SystemExit(f"--offload-layers {count} must be between 1 and the {layers} layers built (or all/auto)")
+    if not 1 <= count <= FULL_LAYERS:
+        raise SystemExit(f"--offload-layers {count} must be between 1 and {FULL_LAYERS} (or all, auto)")
     return count
 
 
@@ -255,8 +258,8 @@ def main() -> None:
                         "--sp > 1 actorcore,offload)")
     parser.add_argument("--layers", type=int, default=None, help=f"decoder layers to build (default {FULL_LAYERS})")
     parser.add_argument("--shards", type=int, default=8, help="tiled-MLP shards")
-    parser.add_argument("--offload-layers", default="all", help="offload variant: all, auto, or K (the first K "
-                        "of the layers built)")
+    parser.add_argument("--offload-layers", default="all", help="offload variant: all, auto, or K: the first K of "
+                        f"the {FULL_LAYERS}-layer model (the layers built are its first ones)")
     parser.add_argument("--sp", type=int, default=1, help="Ulysses SP size (launch with torchrun)")
     parser.add_argument("--timeout", type=int, default=150, help="--sp: process-group timeout in seconds")
     parser.add_argument("--warmup", type=int, default=1)
@@ -279,7 +282,7 @@ def main() -> None:
         lengths, plain_lengths = [256, 512], {256}
     if args.layers is None:
         args.layers = TINY["num_hidden_layers"] if args.tiny else FULL_LAYERS
-    offload_count = _offload_count(args.offload_layers, args.layers)
+    offload_count = _offload_count(args.offload_layers)
     shape = dict(TINY if args.tiny else LLAMA_8B, num_hidden_layers=args.layers)
     config = AutoConfig.for_model("llama", **shape)
     torch.manual_seed(0)
@@ -307,15 +310,17 @@ def main() -> None:
                 continue
             cell = {"variant": variant, "tokens": tokens, "layers": args.layers, "sp": args.sp}
             checkpoint_bytes = -(-tokens // args.sp) * hidden * 2  # one layer's checkpointed input on one rank
-            offload = 0
+            offload = offload_full = 0
             if variant == "offload":
                 per_layer_host = host_bytes(checkpoint_bytes) * local_world  # every rank on this host
                 available = _agree(_host_available_bytes(), world)
-                offload = offload_count
-                if offload is None:  # auto: as many leading layers as fit
-                    offload = min(args.layers, int(0.85 * available) // per_layer_host) if available else args.layers
-                cell["offload_layers"] = offload
-                cell["offload_host_gib_full"] = FULL_LAYERS * offload / args.layers * per_layer_host / 2**30
+                offload_full = offload_count
+                if offload_full is None:  # auto: as many leading layers of the full model as fit
+                    offload_full = (min(FULL_LAYERS, int(0.85 * available) // per_layer_host) if available
+                                    else FULL_LAYERS)
+                offload = min(offload_full, args.layers)
+                cell.update(offload_layers=offload, offload_layers_full=offload_full,
+                            offload_host_gib_full=offload_full * per_layer_host / 2**30)
                 if device == "cuda" and available is not None and (offload == 0
                                                                    or offload * per_layer_host > 0.9 * available):
                     cell["status"] = (f"skipped: {max(offload, 1)} layers need "
@@ -386,9 +391,9 @@ def main() -> None:
                 if device == "cuda":
                     peak = max(r["peak"] for r in ranks)
                     missing = FULL_LAYERS - args.layers
-                    kept = 1 - offload / args.layers
-                    per_layer = 2 * layer_params + kept * checkpoint_bytes
-                    cell.update(peak_gib=peak / 2**30, est_full_peak_gib=(peak + missing * per_layer) / 2**30,
+                    kept_missing = (FULL_LAYERS - offload_full) - (args.layers - offload)  # inputs left on the GPU
+                    extra = missing * 2 * layer_params + kept_missing * checkpoint_bytes
+                    cell.update(peak_gib=peak / 2**30, est_full_peak_gib=(peak + extra) / 2**30,
                                 est_full_seconds=seconds * FULL_LAYERS / args.layers)
                     if world > 1:
                         cell["peak_gib_per_rank"] = [r["peak"] / 2**30 for r in ranks]

@@ -91,8 +91,9 @@ class HostChunk:
 class PinnedPool:
     """Host blocks for offloaded tensors, reused across layers, calls and models of this process.
 
-    Blocks come back when the tensor they hold dies and wait, idle, for the next one of their size; the pool
-    therefore holds at most what was in use at once (the largest call), until ``release`` frees the idle ones.
+    Blocks come back when the tensor they hold dies and wait, idle, for the next tensor (a tail takes the smallest
+    idle block that fits); the pool therefore holds about what was in use at once (the largest call), until
+    ``release`` frees the idle ones.
     Thread-safe: backward (and the garbage collector) may return blocks from another thread.
     """
 
@@ -108,9 +109,9 @@ class PinnedPool:
         chunks, new = [], 0
         for size in chunk_sizes(nbytes):
             with self._lock:
-                idle = self._idle[(size, pinned)]
-                chunk = idle.pop() if idle else None
+                chunk = self._idle_block(size, pinned)
                 if chunk is not None:
+                    size = chunk.buffer.numel()
                     self.idle_bytes -= size
                 self.in_use_bytes += size
             if chunk is None:
@@ -126,6 +127,15 @@ class PinnedPool:
                     self.allocated_blocks += 1
             chunks.append(chunk)
         return chunks, new
+
+    def _idle_block(self, size: int, pinned: bool) -> HostChunk | None:
+        """An idle block of ``size``, else the smallest larger one (a tail fits in any block up to a chunk)."""
+        while size <= CHUNK_BYTES:
+            idle = self._idle.get((size, pinned))
+            if idle:
+                return idle.pop()
+            size *= 2
+        return None
 
     def give(self, chunks: list[HostChunk]) -> None:
         """Blocks back to the idle lists (a later user waits for their last copy's event)."""
