@@ -22,7 +22,7 @@ the checkpointed inputs (the hidden states) move; whatever the layer saves insid
   stream into memory allocated on the compute stream, which waits only for its own tensor.
 - Host memory: chunks of at most ``CHUNK_BYTES`` (powers of two, so torch's pinned allocator, which rounds up to
   one, wastes nothing) go back to the pool when the saved input dies (after its layer's backward, or when the
-  graph is dropped), and the next layer or call reuses them; ``release_offload_buffers()`` (and reverting an
+  graph is dropped), and the next call reuses them; ``release_offload_buffers()`` (and reverting an
   offload patch) frees the idle ones.
 - Not CUDA: the copies are synchronous; on the CPU they are copies in CPU memory (the mechanics, tested there).
 
@@ -89,7 +89,7 @@ class HostChunk:
 
 
 class PinnedPool:
-    """Host blocks for offloaded tensors, reused across layers, calls and models of this process.
+    """Host blocks for offloaded tensors, reused across calls and models of this process.
 
     Blocks come back when the tensor they hold dies and wait, idle, for the next tensor (a tail takes the smallest
     idle block that fits); the pool therefore holds about what was in use at once (the largest call), until
