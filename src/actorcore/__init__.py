@@ -38,6 +38,7 @@ _EXPORTS = {
     "VerificationError": "actorcore.hf.verify",
     "patch_model": "actorcore.hf.patch",
     "PatchHandle": "actorcore.hf.patch",
+    "release_offload_buffers": "actorcore.hf.offload",
     "get_spec": "actorcore.archs",
     "register_arch": "actorcore.hf.register",
     "registered_model_types": "actorcore.archs",

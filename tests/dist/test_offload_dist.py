@@ -1,6 +1,7 @@
-"""Activation offload composed with Ulysses SP (sp=2) and tiled MLP, and with FSDP2 (dp=2), on 2 gloo processes:
-log-probs, entropies and every parameter gradient bitwise those of the same setup without offload, and the offload
-ran in every layer on every rank (each rank offloads its own shard's layer inputs)."""
+"""Activation offload composed with Ulysses SP (sp=2) and tiled MLP (all layers, and the first one only), and with
+FSDP2 (dp=2), on 2 gloo processes: log-probs, entropies and every parameter gradient bitwise those of the same setup
+without offload, and the offload ran in every layer on every rank (each rank offloads its own shard's layer
+inputs)."""
 
 from collections import Counter
 
@@ -36,7 +37,8 @@ def _step(model, batch, parallel):
     weights = torch.linspace(0.5, 1.5, out.log_probs.numel())
     (-(out.log_probs * weights).sum() - 0.1 * out.entropy.sum()).backward()
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in model.parameters()]
-    counts = (trace["offload:layers"], trace["offload:tensors"], trace["offload:restored"])
+    counts = (trace["offload:layers"], trace["offload:tensors"], trace["offload:restored"],
+              trace["offload:kept_layers"])
     return out.log_probs.detach(), out.entropy.detach(), grads, counts
 
 
@@ -55,11 +57,12 @@ def _worker(rank, world_size):
 
     ctx = ParallelContext(sp_group=dist.new_group(list(range(world_size))))
     runs = []
-    for offload in (False, True):
+    for offload in (False, True, 1):
         model = _checkpointed(build_tiny_model("llama", seed=3))
         ac.patch_model(model, parallel=ctx, tiled_mlp_shards=3, offload_activations=offload)
         runs.append(_step(model, _batch(0), ctx))
-    sp = {"bitwise": _bitwise(*runs), "counts": runs[1][3], "plain_counts": runs[0][3]}
+    sp = {"bitwise": _bitwise(runs[0], runs[1]), "counts": runs[1][3], "plain_counts": runs[0][3],
+          "partial_bitwise": _bitwise(runs[0], runs[2]), "partial_counts": runs[2][3]}
 
     runs = []
     for offload in (False, True):
@@ -79,5 +82,7 @@ def test_offload_with_sequence_parallel_tiled_mlp_and_fsdp2():
         layers = r["layers"]
         for name in ("sp", "fsdp"):
             assert r[name]["bitwise"], f"rank {rank} {name}: offload changed log-probs, entropies or gradients"
-            assert r[name]["counts"] == (layers, layers, layers), f"rank {rank} {name}: {r[name]['counts']}"
-            assert r[name]["plain_counts"] == (0, 0, 0)
+            assert r[name]["counts"] == (layers, layers, layers, 0), f"rank {rank} {name}: {r[name]['counts']}"
+            assert r[name]["plain_counts"] == (0, 0, 0, 0)
+        assert r["sp"]["partial_bitwise"], f"rank {rank}: offloading the first layer changed the results"
+        assert r["sp"]["partial_counts"] == (1, 1, 1, layers - 1), f"rank {rank}: {r['sp']['partial_counts']}"

@@ -1,10 +1,13 @@
 """Activation offload on the CPU: the mechanics (each checkpointed layer's input, and only it, leaves through the
 hooks and comes back, the layer before prefetched) and exactness (log-probs, entropies and every parameter
 gradient bitwise those of the same checkpointed model without offload), with tiled MLP, a hybrid model, the
-loss-fused head, copies of the model, and loud failures when checkpointing does not run."""
+loss-fused head, copies of the model, partial offload (the first K layers), host blocks reused across calls and
+freed on revert, nothing left installed after an interrupted forward or backward, and loud failures when
+checkpointing does not run."""
 
 import copy
 import functools
+import gc
 from collections import Counter
 
 import pytest
@@ -13,10 +16,14 @@ import torch
 import actorcore as ac
 from actorcore.hf.offload import (
     OFFLOAD_BYTES,
+    OFFLOAD_HOST_ALLOCATED,
+    OFFLOAD_KEPT,
     OFFLOAD_LAYERS,
     OFFLOAD_PREFETCHED,
     OFFLOAD_RESTORED,
     OFFLOAD_TENSORS,
+    POOL,
+    host_bytes,
 )
 from actorcore.hf.patch import PatchNotAppliedError
 from actorcore.testing.tiny_configs import build_tiny_model
@@ -55,14 +62,17 @@ def _assert_bitwise(a, b):
         assert torch.equal(grads_a[name], grads_b[name]), name
 
 
-def _assert_moved_and_restored(trace, model, tokens):
+def _assert_moved_and_restored(trace, model, tokens, offloaded=None):
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    offloaded = layers if offloaded is None else offloaded
     itemsize = next(model.parameters()).element_size()
-    assert trace[OFFLOAD_LAYERS] == layers
-    assert trace[OFFLOAD_TENSORS] == layers, "exactly one tensor per layer (its input hidden states) moves"
-    assert trace[OFFLOAD_BYTES] == layers * tokens * hidden * itemsize
-    assert trace[OFFLOAD_RESTORED] == layers
-    assert trace[OFFLOAD_PREFETCHED] == layers - 1, "every layer but the last came back ahead of its recompute"
+    assert trace[OFFLOAD_LAYERS] == offloaded and trace[OFFLOAD_KEPT] == layers - offloaded
+    assert trace[OFFLOAD_TENSORS] == offloaded, "exactly one tensor per layer (its input hidden states) moves"
+    assert trace[OFFLOAD_BYTES] == offloaded * tokens * hidden * itemsize
+    assert trace[OFFLOAD_RESTORED] == offloaded
+    # Every offloaded layer came back ahead of its recompute but the last in forward order when all offload (the
+    # first that backward reaches); with a kept layer after it, that one's recompute starts its copy.
+    assert trace[OFFLOAD_PREFETCHED] == (offloaded - 1 if offloaded == layers else offloaded)
 
 
 @pytest.mark.parametrize("model_type, shards", [("llama", 3), ("qwen3_5_text", None)])
@@ -124,8 +134,10 @@ def test_offload_refuses_or_fails_loudly_without_checkpointing():
         ac.patch_model(build_tiny_model("llama"), offload_activations=True)
     with pytest.raises(ValueError, match="use_reentrant=False"):
         ac.patch_model(checkpointed(build_tiny_model("llama"), reentrant=True), offload_activations=True)
-    with pytest.raises(ValueError, match="offload_activations must be True or False"):
-        ac.patch_model(checkpointed(build_tiny_model("llama")), offload_activations=1)
+    for bad, message in ((0, "between 1 and 2 decoder layers"), (3, "between 1 and 2 decoder layers"),
+                         (1.5, "True, False or a number of decoder layers"), ("all", "True, False or a number")):
+        with pytest.raises(ValueError, match=message):
+            ac.patch_model(checkpointed(build_tiny_model("llama")), offload_activations=bad)
 
     model = checkpointed(build_tiny_model("llama"))
     ac.patch_model(model, offload_activations=True)
@@ -141,3 +153,71 @@ def test_offload_refuses_or_fails_loudly_without_checkpointing():
     model.model.layers[0].gradient_checkpointing = False  # switched off after patching: refused at the call
     with pytest.raises(ValueError, match="decoder layer 0 .* is not checkpointed"):
         ac.compute_logprobs(model, _batch())
+
+
+def _settled():
+    gc.collect()  # graphs of earlier steps dropped: their saved inputs died and gave their host blocks back
+    return POOL.in_use_bytes
+
+
+def test_partial_offload_is_bitwise_and_reuses_host_blocks():
+    batch = _batch()
+    plain = checkpointed(build_tiny_model("llama", seed=2, num_hidden_layers=3))
+    model = checkpointed(build_tiny_model("llama", seed=2, num_hidden_layers=3))
+    ac.patch_model(plain)
+    handle = ac.patch_model(model, offload_activations=2)
+    assert copy.deepcopy(model)._actorcore_patch.offload_layers == 2
+    assert _settled() == 0
+    block = host_bytes(batch.num_tokens * model.config.hidden_size * 4)
+    for step in range(2):
+        want = _train_step(plain, batch, Counter())
+        plain.zero_grad()
+        trace = Counter()
+        blocks = POOL.allocated_blocks
+        _assert_bitwise(_train_step(model, batch, trace), want)
+        model.zero_grad()
+        _assert_moved_and_restored(trace, model, batch.num_tokens, offloaded=2)
+        assert POOL.in_use_bytes == 0, "the inputs died after their layers' backward: their blocks are idle"
+        if step == 0:
+            assert POOL.idle_bytes >= 2 * block
+        else:  # the second call runs in the first call's blocks
+            assert trace[OFFLOAD_HOST_ALLOCATED] == 0 and POOL.allocated_blocks == blocks
+    handle.revert()
+    assert POOL.idle_bytes == 0, "reverting the offload patch frees the idle host blocks"
+
+
+class _InterruptAt:
+    """A forward pre-hook raising KeyboardInterrupt at the n-th call of its module (2: the recompute in backward)."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __call__(self, module, args):
+        self.calls += 1
+        if self.calls == self.n:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("at", [1, 2], ids=["forward", "backward"])
+def test_interrupt_leaves_nothing_installed(at):
+    batch = _batch()
+    plain = checkpointed(build_tiny_model("llama", seed=9))
+    model = checkpointed(build_tiny_model("llama", seed=9))
+    ac.patch_model(plain)
+    ac.patch_model(model, offload_activations=True)
+    layers = model.model.layers
+    before = [dict(layer.__dict__) for layer in layers]
+    attention = [layer.self_attn.config._attn_implementation for layer in layers]
+    hook = layers[0].mlp.register_forward_pre_hook(_InterruptAt(at))
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        _train_step(model, batch, Counter())
+    hook.remove()
+    del interrupted  # its traceback holds the broken graph
+    assert _settled() == 0, "the broken graph's saved inputs gave their host blocks back"
+    assert [dict(layer.__dict__) for layer in layers] == before
+    assert [layer.self_attn.config._attn_implementation for layer in layers] == attention
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, "saved-tensor hooks left in force"
+    model.zero_grad(set_to_none=True)
+    trace = Counter()
+    _assert_bitwise(_train_step(model, batch, trace), _train_step(plain, batch, Counter()))
+    _assert_moved_and_restored(trace, model, batch.num_tokens)

@@ -39,7 +39,7 @@ from actorcore.hf.attention import (
 )
 from actorcore.hf.batch_invariant import LINEAR_TRACE_KEY, batch_invariant_decoder, check_ran
 from actorcore.hf.linear_attention import LINEAR_TRACE_KEYS, is_installed, packed_linear_attention, split_layers
-from actorcore.hf.offload import OFFLOAD_LAYERS, OFFLOAD_TENSORS, offloaded_layers
+from actorcore.hf.offload import OFFLOAD_KEPT, OFFLOAD_LAYERS, OFFLOAD_TENSORS, offloaded_layers
 from actorcore.hf.patch import PatchNotAppliedError, patch_state, require_sequence_parallel_patch
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
 from actorcore.kernels.trace import check_trace
@@ -169,17 +169,18 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
         kwargs.pop("input_ids")
     before = sum(trace[k] for k in ATTENTION_TRACE_KEYS)
     before_linear = sum(trace[k] for k in LINEAR_TRACE_KEYS)
-    offload = _wants_offload(model)
-    before_offload = (trace[OFFLOAD_LAYERS], trace[OFFLOAD_TENSORS])
+    offload = _offload_layers(model)
+    before_offload = (trace[OFFLOAD_LAYERS], trace[OFFLOAD_KEPT], trace[OFFLOAD_TENSORS])
     before_invariant = trace[LINEAR_TRACE_KEY]
     # Offload wraps the layers' checkpoint functions first, so the attention switch (which wraps them too, for
     # the recomputation) runs inside it.
-    offloading = offloaded_layers(list(layers), trace, type(model).__name__) if offload else contextlib.nullcontext()
+    offloading = (offloaded_layers(list(layers), trace, type(model).__name__, offload) if offload
+                  else contextlib.nullcontext())
     with offloading, switch, invariant, finite_checks(model.get_input_embeddings(), layers, check_finite):
         out = decoder(**kwargs)
     if offload:
-        _check_offload_ran(model, len(layers), trace[OFFLOAD_LAYERS] - before_offload[0],
-                           trace[OFFLOAD_TENSORS] - before_offload[1])
+        _check_offload_ran(model, len(layers), offload, trace[OFFLOAD_LAYERS] - before_offload[0],
+                           trace[OFFLOAD_KEPT] - before_offload[1], trace[OFFLOAD_TENSORS] - before_offload[2])
     if batch_invariant:
         check_ran(trace, before_invariant, len(layers))
     ran = sum(trace[k] for k in ATTENTION_TRACE_KEYS) - before
@@ -201,22 +202,23 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     return hidden[0], work
 
 
-def _wants_offload(model: Any) -> bool:
-    """Offload in calls that record gradients (without them nothing is checkpointed, nothing kept)."""
+def _offload_layers(model: Any) -> int:
+    """Leading layers to offload in this call: only calls that record gradients (else nothing is checkpointed)."""
     state = patch_state(model)
-    return state is not None and state.offload_activations and torch.is_grad_enabled()
+    return state.offload_layers if state is not None and torch.is_grad_enabled() else 0
 
 
-def _check_offload_ran(model: Any, layers: int, ran: int, tensors: int) -> None:
-    if ran < layers:
+def _check_offload_ran(model: Any, layers: int, offload: int, ran: int, kept: int, tensors: int) -> None:
+    if ran < offload or ran + kept < layers:
         raise PatchNotAppliedError(
-            f"activation offload ran in {ran} of {layers} decoder layers of {type(model).__name__}: their checkpoint "
+            f"activation offload ran in {ran + kept} of {layers} decoder layers of {type(model).__name__} "
+            f"({ran} of the {offload} to offload): their checkpoint "
             "did not run (transformers checkpoints only in training mode: call model.train(); "
             f"model.training={model.training}) or the installed transformers bypassed the layers' "
             "_gradient_checkpointing_func; refusing to continue without the offload that was asked for")
-    if tensors < layers:
+    if tensors < offload:
         raise PatchNotAppliedError(
-            f"activation offload moved {tensors} tensors for {layers} checkpointed layers: the installed torch "
+            f"activation offload moved {tensors} tensors for {offload} offloaded layers: the installed torch "
             "checkpoint saved its inputs without the saved-tensor hooks in force; actorcore must be updated")
 
 

@@ -10,8 +10,9 @@ What a patch changes, all on this model instance only:
   object that holds its module) running the original forward shard by shard (``kernels.tiled_mlp``); decoder
   hooks check after every forward that it ran in every layer, so a transformers version that bypasses it raises
   ``PatchNotAppliedError`` instead of training unpatched.
-- Activation offload (``offload_activations``): nothing is installed; the flag in ``PatchState`` makes every
-  decoder call move the inputs that gradient checkpointing keeps to pinned CPU memory (``hf.offload``).
+- Activation offload (``offload_activations``): nothing is installed; the layer count in ``PatchState`` makes
+  every decoder call move the inputs that gradient checkpointing keeps (of all layers, or of the first K) to
+  pinned CPU memory (``hf.offload``). Reverting also frees the offload's idle host memory.
 - ``model._actorcore_patch`` records the patch (a ``PatchState``).
 Everything the patch installs refers to modules through attributes, never closures, so ``copy.deepcopy`` and
 pickling give a copy that computes with its own weights. ``handle.revert()`` restores exactly what was replaced
@@ -29,7 +30,7 @@ import torch
 from actorcore.archs import spec_for_model, submodule, text_config
 from actorcore.hf.attention import attention_configs, current_implementations, register_attention, swap_attention_implementation
 from actorcore.hf.linear_attention import check_linear_heads, install_linear_forwards, is_installed, split_layers
-from actorcore.hf.offload import check_checkpointed
+from actorcore.hf.offload import check_checkpointed, check_offload_layers, release_offload_buffers
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION, PatchNotAppliedError, ulysses_attention_forward
 from actorcore.kernels.tiled_mlp import tiled_mlp
 from actorcore.parallel import sp_size
@@ -49,7 +50,7 @@ class PatchState:
 
     sp_size: int
     tiled_mlp_shards: int | None
-    offload_activations: bool = False
+    offload_layers: int = 0  # the leading decoder layers whose checkpointed input is offloaded (0: no offload)
 
 
 class TiledMLPForward:
@@ -163,10 +164,8 @@ def _head_counts(attention_modules: list[torch.nn.Module]) -> tuple[int, int]:
     return counts.pop()
 
 
-def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None, offload_activations: bool) -> None:
+def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None) -> None:
     sp_size(parallel)
-    if not isinstance(offload_activations, bool):
-        raise ValueError(f"offload_activations must be True or False, got {offload_activations!r}")
     if tiled_mlp_shards is not None:
         if isinstance(tiled_mlp_shards, bool) or not isinstance(tiled_mlp_shards, int) or tiled_mlp_shards < 1:
             raise ValueError(f"tiled_mlp_shards must be a positive int or None, got {tiled_mlp_shards!r}")
@@ -179,12 +178,13 @@ def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None, offlo
 
 
 def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: int | None = None,
-                offload_activations: bool = False) -> PatchHandle:
+                offload_activations: bool | int = False) -> PatchHandle:
     """Patch this model instance for Ulysses SP (``parallel.sp_size > 1``), tiled MLP and/or activation offload.
 
     ``offload_activations=True``: in every training call the checkpointed decoder layers' inputs wait in pinned
     CPU memory until backward (copies on a side stream, prefetched one layer ahead; bitwise the same results).
-    Needs gradient checkpointing on every layer with ``use_reentrant=False``.
+    An int K offloads only the first K layers' inputs (host memory: K x tokens x hidden x dtype bytes per call);
+    the others stay on the GPU. Needs gradient checkpointing on every layer with ``use_reentrant=False``.
 
     Raises ``ValueError`` for an instance already patched, a model whose heads cannot split over the SP size
     (naming the valid sizes), tiled MLP on an MoE model, offload without non-reentrant gradient checkpointing,
@@ -194,10 +194,11 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     if is_patched(model):
         raise ValueError(f"{type(model).__name__} is already patched by actorcore (patching twice would stack); "
                          "call handle.revert() first to patch it differently")
-    _check_request(spec, parallel, tiled_mlp_shards, offload_activations)
+    _check_request(spec, parallel, tiled_mlp_shards)
     decoder = submodule(model, spec.decoder)
     layers = list(submodule(decoder, spec.layers))
-    if offload_activations:
+    offload_layers = check_offload_layers(offload_activations, len(layers), type(model).__name__)
+    if offload_layers:
         check_checkpointed(layers, type(model).__name__)
     handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards)
     try:
@@ -210,14 +211,16 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
         if tiled_mlp_shards is not None:
             _patch_mlps(handle, decoder, [submodule(layer, spec.mlp) for layer in layers], tiled_mlp_shards)
         model.__dict__[PATCH_ATTR] = PatchState(sp_size=handle.sp_size, tiled_mlp_shards=tiled_mlp_shards,
-                                                offload_activations=offload_activations)
+                                                offload_layers=offload_layers)
         handle._undo.append(lambda: model.__dict__.pop(PATCH_ATTR, None))
+        if offload_layers:
+            handle._undo.append(release_offload_buffers)
     except BaseException:
         while handle._undo:
             handle._undo.pop()()
         raise
-    logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_activations=%s", type(model).__name__,
-                handle.sp_size, tiled_mlp_shards, offload_activations)
+    logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d", type(model).__name__,
+                handle.sp_size, tiled_mlp_shards, offload_layers, len(layers))
     return handle
 
 
