@@ -173,6 +173,9 @@ def main() -> None:
                 rows[key] = {"seconds": None, "extra_peak_gib": None, "log_probs": None,
                              "error": f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"}
             model.zero_grad(set_to_none=True)
+            r = rows[key]
+            print(f"[cell] {key}: " + (f"{r['seconds']:.3f} s, +{r['extra_peak_gib']:.2f} GiB" if r["seconds"]
+                                      else r["error"]), flush=True)
         if name == "actorcore packed":
             rows["actorcore paths"] = dict(paths)  # the kernels the last (training) call ran
     ref = rows["actorcore packed fwd"]["log_probs"]
