@@ -140,7 +140,9 @@ def _quantize_2d(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[tor
     padded = torch.nn.functional.pad(weight.float(), (0, sc * bn - cols, 0, sr * bm - rows)).contiguous()
     blocks = padded.view(sr, bm, sc, bn)
     amax = blocks.abs().amax(dim=(1, 3))  # [sr, sc]; zero padding never raises it
-    scale_inv = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)  # inf, NaN stay visible
+    # A tensor divisor, not a Python float: CUDA divides by a scalar as a multiplication by its reciprocal,
+    # which is not the IEEE quotient (1/448 is inexact), so the scales would differ from the CPU's in the last bit.
+    scale_inv = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))  # inf, NaN stay
     q = (blocks / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(sr * bm, sc * bn)[:rows, :cols].contiguous(), scale_inv
 
