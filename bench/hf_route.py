@@ -44,9 +44,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _measure(fn, repeats: int) -> tuple[float, float, object]:
+def _measure(fn, repeats: int, warmup: bool = True) -> tuple[float, float, object]:
     """(median seconds, extra peak GiB, last result)."""
-    fn()  # warm-up
+    if warmup:
+        fn()
     _sync()
     times, peak = [], 0.0
     result = None
@@ -98,6 +99,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (to check the script)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--paths", default="actorcore packed,transformers padded,transformers packed",
+                        help="comma-separated subset of the paths (actorcore packed always runs: it is the reference)")
+    parser.add_argument("--modes", default="fwd,fwd+bwd", help="comma-separated subset of fwd, fwd+bwd")
+    parser.add_argument("--no-warmup", action="store_true", help="time the first call (for very slow paths)")
     args = parser.parse_args()
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -160,10 +165,14 @@ def main() -> None:
     rows = {}
     for name, fn in (("actorcore packed", packed), ("transformers padded", plain),
                      ("transformers packed", plain_packed)):
+        if name not in args.paths.split(",") and name != "actorcore packed":
+            continue
         for train in (False, True):
             key = f"{name} {'fwd+bwd' if train else 'fwd'}"
+            if key.split(" ")[-1] not in args.modes.split(",") and not (name == "actorcore packed" and not train):
+                continue
             try:
-                seconds, peak, lp = _measure(lambda: fn(train), args.repeats)
+                seconds, peak, lp = _measure(lambda: fn(train), args.repeats, warmup=not args.no_warmup)
                 rows[key] = {"seconds": seconds, "extra_peak_gib": peak, "log_probs": lp}
             except torch.OutOfMemoryError:
                 rows[key] = {"seconds": None, "extra_peak_gib": None, "log_probs": None, "error": "OOM"}
@@ -196,9 +205,11 @@ def main() -> None:
         print(f"{key:<34} {r['seconds'] * 1e3:>8.1f}ms {tokens / r['seconds']:>10.0f} "
               f"{r['extra_peak_gib']:>9.2f}GiB {diff:>20.2e}")
     for train in ("fwd", "fwd+bwd"):
-        a = rows[f"actorcore packed {train}"]
+        a = rows.get(f"actorcore packed {train}")
         for other in ("transformers padded", "transformers packed"):
-            b = rows[f"{other} {train}"]
+            b = rows.get(f"{other} {train}")
+            if a is None or b is None:
+                continue
             if a["seconds"] and b["seconds"]:
                 print(f"{train}: actorcore is {b['seconds'] / a['seconds']:.2f}x faster than {other}, uses "
                       f"{b['extra_peak_gib'] / max(a['extra_peak_gib'], 1e-9):.2f}x less extra memory")
