@@ -43,7 +43,7 @@ def _tiny_hf(model_type: str, overrides: dict, task: str = "causal_lm"):
 
 def _megatron_grads_as_hf(chunks, context) -> dict[str, torch.Tensor]:
     """Every parameter's gradient, HF-named and gathered over TP / PP (the export's converters are linear)."""
-    from actorcore.mcore.checkpoint import gather_hf_state_dict
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
 
     for chunk in chunks:  # transformers 5 holds experts stacked (experts.gate_up_proj): export that layout
         chunk.actorcore_grouped_experts = bool(chunk.config.num_moe_experts)

@@ -158,7 +158,8 @@ def test_logprobs_mla_yarn_rope():
 
 def _vp_worker(rank: int, world_size: int, directory: str) -> dict:
     """4 layers on 2 pipeline ranks x 2 virtual stages (interleaved schedule)."""
-    from actorcore.mcore.checkpoint import gather_hf_state_dict, load_hf_into_mcore
+    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model

@@ -47,7 +47,8 @@ def _save_tiny(model_type: str, directory: str, **overrides) -> None:
 def _roundtrip_worker(rank: int, world_size: int, cases: list[tuple], root: str) -> dict:
     """For each (model_type, tp, pp, ep, overrides): load the saved HF checkpoint sharded, gather it back.
     Every case of one run has the same layout: Megatron's parallel state is initialised once and reused."""
-    from actorcore.mcore.checkpoint import gather_hf_state_dict, load_hf_into_mcore
+    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
@@ -127,7 +128,8 @@ def _save_grouped(model_type: str, directory: str) -> None:
 
 
 def _grouped_worker(rank: int, world_size: int, root: str, model_types: list[str]) -> dict:
-    from actorcore.mcore.checkpoint import gather_hf_state_dict, load_hf_into_mcore
+    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model

@@ -49,7 +49,8 @@ def _run_nccl(fn, world_size: int, args: tuple) -> list:
 def _worker(rank: int, world_size: int, tp: int, pp: int, ep: int, hf_dir: str) -> dict:
     import actorcore as ac
     from actorcore.batch import pad_to_multiple
-    from actorcore.mcore.checkpoint import gather_hf_state_dict, load_hf_into_mcore
+    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
@@ -120,7 +121,8 @@ def _cp_worker(rank: int, world_size: int, hf_dir: str) -> dict:
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.checkpoint import gather_hf_state_dict, load_hf_into_mcore
+    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron

@@ -2,7 +2,8 @@
 copies on a side stream overlapping the compute (profiler), at a cost within 10% where compute dominates; partial
 offload (the first half of the layers) bitwise too, lower by about half, in pinned host blocks reused across calls.
 
-A Llama-shaped bf16 model (16 layers, hidden 1024), one 32768-token sequence, gradient checkpointing and tiled MLP:
+Forward outputs must be bitwise equal; gradients bitwise wherever the GPU's backward reproduces itself (see
+``_assert_grads_as_reproducible``). A Llama-shaped bf16 model (16 layers, hidden 1024), one 32768-token sequence, gradient checkpointing and tiled MLP:
 each layer's checkpointed input is 64 MiB. Skipped without CUDA."""
 
 import json
@@ -85,14 +86,31 @@ def _measured(model, ids, offload):
         handle.revert()
 
 
+def _assert_grads_as_reproducible(grads, grads_again, grads_off):
+    """Offload changes no kernel, so its gradients must equal the plain run's bitwise wherever the plain run is
+    itself reproducible (``grads`` vs ``grads_again``); a parameter whose plain gradient changes from run to run
+    (a backward kernel that accumulates with atomics, such as the varlen attention's dq) may differ by no more
+    than that run-to-run spread. Most parameters must be reproducible, or the check would say nothing."""
+    assert grads.keys() == grads_again.keys() == grads_off.keys()
+    reproducible = [n for n in grads if torch.equal(grads[n], grads_again[n])]
+    assert len(reproducible) >= len(grads) // 2, f"only {len(reproducible)} of {len(grads)} gradients reproduce"
+    for name in grads:
+        if name in reproducible:
+            assert torch.equal(grads[name], grads_off[name]), name
+        else:
+            spread = (grads[name].float() - grads_again[name].float()).abs().max()
+            assert (grads[name].float() - grads_off[name].float()).abs().max() <= spread, name
+    print(f"{len(reproducible)} of {len(grads)} gradients reproduce bitwise without offload; offload equals them")
+
+
 def test_offload_is_bitwise_lowers_peak_and_costs_little(model_and_ids):
     model, ids = model_and_ids
     lp, ent, grads, _, peak, seconds = _measured(model, ids, offload=False)
+    _, _, grads_again, _, _, _ = _measured(model, ids, offload=False)
     lp_off, ent_off, grads_off, trace, peak_off, seconds_off = _measured(model, ids, offload=True)
     assert torch.equal(lp, lp_off) and torch.equal(ent, ent_off)
-    assert grads.keys() == grads_off.keys() and len(grads) == len(list(model.parameters()))
-    for name in grads:
-        assert torch.equal(grads[name], grads_off[name]), name
+    assert len(grads) == len(list(model.parameters()))
+    _assert_grads_as_reproducible(grads, grads_again, grads_off)
     assert (trace[OFFLOAD_LAYERS], trace[OFFLOAD_TENSORS], trace[OFFLOAD_RESTORED]) == (LAYERS, LAYERS, LAYERS)
     assert trace[OFFLOAD_PREFETCHED] == LAYERS - 1
     saved = peak - peak_off
@@ -107,9 +125,10 @@ def test_partial_offload_is_bitwise_and_reuses_pinned_blocks(model_and_ids):
     model, ids = model_and_ids
     half = LAYERS // 2
     lp, ent, grads, _, peak, _ = _measured(model, ids, offload=False)
+    _, _, grads_again, _, _, _ = _measured(model, ids, offload=False)
     lp_off, ent_off, grads_off, trace, peak_off, _ = _measured(model, ids, offload=half)
     assert torch.equal(lp, lp_off) and torch.equal(ent, ent_off)
-    assert grads.keys() == grads_off.keys() and all(torch.equal(grads[n], grads_off[n]) for n in grads)
+    _assert_grads_as_reproducible(grads, grads_again, grads_off)
     assert (trace[OFFLOAD_LAYERS], trace[OFFLOAD_KEPT], trace[OFFLOAD_RESTORED]) == (half, LAYERS - half, half)
     assert trace[OFFLOAD_PREFETCHED] == half, "the first kept layer's recompute starts the last offloaded copy"
     assert trace[OFFLOAD_HOST_ALLOCATED] == 0, "the timed calls ran in the warm-up's pinned blocks"

@@ -20,7 +20,7 @@ _EXPORTS = {
     "UnsupportedConfigError": "actorcore.mcore.config",
     "build_gpt_model": "actorcore.mcore.model",
     "load_hf_into_mcore": "actorcore.mcore.checkpoint",
-    "export_mcore_to_hf": "actorcore.mcore.checkpoint",
+    "export_mcore_to_hf": "actorcore.mcore.weight_stream",
     "mcore_weight_stream": "actorcore.mcore.weight_stream",
     "save_hf_checkpoint": "actorcore.mcore.checkpoint",
     "CheckpointMismatchError": "actorcore.mcore.checkpoint",

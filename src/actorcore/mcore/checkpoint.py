@@ -4,8 +4,8 @@ Loading streams tensor by tensor: each rank opens the safetensors files lazily a
 holds, only its slice of each HF tensor (``safe_open(...).get_slice``). Problems (missing, extra,
 mis-shaped tensors) are collected on every rank and reported together in one ``CheckpointMismatchError``.
 Export (``mcore.weight_stream``) splits each local parameter into its HF parts and gathers them over TP / EP / PP
-into full HF tensors, in buckets; ``export_mcore_to_hf`` and ``gather_hf_state_dict`` are its one-tensor and
-whole-model forms.
+into full HF tensors, in buckets (with ``export_mcore_to_hf`` and ``gather_hf_state_dict``, its one-tensor and
+whole-model forms).
 """
 
 from __future__ import annotations
@@ -264,21 +264,6 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, context: ParallelContext,
 
 
 # ---- export ----------------------------------------------------------------------------------------
-
-
-def export_mcore_to_hf(chunks: list[Any], context: ParallelContext, *,
-                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole model's full HF-named tensors, one at a time, on every rank (all stages, gathered over TP / EP /
-    PP): ``mcore_weight_stream`` with one tensor per bucket. Collective: every rank iterates it to the end."""
-    from actorcore.mcore.weight_stream import mcore_weight_stream  # it builds on this module
-
-    for bucket in mcore_weight_stream(chunks, context, bucket_bytes=1, dtype=dtype):
-        yield from bucket
-
-
-def gather_hf_state_dict(chunks: list[Any], context: ParallelContext) -> dict[str, torch.Tensor]:
-    """The whole model as HF-named tensors on every rank (gathered over TP, EP and pipeline stages)."""
-    return dict(export_mcore_to_hf(chunks, context))
 
 
 def save_hf_checkpoint(state_dict: dict[str, torch.Tensor], hf_config: Any, out_dir: str) -> None:

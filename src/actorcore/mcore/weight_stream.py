@@ -220,3 +220,16 @@ def _make_bucket(entries: list[tuple[int, int]], stages: list[list[_Meta]], sour
             tensor = collectives.broadcast_tensor(tensor, stage, context.pp_group)
         bucket.append((meta[0], tensor))
     return bucket
+
+
+def export_mcore_to_hf(chunks: list[Any], context: ParallelContext, *,
+                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model's full HF-named tensors, one at a time, on every rank (all stages, gathered over TP / EP /
+    PP): ``mcore_weight_stream`` with one tensor per bucket. Collective: every rank iterates it to the end."""
+    for bucket in mcore_weight_stream(chunks, context, bucket_bytes=1, dtype=dtype):
+        yield from bucket
+
+
+def gather_hf_state_dict(chunks: list[Any], context: ParallelContext) -> dict[str, torch.Tensor]:
+    """The whole model as HF-named tensors on every rank (gathered over TP, EP and pipeline stages)."""
+    return dict(export_mcore_to_hf(chunks, context))
