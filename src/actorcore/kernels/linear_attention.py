@@ -31,10 +31,11 @@ from actorcore.kernels.trace import add
 BACKENDS = ("auto", "torch", "fla")
 ACTIVATIONS = (None, "silu", "swish")
 CHUNK_SIZE = 64
-# The torch delta rule keeps about twenty fp32 [tokens, heads, 128] tensors for its backward: heads are taken in
-# groups of at most this many (token x value-head) pairs, each group checkpointed, so a 160K-token pack of 16 heads
-# holds one group's working set (a few GiB), not all of them (tens of GiB).
-HEAD_TOKENS_PER_GROUP = 1 << 19
+# The torch delta rule keeps about twenty fp32 [tokens, heads, 128] tensors for its backward. A caller short of
+# memory may take the heads in checkpointed groups of at most ``head_tokens_per_group`` (token x value-head) pairs:
+# one group's working set at a time, for a recomputation and more, smaller steps. Off by default: on the H200 a
+# 160K-token pack of a Qwen3.5-2B shape trained at least 2.8x slower in groups of 2 heads (docs/benchmarks.md).
+HEAD_TOKENS_PER_GROUP = None
 
 
 @functools.cache
@@ -145,12 +146,13 @@ def gated_delta_rule_packed(
     scale: float | None = None,
     backend: str = "auto",
     trace: Counter[str] | None = None,
-    head_tokens_per_group: int = HEAD_TOKENS_PER_GROUP,
+    head_tokens_per_group: int | None = HEAD_TOKENS_PER_GROUP,
 ) -> torch.Tensor:
     """The gated delta rule over packed sequences, state reset at each boundary; ``[T, M, V]`` in q's dtype.
 
     ``g`` is the log decay (``<= 0``), ``beta`` the write strength; both per token and value head.
-    ``head_tokens_per_group``: the torch backend's memory knob (see ``HEAD_TOKENS_PER_GROUP``).
+    ``head_tokens_per_group``: the torch backend's memory knob (``None``: all heads at once; see
+    ``HEAD_TOKENS_PER_GROUP``).
     """
     T, N, K = q_TNK.shape
     M = v_TMV.shape[1]
@@ -212,7 +214,7 @@ def _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2n
     T, N, _ = q_TNK.shape
     rep = v_TMV.shape[1] // N
     layout = _step_major_layout(cu_seqlens, T, CHUNK_SIZE)
-    per_group = _key_heads_per_group(N, rep, T, head_tokens_per_group)
+    per_group = N if head_tokens_per_group is None else _key_heads_per_group(N, rep, T, head_tokens_per_group)
     if per_group == N:
         return _delta_rule_heads(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, layout, use_qk_l2norm, scale)
     outs = []
