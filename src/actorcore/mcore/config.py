@@ -325,7 +325,8 @@ def hf_to_mcore_config(hf_config: Any, parallel: McoreParallel | None = None, dt
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=1,
         context_parallel_size=parallel.cp,
-        sequence_parallel=False,
+        # megatron-core trains MoE layers under TP only with sequence parallelism; dense models opt in.
+        sequence_parallel=parallel.tp > 1 and bool(cfg.get("num_moe_experts")),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

@@ -61,16 +61,26 @@ def _hidden_TD(output: torch.Tensor) -> torch.Tensor:
     return output.reshape(-1, output.shape[-1])
 
 
+def _all_tokens_on_every_tp_rank(chunk: Any, hidden_TD: torch.Tensor, context: ParallelContext) -> torch.Tensor:
+    """Every token's hidden state on each TP rank, whose backward sums the ranks' partial gradients (each
+    rank's vocabulary rows contribute one part). Under sequence parallelism a rank holds ``T / tp`` tokens:
+    all-gathered, with a reduce-scatter backward; otherwise they are replicated: all-reduce backward."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+
+    if chunk.config.sequence_parallel:
+        return gather_from_sequence_parallel_region(hidden_TD, tensor_parallel_output_grad=True,
+                                                    group=context.tp_group)
+    return copy_to_tensor_model_parallel_region(hidden_TD, group=context.tp_group)
+
+
 def logprobs_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, context: ParallelContext, *,
                          temperature: float, entropy: bool) -> LogProbOutput:
     """The last stage's head: fused vocabulary-parallel log-prob/entropy, aligned to the scored token."""
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
     vocab_size = chunk.actorcore_hf_config.vocab_size
     weight, start = _output_weight_shard(chunk, vocab_size, context)
     labels_T, valid_T = next_token_labels(batch)
-    # Hidden states are replicated over TP: the backward all-reduce sums each rank's partial gradient.
-    hidden_TD = copy_to_tensor_model_parallel_region(hidden_TD, group=context.tp_group)
+    hidden_TD = _all_tokens_on_every_tp_rank(chunk, hidden_TD, context)
     logprob_T, entropy_T = linear_logprob_entropy_vocab_parallel(
         hidden_TD, weight, labels_T.clamp(min=0), vocab_start=start,
         tp_group=context.tp_group if context.tp_size > 1 else None, temperature=temperature, entropy=entropy)
@@ -82,9 +92,11 @@ def logprobs_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch
     return LogProbOutput(log_probs=finish(logprob_T), entropy=None if entropy_T is None else finish(entropy_T))
 
 
-def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch,
+                       context: ParallelContext) -> torch.Tensor:
     """Critic head, in float32, at each token itself (as the HF critic)."""
     head = chunk.value_head
+    hidden_TD = _all_tokens_on_every_tp_rank(chunk, hidden_TD, context)
     values = torch.nn.functional.linear(hidden_TD.float(), head.weight.float(),
                                         None if head.bias is None else head.bias.float())
     return unpad(values.squeeze(-1), batch)
@@ -163,12 +175,19 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
 
     forward_only = loss_fn is None
     config = chunks[0].config
+    if not forward_only and config.multi_latent_attention and config.tensor_model_parallel_size > 1:
+        # Measured on gloo at TP=2: the kv down projection's gradient (and all upstream) differ from transformers'.
+        # With local column-parallel down projections, MLA gathers the decoupled RoPE key over TP and the
+        # gather's backward keeps only this rank's heads' part of its gradient.
+        raise ValueError("forward-backward of a multi-latent-attention model (DeepSeek-V3) at tp > 1 is not "
+                         "supported: megatron-core 0.16's MLA with local (non-TE) layers drops part of the RoPE "
+                         "key's gradient under tensor parallelism; train it at tp=1 with ep (forward-only "
+                         "log-probs at tp > 1 are exact)")
     if not forward_only and config.num_moe_experts and config.tensor_model_parallel_size > 1 \
             and not config.sequence_parallel:
         raise ValueError("forward-backward of a MoE model at tp > 1 needs sequence parallelism (megatron-core "
-                         "refuses MoE training under tensor parallelism without it), which actorcore's local "
-                         "layers cannot enable: train MoE models at tp=1 with ep; tp > 1 serves forward-only "
-                         "log-probs and conversion")
+                         "refuses MoE training under tensor parallelism without it): do not pass "
+                         "sequence_parallel=False to build_gpt_model (it is the default for MoE at tp > 1)")
     with torch.set_grad_enabled(not forward_only):
         data = run_schedule(chunks, batch_list, context, head, forward_only=forward_only)
     lengths = [b.num_real_tokens for b in batch_list]
@@ -188,7 +207,7 @@ def compute_values(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatc
     batch_list = [batches] if single else list(batches)
 
     def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, index: int):
-        values = values_from_hidden(model, hidden_TD, batch)
+        values = values_from_hidden(model, hidden_TD, batch, context)
         return hidden_TD.sum() * 0.0, {"values": values.detach()}
 
     with torch.no_grad():
