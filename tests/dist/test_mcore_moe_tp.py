@@ -1,12 +1,13 @@
-"""Training at TP=2 with sequence parallelism on the Megatron route (gloo, 4 ranks, one spawned group).
+"""Training at TP=2 with sequence parallelism on the Megatron route (gloo, 2 ranks = TP=2 x EP=2, one group).
 
-Qwen3-MoE (q/k norms, a dense layer, routed experts) at TP=2 x EP=2 (sequence parallelism by default), and
-dense Qwen3 at TP=2 with sequence parallelism asked for: per-token log-probs and entropy
+Qwen3-MoE (q/k norms, a dense layer, routed experts) and DeepSeek-V3 (MLA, sigmoid grouped routing with a
+score-correction bias, a shared expert) at TP=2 x EP=2 (sequence parallelism by default for MoE at TP > 1),
+and dense Qwen3 at TP=2 with sequence parallelism asked for: per-token log-probs and entropy
 equal plain transformers' fp32 forward, and every parameter's gradient, after Megatron's own
 ``finalize_model_grads`` (its DDP wrapper around the chunks; it sums the ``sequence_parallel`` norm and
 router gradients over TP), equals transformers' gradient of the same loss mapped to HF names by the
-export (which is what TP=1 reproduces). Each case also proves that sequence parallelism ran: the final
-norm saw ``T / tp`` tokens.
+export (which is what TP=1 reproduces). Each case also proves that sequence parallelism ran (the final
+norm saw ``T / tp`` tokens), and DeepSeek-V3 that its kv down projections took the full-width route.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from actorcore.testing.tolerances import TOL
 
 pytest.importorskip("megatron.core")
 
-# DeepSeek-V3 (MLA) training at TP > 1 is refused (test_mcore_logprobs.py checks its forward and refusal).
-CASES = (("qwen3_moe", 2, {}), ("qwen3", 1, {"sequence_parallel": True}))
-WORLD = 4
+CASES = (("qwen3_moe", 2, {}), ("deepseek_v3", 2, {}), ("qwen3", 1, {"sequence_parallel": True}))
+WORLD = 2
 TP = 2
 
 
@@ -85,6 +85,7 @@ def _case(model_type: str, ep: int, overrides: dict, directory: str) -> dict:
     padded = [-(-b.num_tokens // TP) * TP for b in batches]
     result = {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "ref": ref,
               "grads": grads, "ref_grads": ref_grads, "sp": chunks[0].config.sequence_parallel,
+              "mla_full_width": chunks[0].actorcore_mla_full_width_projections,
               "seen_tokens": seen_tokens, "sp_tokens": [n // TP for n in padded] * 2}
     ps.destroy_model_parallel()
     return result
@@ -113,6 +114,7 @@ def test_tp2_sequence_parallel_training_matches_transformers():
             where = f"rank {rank} {model_type}"
             assert result["sp"], where
             assert result["seen_tokens"] == result["sp_tokens"], where
+            assert result["mla_full_width"] == (2 if model_type == "deepseek_v3" else 0), where
             for (lp, ent), (ref_lp, ref_ent), fb in zip(result["got"], result["ref"], result["fb"]):
                 torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=where)
                 torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=where)

@@ -175,14 +175,11 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
 
     forward_only = loss_fn is None
     config = chunks[0].config
-    if not forward_only and config.multi_latent_attention and config.tensor_model_parallel_size > 1:
-        # Measured on gloo at TP=2: the kv down projection's gradient (and all upstream) differ from transformers'.
-        # With local column-parallel down projections, MLA gathers the decoupled RoPE key over TP and the
-        # gather's backward keeps only this rank's heads' part of its gradient.
-        raise ValueError("forward-backward of a multi-latent-attention model (DeepSeek-V3) at tp > 1 is not "
-                         "supported: megatron-core 0.16's MLA with local (non-TE) layers drops part of the RoPE "
-                         "key's gradient under tensor parallelism; train it at tp=1 with ep (forward-only "
-                         "log-probs at tp > 1 are exact)")
+    if not forward_only and config.multi_latent_attention and config.tensor_model_parallel_size > 1 \
+            and not config.sequence_parallel:
+        raise ValueError("forward-backward of a multi-latent-attention model (DeepSeek-V3) at tp > 1 needs "
+                         "sequence parallelism (without it megatron-core's MLA drops part of the RoPE key's "
+                         "gradient, see actorcore/mcore/mla.py): build the model with sequence_parallel=True")
     if not forward_only and config.num_moe_experts and config.tensor_model_parallel_size > 1 \
             and not config.sequence_parallel:
         raise ValueError("forward-backward of a MoE model at tp > 1 needs sequence parallelism (megatron-core "

@@ -21,6 +21,7 @@ from actorcore.archs import get_spec, registered_model_types
 from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore._megatron import require_megatron
 from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
+from actorcore.mcore.mla import route_kv_down_projection_full_width
 from actorcore.mcore.norm import with_sequence_parallel_norms
 from actorcore.mcore.parallel import McoreParallel
 
@@ -127,6 +128,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
             else:
                 # Per-instance: the fused kernel consumes hidden states and the output weight directly.
                 model.output_layer.forward = _return_hidden
+        # MLA under TP + SP: the RoPE key's gradient summed over all ranks' heads (see mcore/mla.py).
+        model.actorcore_mla_full_width_projections = route_kv_down_projection_full_width(model)
         model.actorcore_hf_config = hf_config
         model.actorcore_value_head = value_head
         # Megatron's local norms are created in float32; every parameter takes the model dtype (as Float16Module does).
