@@ -309,7 +309,9 @@ def hf_to_mcore_config(hf_config: Any, parallel: McoreParallel | None = None, dt
                        *, aux_loss: bool = False, **overrides: Any):
     """The ``TransformerConfig`` (or ``MLATransformerConfig``) for an HF config at a parallel layout.
 
-    ``overrides`` are TransformerConfig fields set last (e.g. ``recompute_granularity``).
+    ``overrides`` are TransformerConfig fields set last (e.g. ``recompute_granularity``). Sequence
+    parallelism is on for MoE models at tp > 1 (megatron-core trains MoE under TP only with it) and off
+    otherwise; ``sequence_parallel=`` overrides it.
     """
     from actorcore.mcore._megatron import require_megatron
 

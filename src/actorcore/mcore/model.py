@@ -2,10 +2,10 @@
 
 Layers come from Megatron's local spec with the core attention swapped for ``PackedCoreAttention`` (or
 TransformerEngine's when TE is installed), so packed THD batches run everywhere, and the local torch norm
-swapped for ``SequenceParallelTorchNorm``, so sequence parallelism (needed to train MoE at TP > 1) runs too. The model returns the
-final hidden states instead of logits: log-probs are computed by the fused vocabulary-parallel kernel
-from the output-layer weight, and a critic (``value_head=True``) has a replicated ``value_head`` [1, D]
-instead of an output layer.
+swapped for ``SequenceParallelTorchNorm``, so sequence parallelism (needed to train MoE at TP > 1) runs
+too. The model returns the final hidden states instead of logits: log-probs are computed by the fused
+vocabulary-parallel kernel from the output-layer weight, and a critic (``value_head=True``) has a
+replicated ``value_head`` [1, D] instead of an output layer.
 """
 
 from __future__ import annotations
