@@ -214,7 +214,8 @@ def _critic_worker(rank: int, world_size: int, directory: str) -> dict:
         hf = build_tiny_model("qwen2", seed=9, task="token_classification")
         parallel = McoreParallel(tp=2)
         context = initialize_megatron(parallel)
-        chunks = build_gpt_model(hf.config, parallel, value_head=True)
+        # With sequence parallelism: the value head all-gathers the final hidden states first.
+        chunks = build_gpt_model(hf.config, parallel, value_head=True, sequence_parallel=True)
         load_hf_into_mcore(chunks, directory, context)
         got = compute_values(chunks, _batches(), context)
         with torch.no_grad():
