@@ -215,7 +215,8 @@ def _critic_worker(rank: int, world_size: int, directory: str) -> dict:
         hf = build_tiny_model("qwen2", seed=9, task="token_classification")
         parallel = McoreParallel(tp=2)
         context = initialize_megatron(parallel)
-        chunks = build_gpt_model(hf.config, parallel, value_head=True)
+        # With sequence parallelism: the value head all-gathers the final hidden states first.
+        chunks = build_gpt_model(hf.config, parallel, value_head=True, sequence_parallel=True)
         load_hf_into_mcore(chunks, directory, context)
         got = compute_values(chunks, _batches(), context)
         with torch.no_grad():
@@ -247,7 +248,7 @@ def _moe_tp2_worker(rank: int, world_size: int, directory: str) -> dict:
         hf = _tiny_hf("deepseek_v3")
         parallel = McoreParallel(tp=2)
         context = initialize_megatron(parallel)
-        chunks = build_gpt_model(hf.config, parallel)
+        chunks = build_gpt_model(hf.config, parallel, sequence_parallel=False)
         load_hf_into_mcore(chunks, directory, context)
         batches = _batches()
         got = compute_logprobs(chunks, batches, context)
@@ -258,13 +259,14 @@ def _moe_tp2_worker(rank: int, world_size: int, directory: str) -> dict:
             refused = ""
         except ValueError as exc:
             refused = str(exc)
-        return {"got": [(o.log_probs, o.entropy) for o in got], "ref": ref, "refused": refused}
+        return {"got": [(o.log_probs, o.entropy) for o in got], "ref": ref, "refused": refused,
+                "sequence_parallel": chunks[0].config.sequence_parallel}
 
 
 @pytest.mark.slow
 def test_logprobs_moe_tp2_forward_only():
-    """MoE (here MLA + routed/shared experts) at TP=2: forward-only log-probs == transformers; training refused
-    clearly."""
+    """MoE (here MLA + routed/shared experts) at TP=2 built without sequence parallelism: forward-only log-probs
+    == transformers; training refused clearly (test_mcore_moe_tp.py trains it with sequence parallelism)."""
     with tempfile.TemporaryDirectory() as directory:
         _tiny_hf("deepseek_v3").save_pretrained(directory)
         results = run_distributed(_moe_tp2_worker, 2, args=(directory,))
@@ -272,4 +274,5 @@ def test_logprobs_moe_tp2_forward_only():
         for (lp, ent), (ref_lp, ref_ent) in zip(result["got"], result["ref"]):
             torch.testing.assert_close(lp, ref_lp, atol=TOL["mcore_vs_hf_fp32"], rtol=0)
             torch.testing.assert_close(ent, ref_ent, atol=TOL["mcore_vs_hf_fp32"], rtol=0)
-        assert "sequence parallelism" in result["refused"]
+        assert not result["sequence_parallel"]
+        assert "needs sequence parallelism" in result["refused"]

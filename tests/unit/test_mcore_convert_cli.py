@@ -48,7 +48,7 @@ def _assert_same_checkpoint(a: str, b: str) -> None:
     ("qwen2", ["--pp", "2"], {"tie_word_embeddings": True, "dtype": torch.bfloat16}),
     ("qwen3_moe", ["--ep", "2"], {}),
     ("mixtral", ["--pp", "2"], {}),
-    ("deepseek_v3", ["--ep", "2"], {}),
+    ("deepseek_v3", ["--tp", "2", "--ep", "2"], {}),  # MoE at TP > 1: built with sequence parallelism
 ])
 def test_cli_roundtrip_is_bit_exact(tmp_path, model_type, layout, overrides, capsys):
     src = _tiny(tmp_path, model_type, **overrides)

@@ -19,6 +19,7 @@ _EXPORTS = {
     "gpt_model_args": "actorcore.mcore.config",
     "UnsupportedConfigError": "actorcore.mcore.config",
     "build_gpt_model": "actorcore.mcore.model",
+    "SequenceParallelTorchNorm": "actorcore.mcore.norm",
     "load_hf_into_mcore": "actorcore.mcore.checkpoint",
     "export_mcore_to_hf": "actorcore.mcore.weight_stream",
     "mcore_weight_stream": "actorcore.mcore.weight_stream",

@@ -309,7 +309,9 @@ def hf_to_mcore_config(hf_config: Any, parallel: McoreParallel | None = None, dt
                        *, aux_loss: bool = False, **overrides: Any):
     """The ``TransformerConfig`` (or ``MLATransformerConfig``) for an HF config at a parallel layout.
 
-    ``overrides`` are TransformerConfig fields set last (e.g. ``recompute_granularity``).
+    ``overrides`` are TransformerConfig fields set last (e.g. ``recompute_granularity``). Sequence
+    parallelism is on for MoE models at tp > 1 (megatron-core trains MoE under TP only with it) and off
+    otherwise; ``sequence_parallel=`` overrides it.
     """
     from actorcore.mcore._megatron import require_megatron
 
@@ -325,7 +327,8 @@ def hf_to_mcore_config(hf_config: Any, parallel: McoreParallel | None = None, dt
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=1,
         context_parallel_size=parallel.cp,
-        sequence_parallel=False,
+        # megatron-core trains MoE layers under TP only with sequence parallelism; dense models opt in.
+        sequence_parallel=parallel.tp > 1 and bool(cfg.get("num_moe_experts")),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

@@ -87,6 +87,19 @@ def _hidden_TD(output: torch.Tensor) -> torch.Tensor:
     return output.reshape(-1, output.shape[-1])
 
 
+def _all_tokens_on_every_tp_rank(chunk: Any, hidden_TD: torch.Tensor, context: ParallelContext) -> torch.Tensor:
+    """Every token's hidden state on each TP rank, whose backward sums the ranks' partial gradients (each
+    rank's vocabulary rows contribute one part). Under sequence parallelism a rank holds ``T / tp`` tokens:
+    all-gathered, with a reduce-scatter backward; otherwise they are replicated: all-reduce backward."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+
+    if chunk.config.sequence_parallel:
+        return gather_from_sequence_parallel_region(hidden_TD, tensor_parallel_output_grad=True,
+                                                    group=context.tp_group)
+    return copy_to_tensor_model_parallel_region(hidden_TD, group=context.tp_group)
+
+
 def _merge_cp(local_L: torch.Tensor, shard: CpShard | None, context: ParallelContext) -> torch.Tensor:
     """Without CP: as it is. With CP: every CP rank's per-token results, in the batch's ``[T]`` token order."""
     if shard is None:
@@ -100,14 +113,11 @@ def logprobs_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch
 
     With a CP ``shard``, ``hidden_TD`` holds this rank's tokens; the labels are the shard's (taken before the
     split) and the results are gathered over the CP group into the batch's order."""
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
     vocab_size = chunk.actorcore_hf_config.vocab_size
     weight, start = _output_weight_shard(chunk, vocab_size, context)
     labels_T, valid_T = next_token_labels(batch)
     local_labels = labels_T if shard is None else shard.labels
-    # Hidden states are replicated over TP: the backward all-reduce sums each rank's partial gradient.
-    hidden_TD = copy_to_tensor_model_parallel_region(hidden_TD, group=context.tp_group)
+    hidden_TD = _all_tokens_on_every_tp_rank(chunk, hidden_TD, context)
     logprob_T, entropy_T = linear_logprob_entropy_vocab_parallel(
         hidden_TD, weight, local_labels.clamp(min=0), vocab_start=start,
         tp_group=context.tp_group if context.tp_size > 1 else None, temperature=temperature, entropy=entropy)
@@ -124,6 +134,7 @@ def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, 
                        shard: CpShard | None = None) -> torch.Tensor:
     """Critic head, in float32, at each token itself (as the HF critic)."""
     head = chunk.value_head
+    hidden_TD = _all_tokens_on_every_tp_rank(chunk, hidden_TD, context)
     values = torch.nn.functional.linear(hidden_TD.float(), head.weight.float(),
                                         None if head.bias is None else head.bias.float())
     return unpad(_merge_cp(values.squeeze(-1), shard, context), batch)
@@ -213,12 +224,16 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
 
     forward_only = loss_fn is None
     config = chunks[0].config
+    if not forward_only and config.multi_latent_attention and config.tensor_model_parallel_size > 1 \
+            and not config.sequence_parallel:
+        raise ValueError("forward-backward of a multi-latent-attention model (DeepSeek-V3) at tp > 1 needs "
+                         "sequence parallelism (without it megatron-core's MLA drops part of the RoPE key's "
+                         "gradient, see actorcore/mcore/mla.py): build the model with sequence_parallel=True")
     if not forward_only and config.num_moe_experts and config.tensor_model_parallel_size > 1 \
             and not config.sequence_parallel:
         raise ValueError("forward-backward of a MoE model at tp > 1 needs sequence parallelism (megatron-core "
-                         "refuses MoE training under tensor parallelism without it), which actorcore's local "
-                         "layers cannot enable: train MoE models at tp=1 with ep; tp > 1 serves forward-only "
-                         "log-probs and conversion")
+                         "refuses MoE training under tensor parallelism without it): do not pass "
+                         "sequence_parallel=False to build_gpt_model (it is the default for MoE at tp > 1)")
     with torch.set_grad_enabled(not forward_only):
         data = run_schedule(chunks, batch_list, context, head, forward_only=forward_only)
     lengths = [b.num_real_tokens for b in batch_list]

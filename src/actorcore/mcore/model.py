@@ -1,10 +1,11 @@
 """Build Megatron-Core ``GPTModel`` chunks (one per pipeline stage, several with virtual stages) from an HF config.
 
 Layers come from Megatron's local spec with the core attention swapped for ``PackedCoreAttention`` (or
-TransformerEngine's when TE is installed), so packed THD batches run everywhere. The model returns the
-final hidden states instead of logits: log-probs are computed by the fused vocabulary-parallel kernel
-from the output-layer weight, and a critic (``value_head=True``) has a replicated ``value_head`` [1, D]
-instead of an output layer.
+TransformerEngine's when TE is installed), so packed THD batches run everywhere, and the local torch norm
+swapped for ``SequenceParallelTorchNorm``, so sequence parallelism (needed to train MoE at TP > 1) runs
+too. The model returns the final hidden states instead of logits: log-probs are computed by the fused
+vocabulary-parallel kernel from the output-layer weight, and a critic (``value_head=True``) has a
+replicated ``value_head`` [1, D] instead of an output layer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from actorcore.archs import get_spec, registered_model_types
 from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore._megatron import require_megatron
 from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
+from actorcore.mcore.mla import route_kv_down_projection_full_width
+from actorcore.mcore.norm import with_sequence_parallel_norms
 from actorcore.mcore.parallel import McoreParallel
 
 logger = logging.getLogger(__name__)
@@ -84,7 +87,10 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
                     value_head: bool = False, vocab_multiple: int = 128, **config_overrides: Any) -> list[Any]:
     """The model chunks this rank holds (``len == vp or 1``), after ``initialize_megatron``.
 
-    Each chunk is a ``GPTModel`` whose forward returns hidden states ``[B, S, D]`` on the last stage.
+    Each chunk is a ``GPTModel`` whose forward returns hidden states ``[B, S, D]`` on the last stage
+    (``[B, S / tp, D]``, this rank's slice of the tokens, under sequence parallelism). Sequence parallelism
+    is on by default for MoE models at tp > 1 (megatron-core trains MoE under TP only with it);
+    ``sequence_parallel=True`` / ``False`` in ``config_overrides`` chooses it for any model at tp > 1.
     ``dtype`` defaults to the checkpoint's (``checkpoint_dtype``), which keeps conversion bit-exact.
     """
     require_megatron()
@@ -111,6 +117,7 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
                                            vp_stage=stage)
         block = dataclasses.replace(block, layer_specs=[_with_core_attention(s, core_attention)
                                                         for s in block.layer_specs])
+        block = with_sequence_parallel_norms(block)
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         model = GPTModel(config, block, pre_process=pre, post_process=post, vp_stage=stage, **model_args)
@@ -121,6 +128,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
             else:
                 # Per-instance: the fused kernel consumes hidden states and the output weight directly.
                 model.output_layer.forward = _return_hidden
+        # MLA under TP + SP: the RoPE key's gradient summed over all ranks' heads (see mcore/mla.py).
+        model.actorcore_mla_full_width_projections = route_kv_down_projection_full_width(model)
         model.actorcore_hf_config = hf_config
         model.actorcore_value_head = value_head
         # Megatron's local norms are created in float32; every parameter takes the model dtype (as Float16Module does).

@@ -1,0 +1,136 @@
+"""Training at TP=2 with sequence parallelism on the Megatron route (gloo, 2 ranks = TP=2 x EP=2, one group).
+
+Qwen3-MoE (q/k norms, a dense layer, routed experts) and DeepSeek-V3 (MLA, sigmoid grouped routing with a
+score-correction bias, a shared expert) at TP=2 x EP=2 (sequence parallelism by default for MoE at TP > 1),
+and dense Qwen3 at TP=2 with sequence parallelism asked for: per-token log-probs and entropy
+equal plain transformers' fp32 forward, and every parameter's gradient, after Megatron's own
+``finalize_model_grads`` (its DDP wrapper around the chunks; it sums the ``sequence_parallel`` norm and
+router gradients over TP), equals transformers' gradient of the same loss mapped to HF names by the
+export (which is what TP=1 reproduces). Each case also proves that sequence parallelism ran (the final
+norm saw ``T / tp`` tokens), and DeepSeek-V3 that its kv down projections took the full-width route.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from actorcore.testing.distributed import run_distributed
+from actorcore.testing.tolerances import TOL
+
+pytest.importorskip("megatron.core")
+
+CASES = (("qwen3_moe", 2, {}), ("deepseek_v3", 2, {}), ("qwen3", 1, {"sequence_parallel": True}))
+WORLD = 2
+TP = 2
+
+
+def _grads_as_hf(chunks, context) -> dict[str, torch.Tensor]:
+    """Every parameter's (finalized) gradient, HF-named and gathered like the weights themselves (experts
+    stacked, as transformers 5 holds them in memory)."""
+    from actorcore.mcore.checkpoint import gather_hf_state_dict
+
+    saved = []
+    for chunk in chunks:
+        chunk.actorcore_grouped_experts = bool(chunk.config.num_moe_experts)
+        for param in chunk.parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            saved.append((param, param.data))
+            param.data = torch.zeros_like(param) if grad is None else grad.detach().to(param.dtype)
+    try:
+        return gather_hf_state_dict(chunks, context)
+    finally:
+        for param, data in saved:
+            param.data = data
+
+
+def _case(model_type: str, ep: int, overrides: dict, directory: str) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from test_mcore_logprobs import LENGTHS, _batches, _sequences, _tiny_hf, reference_logprobs_packed
+
+    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    hf = _tiny_hf(model_type)
+    parallel = McoreParallel(tp=TP, ep=ep)
+    context = initialize_megatron(parallel)
+    chunks = build_gpt_model(hf.config, parallel, **overrides)
+    load_hf_into_mcore(chunks, directory, context)
+    # The trainer's wrapper: gradients accumulate into its buffers; finalize_model_grads reduces them.
+    wrapped = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk) for chunk in chunks]
+    seen_tokens = []
+    hook = chunks[0].decoder.final_layernorm.register_forward_hook(
+        lambda module, args, out: seen_tokens.append(args[0].shape[0]))
+    batches = _batches()
+
+    got = compute_logprobs(chunks, batches, context)
+    fb = compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: -out.log_probs.sum())
+    finalize_model_grads(wrapped)
+    hook.remove()
+    grads = _grads_as_hf(chunks, context)
+
+    with torch.no_grad():
+        ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
+    hf.zero_grad()
+    for sequences in _sequences():
+        (reference_logprobs_packed(hf, sequences)[0].sum() * (-1.0 / len(LENGTHS))).backward()
+    ref_grads = {name: p.grad for name, p in hf.named_parameters() if p.grad is not None}
+    padded = [-(-b.num_tokens // TP) * TP for b in batches]
+    result = {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "ref": ref,
+              "grads": grads, "ref_grads": ref_grads, "sp": chunks[0].config.sequence_parallel,
+              "mla_full_width": chunks[0].actorcore_mla_full_width_projections,
+              "seen_tokens": seen_tokens, "sp_tokens": [n // TP for n in padded] * 2}
+    ps.destroy_model_parallel()
+    return result
+
+
+def _worker(rank: int, world_size: int, cases: list[tuple]) -> dict:
+    from actorcore.mcore.cpu_runtime import CpuRuntime
+
+    with CpuRuntime():
+        return {case[0]: _case(*case) for case in cases}
+
+
+def saved_cases(root: str) -> list[tuple]:
+    """``CASES`` with the directory each tiny HF model was saved to."""
+    from test_mcore_logprobs import _tiny_hf
+
+    cases = []
+    for model_type, ep, overrides in CASES:
+        cases.append((model_type, ep, overrides, f"{root}/{model_type}"))
+        _tiny_hf(model_type).save_pretrained(cases[-1][-1])
+    return cases
+
+
+def check_results(results: list[dict], tol: float, grad_tol_rel: float) -> None:
+    for rank, by_case in enumerate(results):
+        assert sorted(by_case) == sorted(case[0] for case in CASES)
+        for model_type, result in by_case.items():
+            where = f"rank {rank} {model_type}"
+            assert result["sp"], where
+            assert result["seen_tokens"] == result["sp_tokens"], where
+            assert result["mla_full_width"] == (2 if model_type == "deepseek_v3" else 0), where
+            for (lp, ent), (ref_lp, ref_ent), fb in zip(result["got"], result["ref"], result["fb"]):
+                torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=where)
+                torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=where)
+                torch.testing.assert_close(fb, ref_lp, atol=tol, rtol=0, msg=where)
+            grads, ref_grads = result["grads"], result["ref_grads"]
+            assert set(ref_grads) <= set(grads), (where, sorted(set(ref_grads) - set(grads)))
+            for name, ref_grad in ref_grads.items():
+                scale = ref_grad.abs().max()
+                torch.testing.assert_close(grads[name], ref_grad, atol=grad_tol_rel * scale, rtol=0,
+                                           msg=f"{where} {name}")
+
+
+@pytest.mark.slow
+def test_tp2_sequence_parallel_training_matches_transformers():
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_worker, WORLD, args=(saved_cases(root),))
+    check_results(results, TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"])
