@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "actorcore"
 
 # Lowest first. A module's layer is that of the longest prefix listed here.
 LAYERS = [
-    {"actorcore.batch", "actorcore.context_split", "actorcore.outputs"},
+    {"actorcore.batch", "actorcore.buckets", "actorcore.context_split", "actorcore.outputs"},
     {"actorcore.kernels"},
     {"actorcore.parallel"},
     {"actorcore.archs"},

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorcore.mcore.weight_stream import mcore_weight_stream, plan_buckets
+from actorcore.buckets import plan_buckets
+from actorcore.mcore.weight_stream import mcore_weight_stream
 
 
 class _Chunk:
@@ -35,7 +36,7 @@ def test_bad_arguments_are_refused_at_the_call(kwargs, fragment):
 
 def test_plan_buckets_bound():
     sizes = [5, 5, 3, 20, 1, 1, 9, 10, 10]
-    plan = plan_buckets(sizes, 10)
+    plan = plan_buckets(list(enumerate(sizes)), 10)
     assert [i for bucket in plan for i in bucket] == list(range(len(sizes)))  # every tensor once, in order
     assert plan == [[0, 1], [2], [3], [4, 5], [6], [7], [8]]
     for bucket in plan:

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from actorcore.archs.spec import task_model
+from actorcore.buckets import plan_buckets
 from actorcore.export.fp8 import (BlockwiseFP8, quantize_fp8_blockwise, quantized_model_names, quantized_nbytes,
                                   resolve_scheme, scale_name)
 from actorcore.export.lora import LORA_MODES, Entry, adapter_state, is_peft_model, merge_lora, merged_entries
@@ -81,19 +82,6 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-
-
-def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    """Consecutive names grouped so each group's bytes are <= ``bucket_bytes``; a tensor larger than that is alone."""
-    buckets: list[list[str]] = []
-    used = bucket_bytes + 1  # forces a new bucket for the first name
-    for name, nbytes in sizes:
-        if used + nbytes > bucket_bytes or not buckets:
-            buckets.append([])
-            used = 0
-        buckets[-1].append(name)
-        used += nbytes
-    return buckets
 
 
 def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,

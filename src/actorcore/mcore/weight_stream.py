@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from actorcore.archs.megatron_rules import WeightRule
+from actorcore.buckets import plan_buckets
 from actorcore.mcore.checkpoint import (_EXPERT, _hf_part_shapes, _head_counts, _is_tied, _tensors,
                                         global_mcore_name)
 from actorcore.mcore.model import mcore_spec_for
@@ -136,19 +137,6 @@ def _make(source: _Source, meta: _Meta, context: ParallelContext, dtype: torch.d
     return part
 
 
-def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive indices grouped so each group's bytes are <= ``bucket_bytes``; a larger tensor is alone."""
-    buckets: list[list[int]] = []
-    used = 0
-    for index, nbytes in enumerate(sizes):
-        if not buckets or used + nbytes > bucket_bytes:
-            buckets.append([])
-            used = 0
-        buckets[-1].append(index)
-        used += nbytes
-    return buckets
-
-
 def mcore_weight_stream(chunks: list[Any], context: ParallelContext, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                         dtype: torch.dtype | None = None) -> Iterator[Bucket]:
     """Yield this rank's model chunks (built by ``build_gpt_model``) as buckets of ``(hf_name, full_tensor)``.
@@ -194,7 +182,7 @@ def _stream(chunks: list[Any], context: ParallelContext, bucket_bytes: int,
         repeated = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"mcore_weight_stream: HF names {repeated} come from several Megatron parameters: the "
                          "architecture's weight rules map two parameters to one tensor")
-    buckets = plan_buckets([_nbytes(*stages[s][i][1:]) for s, i in plan], bucket_bytes)
+    buckets = plan_buckets([(k, _nbytes(*stages[s][i][1:])) for k, (s, i) in enumerate(plan)], bucket_bytes)
     logger.info("exporting %d tensors in %d buckets of <= %d bytes", len(plan), len(buckets), bucket_bytes)
     for bucket_indices in buckets:
         bucket = _make_bucket([plan[k] for k in bucket_indices], stages, sources, context, dtype, hf_vocab, device)
