@@ -27,8 +27,9 @@ def _worker(rank, world_size, out_dir):
     from actorcore.export import hf_weight_stream, iter_tensors, load_into, save_sharded_safetensors
     from actorcore.testing.tiny_configs import build_tiny_model
 
-    # 4 ranks: a 2-D mesh (HSDP: replicate over 2, shard over 2), "any mesh" beyond the flat one
-    mesh = init_device_mesh("cpu", (world_size,)) if world_size == 2 else init_device_mesh(
+    # 4 ranks: a 2-D mesh (HSDP: replicate over 2, shard over 2), "any mesh" beyond the flat one; 1 rank: a mesh
+    # of one, whose tensors the stream reads locally (no collective)
+    mesh = init_device_mesh("cpu", (world_size,)) if world_size <= 2 else init_device_mesh(
         "cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     results = {}
     for model_type in MODEL_TYPES:
@@ -46,7 +47,7 @@ def _worker(rank, world_size, out_dir):
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_fsdp2_stream_is_bitwise_the_unsharded_model(tmp_path, world_size):
     from transformers import AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion

@@ -81,7 +81,13 @@ def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None, scheme: BlockwiseFP
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    if not isinstance(tensor, DTensor):
+        return tensor.detach()
+    if tensor.device_mesh.size() == 1:  # one rank holds all of it: no collective (full_tensor costs ~0.6 ms each)
+        local = tensor.to_local()
+        if local.shape == tensor.shape:
+            return local.detach()
+    return tensor.full_tensor()
 
 
 def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -140,16 +146,14 @@ def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCK
     order = exported_names(tree)
     entries = merged_entries(model, order) if peft else [Entry(n, n) for n in order]
     fp8 = quantized_model_names(tree, scheme, [e.source for e in entries]) if scheme is not None else set()
-    state = tree.state_dict()
+    state = tree.state_dict()  # once per stream: references to the (sharded) parameters, nothing gathered
     plan = plan_buckets([(e.name, _nbytes(state[e.source], dtype, scheme if e.source in fp8 else None))
                          for e in entries], bucket_bytes)
-    del state  # the plan only needs sizes; tensors are read fresh per bucket below
     by_name = {e.name: e for e in entries}
     revert = _reverter(tree) if names == "checkpoint" else None
     logger.info("exporting %d tensors in %d buckets of <= %d bytes%s", len(entries), len(plan), bucket_bytes,
                 f" ({len(fp8)} in blockwise FP8)" if fp8 else "")
     for bucket_names in plan:
-        state = tree.state_dict()  # sharded (local) tensors: no gathering here
         bucket: Bucket = []
         for name in bucket_names:
             entry = by_name[name]
@@ -161,7 +165,6 @@ def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCK
                     bucket += [(out_name, weight), (scale_name(out_name), scale_inv)]
                 else:
                     bucket.append((out_name, tensor.to(_out_dtype(tensor, dtype))))
-        del state
         yield bucket
         del bucket
 
