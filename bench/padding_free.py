@@ -201,8 +201,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (to check the script)")
     parser.add_argument("--out", required=True, help="directory for padding_free.json and padding_free.md")
     args = parser.parse_args()
-    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    unknown = sorted(set(paths) - set(PATHS))
+    chosen = {p.strip() for p in args.paths.split(",") if p.strip()}
+    paths = [p for p in PATHS if p in chosen]  # actorcore packed first: the reference of the others
+    unknown = sorted(chosen - set(PATHS))
     if unknown or "actorcore packed" not in paths:
         parser.error(f"--paths: unknown {unknown}; 'actorcore packed' (the reference) must be included")
 

@@ -93,14 +93,16 @@ def _count_calls(model, calls):
 
 
 def _shard(model, world_size):
-    """FSDP2 as verl's ``apply_fsdp2`` wraps a decoder: each layer, then the root."""
+    """FSDP2 as verl's ``apply_fsdp2`` wraps a decoder: each layer, then the root, with verl's mixed-precision
+    policy (fp32 here), which casts every forward's inputs."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 

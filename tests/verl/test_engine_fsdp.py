@@ -166,7 +166,7 @@ def _ppo_gradients(engine, fused):
 
 
 def _worker(rank, world_size, path):
-    from actorcore.compat.verl import VerlForward, apply_monkey_patch
+    from actorcore.compat.verl import VerlForward, VerlUlyssesGroup, apply_monkey_patch
 
     _use_verls_torch_padding_helpers()
     from verl.workers.engine.fsdp import transformer_impl
@@ -179,7 +179,9 @@ def _worker(rank, world_size, path):
     result = {}
     for fused in (False, True):
         engine = _engine(path, apply_monkey_patch, fused, world_size)
-        assert isinstance(engine.module.__dict__.get("forward"), VerlForward), "actorcore's forward is not installed"
+        forward = engine.module.__dict__.get("forward")
+        assert isinstance(forward, VerlForward), "actorcore's forward is not installed"
+        assert isinstance(forward.parallel, VerlUlyssesGroup) == (world_size > 1), "not on verl's Ulysses group"
         with engine.eval_mode():
             out = engine.infer_batch(_engine_data(fused))["model_output"]
         worst = 0.0
