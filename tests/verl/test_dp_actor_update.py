@@ -8,9 +8,9 @@ transformers model with ``use_remove_padding=False`` (verl's padded path: the mo
 Every parameter's update and verl's returned metrics must agree; ``compute_log_prob`` (fixed and dynamic
 micro-batches) must equal the unpatched model run one sequence at a time, per response token.
 
-Layouts: one process; FSDP2 (``fully_shard`` per decoder layer and root, verl's ``fsdp2_clip_grad_norm_``) on
-2 gloo ranks with different data per rank (DP=2); Ulysses SP=2 under FSDP2 on 2 ranks with verl's own Ulysses
-group (the reference: the same FSDP2 model without SP or patch).
+Layouts: one process; FSDP2 (verl's own ``apply_fsdp2`` with its actor's mixed-precision policy, in fp32, and
+``fsdp2_clip_grad_norm_``) on 2 gloo ranks with different data per rank (DP=2); Ulysses SP=2 under FSDP2 on 2
+ranks with verl's own Ulysses group (the reference: the same FSDP2 model without SP or patch).
 
 Installs nothing: skipped where ``verl.workers.actor.dp_actor`` cannot be imported. The install used (a
 ``--target`` directory, no network except PyPI) is in tests/verl/README.md.
@@ -93,16 +93,21 @@ def _count_calls(model, calls):
 
 
 def _shard(model, world_size):
-    """FSDP2 as verl's ``apply_fsdp2`` wraps a decoder: each layer, then the root, with verl's mixed-precision
-    policy (fp32 here), which casts every forward's inputs."""
+    """FSDP2 by verl's own ``apply_fsdp2``, with the kwargs verl 0.7.1's fsdp_workers passes for the actor
+    (mixed-precision policy in fp32 here, which still casts every forward's inputs; verl's shard placement)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from verl.utils.fsdp_utils import apply_fsdp2, get_shard_placement_fn
+    from verl.workers.config import FSDPEngineConfig
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+    fsdp_kwargs = {"mesh": mesh, "offload_policy": None, "reshard_after_forward": True,
+                   "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                                     cast_forward_inputs=True),
+                   "shard_placement_fn": get_shard_placement_fn(fsdp_size=world_size)}
+    # verl 0.7.1 indexes the model's _no_split_modules, a set in transformers 5: name the layer class instead
+    wrap = {"transformer_layer_cls_to_wrap": [type(model.model.layers[0]).__name__]}
+    apply_fsdp2(model, fsdp_kwargs, FSDPEngineConfig(dtype="float32", wrap_policy=wrap))
     return model
 
 
