@@ -10,7 +10,9 @@ micro-batches) must equal the unpatched model run one sequence at a time, per re
 
 Layouts: one process; FSDP2 (verl's own ``apply_fsdp2`` with its actor's mixed-precision policy, in fp32, and
 ``fsdp2_clip_grad_norm_``) on 2 gloo ranks with different data per rank (DP=2); Ulysses SP=2 under FSDP2 on 2
-ranks with verl's own Ulysses group (the reference: the same FSDP2 model without SP or patch).
+ranks with verl's own Ulysses group (the reference: the same FSDP2 model without SP or patch). FSDP1 (verl
+0.7.1's default strategy "fsdp") cannot run on the CPU: torch 2.13 refuses it ("RuntimeError: FSDP needs a non-CPU
+accelerator device, but no accelerator device is detected"), so FSDP1 can only be checked on a GPU machine.
 
 Installs nothing: skipped where ``verl.workers.actor.dp_actor`` cannot be imported. The install used (a
 ``--target`` directory, no network except PyPI) is in tests/verl/README.md.
