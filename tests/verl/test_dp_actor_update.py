@@ -5,8 +5,9 @@ clipped ratios against off-policy old log-probs, entropy bonus, low-var KL to a 
 clip, SGD step) runs through verl's code twice from the same weights: on a model patched with
 ``actorcore.compat.verl.apply_monkey_patch`` (remove-padding, fused kernels on and off), and on the plain
 transformers model with ``use_remove_padding=False`` (verl's padded path: the model's own forward, no patch).
-Every parameter's update and verl's returned metrics must agree; ``compute_log_prob`` (fixed and dynamic
-micro-batches) must equal the unpatched model run one sequence at a time, per response token.
+Every parameter's gradient at each optimizer step, its updated value and verl's returned metrics must agree;
+``compute_log_prob`` (fixed and dynamic micro-batches) must equal the unpatched model run one sequence at a time,
+per response token.
 
 Layouts: one process; FSDP2 (verl's own ``apply_fsdp2`` with its actor's mixed-precision policy, in fp32, and
 ``fsdp2_clip_grad_norm_``) on 2 gloo ranks with different data per rank (DP=2); Ulysses SP=2 under FSDP2 on 2
