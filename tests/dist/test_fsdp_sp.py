@@ -1,5 +1,8 @@
 """A 2-D mesh (dp=2 x sp=2, 4 gloo processes) with FSDP2 over both axes, Ulysses SP and tiled MLP on:
-one optimizer step gives the parameters one process gets from the union of the two dp batches."""
+one optimizer step gives the parameters one process gets from the union of the two dp batches.
+
+FSDP2 casts forward inputs as verl configures it (``MixedPrecisionPolicy(cast_forward_inputs=True)``, fp32 here):
+that cast rebuilds every dataclass in each layer's kwargs, so the SP context must reach the attention intact."""
 
 from collections import Counter
 
@@ -29,7 +32,7 @@ def _loss(model, seqs, parallel, trace=None):
 
 def _worker(rank, world_size, model_type):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import actorcore as ac
     from actorcore.testing.tiny_configs import build_tiny_model
@@ -40,9 +43,10 @@ def _worker(rank, world_size, model_type):
 
     model = build_tiny_model(model_type, seed=7)
     ac.patch_model(model, parallel=ctx, tiled_mlp_shards=3)
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=fsdp_mesh)
-    fully_shard(model, mesh=fsdp_mesh)
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     trace = Counter()
     _loss(model, _batches()[ctx.dp_rank], ctx, trace).backward()

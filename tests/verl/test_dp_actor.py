@@ -5,7 +5,8 @@ Ulysses group, on tiny models on the CPU. Per response token, log-probs, entropy
 model run one sequence at a time.
 
 Installs nothing: skipped where ``verl.workers.actor.dp_actor`` cannot be imported (verl 0.7.1 installed with
-``--no-deps`` still imports ray, tensordict, omegaconf, codetiming and more at module level).
+``--no-deps`` still imports ray, tensordict, omegaconf, codetiming and more at module level); the install used is
+in tests/verl/README.md.
 """
 
 import pytest

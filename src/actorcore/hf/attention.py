@@ -45,6 +45,24 @@ class TraceRef:
         self.counts = counts
 
 
+class ParallelRef:
+    """The call's ``ParallelContext`` as the decoder kwargs carry it: an opaque object, because FSDP2's
+    forward-input cast (``MixedPrecisionPolicy(cast_forward_inputs=True)``, verl's default) rebuilds every
+    dataclass in a forward's kwargs with ``dataclasses.replace``, which a ``ParallelContext`` (fields set in
+    ``__post_init__``) refuses."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+
+def parallel_from_kwargs(kwargs: dict[str, Any]) -> Any:
+    """The ``ParallelContext`` (or None) the decoder passed down to this layer's attention."""
+    ref = kwargs.get(PARALLEL_KWARG)
+    return None if ref is None else ref.context
+
+
 def record_call(kwargs: dict[str, Any], implementation: str) -> None:
     ref = kwargs.get(TRACE_KWARG)
     if ref is not None:

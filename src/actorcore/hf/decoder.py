@@ -28,6 +28,7 @@ from actorcore.hf.attention import (
     PARALLEL_KWARG,
     TRACE_KWARG,
     PackingNotAppliedError,
+    ParallelRef,
     TraceRef,
     attention_configs,
     attention_implementation,
@@ -159,7 +160,7 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
         input_ids=input_ids.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids.unsqueeze(1),
         use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=work.max_seqlen,
-        max_length_k=work.max_seqlen, **{PARALLEL_KWARG: parallel, TRACE_KWARG: TraceRef(trace)},
+        max_length_k=work.max_seqlen, **{PARALLEL_KWARG: ParallelRef(parallel), TRACE_KWARG: TraceRef(trace)},
     )
     if spec.vision is not None:
         from actorcore.hf.vlm import vlm_decoder_inputs

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from actorcore.archs import LinearAttentionSpec, submodule
-from actorcore.hf.attention import PARALLEL_KWARG, TRACE_KWARG, PackingNotAppliedError
+from actorcore.hf.attention import TRACE_KWARG, PackingNotAppliedError, parallel_from_kwargs
 from actorcore.kernels.linear_attention import causal_conv1d_packed, gated_delta_rule_packed
 from actorcore.parallel.ulysses import (
     head_to_sequence_sharded,
@@ -131,7 +131,7 @@ class GatedDeltaNetForward:
         if hidden_states.shape[0] != 1:
             raise ValueError(f"packed linear attention expects batch size 1 (all sequences packed), got "
                              f"{hidden_states.shape[0]}")
-        ctx = kwargs.get(PARALLEL_KWARG)
+        ctx = parallel_from_kwargs(kwargs)
         sp = 1 if ctx is None else int(ctx.sp_size)
         ref = kwargs.get(TRACE_KWARG)
         trace = None if ref is None else ref.counts

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from actorcore.hf.attention import (
-    PARALLEL_KWARG,
     PackingNotAppliedError,
     attend_packed,
     attention_sinks,
     packing_kwargs,
+    parallel_from_kwargs,
     record_call,
 )
 from actorcore.parallel.ulysses import head_to_sequence_sharded, replicate_kv_heads, sequence_to_head_sharded
@@ -47,7 +47,7 @@ def ulysses_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` function: q/k/v ``[1, heads, L, H]`` -> ``([1, L, N, H], None)``."""
     record_call(kwargs, ULYSSES_ATTENTION)
-    ctx = kwargs.get(PARALLEL_KWARG)
+    ctx = parallel_from_kwargs(kwargs)
     if ctx is None or ctx.sp_size == 1:
         raise PatchNotAppliedError(
             f"{type(module).__name__} runs Ulysses attention but the call carries no sequence-parallel context: "
