@@ -230,3 +230,16 @@ EXPERT_BIAS_RULES = (
 )
 
 SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.shared_experts.")
+
+
+# Vision-language models: the Megatron route runs the HF vision tower as it is (``actorcore.mcore.vlm``), as the
+# submodule ``vision_tower`` of the first pipeline stage's model; its parameters keep their HF names under it.
+VISION_TOWER = "vision_tower"
+
+
+def vision_tower_rules(hf_prefix: str, block_params: tuple[str, ...], other_params: tuple[str, ...],
+                       blocks: str = "blocks") -> tuple[WeightRule, ...]:
+    """Replicated rules ``vision_tower.<name>`` <-> ``<hf_prefix><name>`` for the tower's per-block parameters
+    (``<blocks>.{layer}.<param>``) and its other parameters (patch embedding, merger)."""
+    names = tuple(f"{blocks}.{{layer}}.{p}" for p in block_params) + tuple(other_params)
+    return tuple(WeightRule(f"{VISION_TOWER}.{n}", (hf_prefix + n,)) for n in names)
