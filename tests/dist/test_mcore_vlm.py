@@ -35,6 +35,12 @@ def _tiny_vlm():
 
     model = build_tiny_vlm(MODEL_TYPE, seed=4)
     randomize_constant_tensors(model, seed=2)
+    # Sharper attention and logits than the 0.02-std init: positions (M-RoPE) and image features then move the
+    # log-probs far beyond the tolerance, so a wrong rotary section or a dropped feature cannot pass.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "lm_head.weight")):
+                param.mul_(6.0)
     return model
 
 
