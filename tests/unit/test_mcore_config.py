@@ -22,6 +22,7 @@ from actorcore.mcore.config import (  # noqa: E402
     mcore_fields,
     mcore_to_hf_config,
 )
+from actorcore.archs import get_spec  # noqa: E402
 from actorcore.mcore.model import megatron_model_types, refused_megatron_model_types  # noqa: E402
 from actorcore.mcore.parallel import McoreParallel  # noqa: E402
 
@@ -120,7 +121,7 @@ def test_deepseek_v3_mla(caplog):
     assert "seq_aux" in warnings[0] and "aux_loss_alpha" in warnings[0]
 
 
-@pytest.mark.parametrize("model_type", megatron_model_types())
+@pytest.mark.parametrize("model_type", [m for m in megatron_model_types() if get_spec(m).vision is None])
 def test_tiny_configs_two_way(model_type):
     from actorcore.testing.tiny_configs import tiny_config
 
@@ -199,3 +200,31 @@ def test_refusals_are_clear():
         with pytest.raises(UnsupportedArchitectureError, match=re.escape(f"{model_type} is not supported on the "
                                                                          f"Megatron-Core route: {reason}")):
             mcore_spec_for(config)
+
+
+def test_vlm_language_model_has_mrope_both_ways():
+    """Qwen2.5-VL: the text config's mrope_section becomes Megatron's M-RoPE (and comes back); Qwen2's biases."""
+    from actorcore.mcore.vlm import language_config
+    from actorcore.testing.tiny_vlm import tiny_vlm_config
+
+    text = language_config(tiny_vlm_config("qwen2_5_vl"))
+    assert text.model_type == "qwen2_5_vl" and text.vocab_size == 131 and text.tie_word_embeddings is False
+    tc, args = hf_to_mcore_config(text), gpt_model_args(text)
+    assert args["position_embedding_type"] == "mrope" and tc.mrope_section == [2, 3, 3] and tc.add_qkv_bias
+    back = mcore_to_hf_config(tc, args, "qwen2_5_vl_text", vocab_size=text.vocab_size)
+    assert back["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    interleaved = language_config(tiny_vlm_config("qwen3_vl"))  # Qwen3-VL's interleaved M-RoPE
+    with pytest.raises(UnsupportedConfigError, match="contiguous"):
+        hf_to_mcore_config(interleaved)
+
+
+@pytest.mark.parametrize("option, match", [(dict(value_head=True), "value head"),
+                                           (dict(sequence_parallel=True), "sequence parallelism"),
+                                           (dict(parallel=McoreParallel(cp=2)), "context parallelism")])
+def test_vlm_refusals_are_clear(option, match):
+    """Refused before anything is built (no parallel state needed)."""
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.testing.tiny_vlm import tiny_vlm_config
+
+    with pytest.raises(ValueError, match=match):
+        build_gpt_model(tiny_vlm_config("qwen2_5_vl"), **option)

@@ -52,36 +52,48 @@ def _disk_names(model, tmp_path) -> list[str]:
         return list(f.keys())
 
 
+def _tiny_models(model_type: str, overrides: dict) -> list:
+    """The architecture's tiny models whose checkpoints the rules must cover: the causal LM and the critic
+    (a VLM: the ``...ForConditionalGeneration`` only; it has no critic)."""
+    from actorcore.archs import get_spec
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    if get_spec(model_type).vision is not None:
+        from actorcore.testing.tiny_vlm import build_tiny_vlm
+
+        return [build_tiny_vlm(model_type, **overrides)]
+    return [build_tiny_model(model_type, task=task, **overrides) for task in ("causal_lm", "token_classification")]
+
+
 # Config variants that exercise rules the tiny config leaves unused (qwen2_moe: a dense MLP layer).
 RULE_VARIANTS = {"qwen2_moe": [dict(mlp_only_layers=[1])]}
 # Rules the spec declares but the architecture cannot use; fixing them is a change to the arch spec.
 @pytest.mark.parametrize("model_type", megatron_model_types())
 def test_every_hf_tensor_matched_by_exactly_one_rule(model_type, tmp_path):
-    from actorcore.testing.tiny_configs import build_tiny_model
 
     spec = get_spec(model_type).mcore
     for i, overrides in enumerate([{}, *RULE_VARIANTS.get(model_type, [])]):
-        for task in ("causal_lm", "token_classification"):
-            names = _disk_names(build_tiny_model(model_type, task=task, **overrides), tmp_path / f"{task}{i}")
+        for j, model in enumerate(_tiny_models(model_type, overrides)):
+            names = _disk_names(model, tmp_path / f"{j}-{i}")
             assert names
             for name in names:
                 hits = spec.rules_for_hf(name)
-                assert len(hits) == 1, f"{model_type} {task} {overrides}: {name} matched by {len(hits)} rules"
+                assert len(hits) == 1, f"{model_type} {type(model).__name__} {overrides}: {name} matched by " \
+                    f"{len(hits)} rules"
 
 
 @pytest.mark.parametrize("model_type", megatron_model_types())
 def test_no_dead_rules(model_type, tmp_path):
     """Every rule (per-expert and grouped) matches at least one tensor of the architecture's tiny models: the
     causal LM and the critic on disk (and the variants above), and, for grouped rules, the in-memory layout."""
-    from actorcore.testing.tiny_configs import build_tiny_model
 
     spec = get_spec(model_type).mcore
     names: set[str] = set()
     for i, overrides in enumerate([{}, *RULE_VARIANTS.get(model_type, [])]):
-        for task in ("causal_lm", "token_classification"):
-            names |= set(_disk_names(build_tiny_model(model_type, task=task, **overrides), tmp_path / f"{task}{i}"))
+        for j, model in enumerate(_tiny_models(model_type, overrides)):
+            names |= set(_disk_names(model, tmp_path / f"{j}-{i}"))
     dead = [rule.mcore_name for rule in spec.rules if not any(rule.match_hf(n) is not None for n in names)]
-    in_memory = set(build_tiny_model(model_type).state_dict())
+    in_memory = set(_tiny_models(model_type, {})[0].state_dict())
     dead += [rule.mcore_name for rule in spec.grouped_expert_rules
              if not any(rule.match_hf(n) is not None for n in in_memory)]
     assert not dead, f"{model_type}: rules that match no tensor of its tiny models: {dead}"
