@@ -39,9 +39,6 @@ def language_config(hf_config: Any) -> Any:
     text = copy.deepcopy(hf_config.text_config)
     text.model_type = hf_config.model_type
     text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings))
-    for name in ("dtype", "torch_dtype"):
-        if getattr(text, name, None) is None and getattr(hf_config, name, None) is not None:
-            setattr(text, name, getattr(hf_config, name))
     return text
 
 
