@@ -228,3 +228,24 @@ def test_vlm_refusals_are_clear(option, match):
 
     with pytest.raises(ValueError, match=match):
         build_gpt_model(tiny_vlm_config("qwen2_5_vl"), **option)
+
+
+def test_qwen2_5_vl_7b_hub_config():
+    """Qwen2.5-VL-7B-Instruct's config.json (text fields at the top, ``rope_scaling`` of type ``mrope``)."""
+    from transformers import AutoConfig
+
+    from actorcore.mcore.vlm import language_config
+
+    hub = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_hidden_layers=28,
+               num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=152064, sliding_window=32768,
+               use_sliding_window=False, max_position_embeddings=128000, tie_word_embeddings=False,
+               rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, image_token_id=151655,
+               video_token_id=151656, vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420,
+                                                         num_heads=16, out_hidden_size=3584, window_size=112,
+                                                         fullatt_block_indexes=[7, 15, 23, 31]))
+    text = language_config(AutoConfig.for_model("qwen2_5_vl", **hub))
+    tc, args = hf_to_mcore_config(text, McoreParallel(tp=4)), gpt_model_args(text)
+    assert (tc.num_layers, tc.hidden_size, tc.num_query_groups, tc.kv_channels) == (28, 3584, 4, 128)
+    assert tc.mrope_section == [16, 24, 24] and tc.window_size is None and tc.add_qkv_bias
+    assert args["position_embedding_type"] == "mrope" and args["rotary_base"] == 1e6
+    assert args["vocab_size"] == 152064 and args["share_embeddings_and_output_weights"] is False

@@ -38,7 +38,8 @@ def language_config(hf_config: Any) -> Any:
     overrides apply to the language model), with the VLM's ``tie_word_embeddings``."""
     text = copy.deepcopy(hf_config.text_config)
     text.model_type = hf_config.model_type
-    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings))
+    tied = getattr(hf_config, "tie_word_embeddings", None)  # a hub config.json may set it only at the top
+    text.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False) if tied is None else tied)
     return text
 
 
