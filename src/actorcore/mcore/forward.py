@@ -148,7 +148,7 @@ def _forward_step(batches: list[PackedBatch], shards: list[CpShard] | None, cont
     shard = None if shards is None else shards[index]
     local = batch if shard is None else shard
     params = packed_seq_params(local, context.cp_group)
-    if model.config.mrope_section is not None:  # a VLM: the vision tower's features in the decoder input
+    if getattr(model, "actorcore_vlm_config", None) is not None:  # the vision tower's features in the decoder input
         from actorcore.mcore.vlm import vlm_chunk_forward
 
         output = vlm_chunk_forward(model, local, params)

@@ -28,8 +28,8 @@ from actorcore.archs.megatron_rules import VISION_TOWER
 from actorcore.mcore.parallel import McoreParallel
 
 
-
 def is_vlm_config(hf_config: Any) -> bool:
+    """A ``...ForConditionalGeneration`` config: a language model's ``text_config`` and a ``vision_config``."""
     return getattr(hf_config, "vision_config", None) is not None and getattr(hf_config, "text_config", None) is not None
 
 
