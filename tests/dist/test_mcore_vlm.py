@@ -2,10 +2,12 @@
 included) at TP=1 and TP=2; a packed batch of sequences with images, a video and text only gives per-token
 log-probs and entropy equal to the HF model's own fp32 forward one sequence at a time (the independent
 reference) and to actorcore's HF route; gradients of tower and language-model parameters equal the HF
-forward's, at TP=1 and TP=2 (the replicated tower gets the full gradient on every TP rank)."""
+forward's, at TP=1 and TP=2 (the replicated tower gets the full gradient on every TP rank). A checkpoint that
+stores the in-memory names (``model.language_model.*``, ``model.visual.*``) loads the same weights."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
@@ -84,6 +86,12 @@ def _worker_body(tp: int, directory: str) -> dict:
     assert set(exported) == reader.names()
     roundtrip_exact = all(torch.equal(exported[n], reader.read(n)) and exported[n].dtype == reader.dtype(n)
                           for n in reader.names())
+    # The same weights stored under the in-memory names (transformers 4.52-4.57's save_pretrained) load the same.
+    again = build_gpt_model(hf.config, parallel)
+    load_hf_into_mcore(again, os.path.join(directory, "in_memory_names"), context)
+    ours = again[0].state_dict()
+    roundtrip_exact &= all(torch.equal(t, ours[k]) for k, t in chunks[0].state_dict().items()
+                           if isinstance(t, torch.Tensor) and not k.endswith("_extra_state"))
 
     samples = _samples(hf)
     batch = ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples], model=hf)
@@ -112,8 +120,14 @@ def _worker_body(tp: int, directory: str) -> dict:
 
 
 def test_qwen2_5_vl_megatron_matches_hf_tp1_tp2():
+    from safetensors.torch import save_file
+
     with tempfile.TemporaryDirectory() as directory:
-        _tiny_vlm().save_pretrained(directory)
+        model = _tiny_vlm()
+        model.save_pretrained(directory)
+        os.makedirs(os.path.join(directory, "in_memory_names"))
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  os.path.join(directory, "in_memory_names", "model.safetensors"), metadata={"format": "pt"})
         results = run_distributed(_worker, 2, args=(directory,))
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
     cases = [(rank, tp, per_tp[tp]) for rank, per_tp in enumerate(results) for tp in (1, 2)]

@@ -193,3 +193,21 @@ def test_grouped_rules_validate():
                    grouped=True)
     with pytest.raises(ValueError, match="no grouped expert rules"):
         get_spec("llama").mcore.with_grouped_experts()
+
+
+def test_vlm_checkpoints_with_in_memory_names():
+    """Qwen2.5-VL checkpoints saved by transformers 4.52-4.57 store the in-memory names (``model.language_model.*``,
+    ``model.visual.*``): ``for_checkpoint`` renames the rules for them; the released names keep the rules as they are."""
+    from actorcore.testing.tiny_vlm import build_tiny_vlm
+
+    spec = get_spec("qwen2_5_vl").mcore
+    in_memory = list(build_tiny_vlm("qwen2_5_vl").state_dict())
+    assert any(n.startswith("model.language_model.") for n in in_memory)
+    renamed = spec.for_checkpoint(in_memory)
+    for name in in_memory:
+        assert len(renamed.rules_for_hf(name)) == 1, name
+    rule, idx = renamed.rule_for_mcore("decoder.layers.1.self_attention.linear_qkv.bias")
+    assert rule.hf_names_for(idx)[0] == "model.language_model.layers.1.self_attn.q_proj.bias"
+    assert renamed.rule_for_mcore("vision_tower.merger.ln_q.weight")[0].hf_names == ("model.visual.merger.ln_q.weight",)
+    assert renamed.rule_for_mcore("output_layer.weight")[0].hf_names == ("lm_head.weight",)
+    assert spec.for_checkpoint(["model.layers.0.input_layernorm.weight", "visual.patch_embed.proj.weight"]) is spec

@@ -17,11 +17,15 @@ TOWER_RULES = vision_tower_rules(
 # Qwen2.5-VL: windowed vision attention (inside the tower) and absolute time in video positions, which the
 # rope-index function reads from the processor's per-video ``second_per_grid_ts``. On Megatron: the language
 # model is Qwen2's (q/k/v biases, checkpoint names ``model.layers.*``) with M-RoPE; the tower is HF's own.
+# Checkpoints saved by transformers 4.52-4.57 store the in-memory names (``lm_head`` is the same).
+IN_MEMORY_NAMES = (("model.", "model.language_model."), ("visual.", "model.visual."))
+
 # No critic: the VLM has no score head (a value head is refused for VLMs on the Megatron route).
 LANGUAGE_MODEL_RULES = tuple(r for r in DENSE_RULES + QKV_BIAS_RULES if not r.mcore_name.startswith("value_head."))
 
 SPEC = dataclasses.replace(
     QWEN2_VL, model_type="qwen2_5_vl",
-    mcore=McoreSpec(rules=LANGUAGE_MODEL_RULES + TOWER_RULES, config_overrides=dict(add_qkv_bias=True)),
+    mcore=McoreSpec(rules=LANGUAGE_MODEL_RULES + TOWER_RULES, config_overrides=dict(add_qkv_bias=True),
+                    stored_prefixes=IN_MEMORY_NAMES),
     vision=dataclasses.replace(QWEN2_VL.vision, rope_index_inputs=("second_per_grid_ts",)),
 )
