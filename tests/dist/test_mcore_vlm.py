@@ -96,7 +96,13 @@ def _worker_body(tp: int, directory: str) -> dict:
     samples = _samples(hf)
     batch = ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples], model=hf)
     assert batch.position_ids.shape == (3, batch.num_tokens)
+    calls = []
+    hook = chunks[0].vision_tower.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
     got = compute_logprobs(chunks, batch, context)
+    hook.remove()
+    # One tower call for all the batch's images and one for its video, on every TP rank.
+    tower_calls_ok = calls == [int(batch.multimodal["pixel_values"].shape[0]),
+                               int(batch.multimodal["pixel_values_videos"].shape[0])]
     with torch.no_grad():
         hf_route = ac.compute_logprobs(hf, batch)
 
@@ -114,7 +120,7 @@ def _worker_body(tp: int, directory: str) -> dict:
     params = dict(chunks[0].named_parameters())
     hf_params = dict(hf.named_parameters())
     grads = {name: (params[name].grad.clone(), hf_params[hf_name].grad.clone()) for name, hf_name in GRAD_PAIRS.items()}
-    return {"roundtrip_exact": roundtrip_exact, "lp": got.log_probs, "ent": got.entropy, "fb": fb.log_probs,
+    return {"roundtrip_exact": roundtrip_exact, "tower_calls_ok": tower_calls_ok, "lp": got.log_probs, "ent": got.entropy, "fb": fb.log_probs,
             "hf_route": (hf_route.log_probs, hf_route.entropy), "ref": (ref_lp, ref_ent), "grads": grads,
             "starts": batch.cu_seqlens[:-1].long()}
 
@@ -133,6 +139,7 @@ def test_qwen2_5_vl_megatron_matches_hf_tp1_tp2():
     cases = [(rank, tp, per_tp[tp]) for rank, per_tp in enumerate(results) for tp in (1, 2)]
     for rank, tp, r in cases:
         assert r["roundtrip_exact"], f"rank {rank} tp={tp}: HF -> Megatron -> HF is not bit-exact"
+        assert r["tower_calls_ok"], f"rank {rank} tp={tp}: the vision tower did not run once per modality"
         ref_lp, ref_ent = r["ref"]
         assert r["lp"].dtype == torch.float32 and r["lp"].shape == ref_lp.shape
         assert torch.all(r["lp"][r["starts"]] == 0) and bool((r["lp"] != 0).any())
