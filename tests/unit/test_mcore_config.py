@@ -249,3 +249,19 @@ def test_qwen2_5_vl_7b_hub_config():
     assert tc.mrope_section == [16, 24, 24] and tc.window_size is None and tc.add_qkv_bias
     assert args["position_embedding_type"] == "mrope" and args["rotary_base"] == 1e6
     assert args["vocab_size"] == 152064 and args["share_embeddings_and_output_weights"] is False
+
+
+def test_vision_tower_replicas_start_equal_and_leave_the_rng_alone():
+    """Every rank builds the same tower before loading (a fixed seed), without moving the caller's RNG."""
+    from actorcore.mcore.vlm import build_vision_tower
+    from actorcore.testing.tiny_vlm import tiny_vlm_config
+
+    vision = tiny_vlm_config("qwen2_5_vl").vision_config
+    towers, draws = [], []
+    for seed in (5, 7):
+        torch.manual_seed(seed)
+        towers.append(build_vision_tower(vision, torch.float32, "cpu"))
+        draws.append(torch.rand(3))
+        torch.manual_seed(seed)
+        assert torch.equal(draws[-1], torch.rand(3))
+    assert all(torch.equal(a, b) for a, b in zip(towers[0].state_dict().values(), towers[1].state_dict().values()))

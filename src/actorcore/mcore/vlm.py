@@ -44,10 +44,14 @@ def language_config(hf_config: Any) -> Any:
 
 
 def build_vision_tower(vision_config: Any, dtype: torch.dtype, device: Any) -> torch.nn.Module:
-    """The HF vision tower of ``vision_config`` (transformers' own module and math), in ``dtype``."""
+    """The HF vision tower of ``vision_config`` (transformers' own module and math), in ``dtype``. Its random
+    initial weights (before a checkpoint is loaded) come from a fixed seed, so every rank's replica is the same;
+    the caller's RNG state is left as it was."""
     from transformers import AutoModel
 
-    tower = AutoModel.from_config(copy.deepcopy(vision_config), dtype=dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tower = AutoModel.from_config(copy.deepcopy(vision_config), dtype=dtype)
     return tower.to(device=device, dtype=dtype)
 
 
