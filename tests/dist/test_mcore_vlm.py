@@ -88,6 +88,9 @@ def _worker_body(tp: int, directory: str) -> dict:
                           for n in reader.names())
     # The same weights stored under the in-memory names (transformers 4.52-4.57's save_pretrained) load the same.
     again = build_gpt_model(hf.config, parallel)
+    with torch.no_grad():
+        for param in again[0].parameters():
+            param.zero_()
     load_hf_into_mcore(again, os.path.join(directory, "in_memory_names"), context)
     ours = again[0].state_dict()
     roundtrip_exact &= all(torch.equal(t, ours[k]) for k, t in chunks[0].state_dict().items()
