@@ -37,9 +37,12 @@ def randomize_constant_tensors(model, seed: int = 0) -> None:
 
 
 def _save_tiny(model_type: str, directory: str, **overrides) -> None:
+    from actorcore.archs import get_spec
     from actorcore.testing.tiny_configs import build_tiny_model
+    from actorcore.testing.tiny_vlm import build_tiny_vlm
 
-    model = build_tiny_model(model_type, seed=3, **overrides)
+    build = build_tiny_vlm if get_spec(model_type).vision is not None else build_tiny_model  # VLM: tower too
+    model = build(model_type, seed=3, **overrides)
     randomize_constant_tensors(model)
     model.save_pretrained(directory)
 

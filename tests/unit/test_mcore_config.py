@@ -22,6 +22,7 @@ from actorcore.mcore.config import (  # noqa: E402
     mcore_fields,
     mcore_to_hf_config,
 )
+from actorcore.archs import get_spec  # noqa: E402
 from actorcore.mcore.model import megatron_model_types, refused_megatron_model_types  # noqa: E402
 from actorcore.mcore.parallel import McoreParallel  # noqa: E402
 
@@ -120,7 +121,7 @@ def test_deepseek_v3_mla(caplog):
     assert "seq_aux" in warnings[0] and "aux_loss_alpha" in warnings[0]
 
 
-@pytest.mark.parametrize("model_type", megatron_model_types())
+@pytest.mark.parametrize("model_type", [m for m in megatron_model_types() if get_spec(m).vision is None])
 def test_tiny_configs_two_way(model_type):
     from actorcore.testing.tiny_configs import tiny_config
 
@@ -199,3 +200,68 @@ def test_refusals_are_clear():
         with pytest.raises(UnsupportedArchitectureError, match=re.escape(f"{model_type} is not supported on the "
                                                                          f"Megatron-Core route: {reason}")):
             mcore_spec_for(config)
+
+
+def test_vlm_language_model_has_mrope_both_ways():
+    """Qwen2.5-VL: the text config's mrope_section becomes Megatron's M-RoPE (and comes back); Qwen2's biases."""
+    from actorcore.mcore.vlm import language_config
+    from actorcore.testing.tiny_vlm import tiny_vlm_config
+
+    text = language_config(tiny_vlm_config("qwen2_5_vl"))
+    assert text.model_type == "qwen2_5_vl" and text.vocab_size == 131 and text.tie_word_embeddings is False
+    tc, args = hf_to_mcore_config(text), gpt_model_args(text)
+    assert args["position_embedding_type"] == "mrope" and tc.mrope_section == [2, 3, 3] and tc.add_qkv_bias
+    back = mcore_to_hf_config(tc, args, "qwen2_5_vl_text", vocab_size=text.vocab_size)
+    assert back["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    interleaved = language_config(tiny_vlm_config("qwen3_vl"))  # Qwen3-VL's interleaved M-RoPE
+    with pytest.raises(UnsupportedConfigError, match="contiguous"):
+        hf_to_mcore_config(interleaved)
+
+
+@pytest.mark.parametrize("option, match", [(dict(value_head=True), "value head"),
+                                           (dict(sequence_parallel=True), "sequence parallelism"),
+                                           (dict(parallel=McoreParallel(cp=2)), "context parallelism")])
+def test_vlm_refusals_are_clear(option, match):
+    """Refused before anything is built (no parallel state needed)."""
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.testing.tiny_vlm import tiny_vlm_config
+
+    with pytest.raises(ValueError, match=match):
+        build_gpt_model(tiny_vlm_config("qwen2_5_vl"), **option)
+
+
+def test_qwen2_5_vl_7b_hub_config():
+    """Qwen2.5-VL-7B-Instruct's config.json (text fields at the top, ``rope_scaling`` of type ``mrope``)."""
+    from transformers import AutoConfig
+
+    from actorcore.mcore.vlm import language_config
+
+    hub = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_hidden_layers=28,
+               num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=152064, sliding_window=32768,
+               use_sliding_window=False, max_position_embeddings=128000, tie_word_embeddings=False,
+               rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, image_token_id=151655,
+               video_token_id=151656, vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420,
+                                                         num_heads=16, out_hidden_size=3584, window_size=112,
+                                                         fullatt_block_indexes=[7, 15, 23, 31]))
+    text = language_config(AutoConfig.for_model("qwen2_5_vl", **hub))
+    tc, args = hf_to_mcore_config(text, McoreParallel(tp=4)), gpt_model_args(text)
+    assert (tc.num_layers, tc.hidden_size, tc.num_query_groups, tc.kv_channels) == (28, 3584, 4, 128)
+    assert tc.mrope_section == [16, 24, 24] and tc.window_size is None and tc.add_qkv_bias
+    assert args["position_embedding_type"] == "mrope" and args["rotary_base"] == 1e6
+    assert args["vocab_size"] == 152064 and args["share_embeddings_and_output_weights"] is False
+
+
+def test_vision_tower_replicas_start_equal_and_leave_the_rng_alone():
+    """Every rank builds the same tower before loading (a fixed seed), without moving the caller's RNG."""
+    from actorcore.mcore.vlm import build_vision_tower
+    from actorcore.testing.tiny_vlm import tiny_vlm_config
+
+    vision = tiny_vlm_config("qwen2_5_vl").vision_config
+    towers, draws = [], []
+    for seed in (5, 7):
+        torch.manual_seed(seed)
+        towers.append(build_vision_tower(vision, torch.float32, "cpu"))
+        draws.append(torch.rand(3))
+        torch.manual_seed(seed)
+        assert torch.equal(draws[-1], torch.rand(3))
+    assert all(torch.equal(a, b) for a, b in zip(towers[0].state_dict().values(), towers[1].state_dict().values()))

@@ -262,15 +262,24 @@ def _six_heads(directory: str) -> str:
     return directory
 
 
+def _tiny_vlm_config(directory: str) -> str:
+    from actorcore.testing.tiny_vlm import tiny_vlm_config
+
+    tiny_vlm_config("qwen2_5_vl").save_pretrained(directory)
+    return directory
+
+
 @pytest.mark.parametrize("flags,fragments", [
     (["--vocab-multiple", "0"], ["--vocab-multiple must be a positive integer, got 0"]),
+    (["--tp", "3", "vlm"], ["--tp 3 does not divide the model's 4 attention heads"]),  # its text_config's
     (["--tp", "3"], ["--tp 3 does not divide the model's 4 attention heads"]),
     (["--tp", "0"], ["--tp must be a positive integer"]),
     (["--tp", "4", "six-heads"], ["--tp 4 does not divide the model's 6 attention heads"]),
 ])
 def test_bad_layout_is_named_before_work(tmp_path, checkpoints, capsys, no_work, flags, fragments):
     src = _six_heads(str(tmp_path / "six")) if "six-heads" in flags else checkpoints[0]
-    flags = [f for f in flags if f != "six-heads"]
+    src = _tiny_vlm_config(str(tmp_path / "vlm")) if "vlm" in flags else src
+    flags = [f for f in flags if f not in ("six-heads", "vlm")]
     dst = str(tmp_path / "out")
     assert _convert(["hf-to-mcore", src, dst, *flags]) == 2
     _one_error(capsys, *fragments)

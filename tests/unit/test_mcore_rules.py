@@ -52,36 +52,48 @@ def _disk_names(model, tmp_path) -> list[str]:
         return list(f.keys())
 
 
+def _tiny_models(model_type: str, overrides: dict) -> list:
+    """The architecture's tiny models whose checkpoints the rules must cover: the causal LM and the critic
+    (a VLM: the ``...ForConditionalGeneration`` only; it has no critic)."""
+    from actorcore.archs import get_spec
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    if get_spec(model_type).vision is not None:
+        from actorcore.testing.tiny_vlm import build_tiny_vlm
+
+        return [build_tiny_vlm(model_type, **overrides)]
+    return [build_tiny_model(model_type, task=task, **overrides) for task in ("causal_lm", "token_classification")]
+
+
 # Config variants that exercise rules the tiny config leaves unused (qwen2_moe: a dense MLP layer).
 RULE_VARIANTS = {"qwen2_moe": [dict(mlp_only_layers=[1])]}
 # Rules the spec declares but the architecture cannot use; fixing them is a change to the arch spec.
 @pytest.mark.parametrize("model_type", megatron_model_types())
 def test_every_hf_tensor_matched_by_exactly_one_rule(model_type, tmp_path):
-    from actorcore.testing.tiny_configs import build_tiny_model
 
     spec = get_spec(model_type).mcore
     for i, overrides in enumerate([{}, *RULE_VARIANTS.get(model_type, [])]):
-        for task in ("causal_lm", "token_classification"):
-            names = _disk_names(build_tiny_model(model_type, task=task, **overrides), tmp_path / f"{task}{i}")
+        for j, model in enumerate(_tiny_models(model_type, overrides)):
+            names = _disk_names(model, tmp_path / f"{j}-{i}")
             assert names
             for name in names:
                 hits = spec.rules_for_hf(name)
-                assert len(hits) == 1, f"{model_type} {task} {overrides}: {name} matched by {len(hits)} rules"
+                assert len(hits) == 1, f"{model_type} {type(model).__name__} {overrides}: {name} matched by " \
+                    f"{len(hits)} rules"
 
 
 @pytest.mark.parametrize("model_type", megatron_model_types())
 def test_no_dead_rules(model_type, tmp_path):
     """Every rule (per-expert and grouped) matches at least one tensor of the architecture's tiny models: the
     causal LM and the critic on disk (and the variants above), and, for grouped rules, the in-memory layout."""
-    from actorcore.testing.tiny_configs import build_tiny_model
 
     spec = get_spec(model_type).mcore
     names: set[str] = set()
     for i, overrides in enumerate([{}, *RULE_VARIANTS.get(model_type, [])]):
-        for task in ("causal_lm", "token_classification"):
-            names |= set(_disk_names(build_tiny_model(model_type, task=task, **overrides), tmp_path / f"{task}{i}"))
+        for j, model in enumerate(_tiny_models(model_type, overrides)):
+            names |= set(_disk_names(model, tmp_path / f"{j}-{i}"))
     dead = [rule.mcore_name for rule in spec.rules if not any(rule.match_hf(n) is not None for n in names)]
-    in_memory = set(build_tiny_model(model_type).state_dict())
+    in_memory = set(_tiny_models(model_type, {})[0].state_dict())
     dead += [rule.mcore_name for rule in spec.grouped_expert_rules
              if not any(rule.match_hf(n) is not None for n in in_memory)]
     assert not dead, f"{model_type}: rules that match no tensor of its tiny models: {dead}"
@@ -181,3 +193,21 @@ def test_grouped_rules_validate():
                    grouped=True)
     with pytest.raises(ValueError, match="no grouped expert rules"):
         get_spec("llama").mcore.with_grouped_experts()
+
+
+def test_vlm_checkpoints_with_in_memory_names():
+    """Qwen2.5-VL checkpoints saved by transformers 4.52-4.57 store the in-memory names (``model.language_model.*``,
+    ``model.visual.*``): ``for_checkpoint`` renames the rules for them; the released names keep the rules as they are."""
+    from actorcore.testing.tiny_vlm import build_tiny_vlm
+
+    spec = get_spec("qwen2_5_vl").mcore
+    in_memory = list(build_tiny_vlm("qwen2_5_vl").state_dict())
+    assert any(n.startswith("model.language_model.") for n in in_memory)
+    renamed = spec.for_checkpoint(in_memory)
+    for name in in_memory:
+        assert len(renamed.rules_for_hf(name)) == 1, name
+    rule, idx = renamed.rule_for_mcore("decoder.layers.1.self_attention.linear_qkv.bias")
+    assert rule.hf_names_for(idx)[0] == "model.language_model.layers.1.self_attn.q_proj.bias"
+    assert renamed.rule_for_mcore("vision_tower.merger.ln_q.weight")[0].hf_names == ("model.visual.merger.ln_q.weight",)
+    assert renamed.rule_for_mcore("output_layer.weight")[0].hf_names == ("lm_head.weight",)
+    assert spec.for_checkpoint(["model.layers.0.input_layernorm.weight", "visual.patch_embed.proj.weight"]) is spec

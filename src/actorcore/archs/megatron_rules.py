@@ -15,6 +15,7 @@ Parallel styles:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,11 +95,33 @@ class McoreSpec:
     # Alternative expert rules for checkpoints that store the experts grouped (``grouped=True`` rules);
     # ``for_checkpoint`` picks them when the checkpoint has such tensors.
     grouped_expert_rules: tuple[WeightRule, ...] = ()
+    # Other names some checkpoints store: ``(prefix in the rules, prefix stored instead)`` pairs, e.g. Qwen2.5-VL
+    # saved by transformers 4.52-4.57 (``model.language_model.`` for ``model.``); ``for_checkpoint`` renames the
+    # rules' HF names when the checkpoint uses them (every pair at once; export keeps the rules' names).
+    stored_prefixes: tuple[tuple[str, str], ...] = ()
 
     def for_checkpoint(self, hf_names: set[str] | list[str]) -> "McoreSpec":
-        """This spec with the expert rules that fit the checkpoint's layout (per-expert or grouped)."""
-        grouped = [r for r in self.grouped_expert_rules if any(r.match_hf(n) is not None for n in hf_names)]
-        return self.with_grouped_experts() if grouped else self
+        """This spec with the names (``stored_prefixes``) and the expert rules (per-expert or grouped) that fit the
+        checkpoint's layout."""
+        spec = self
+        if any(n.startswith(stored) for _, stored in self.stored_prefixes for n in hf_names):
+            spec = self.with_stored_prefixes()
+        grouped = [r for r in spec.grouped_expert_rules if any(r.match_hf(n) is not None for n in hf_names)]
+        return spec.with_grouped_experts() if grouped else spec
+
+    def with_stored_prefixes(self) -> "McoreSpec":
+        def rename(name: str | None) -> str | None:
+            for prefix, stored in self.stored_prefixes:
+                if name is not None and name.startswith(prefix):
+                    return stored + name[len(prefix):]
+            return name
+
+        def renamed(rules: tuple[WeightRule, ...]) -> tuple[WeightRule, ...]:
+            return tuple(dataclasses.replace(r, hf_names=tuple(rename(n) for n in r.hf_names),
+                                             tied_hf_name=rename(r.tied_hf_name)) for r in rules)
+
+        return McoreSpec(rules=renamed(self.rules), config_overrides=self.config_overrides, refused=self.refused,
+                         grouped_expert_rules=renamed(self.grouped_expert_rules))
 
     def with_grouped_experts(self) -> "McoreSpec":
         if not self.grouped_expert_rules:
@@ -230,3 +253,16 @@ EXPERT_BIAS_RULES = (
 )
 
 SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.shared_experts.")
+
+
+# Vision-language models: the Megatron route runs the HF vision tower as it is (``actorcore.mcore.vlm``), as the
+# submodule ``vision_tower`` of the first pipeline stage's model; its parameters keep their HF names under it.
+VISION_TOWER = "vision_tower"
+
+
+def vision_tower_rules(hf_prefix: str, block_params: tuple[str, ...], other_params: tuple[str, ...],
+                       blocks: str = "blocks") -> tuple[WeightRule, ...]:
+    """Replicated rules ``vision_tower.<name>`` <-> ``<hf_prefix><name>`` for the tower's per-block parameters
+    (``<blocks>.{layer}.<param>``) and its other parameters (patch embedding, merger)."""
+    names = tuple(f"{blocks}.{{layer}}.{p}" for p in block_params) + tuple(other_params)
+    return tuple(WeightRule(f"{VISION_TOWER}.{n}", (hf_prefix + n,)) for n in names)

@@ -153,8 +153,9 @@ def _check_layout(args: argparse.Namespace, hf_config: Any) -> None:
             name = "--" + flag.replace("_", "-")
             raise ValueError(f"{name} must be a positive integer, got {value}" +
                              (" (the default, 128, suits every usual TP size)" if flag == "vocab_multiple" else ""))
-    heads = getattr(hf_config, "num_attention_heads", None)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    text = getattr(hf_config, "text_config", None) or hf_config  # a VLM: its language model's heads
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if heads and heads % args.tp:
         raise ValueError(f"--tp {args.tp} does not divide the model's {heads} attention heads: choose a --tp that "
                          f"divides {heads}" + (f" and its {kv_heads} key-value heads" if kv_heads != heads else ""))

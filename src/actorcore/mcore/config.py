@@ -118,6 +118,9 @@ def _convert_rope(hf: Any, mla: bool) -> tuple[dict, dict]:
     model: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": theta}
     if _get(hf, "partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial_rotary_factor={_get(hf, 'partial_rotary_factor')} is not supported")
+    if p.get("mrope_section") is not None:
+        model["position_embedding_type"] = "mrope"
+        cfg["mrope_section"] = _convert_mrope(p, mla)
     if kind == "default":
         pass
     elif kind == "linear" and not mla:
@@ -144,6 +147,15 @@ def _convert_rope(hf: Any, mla: bool) -> tuple[dict, dict]:
         cfg["rotary_base"] = theta
         cfg.setdefault("rope_type", "rope")
     return cfg, model
+
+
+def _convert_mrope(p: dict[str, Any], mla: bool) -> list[int]:
+    """Multimodal RoPE (Qwen2-VL / Qwen2.5-VL): the (t, h, w) split of the rotary frequencies. Megatron-Core
+    assigns them in contiguous sections like HF; the interleaved layout (Qwen3-VL) has no counterpart."""
+    if mla or p.get("mrope_interleaved"):
+        raise UnsupportedConfigError(f"M-RoPE with {p}: Megatron-Core's multimodal RoPE takes contiguous "
+                                     "(t, h, w) sections only (not interleaved, not with MLA)")
+    return [int(x) for x in p["mrope_section"]]
 
 
 def _moe_layer_pattern(hf: Any, num_layers: int) -> list[int]:
@@ -380,6 +392,8 @@ def mcore_to_hf_config(transformer_config: Any, model_args: dict[str, Any], mode
         rope.update(rope_type="linear", factor=model_args["seq_len_interpolation_factor"])
     if model_args.get("rope_scaling"):
         rope.update(rope_type="llama3", factor=model_args["rope_scaling_factor"], **_LLAMA3_FIXED)
+    if getattr(tc, "mrope_section", None):
+        rope["mrope_section"] = list(tc.mrope_section)
     out["rope_parameters"] = rope
     if tc.window_size is not None:
         out["sliding_window"] = tc.window_size[0] + 1

@@ -51,8 +51,9 @@ def prepare_batch(batch: PackedBatch, chunk: Any) -> PackedBatch:
     """Pad to the token multiple the layout needs (TP with sequence parallelism); move to the model device.
     Under context parallelism the split pads every sequence instead (``split_for_cp``)."""
     config = chunk.config
-    if batch.position_ids.dim() != 1:
-        raise ValueError("the Megatron route takes text batches with 1-D position ids")
+    if batch.position_ids.dim() != 1 and config.mrope_section is None:
+        raise ValueError("the Megatron route takes text batches with 1-D position ids (M-RoPE positions only for "
+                         "a vision-language model)")
     if not batch.num_padding and config.context_parallel_size == 1:
         batch = pad_to_multiple(batch, _token_multiple(config))
     device = next(chunk.parameters()).device
@@ -146,8 +147,13 @@ def _forward_step(batches: list[PackedBatch], shards: list[CpShard] | None, cont
     batch = batches[index]
     shard = None if shards is None else shards[index]
     local = batch if shard is None else shard
-    output = model(local.input_ids.unsqueeze(0), local.position_ids.unsqueeze(0), None,
-                   packed_seq_params=packed_seq_params(local, context.cp_group))
+    params = packed_seq_params(local, context.cp_group)
+    if getattr(model, "actorcore_vlm_config", None) is not None:  # the vision tower's features in the decoder input
+        from actorcore.mcore.vlm import vlm_chunk_forward
+
+        output = vlm_chunk_forward(model, local, params)
+    else:
+        output = model(local.input_ids.unsqueeze(0), local.position_ids.unsqueeze(0), None, packed_seq_params=params)
 
     def loss_func(output_tensor: torch.Tensor):
         return head(model, _hidden_TD(output_tensor), batch, shard)
