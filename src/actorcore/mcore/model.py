@@ -97,8 +97,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     from actorcore.mcore.vlm import build_vlm_model, is_vlm_config
 
     if is_vlm_config(hf_config):  # the language model (below) with the HF vision tower in front
-        return build_vlm_model(hf_config, parallel, dtype, value_head=value_head, vocab_multiple=vocab_multiple,
-                               **config_overrides)
+        return build_vlm_model(hf_config, parallel, dtype or checkpoint_dtype(hf_config), value_head=value_head,
+                               vocab_multiple=vocab_multiple, build_text_model=build_gpt_model, **config_overrides)
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec

@@ -19,7 +19,7 @@ image features are merged in), and a value head.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -55,11 +55,12 @@ def build_vision_tower(vision_config: Any, dtype: torch.dtype, device: Any) -> t
     return tower.to(device=device, dtype=dtype)
 
 
-def build_vlm_model(hf_config: Any, parallel: McoreParallel | None, dtype: torch.dtype | None, *,
-                    value_head: bool, vocab_multiple: int, **config_overrides: Any) -> list[Any]:
-    """``build_gpt_model`` for a VLM config: the language model's chunks, the first stage's with ``vision_tower``."""
-    from actorcore.mcore.model import build_gpt_model, checkpoint_dtype
-
+def build_vlm_model(hf_config: Any, parallel: McoreParallel | None, dtype: torch.dtype, *, value_head: bool,
+                    vocab_multiple: int, build_text_model: Callable[..., list[Any]],
+                    **config_overrides: Any) -> list[Any]:
+    """``build_gpt_model`` for a VLM config: the language model's chunks (built by ``build_text_model``, which is
+    ``build_gpt_model`` itself: passed in, so this module does not import the one that calls it), the first
+    stage's with ``vision_tower``."""
     parallel = parallel or McoreParallel()
     if value_head:
         raise ValueError(f"{hf_config.model_type}: a value head (critic) is not supported for vision-language "
@@ -73,8 +74,7 @@ def build_vlm_model(hf_config: Any, parallel: McoreParallel | None, dtype: torch
                          "models on the Megatron route (the image features are merged into the full-sequence "
                          "embeddings); build without sequence_parallel=True")
     text = language_config(hf_config)
-    dtype = dtype or checkpoint_dtype(hf_config)
-    chunks = build_gpt_model(text, parallel, dtype, vocab_multiple=vocab_multiple, **config_overrides)
+    chunks = build_text_model(text, parallel, dtype, vocab_multiple=vocab_multiple, **config_overrides)
     if chunks[0].config.mrope_section is None:
         raise ValueError(f"{hf_config.model_type}: the text config has no rope_parameters.mrope_section; the "
                          "Megatron VLM route needs M-RoPE positions")
