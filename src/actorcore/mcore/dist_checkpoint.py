@@ -2,7 +2,7 @@
 
 The checkpoint directory holds Megatron's sharded tensors (global shapes, loadable at any TP / PP / EP
 layout) plus ``hf/``: the source HF config and tokenizer files, and ``actorcore.json``: what is needed to
-rebuild the model (model type, vocabulary padding).
+rebuild the model (model type, vocabulary padding, the number of MTP layers it was built with).
 
 Saving writes the shards in the calling process (``_InProcessSaveStrategy``): megatron-core's default writer
 forks worker processes and a manager process, which a signal can kill while the parent waits on them for
@@ -92,7 +92,7 @@ def save_mcore_checkpoint(chunks: list[Any], directory: str, hf_dir: str, vocab_
     if not dist.is_initialized() or dist.get_rank() == 0:
         copy_hf_side_files(hf_dir, os.path.join(directory, HF_DIR))
         meta = {"format": "actorcore-mcore/1", "model_type": chunks[0].actorcore_hf_config.model_type,
-                "vocab_multiple": vocab_multiple}
+                "vocab_multiple": vocab_multiple, "mtp_layers": chunks[0].config.mtp_num_layers or 0}
         with open(os.path.join(directory, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
 
