@@ -57,9 +57,16 @@ def copy_hf_side_files(src: str, dst: str) -> None:
 
 
 def _sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    # The metadata GPTModel would default to, passed explicitly: 0.16.1's GPTModel reads ``metadata["dp_cp_group"]``
+    # itself (for the MTP stage's embedding replica) before filling the default in.
+    def sharded(chunk: Any) -> dict[str, Any]:
+        return chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+
     if len(chunks) == 1:
-        return chunks[0].sharded_state_dict()
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        return sharded(chunks[0])
+    return {f"model{i}": sharded(chunk) for i, chunk in enumerate(chunks)}
 
 
 def _in_process_save_strategy() -> Any:

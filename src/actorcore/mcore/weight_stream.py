@@ -54,6 +54,7 @@ class _Source:
     rule: WeightRule
     counts: dict[str, int]
     ep_owner: int = 0
+    copy: bool = False  # an MTP layer's copy of a main-model tensor: its own storage (writers refuse shared ones)
 
 
 def _out_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
@@ -83,7 +84,7 @@ def _stage_sources(chunks: list[Any], context: ParallelContext,
         for part, (hf_name, shape) in enumerate(zip(names, shapes)):
             for name in [hf_name, *copies.get(hf_name, [])]:
                 metas.append((name, tuple(shape), out))
-                sources.append(_Source(part=part, **source))
+                sources.append(_Source(part=part, copy=name != hf_name, **source))
 
     for chunk in chunks:
         counts = _head_counts(chunk.config, context.tp_size)
@@ -201,6 +202,8 @@ def _make_bucket(entries: list[tuple[int, int]], stages: list[list[_Meta]], sour
         meta = stages[stage][index]
         if stage == context.pp_rank:
             tensor = _make(sources[index], meta, context, dtype, hf_vocab)
+            if sources[index].copy:
+                tensor = tensor.clone()
             if (tuple(tensor.shape), tensor.dtype) != meta[1:]:
                 raise RuntimeError(f"mcore_weight_stream: {meta[0]} came out {tuple(tensor.shape)} {tensor.dtype}, "
                                    f"planned {meta[1]} {meta[2]} (a bug in the weight rules)")
