@@ -245,9 +245,12 @@ def _check_shared_copies(reader: SafetensorsReader, copies: dict[str, list[str]]
     return problems
 
 
-def _mtp_tensors(spec: McoreSpec, names: set[str], num_layers: int) -> list[str]:
-    """The checkpoint's MTP tensors (layers >= ``num_layers`` named by the spec's MTP rules)."""
-    if spec.mtp is None:
+def _mtp_tensors(spec: McoreSpec, names: set[str], hf_config: Any) -> list[str]:
+    """The checkpoint's MTP tensors: named by the spec's MTP rules, in the layers ``num_hidden_layers + i`` for
+    ``i < num_nextn_predict_layers`` (any other extra layer stays an error)."""
+    layers = range(hf_config.num_hidden_layers,
+                   hf_config.num_hidden_layers + (getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
+    if spec.mtp is None or not layers:
         return []
     with_mtp = spec.with_mtp()
     copies = [WeightRule(copy, (copy,)) for copy, _ in spec.mtp.shared]
@@ -255,7 +258,7 @@ def _mtp_tensors(spec: McoreSpec, names: set[str], num_layers: int) -> list[str]
     for name in names:
         hits = [idx for _, idx in with_mtp.rules_for_hf(name)]
         hits += [idx for copy in copies if (idx := copy.match_hf(name)) is not None]
-        if any(idx.get("layer", -1) >= num_layers for idx in hits):
+        if any(idx.get("layer") in layers for idx in hits):
             found.append(name)
     return sorted(found)
 
@@ -333,12 +336,12 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, context: ParallelContext,
     used = set().union(*(set(c) for c, _ in everything))
     problems = sorted(set(p for _, ps in everything for p in ps))
     extra = sorted(reader.names() - used)
-    dropped = [] if chunks[0].config.mtp_num_layers else _mtp_tensors(spec, set(extra), chunks[0].config.num_layers)
-    if dropped:
-        logger.info("%s: dropping the %d multi-token-prediction tensors (e.g. %s): the model is built without MTP "
+    dropped = [] if chunks[0].config.mtp_num_layers else _mtp_tensors(spec, set(extra), hf_config)
+    if dropped and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("%s: dropping the %d multi-token-prediction tensors (e.g. %s): the model is built without MTP "
                     "layers (build_gpt_model(..., mtp=True) or `convert hf-to-mcore --mtp` keeps them)", hf_dir,
                     len(dropped), dropped[0])
-        extra = sorted(set(extra) - set(dropped))
+    extra = sorted(set(extra) - set(dropped))
     if extra:
         problems.append(f"unexpected tensors not used by the {hf_config.model_type} model: {', '.join(extra)}")
     if problems:

@@ -171,10 +171,11 @@ def shift_to_scored_token_by(predicting_T: torch.Tensor, shift: int) -> torch.Te
 
 
 def mtp_logprobs_from_hidden(chunk: Any, mtp_hidden_TD: list[torch.Tensor], batch: PackedBatch,
-                             context: ParallelContext, *, temperature: float) -> torch.Tensor:
+                             context: ParallelContext) -> torch.Tensor:
     """Per-token log-probs of every MTP depth, ``[mtp, T]`` float32, each aligned to its scored token (0 where
     a depth scores nothing: a sequence's first ``1 + depth`` tokens). The MTP layers end in the shared head
-    norm; the output weight is the main head's (Megatron shares it)."""
+    norm; the output weight is the main head's (Megatron shares it). Always at temperature 1: the MTP loss is
+    the draft head's language-modelling loss, as in Megatron, whatever temperature the policy is scored at."""
     vocab_size = chunk.actorcore_hf_config.vocab_size
     weight, start = _output_weight_shard(chunk, vocab_size, context)
     rows = []
@@ -183,7 +184,7 @@ def mtp_logprobs_from_hidden(chunk: Any, mtp_hidden_TD: list[torch.Tensor], batc
         hidden_TD = _all_tokens_on_every_tp_rank(chunk, hidden_TD, context)
         logprob_T, _ = linear_logprob_entropy_vocab_parallel(
             hidden_TD, weight, labels_T.clamp(min=0), vocab_start=start,
-            tp_group=context.tp_group if context.tp_size > 1 else None, temperature=temperature, entropy=False)
+            tp_group=context.tp_group if context.tp_size > 1 else None, temperature=1.0, entropy=False)
         kept = torch.where(labels_T != IGNORE_INDEX, logprob_T.float(), torch.zeros((), device=logprob_T.device))
         rows.append(unpad(shift_to_scored_token_by(kept, 1 + depth), batch))
     return torch.stack(rows)
@@ -273,7 +274,7 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
 
     ``mtp_loss_scale`` (a model built with ``mtp=True``): also run the multi-token-prediction layers; each output
     carries ``mtp_log_probs`` ``[mtp, T]`` (depth ``d`` scores token ``t + 1 + d`` from position ``t``, aligned to
-    the scored token, 0 where nothing is scored), and with ``loss_fn`` the loss becomes
+    the scored token, 0 where nothing is scored; at temperature 1), and with ``loss_fn`` the loss becomes
     ``loss_fn(output, batch) + mtp_loss_scale * mtp_loss(output.mtp_log_probs, batch)`` (its gradient reaches the
     main model too, as in Megatron). The main head's log-probs are the same as without MTP.
     """
@@ -287,8 +288,7 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
         out = logprobs_from_hidden(model, pieces[0], batch, context, temperature=temperature, entropy=entropy,
                                    shard=shard)
         if mtp_layers:
-            out.mtp_log_probs = mtp_logprobs_from_hidden(model, list(pieces[1:]), batch, context,
-                                                         temperature=temperature)
+            out.mtp_log_probs = mtp_logprobs_from_hidden(model, list(pieces[1:]), batch, context)
         loss = loss_fn(out, batch) if loss_fn is not None else hidden_TD.sum() * 0.0
         if mtp_layers and loss_fn is not None:
             loss = loss + mtp_loss_scale * mtp_loss(out.mtp_log_probs, batch)

@@ -122,10 +122,10 @@ def mtp_layer_count(hf_config: Any, mtp: bool) -> int | None:
     count = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
     if mcore_spec_for(hf_config).mtp is None:
         raise UnsupportedArchitectureError(f"{hf_config.model_type} has no multi-token-prediction rules on the "
-                                           "Megatron route: build it without mtp=True")
+                                           "Megatron route: drop mtp=True (--mtp)")
     if count < 1:
-        raise ValueError(f"mtp=True needs num_nextn_predict_layers >= 1 in the {hf_config.model_type} config "
-                         f"(it is {count}): the checkpoint has no MTP layers to build")
+        raise ValueError(f"mtp=True (--mtp) needs num_nextn_predict_layers >= 1 in the {hf_config.model_type} "
+                         f"config (it is {count}): the checkpoint has no MTP layers to build")
     return count
 
 
