@@ -30,7 +30,7 @@ TP = 2
 def _grads_as_hf(chunks, context) -> dict[str, torch.Tensor]:
     """Every parameter's (finalized) gradient, HF-named and gathered like the weights themselves (experts
     stacked, as transformers 5 holds them in memory)."""
-    from actorcore.mcore.checkpoint import gather_hf_state_dict
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
 
     saved = []
     for chunk in chunks:
