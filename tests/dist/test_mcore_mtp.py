@@ -1,8 +1,8 @@
 """DeepSeek-V3 multi-token prediction on the Megatron route (gloo, CPU): a checkpoint with MTP tensors named as in
-the release (``model.layers.{num_hidden_layers}.*``) converts HF -> Megatron -> HF bit-exact at TP=2 and PP=2, the
-MTP depth's per-token log-probs equal an independent plain-torch MTP forward on each packed sequence (targets
-never cross into the next sequence), the main head's log-probs are bitwise those of the model built without MTP,
-and the default build drops the MTP tensors."""
+the release (``model.layers.{num_hidden_layers}.*``) converts HF -> Megatron -> HF bit-exact at TP=2, PP=2 and
+EP=2; the MTP depth's per-token log-probs, loss and ``eh_proj`` gradient equal an independent plain-torch MTP
+forward run on each packed sequence alone (targets never cross into the next sequence); the main head's log-probs
+are bitwise those of the model built without MTP, which drops the MTP tensors (the default)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def _sequences() -> list[torch.Tensor]:
 
 
 def _worker(rank: int, world_size: int, mtp_dir: str, saved_dir: str) -> dict:
-    """TP=2 then PP=2 (the MTP layer on the last stage): load, export, log-probs with the MTP loss (forward and
-    backward); at TP=2 also the default build (MTP dropped), at PP=2 a Megatron checkpoint for the CLI."""
+    """TP=2, PP=2 (the MTP layer on the last stage), EP=2 (its experts split): load, export, log-probs with the
+    MTP loss (forward and backward); at TP=2 also the default build (MTP dropped), at PP=2 a Megatron checkpoint
+    for the CLI."""
     import actorcore as ac
     from megatron.core import parallel_state
     from transformers import AutoConfig
@@ -45,7 +46,8 @@ def _worker(rank: int, world_size: int, mtp_dir: str, saved_dir: str) -> dict:
     batch = ac.pack(_sequences())
     out: dict = {}
     with CpuRuntime():
-        for name, parallel in (("tp2", McoreParallel(tp=2)), ("pp2", McoreParallel(pp=2))):
+        for name, parallel in (("tp2", McoreParallel(tp=2)), ("pp2", McoreParallel(pp=2)),
+                               ("ep2", McoreParallel(ep=2))):
             context = initialize_megatron(parallel)
             chunks = build_gpt_model(hf_config, parallel, mtp=True)
             load_hf_into_mcore(chunks, mtp_dir, context)
@@ -64,7 +66,7 @@ def _worker(rank: int, world_size: int, mtp_dir: str, saved_dir: str) -> dict:
                     compute_logprobs(plain_chunks, batch, context, mtp_loss_scale=1.0)
                 except ValueError as exc:
                     got["refusal"] = str(exc)
-            else:
+            elif name == "pp2":
                 save_mcore_checkpoint(chunks, saved_dir, mtp_dir, 128)
             out[name] = got
             parallel_state.destroy_model_parallel()
@@ -121,7 +123,8 @@ def test_mtp_roundtrip_loss_and_packing():
                 scale = expected.abs().max()
                 torch.testing.assert_close(grad / scale, expected / scale, atol=TOL["grad_mcore_vs_hf_fp32_rel"],
                                            rtol=0)
-    assert any(r["pp2"]["grads"] for r in results) and all(r["tp2"]["grads"] for r in results)
+    assert any(r["pp2"]["grads"] for r in results)
+    assert all(r["tp2"]["grads"] and r["ep2"]["grads"] for r in results)
 
 
 def test_mtp_refusals():
