@@ -127,6 +127,22 @@ def test_mtp_roundtrip_loss_and_packing():
     assert all(r["tp2"]["grads"] and r["ep2"]["grads"] for r in results)
 
 
+def test_mtp_copy_that_differs_is_refused(tmp_path):
+    """The release's MTP embedding / head copies must equal the main tensors bitwise (Megatron holds one)."""
+    from safetensors.torch import save_file
+
+    from actorcore.mcore.checkpoint import SafetensorsReader, _check_shared_copies
+
+    main = torch.randn(5, 3)
+    changed = main.clone()
+    changed[4, 2] += 1.0  # in the last rows: the share of the last rank of two
+    save_file({"src": main, "same": main.clone(), "other": changed}, str(tmp_path / "model.safetensors"))
+    reader, consumed = SafetensorsReader(str(tmp_path)), set()
+    assert _check_shared_copies(reader, {"src": ["same"]}, consumed) == [] and consumed == {"same"}
+    problems = _check_shared_copies(reader, {"src": ["other", "absent"]}, consumed)
+    assert len(problems) == 2 and "other differs from src" in problems[0] and "missing tensor absent" in problems[1]
+
+
 def test_mtp_refusals():
     """Asking for MTP where there is none, or under context parallelism, is a ValueError saying what to do."""
     from types import SimpleNamespace
