@@ -275,6 +275,7 @@ def _tiny_vlm_config(directory: str) -> str:
     (["--tp", "3"], ["--tp 3 does not divide the model's 4 attention heads"]),
     (["--tp", "0"], ["--tp must be a positive integer"]),
     (["--tp", "4", "six-heads"], ["--tp 4 does not divide the model's 6 attention heads"]),
+    (["--mtp"], ["has no multi-token-prediction rules on the Megatron route"]),
 ])
 def test_bad_layout_is_named_before_work(tmp_path, checkpoints, capsys, no_work, flags, fragments):
     src = _six_heads(str(tmp_path / "six")) if "six-heads" in flags else checkpoints[0]

@@ -1,5 +1,6 @@
 from actorcore.archs.spec import ArchSpec
 from actorcore.archs.megatron_rules import (
+    DEEPSEEK_MTP_RULES,
     DENSE_MLP_RULES,
     EMBEDDING_RULES,
     EXPERT_BIAS_RULES,
@@ -12,7 +13,8 @@ from actorcore.archs.megatron_rules import (
 
 # Multi-head latent attention (low-rank q and kv projections, decoupled RoPE), sigmoid-scored grouped
 # routing with a score-correction bias, shared experts, the first layers dense. The multi-token-prediction
-# layers are not part of the HF model; the Megatron model is built without them.
+# layers (``model.layers.{num_hidden_layers + i}.*``) are not part of the HF model; the Megatron model has them
+# when built with ``mtp=True``.
 SPEC = ArchSpec(
     model_type="deepseek_v3",
     mlp_kind="moe",
@@ -20,6 +22,7 @@ SPEC = ArchSpec(
         rules=EMBEDDING_RULES + MLA_ATTENTION_RULES + DENSE_MLP_RULES + moe_rules() + EXPERT_BIAS_RULES
         + SHARED_EXPERTS_RULES,
         grouped_expert_rules=grouped_expert_rules(),
+        mtp=DEEPSEEK_MTP_RULES,
         # HF's DeepseekV3 always scores with a sigmoid and chooses experts with the bias (noaux_tc), and
         # always has the q/kv low-rank norms.
         config_overrides=dict(qk_layernorm=True, moe_router_score_function="sigmoid",

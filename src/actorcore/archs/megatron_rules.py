@@ -99,6 +99,8 @@ class McoreSpec:
     # saved by transformers 4.52-4.57 (``model.language_model.`` for ``model.``); ``for_checkpoint`` renames the
     # rules' HF names when the checkpoint uses them (every pair at once; export keeps the rules' names).
     stored_prefixes: tuple[tuple[str, str], ...] = ()
+    # Multi-token prediction (DeepSeek-V3 style), used when the model is built with MTP layers: see ``MtpRules``.
+    mtp: "MtpRules | None" = None
 
     def for_checkpoint(self, hf_names: set[str] | list[str]) -> "McoreSpec":
         """This spec with the names (``stored_prefixes``) and the expert rules (per-expert or grouped) that fit the
@@ -128,8 +130,18 @@ class McoreSpec:
             raise ValueError("this architecture declares no grouped expert rules")
         per_expert = {r.mcore_name for r in self.grouped_expert_rules}
         kept = tuple(r for r in self.rules if r.mcore_name not in per_expert)
-        return McoreSpec(rules=kept + self.grouped_expert_rules, config_overrides=self.config_overrides,
-                         refused=self.refused)
+        return dataclasses.replace(self, rules=kept + self.grouped_expert_rules)
+
+    def with_mtp(self) -> "McoreSpec":
+        """This spec plus the rules of the multi-token-prediction layers (``mtp.layers.{layer}.*``, where
+        ``{layer}`` is the HF layer index ``num_hidden_layers + i``): the MTP-only rules, and every decoder-layer
+        rule again under the MTP layer's ``transformer_layer`` (in the expert layout this spec already chose)."""
+        if self.mtp is None:
+            raise ValueError("this architecture declares no multi-token-prediction rules")
+        layer = tuple(dataclasses.replace(r, mcore_name=MTP_PREFIX + "transformer_layer."
+                                          + r.mcore_name[len(DECODER_PREFIX):])
+                      for r in self.rules if r.mcore_name.startswith(DECODER_PREFIX))
+        return dataclasses.replace(self, rules=self.rules + self.mtp.rules + layer)
 
     @property
     def uses_grouped_experts(self) -> bool:
@@ -145,10 +157,30 @@ class McoreSpec:
         return [(r, idx) for r in self.rules if (idx := r.match_hf(name)) is not None]
 
 
+@dataclass(frozen=True)
+class MtpRules:
+    """The multi-token-prediction part of a spec (DeepSeek-V3's ``model.layers.{num_hidden_layers + i}.*``).
+
+    ``rules``: the MTP-only parameters (norms, projection, head norm). The MTP layer's decoder layer reuses the
+    spec's decoder-layer rules (``McoreSpec.with_mtp``). ``shared``: HF tensors that the checkpoint stores as
+    copies of main-model tensors (``(copy pattern, source HF name)``): Megatron's MTP shares the embedding and
+    output layer with the main model, so loading checks that each copy equals its source bitwise, and export
+    writes the source again under the copy's name.
+    """
+
+    rules: tuple[WeightRule, ...]
+    shared: tuple[tuple[str, str], ...] = ()
+
+    def shared_names(self, layer: int) -> list[tuple[str, str]]:
+        return [(copy.format(layer=layer), source) for copy, source in self.shared]
+
+
 # ---- Rule sets shared by the spec files (compose them with tuple concatenation). ----------------------
 
 _L = "model.layers.{layer}."
 _M = "decoder.layers.{layer}."
+DECODER_PREFIX = _M
+MTP_PREFIX = "mtp.layers.{layer}."
 
 EMBEDDING_RULES = (
     WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), parallel="vocab"),
@@ -266,3 +298,15 @@ def vision_tower_rules(hf_prefix: str, block_params: tuple[str, ...], other_para
     (``<blocks>.{layer}.<param>``) and its other parameters (patch embedding, merger)."""
     names = tuple(f"{blocks}.{{layer}}.{p}" for p in block_params) + tuple(other_params)
     return tuple(WeightRule(f"{VISION_TOWER}.{n}", (hf_prefix + n,)) for n in names)
+# DeepSeek-V3's multi-token-prediction layer: h' = eh_proj(cat(enorm(emb(t+1)), hnorm(h))) -> decoder layer ->
+# shared_head.norm -> the shared output head. The release also stores the shared embedding and head in the layer.
+DEEPSEEK_MTP_RULES = MtpRules(
+    rules=(
+        WeightRule(MTP_PREFIX + "enorm.weight", (_L + "enorm.weight",)),
+        WeightRule(MTP_PREFIX + "hnorm.weight", (_L + "hnorm.weight",)),
+        WeightRule(MTP_PREFIX + "eh_proj.weight", (_L + "eh_proj.weight",), parallel="column"),
+        WeightRule(MTP_PREFIX + "final_layernorm.weight", (_L + "shared_head.norm.weight",)),
+    ),
+    shared=((_L + "embed_tokens.weight", "model.embed_tokens.weight"),
+            (_L + "shared_head.head.weight", "lm_head.weight")),
+)

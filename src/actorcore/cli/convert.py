@@ -1,6 +1,6 @@
 """``actorcore convert``: HF <-> Megatron-Core checkpoints (part of the CLI: it prints).
 
-  actorcore convert hf-to-mcore SRC_HF_DIR DST_DIR [--tp N --pp N --ep N]
+  actorcore convert hf-to-mcore SRC_HF_DIR DST_DIR [--tp N --pp N --ep N] [--mtp]
   actorcore convert mcore-to-hf SRC_MCORE_DIR DST_HF_DIR [--max-shard-size BYTES]
 
 hf-to-mcore writes a Megatron distributed checkpoint (loadable at any layout); with a layout bigger than
@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size used for the conversion")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     to_mcore.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
+    to_mcore.add_argument("--mtp", action="store_true",
+                          help="keep the multi-token-prediction layers (DeepSeek-V3's model.layers.{num_hidden_layers}"
+                               ".*); without it they are dropped (logged)")
     to_mcore.add_argument("--vocab-multiple", type=int, default=128,
                           help="pad the vocabulary to a multiple of this (must be divisible by every TP size used)")
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors + config")
@@ -85,7 +88,7 @@ def _free_port() -> int:
 
 
 def _hf_to_mcore_rank(rank: int, world_size: int, port: int, src: str, out: str, sizes: tuple[int, int, int],
-                      vocab_multiple: int) -> None:
+                      vocab_multiple: int, mtp: bool = False) -> None:
     from actorcore.mcore.checkpoint import load_hf_into_mcore, safetensors_dtype
     from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
     from actorcore.mcore.model import build_gpt_model
@@ -97,7 +100,7 @@ def _hf_to_mcore_rank(rank: int, world_size: int, port: int, src: str, out: str,
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     with _megatron_runtime(rank, world_size, port):
         context = initialize_megatron(parallel)
-        chunks = build_gpt_model(hf_config, parallel, dtype, vocab_multiple=vocab_multiple)
+        chunks = build_gpt_model(hf_config, parallel, dtype, vocab_multiple=vocab_multiple, mtp=mtp)
         fault_points.reach("loading")
         load_hf_into_mcore(chunks, src, context, progress=rank == 0)
         save_mcore_checkpoint(chunks, out, src, vocab_multiple)
@@ -165,6 +168,10 @@ def _check_layout(args: argparse.Namespace, hf_config: Any) -> None:
     if args.vocab_multiple % args.tp:
         raise ValueError(f"--vocab-multiple {args.vocab_multiple} must be divisible by --tp {args.tp}: use a "
                          f"multiple of {args.tp} (the default, 128, suits every power-of-two --tp)")
+    if args.mtp:
+        from actorcore.mcore.model import mtp_layer_count
+
+        mtp_layer_count(hf_config, True)  # refuses a model without MTP layers or rules, before any rank starts
 
 
 def _hf_to_mcore(args: argparse.Namespace) -> None:
@@ -175,7 +182,7 @@ def _hf_to_mcore(args: argparse.Namespace) -> None:
     _check_layout(args, _read_hf_config(src))
     world = McoreParallel(tp=args.tp, pp=args.pp, ep=args.ep).world_size
     with atomic_output(args.dst) as out:
-        task = (src, out, (args.tp, args.pp, args.ep), args.vocab_multiple)
+        task = (src, out, (args.tp, args.pp, args.ep), args.vocab_multiple, args.mtp)
         if world == 1:
             _hf_to_mcore_rank(0, 1, _free_port(), *task)
             return
@@ -225,7 +232,8 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     meta, hf_config, dtype = read_mcore_metadata(src)
     with atomic_output(args.dst) as out, _megatron_runtime(0, 1, _free_port()):
         context = initialize_megatron(McoreParallel())
-        chunks = build_gpt_model(hf_config, McoreParallel(), dtype, vocab_multiple=int(meta["vocab_multiple"]))
+        chunks = build_gpt_model(hf_config, McoreParallel(), dtype, vocab_multiple=int(meta["vocab_multiple"]),
+                                 mtp=bool(meta.get("mtp_layers")))
         fault_points.reach("loading")
         load_mcore_checkpoint(chunks, src)
         copy_hf_side_files(os.path.join(src, HF_DIR), out)

@@ -27,6 +27,7 @@ _EXPORTS = {
     "CheckpointMismatchError": "actorcore.mcore.checkpoint",
     "compute_logprobs": "actorcore.mcore.forward",
     "compute_values": "actorcore.mcore.forward",
+    "mtp_loss": "actorcore.mcore.forward",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -22,12 +22,13 @@ import torch.distributed as dist
 from actorcore.mcore.model import mcore_spec_for
 from actorcore.parallel import collectives
 from actorcore.parallel.context import ParallelContext
-from actorcore.archs.megatron_rules import WeightRule
+from actorcore.archs.megatron_rules import McoreSpec, WeightRule
 from actorcore.mcore.transforms import local_experts, merge_parts, split_parts, tp_dim, tp_range
 
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
@@ -151,6 +152,10 @@ def global_mcore_name(chunk: Any, local_name: str, context: ParallelContext) -> 
     if found:
         layer = chunk.decoder.layers[int(found.group(1))].layer_number - 1
         local_name = f"decoder.layers.{layer}." + local_name[found.end():]
+    found = _MTP_LAYER.match(local_name)
+    if found:  # MTP layer i is the checkpoint's layer num_hidden_layers + i
+        layer = chunk.config.num_layers + chunk.mtp.layers[int(found.group(1))].layer_number - 1
+        local_name = f"mtp.layers.{layer}." + local_name[found.end():]
     found = _EXPERT.search(local_name)
     if found:
         num_experts = chunk.config.num_moe_experts
@@ -184,6 +189,80 @@ def _is_tied(rule: WeightRule, hf_config: Any) -> bool:
     return bool(rule.tied_hf_name and getattr(hf_config, "tie_word_embeddings", False))
 
 
+# ---- multi-token prediction -------------------------------------------------------------------------
+
+
+def model_spec(chunk: Any, hf_names: set[str] | None = None) -> McoreSpec:
+    """The weight rules of a built model: the expert layout of ``hf_names`` (the checkpoint being loaded) or
+    the one it was loaded from, plus the MTP rules when it has MTP layers."""
+    spec = mcore_spec_for(chunk.actorcore_hf_config)
+    if hf_names is not None:
+        spec = spec.for_checkpoint(hf_names)
+    elif getattr(chunk, "actorcore_grouped_experts", False):
+        spec = spec.with_grouped_experts()  # the layout the checkpoint was loaded from
+    return spec.with_mtp() if chunk.config.mtp_num_layers else spec
+
+
+def mtp_hf_layers(chunk: Any) -> range:
+    """HF layer indices of the model's MTP layers (``num_hidden_layers + i``); empty without MTP."""
+    return range(chunk.config.num_layers, chunk.config.num_layers + (chunk.config.mtp_num_layers or 0))
+
+
+def shared_copies(spec: McoreSpec, chunk: Any) -> dict[str, list[str]]:
+    """{source HF name: [names of its MTP copies]}, the source resolved through tied embeddings (a tied model
+    stores its head only as the embedding)."""
+    copies: dict[str, list[str]] = {}
+    for layer in mtp_hf_layers(chunk):
+        for copy, source in spec.mtp.shared_names(layer):
+            rules = spec.rules_for_hf(source)
+            if rules and _is_tied(rules[0][0], chunk.actorcore_hf_config):
+                source = rules[0][0].tied_hf_name
+            copies.setdefault(source, []).append(copy)
+    return copies
+
+
+def _check_shared_copies(reader: SafetensorsReader, copies: dict[str, list[str]], consumed: set[str]) -> list[str]:
+    """Each copy must equal its source bitwise (Megatron holds one tensor for both). Every rank compares its
+    share of the rows, so the whole tensor is compared once, however large."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = []
+    for source, names in copies.items():
+        for name in names:
+            if name not in reader:
+                problems.append(f"missing tensor {name} (the MTP layer's copy of {source})")
+                continue
+            consumed.add(name)
+            if source not in reader or reader.shape(name) != reader.shape(source):
+                problems.append(f"tensor {name} has shape {list(reader.shape(name))}, its source {source} "
+                                f"{list(reader.shape(source)) if source in reader else 'is missing'}")
+                continue
+            rows = reader.shape(name)[0]
+            start, stop = rank * rows // world, (rank + 1) * rows // world
+            if reader.dtype(name) != reader.dtype(source) or \
+                    not torch.equal(reader.read(name, 0, start, stop), reader.read(source, 0, start, stop)):
+                problems.append(f"tensor {name} differs from {source}: Megatron's MTP layers share the main "
+                                "model's embedding and output layer, so the checkpoint's copy must equal it bitwise")
+    return problems
+
+
+def _mtp_tensors(spec: McoreSpec, names: set[str], hf_config: Any) -> list[str]:
+    """The checkpoint's MTP tensors: named by the spec's MTP rules, in the layers ``num_hidden_layers + i`` for
+    ``i < num_nextn_predict_layers`` (any other extra layer stays an error)."""
+    layers = range(hf_config.num_hidden_layers,
+                   hf_config.num_hidden_layers + (getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
+    if spec.mtp is None or not layers:
+        return []
+    with_mtp = spec.with_mtp()
+    copies = [WeightRule(copy, (copy,)) for copy, _ in spec.mtp.shared]
+    found = []
+    for name in names:
+        hits = [idx for _, idx in with_mtp.rules_for_hf(name)]
+        hits += [idx for copy in copies if (idx := copy.match_hf(name)) is not None]
+        if any(idx.get("layer") in layers for idx in hits):
+            found.append(name)
+    return sorted(found)
+
+
 # ---- load ------------------------------------------------------------------------------------------
 
 
@@ -214,7 +293,7 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, context: ParallelContext,
     """
     hf_config = chunks[0].actorcore_hf_config
     reader = SafetensorsReader(hf_dir)
-    spec = mcore_spec_for(hf_config).for_checkpoint(reader.names())
+    spec = model_spec(chunks[0], reader.names())
     for chunk in chunks:  # export writes the experts back in the layout they came in
         chunk.actorcore_grouped_experts = spec.uses_grouped_experts
     problems: list[str] = []
@@ -251,10 +330,18 @@ def load_hf_into_mcore(chunks: list[Any], hf_dir: str, context: ParallelContext,
         local = merge_parts(rule.transform, parts, **_head_counts(chunk.config, context.tp_size))
         with torch.no_grad():
             param.copy_(local)
+    if chunks[0].config.mtp_num_layers:
+        problems += _check_shared_copies(reader, shared_copies(spec, chunks[0]), consumed)
     everything = collectives.all_gather_object((sorted(consumed), problems), dist.group.WORLD)
     used = set().union(*(set(c) for c, _ in everything))
     problems = sorted(set(p for _, ps in everything for p in ps))
     extra = sorted(reader.names() - used)
+    dropped = [] if chunks[0].config.mtp_num_layers else _mtp_tensors(spec, set(extra), hf_config)
+    if dropped and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("%s: dropping the %d multi-token-prediction tensors (e.g. %s): the model is built without MTP "
+                    "layers (build_gpt_model(..., mtp=True) or `convert hf-to-mcore --mtp` keeps them)", hf_dir,
+                    len(dropped), dropped[0])
+    extra = sorted(set(extra) - set(dropped))
     if extra:
         problems.append(f"unexpected tensors not used by the {hf_config.model_type} model: {', '.join(extra)}")
     if problems:

@@ -2,7 +2,7 @@
 
 The checkpoint directory holds Megatron's sharded tensors (global shapes, loadable at any TP / PP / EP
 layout) plus ``hf/``: the source HF config and tokenizer files, and ``actorcore.json``: what is needed to
-rebuild the model (model type, vocabulary padding).
+rebuild the model (model type, vocabulary padding, the number of MTP layers it was built with).
 
 Saving writes the shards in the calling process (``_InProcessSaveStrategy``): megatron-core's default writer
 forks worker processes and a manager process, which a signal can kill while the parent waits on them for
@@ -57,9 +57,16 @@ def copy_hf_side_files(src: str, dst: str) -> None:
 
 
 def _sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    # The metadata GPTModel would default to, passed explicitly: 0.16.1's GPTModel reads ``metadata["dp_cp_group"]``
+    # itself (for the MTP stage's embedding replica) before filling the default in.
+    def sharded(chunk: Any) -> dict[str, Any]:
+        return chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+
     if len(chunks) == 1:
-        return chunks[0].sharded_state_dict()
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        return sharded(chunks[0])
+    return {f"model{i}": sharded(chunk) for i, chunk in enumerate(chunks)}
 
 
 def _in_process_save_strategy() -> Any:
@@ -92,7 +99,7 @@ def save_mcore_checkpoint(chunks: list[Any], directory: str, hf_dir: str, vocab_
     if not dist.is_initialized() or dist.get_rank() == 0:
         copy_hf_side_files(hf_dir, os.path.join(directory, HF_DIR))
         meta = {"format": "actorcore-mcore/1", "model_type": chunks[0].actorcore_hf_config.model_type,
-                "vocab_multiple": vocab_multiple}
+                "vocab_multiple": vocab_multiple, "mtp_layers": chunks[0].config.mtp_num_layers or 0}
         with open(os.path.join(directory, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
 

@@ -11,6 +11,10 @@ layout (``actorcore.context_split.split_for_cp``: sequences padded to a multiple
 chunks r and 2*cp-1-r); labels are taken before the split, and the per-token results of all CP ranks are
 gathered back into the batch's ``[T]`` order before the loss, which every CP rank computes on the whole batch.
 
+Multi-token prediction (a model built with ``mtp=True``, ``compute_logprobs(..., mtp_loss_scale=...)``): the
+last stage also runs Megatron's MTP layers; depth ``d`` (1-based) scores token ``t + 1 + d`` from position ``t``
+of the same sequence (targets stop at each sequence's end), with the same fused kernel and output weight.
+
 Legend: ``T`` packed tokens, ``D`` hidden, ``V`` vocabulary (this TP rank's rows).
 """
 
@@ -21,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from actorcore.batch import PackedBatch, next_token_labels, pad_to_multiple, shift_to_scored_token, unpad
+from actorcore.batch import (IGNORE_INDEX, PackedBatch, next_token_labels, pad_to_multiple, shift_to_scored_token,
+                             unpad)
 from actorcore.context_split import CpShard, split_for_cp
 from actorcore.kernels.logprob import check_options
 from actorcore.mcore.cpu_runtime import te_absent_fixes
@@ -131,6 +136,61 @@ def logprobs_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch
     return LogProbOutput(log_probs=finish(logprob_T), entropy=None if entropy_T is None else finish(entropy_T))
 
 
+def mtp_labels(batch: PackedBatch, depth: int) -> torch.Tensor:
+    """Labels of MTP depth ``depth`` (1-based) at each predicting position ``t``: ``input_ids[t + 1 + depth]``
+    when that token is in the same real sequence, else ``IGNORE_INDEX`` (never a token of the next sequence)."""
+    shift = 1 + depth
+    tokens = batch.num_tokens
+    labels = torch.full_like(batch.input_ids, IGNORE_INDEX)
+    if shift >= tokens:
+        return labels
+    labels[:-shift] = batch.input_ids[shift:]
+    cu = batch.cu_seqlens.long()
+    ends = torch.repeat_interleave(cu[1:], cu[1:] - cu[:-1])  # each token's sequence end (exclusive)
+    position = torch.arange(tokens, device=labels.device)
+    crossing = (position + shift >= ends) | (position >= batch.num_real_tokens)
+    return labels.masked_fill(crossing, IGNORE_INDEX)
+
+
+def mtp_loss(mtp_log_probs: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Megatron's MTP loss from ``LogProbOutput.mtp_log_probs`` ``[mtp, T]``: per depth the mean negative
+    log-prob over its scored tokens, averaged over the depths (``mtp_loss_scale`` multiplies it)."""
+    losses = []
+    for depth in range(1, mtp_log_probs.shape[0] + 1):
+        scored = shift_to_scored_token_by(mtp_labels(batch, depth) != IGNORE_INDEX, 1 + depth)
+        scored = unpad(scored, batch)
+        losses.append(-(mtp_log_probs[depth - 1] * scored).sum() / scored.sum().clamp(min=1))
+    return torch.stack(losses).mean()
+
+
+def shift_to_scored_token_by(predicting_T: torch.Tensor, shift: int) -> torch.Tensor:
+    """Values moved from the predicting position ``t`` to the scored token ``t + shift``; 0 before."""
+    out = torch.zeros_like(predicting_T)
+    if shift < predicting_T.shape[0]:
+        out[shift:] = predicting_T[:-shift]
+    return out
+
+
+def mtp_logprobs_from_hidden(chunk: Any, mtp_hidden_TD: list[torch.Tensor], batch: PackedBatch,
+                             context: ParallelContext) -> torch.Tensor:
+    """Per-token log-probs of every MTP depth, ``[mtp, T]`` float32, each aligned to its scored token (0 where
+    a depth scores nothing: a sequence's first ``1 + depth`` tokens). The MTP layers end in the shared head
+    norm; the output weight is the main head's (Megatron shares it). Always at temperature 1: the MTP loss is
+    the draft head's language-modelling loss, as in Megatron, whatever temperature the policy is scored at."""
+    vocab_size = chunk.actorcore_hf_config.vocab_size
+    weight, start = _output_weight_shard(chunk, vocab_size, context)
+    rows = []
+    for depth, hidden_TD in enumerate(mtp_hidden_TD, start=1):
+        labels_T = mtp_labels(batch, depth)
+        hidden_TD = _all_tokens_on_every_tp_rank(chunk, hidden_TD, context)
+        logprob_T, _ = linear_logprob_entropy_vocab_parallel(
+            hidden_TD, weight, labels_T.clamp(min=0), vocab_start=start,
+            tp_group=context.tp_group if context.tp_size > 1 else None, temperature=1.0, entropy=False)
+        kept = torch.where(labels_T != IGNORE_INDEX, logprob_T.float(), torch.zeros((), device=logprob_T.device))
+        rows.append(unpad(shift_to_scored_token_by(kept, 1 + depth), batch))
+    return torch.stack(rows)
+
+
 def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, context: ParallelContext,
                        shard: CpShard | None = None) -> torch.Tensor:
     """Critic head, in float32, at each token itself (as the HF critic)."""
@@ -207,7 +267,8 @@ def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int]
 
 def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatch], context: ParallelContext, *,
                      temperature: float = 1.0, entropy: bool = True,
-                     loss_fn: Callable[[LogProbOutput, PackedBatch], torch.Tensor] | None = None):
+                     loss_fn: Callable[[LogProbOutput, PackedBatch], torch.Tensor] | None = None,
+                     mtp_loss_scale: float | None = None):
     """Per-token float32 log-probs (and entropy) of each packed batch under the Megatron model.
 
     Without ``loss_fn``: forward only, returns a ``LogProbOutput`` (a list for a list of batches) on every
@@ -216,16 +277,29 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
     returned detached. Under context parallelism ``loss_fn`` sees the whole batch's outputs on every CP rank;
     each rank's gradients are its tokens' share times cp (Megatron's schedule scales the loss by cp), so
     averaging them over the data x context parallel ranks (Megatron's DDP) gives the whole batch's gradients.
+
+    ``mtp_loss_scale`` (a model built with ``mtp=True``): also run the multi-token-prediction layers; each output
+    carries ``mtp_log_probs`` ``[mtp, T]`` (depth ``d`` scores token ``t + 1 + d`` from position ``t``, aligned to
+    the scored token, 0 where nothing is scored; at temperature 1), and with ``loss_fn`` the loss becomes
+    ``loss_fn(output, batch) + mtp_loss_scale * mtp_loss(output.mtp_log_probs, batch)`` (its gradient reaches the
+    main model too, as in Megatron). The main head's log-probs are the same as without MTP.
     """
     single = isinstance(batches, PackedBatch)
     batch_list = [batches] if single else list(batches)
     check_options(temperature=temperature, entropy=entropy)
+    mtp_layers = _check_mtp(chunks, context, mtp_loss_scale)
 
     def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None):
-        out = logprobs_from_hidden(model, hidden_TD, batch, context, temperature=temperature, entropy=entropy,
+        pieces = hidden_TD.chunk(1 + mtp_layers, dim=0)  # main hidden states, then one block per MTP depth
+        out = logprobs_from_hidden(model, pieces[0], batch, context, temperature=temperature, entropy=entropy,
                                    shard=shard)
+        if mtp_layers:
+            out.mtp_log_probs = mtp_logprobs_from_hidden(model, list(pieces[1:]), batch, context)
         loss = loss_fn(out, batch) if loss_fn is not None else hidden_TD.sum() * 0.0
-        data = {"log_probs": out.log_probs.detach(), "entropy": None if out.entropy is None else out.entropy.detach()}
+        if mtp_layers and loss_fn is not None:
+            loss = loss + mtp_loss_scale * mtp_loss(out.mtp_log_probs, batch)
+        data = {"log_probs": out.log_probs.detach(), "entropy": None if out.entropy is None else out.entropy.detach(),
+                "mtp": None if out.mtp_log_probs is None else out.mtp_log_probs.detach().flatten()}
         return loss, data
 
     forward_only = loss_fn is None
@@ -240,8 +314,14 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
         raise ValueError("forward-backward of a MoE model at tp > 1 needs sequence parallelism (megatron-core "
                          "refuses MoE training under tensor parallelism without it): do not pass "
                          "sequence_parallel=False to build_gpt_model (it is the default for MoE at tp > 1)")
-    with torch.set_grad_enabled(not forward_only):
-        data = run_schedule(chunks, batch_list, context, head, forward_only=forward_only)
+    for chunk in chunks:
+        chunk.actorcore_run_mtp = bool(mtp_layers)
+    try:
+        with torch.set_grad_enabled(not forward_only):
+            data = run_schedule(chunks, batch_list, context, head, forward_only=forward_only)
+    finally:
+        for chunk in chunks:
+            chunk.actorcore_run_mtp = False
     lengths = [b.num_real_tokens for b in batch_list]
     log_probs = _share_from_last_stage([d["log_probs"] for d in data] or [None] * len(lengths), lengths, context,
                                        chunks)
@@ -250,7 +330,32 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
         ent = _share_from_last_stage([d["entropy"] for d in data] or [None] * len(lengths), lengths, context,
                                      chunks)
     outputs = [LogProbOutput(log_probs=lp, entropy=None if ent is None else ent[i]) for i, lp in enumerate(log_probs)]
+    if mtp_layers:
+        mtp = _share_from_last_stage([d["mtp"] for d in data] or [None] * len(lengths),
+                                     [mtp_layers * n for n in lengths], context, chunks)
+        for output, flat in zip(outputs, mtp):
+            output.mtp_log_probs = flat.view(mtp_layers, -1)
     return outputs[0] if single else outputs
+
+
+def _check_mtp(chunks: list[Any], context: ParallelContext, mtp_loss_scale: float | None) -> int:
+    """How many MTP depths this call runs (0 without ``mtp_loss_scale``); refuses what cannot run them."""
+    if mtp_loss_scale is None:
+        return 0
+    if isinstance(mtp_loss_scale, bool) or not isinstance(mtp_loss_scale, (int, float)) or mtp_loss_scale < 0:
+        raise ValueError(f"mtp_loss_scale must be a non-negative number (or None for no MTP), got {mtp_loss_scale!r}")
+    config = chunks[0].config
+    if not config.mtp_num_layers:
+        raise ValueError("mtp_loss_scale needs a model with multi-token-prediction layers: build it with "
+                         "build_gpt_model(..., mtp=True)")
+    if context.cp_size > 1:
+        raise ValueError("multi-token prediction under context parallelism is not supported: Megatron's MTP rolls "
+                         "each sequence's token ids across CP ranks in its own layout, which actorcore's CP split "
+                         "(padded per sequence) has not been checked against; run MTP at cp=1")
+    if config.pipeline_model_parallel_layout is not None:
+        raise ValueError("multi-token prediction with a custom pipeline layout is not supported (the MTP layers "
+                         "must be on the last stage)")
+    return config.mtp_num_layers
 
 
 def compute_values(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatch], context: ParallelContext):

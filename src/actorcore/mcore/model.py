@@ -5,7 +5,8 @@ TransformerEngine's when TE is installed), so packed THD batches run everywhere,
 swapped for ``SequenceParallelTorchNorm``, so sequence parallelism (needed to train MoE at TP > 1) runs
 too. The model returns the final hidden states instead of logits: log-probs are computed by the fused
 vocabulary-parallel kernel from the output-layer weight, and a critic (``value_head=True``) has a
-replicated ``value_head`` [1, D] instead of an output layer.
+replicated ``value_head`` [1, D] instead of an output layer. With ``mtp=True`` the last stage also holds the
+multi-token-prediction layers (DeepSeek-V3); the forward then returns their hidden states after the main ones.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import types
 from typing import Any
 
 import torch
@@ -77,6 +79,56 @@ def _return_hidden(hidden_states: torch.Tensor, weight: Any = None, runtime_gath
     return hidden_states, None
 
 
+def _mtp_block_spec(config: Any, block: Any, vp_stage: int | None) -> Any:
+    """Megatron's MTP block spec over this model's last decoder-layer spec (packed core attention included),
+    with every norm the sequence-parallel-capable torch norm (Megatron picks its fused or wrapped one)."""
+    from actorcore.mcore.norm import SequenceParallelTorchNorm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    spec = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, vp_stage=vp_stage)
+    if spec is None:
+        return None
+    norms = dict(enorm=SequenceParallelTorchNorm, hnorm=SequenceParallelTorchNorm,
+                 layer_norm=SequenceParallelTorchNorm)
+    layers = [dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, **norms)) for s in spec.layer_specs]
+    return dataclasses.replace(spec, layer_specs=layers)
+
+
+def _postprocess(self: Any, hidden_states: Any, input_ids: Any, position_ids: Any, labels: Any, rotary_pos_emb: Any,
+                 rotary_pos_cos: Any, rotary_pos_sin: Any, mtp_in_postprocess: Any = None, loss_mask: Any = None,
+                 decoder_input: Any = None, attention_mask: Any = None, inference_params: Any = None,
+                 packed_seq_params: Any = None, sequence_len_offset: Any = None, runtime_gather_output: Any = None,
+                 extra_block_kwargs: Any = None, inference_context: Any = None) -> Any:
+    """GPTModel's post-processing for a model with MTP layers (set per instance): runs Megatron's MTP block
+    when ``actorcore_run_mtp`` is set and returns the hidden states ``[B, (1 + mtp) * S, D]`` (main first).
+    Megatron's own version needs labels and turns the MTP outputs into a loss with its cross entropy and a
+    one-token roll per depth; actorcore scores them with the fused vocabulary-parallel kernel instead."""
+    if mtp_in_postprocess and self.actorcore_run_mtp:
+        hidden_states = self.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+                                 attention_mask=attention_mask, inference_params=inference_params,
+                                 rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                                 rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
+                                 sequence_len_offset=sequence_len_offset, embedding=self.embedding,
+                                 **(extra_block_kwargs or {}))
+    if not self.post_process:
+        return hidden_states
+    return hidden_states.transpose(0, 1).contiguous()
+
+
+def mtp_layer_count(hf_config: Any, mtp: bool) -> int | None:
+    """``mtp_num_layers`` for a model built with (``mtp=True``) or without MTP layers; refuses what cannot have them."""
+    if not mtp:
+        return None
+    count = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
+    if mcore_spec_for(hf_config).mtp is None:
+        raise UnsupportedArchitectureError(f"{hf_config.model_type} has no multi-token-prediction rules on the "
+                                           "Megatron route: drop mtp=True (--mtp)")
+    if count < 1:
+        raise ValueError(f"mtp=True (--mtp) needs num_nextn_predict_layers >= 1 in the {hf_config.model_type} "
+                         f"config (it is {count}): the checkpoint has no MTP layers to build")
+    return count
+
+
 def checkpoint_dtype(hf_config: Any) -> torch.dtype:
     """The dtype an HF config declares (``dtype`` / ``torch_dtype``), float32 when it declares none."""
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
@@ -84,7 +136,8 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype:
 
 
 def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype: torch.dtype | None = None, *,
-                    value_head: bool = False, vocab_multiple: int = 128, **config_overrides: Any) -> list[Any]:
+                    value_head: bool = False, vocab_multiple: int = 128, mtp: bool = False,
+                    **config_overrides: Any) -> list[Any]:
     """The model chunks this rank holds (``len == vp or 1``), after ``initialize_megatron``.
 
     Each chunk is a ``GPTModel`` whose forward returns hidden states ``[B, S, D]`` on the last stage
@@ -92,6 +145,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     is on by default for MoE models at tp > 1 (megatron-core trains MoE under TP only with it);
     ``sequence_parallel=True`` / ``False`` in ``config_overrides`` chooses it for any model at tp > 1.
     ``dtype`` defaults to the checkpoint's (``checkpoint_dtype``), which keeps conversion bit-exact.
+    ``mtp=True`` builds the ``num_nextn_predict_layers`` multi-token-prediction layers on the last stage
+    (DeepSeek-V3); by default they are left out (a checkpoint's MTP tensors are then dropped on load).
     """
     require_megatron()
     from actorcore.mcore.vlm import build_vlm_model, is_vlm_config
@@ -106,8 +161,12 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     mcore_spec_for(hf_config)
     parallel = parallel or McoreParallel()
     dtype = dtype or checkpoint_dtype(hf_config)
-    # Multi-token-prediction layers are a pre-training loss; HF models have none, RL needs none.
-    config_overrides.setdefault("mtp_num_layers", None)
+    if "mtp_num_layers" in config_overrides:
+        raise ValueError("pass mtp=True (not mtp_num_layers) to build the multi-token-prediction layers")
+    if mtp and value_head:
+        raise ValueError("a critic (value_head=True) has no output head for multi-token prediction: drop mtp=True")
+    # Multi-token-prediction layers: only on request (HF models have none; the log-probs never need them).
+    config_overrides["mtp_num_layers"] = mtp_layer_count(hf_config, mtp)
     config = hf_to_mcore_config(hf_config, parallel, dtype, **config_overrides)
     model_args = gpt_model_args(hf_config, vocab_multiple)
     if model_args["vocab_size"] % parallel.tp:
@@ -125,7 +184,12 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
         block = with_sequence_parallel_norms(block)
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-        model = GPTModel(config, block, pre_process=pre, post_process=post, vp_stage=stage, **model_args)
+        mtp_spec = _mtp_block_spec(config, block, stage) if config.mtp_num_layers else None
+        model = GPTModel(config, block, pre_process=pre, post_process=post, vp_stage=stage, mtp_block_spec=mtp_spec,
+                         **model_args)
+        if model.mtp_process:
+            model._postprocess = types.MethodType(_postprocess, model)
+        model.actorcore_run_mtp = False  # compute_logprobs(..., mtp_loss_scale=...) sets it for its schedule
         if post:
             if value_head:
                 model.output_layer = _ReturnHidden()

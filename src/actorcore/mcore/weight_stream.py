@@ -26,8 +26,7 @@ import torch
 from actorcore.archs.megatron_rules import WeightRule
 from actorcore.buckets import plan_buckets
 from actorcore.mcore.checkpoint import (_EXPERT, _hf_part_shapes, _head_counts, _is_tied, _tensors,
-                                        global_mcore_name)
-from actorcore.mcore.model import mcore_spec_for
+                                        global_mcore_name, model_spec, shared_copies)
 from actorcore.mcore.transforms import split_parts, tp_dim
 from actorcore.parallel import collectives
 from actorcore.parallel.context import ParallelContext
@@ -55,6 +54,7 @@ class _Source:
     rule: WeightRule
     counts: dict[str, int]
     ep_owner: int = 0
+    copy: bool = False  # an MTP layer's copy of a main-model tensor: its own storage (writers refuse shared ones)
 
 
 def _out_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
@@ -74,21 +74,24 @@ def _stage_sources(chunks: list[Any], context: ParallelContext,
                    dtype: torch.dtype | None) -> tuple[list[_Meta], list[_Source]]:
     """This stage's HF tensors, in the chunks' state-dict order: the same list on every rank of the stage."""
     hf_config = chunks[0].actorcore_hf_config
-    spec = mcore_spec_for(hf_config)
-    if getattr(chunks[0], "actorcore_grouped_experts", False):
-        spec = spec.with_grouped_experts()  # the layout the checkpoint was loaded from
+    spec = model_spec(chunks[0])
+    # MTP: the checkpoint stores the shared embedding / head again under the MTP layer's names.
+    copies = shared_copies(spec, chunks[0]) if chunks[0].config.mtp_num_layers else {}
     metas: list[_Meta] = []
     sources: list[_Source] = []
 
     def add(names: tuple[str, ...], shapes: list[tuple[int, ...]], out: torch.dtype, **source: Any) -> None:
         for part, (hf_name, shape) in enumerate(zip(names, shapes)):
-            metas.append((hf_name, tuple(shape), out))
-            sources.append(_Source(part=part, **source))
+            for name in [hf_name, *copies.get(hf_name, [])]:
+                metas.append((name, tuple(shape), out))
+                sources.append(_Source(part=part, copy=name != hf_name, **source))
 
     for chunk in chunks:
         counts = _head_counts(chunk.config, context.tp_size)
         local = dict(_tensors(chunk))
         for local_name, tensor in local.items():
+            if local_name.startswith("embedding.") and not chunk.pre_process:
+                continue  # the MTP stage's replica of the first stage's embedding
             rule, indices = spec.rule_for_mcore(global_mcore_name(chunk, local_name, context))
             if _is_tied(rule, hf_config):
                 continue  # HF stores the tied lm_head only as the embedding
@@ -199,6 +202,8 @@ def _make_bucket(entries: list[tuple[int, int]], stages: list[list[_Meta]], sour
         meta = stages[stage][index]
         if stage == context.pp_rank:
             tensor = _make(sources[index], meta, context, dtype, hf_vocab)
+            if sources[index].copy:
+                tensor = tensor.clone()
             if (tuple(tensor.shape), tensor.dtype) != meta[1:]:
                 raise RuntimeError(f"mcore_weight_stream: {meta[0]} came out {tuple(tensor.shape)} {tensor.dtype}, "
                                    f"planned {meta[1]} {meta[2]} (a bug in the weight rules)")

@@ -1,0 +1,94 @@
+"""DeepSeek-V3 multi-token prediction on the Megatron route with NCCL (2 GPUs): at TP=2 (sequence parallelism) and
+PP=2 the MTP checkpoint exports back bit-exact, the main log-probs equal transformers' fp32 forward, and the MTP
+log-probs, loss and ``eh_proj`` gradient equal the plain-torch MTP forward on the CPU. Skipped without two CUDA
+devices or megatron-core."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+from actorcore.testing.tolerances import TOL
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+LENGTHS = (9, 2, 12, 5, 3)
+MTP_SCALE = 0.3
+
+
+def _sequences() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(3, 131, (n,), generator=gen) for n in LENGTHS]
+
+
+def _nccl_entry(rank: int, world_size: int, directory: str, fn, args: tuple) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl", init_method=f"file://{os.path.join(directory, 'rendezvous')}", rank=rank,
+                            world_size=world_size, device_id=torch.device("cuda", rank))
+    try:
+        torch.save(fn(rank, world_size, *args), os.path.join(directory, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
+    from transformers import AutoConfig
+
+    import actorcore as ac
+    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.forward import compute_logprobs, mtp_loss
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
+
+    parallel = McoreParallel(tp=tp, pp=pp)
+    context = initialize_megatron(parallel)
+    chunks = build_gpt_model(AutoConfig.from_pretrained(mtp_dir), parallel, mtp=True)
+    load_hf_into_mcore(chunks, mtp_dir, context)
+    batch = ac.pack(_sequences())
+    out = compute_logprobs(chunks, batch, context, mtp_loss_scale=MTP_SCALE,
+                           loss_fn=lambda o, b: o.log_probs.sum() * 0.0)
+    grads = [p.grad.cpu() for n, p in chunks[-1].named_parameters() if n.endswith("eh_proj.weight")]
+    return dict(state={k: v.cpu() for k, v in gather_hf_state_dict(chunks, context).items()},
+                log_probs=out.log_probs.cpu(), mtp=out.mtp_log_probs.cpu(), device=out.mtp_log_probs.device.type,
+                loss=mtp_loss(out.mtp_log_probs, batch.to(out.mtp_log_probs.device)).cpu(), grads=grads,
+                tp_rank=context.tp_rank)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_mtp_on_nccl(tp, pp):
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    from actorcore.testing.mtp import reference_mtp, write_mtp_checkpoint
+
+    with tempfile.TemporaryDirectory() as root:
+        mtp_dir, donor_dir = write_mtp_checkpoint(root)
+        with tempfile.TemporaryDirectory() as directory:
+            torch.multiprocessing.spawn(_nccl_entry, args=(2, directory, _worker, (tp, pp, mtp_dir)), nprocs=2,
+                                        join=True)
+            results = [torch.load(os.path.join(directory, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+        reference = load_file(os.path.join(mtp_dir, "model.safetensors"))
+        main_ref, mtp_rows, ref_loss, ref_grad = reference_mtp(mtp_dir, donor_dir, _sequences(), MTP_SCALE)
+    tol, grad_tol = TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"]
+    for rank, got in enumerate(results):
+        assert sorted(got["state"]) == sorted(reference), rank
+        for name, tensor in reference.items():
+            assert got["state"][name].dtype == tensor.dtype and torch.equal(got["state"][name], tensor), (rank, name)
+        assert got["device"] == "cuda"
+        torch.testing.assert_close(got["log_probs"], main_ref, atol=tol, rtol=0)
+        torch.testing.assert_close(got["mtp"][0], torch.cat(mtp_rows), atol=tol, rtol=0)
+        torch.testing.assert_close(got["loss"], ref_loss, atol=tol, rtol=0)
+        for grad in got["grads"]:
+            rows = grad.shape[0]
+            expected = ref_grad[got["tp_rank"] * rows:(got["tp_rank"] + 1) * rows]
+            scale = expected.abs().max()
+            torch.testing.assert_close(grad / scale, expected / scale, atol=grad_tol, rtol=0)
+    assert any(got["grads"] for got in results)
