@@ -44,14 +44,24 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _measure(fn, repeats: int, warmup: bool = True) -> tuple[float, float, object]:
-    """(median seconds, extra peak GiB, last result)."""
+def _measure(fn, repeats: int, warmup: bool = True, before=None,
+             single_if_slower_than: float | None = None) -> tuple[float, float, object]:
+    """(median seconds, extra peak GiB, last result). ``before`` runs ahead of every call (e.g. zeroing
+    gradients); a warm-up slower than ``single_if_slower_than`` seconds leaves one timed run."""
+    if before is not None:
+        before()
     if warmup:
+        start = time.perf_counter()
         fn()
+        _sync()
+        if single_if_slower_than is not None and time.perf_counter() - start > single_if_slower_than:
+            repeats = 1
     _sync()
     times, peak = [], 0.0
     result = None
     for _ in range(repeats):
+        if before is not None:
+            before()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
@@ -62,6 +72,8 @@ def _measure(fn, repeats: int, warmup: bool = True) -> tuple[float, float, objec
         times.append(time.perf_counter() - start)
         if torch.cuda.is_available():
             peak = max(peak, (torch.cuda.max_memory_allocated() - base) / 2**30)
+    if before is not None:
+        before()
     return sorted(times)[len(times) // 2], peak, result
 
 

@@ -34,7 +34,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -42,39 +41,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _trl_logps import entropy_from_logits, selective_log_softmax  # noqa: E402
 from _verl_head import verl_fused_linear_for_ppo  # noqa: E402
 from hf_route import QWEN25_15B, TINY  # noqa: E402
+from hf_route import _measure as measure  # noqa: E402
 
 PATHS = ("actorcore packed", "hf packed sdpa", "hf packed flex_attention", "trl padded", "verl head")
 GiB = 2**30
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _measure(fn, repeats: int, model) -> tuple[float, float, tuple]:
-    """(median seconds, extra peak GiB, last result); one timed run when the warm-up took over 10 s."""
-    model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    fn()  # warm-up (and compilation for flex_attention)
-    _sync()
-    if time.perf_counter() - start > 10:
-        repeats = 1
-    times, peak, result = [], 0.0, None
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        result = fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-        if torch.cuda.is_available():
-            peak = max(peak, (torch.cuda.max_memory_allocated() - base) / GiB)
-    model.zero_grad(set_to_none=True)
-    return sorted(times)[len(times) // 2], peak, result
+    """(median seconds, extra peak GiB, last result), gradients zeroed around every call; one timed run when the
+    warm-up (compilation for flex_attention) took over 10 s."""
+    return measure(fn, repeats, before=lambda: model.zero_grad(set_to_none=True), single_if_slower_than=10)
 
 
 def _scored(pred_T: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
