@@ -11,8 +11,9 @@ bf16) to a scratch directory; every layout loads those weights:
   ``ac.compute_logprobs`` on its half of the micro-batches (micro-batch i on rank i % 2).
 
 Reported per layout and mode: median seconds, tokens/s (real tokens; FSDP2: each rank's tokens over its own time,
-summed over ranks), peak GiB allocated per rank, and max |Δ log-prob| against the FSDP2 HF route on every real
-token (log-probs gathered to rank 0). bf16 routes use different attention and GEMM kernels: small differences
+summed over ranks; Megatron: the batch's real tokens over the step time, so the padding pipeline parallelism needs
+counts against it), peak GiB allocated per rank (weights included), and max |Δ log-prob| against the FSDP2 HF route
+on every real token, for the log-probs of each mode (gathered to every rank; rank 0 writes them). bf16 routes use different attention and GEMM kernels: small differences
 are expected, a wrong weight or mask gives differences of order 1 or more.
 
 ``--convert``: also time ``actorcore convert hf-to-mcore`` and ``mcore-to-hf`` (subprocesses, as the CLI runs) of a
@@ -163,10 +164,10 @@ def _mcore_layout(name: str, hf_dir: str, batches, args) -> tuple[dict, torch.Te
     tokens = sum(b.num_real_tokens for b in batches)
     row = {"layout": name, "tokens": tokens}
     for mode, (seconds, peak, _) in (("forward", fwd), ("forward_backward", fb)):
-        peaks = [r[0] for r in _per_rank([peak], args)]
+        peaks = [r[0] if _cuda(args) else None for r in _per_rank([peak], args)]
         row.update({f"{mode}_s": seconds, f"{mode}_tokens_per_s": tokens / seconds,
                     f"{mode}_peak_gib_per_rank": peaks})
-    return row, _real(fwd[2], batches)
+    return row, {"forward": _real(fwd[2], batches), "forward_backward": _real(fb[2], batches)}
 
 
 def _fsdp2(hf_dir: str, batches, args) -> tuple[dict, torch.Tensor]:
@@ -202,14 +203,19 @@ def _fsdp2(hf_dir: str, batches, args) -> tuple[dict, torch.Tensor]:
     fwd = _measure(forward, args)
     fb = _measure(forward_backward, args, before=lambda: model.zero_grad(set_to_none=True))
     model.zero_grad(set_to_none=True)
-    # Every rank's log-probs into one [T] vector (zeros elsewhere, summed over ranks).
     offsets = [0]
     for b in batches:
         offsets.append(offsets[-1] + b.num_real_tokens)
-    full = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
-    for i, lp in zip(mine, fwd[2]):
-        full[offsets[i] : offsets[i + 1]] = lp[: batches[i].num_real_tokens].float()
-    dist.all_reduce(full)
+
+    def gathered(log_probs: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's log-probs in one [T] vector (zeros elsewhere, summed over ranks), on the CPU."""
+        full = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
+        for i, lp in zip(mine, log_probs):
+            full[offsets[i] : offsets[i + 1]] = lp[: batches[i].num_real_tokens].float()
+        dist.all_reduce(full)
+        return full.cpu()
+
+    log_probs = {"forward": gathered(fwd[2]), "forward_backward": gathered(fb[2])}
     del model
     if _cuda(args):
         torch.cuda.empty_cache()
@@ -219,8 +225,8 @@ def _fsdp2(hf_dir: str, batches, args) -> tuple[dict, torch.Tensor]:
         table = _per_rank([tokens, seconds, peak], args)
         row.update({f"{mode}_s": max(r[1] for r in table),
                     f"{mode}_tokens_per_s": sum(r[0] / r[1] for r in table),
-                    f"{mode}_peak_gib_per_rank": [r[2] for r in table]})
-    return row, full.cpu()
+                    f"{mode}_peak_gib_per_rank": [r[2] if _cuda(args) else None for r in table]})
+    return row, log_probs
 
 
 def _convert(args, workdir: str) -> dict:
@@ -255,23 +261,23 @@ def _markdown(result: dict) -> str:
     if result.get("routes"):
         lines += [f"Batch: {result['sequences']} sequences, {result['min_len']}-{result['max_len']} tokens "
                   f"(seed {result['seed']}), {result['tokens']} tokens, {result['micro_batches']} micro-batches.", "",
-                  "| layout | mode | s | tokens/s | peak GiB per rank | max abs d log-prob vs fsdp2 |",
+                  "| layout | mode | s | tokens/s | peak GiB allocated per rank | max abs d log-prob vs fsdp2 |",
                   "|---|---|---:|---:|---|---:|"]
         for row in result["routes"]:
             for mode in ("forward", "forward_backward"):
-                peaks = ", ".join(f"{p:.2f}" for p in row[f"{mode}_peak_gib_per_rank"])
-                delta = row.get("max_abs_dlogprob_vs_fsdp2")
+                peaks = ", ".join("n/a" if p is None else f"{p:.2f}" for p in row[f"{mode}_peak_gib_per_rank"])
+                delta = row[f"{mode}_max_abs_dlogprob_vs_fsdp2"]
                 lines.append(f"| {row['layout']} | {mode.replace('_', '+')} | {row[f'{mode}_s']:.3f} | "
                              f"{row[f'{mode}_tokens_per_s']:.0f} | {peaks} | "
                              f"{'-' if delta is None else f'{delta:.3g}'} |")
         lines.append("")
     if result.get("convert"):
         c = result["convert"]
-        lines += [f"Conversion of a {c['checkpoint_gb']:.2f} GB checkpoint ({c['layers']} layers):", "",
+        lines += [f"Conversion of a {c['checkpoint_gb']:.3g} GB checkpoint ({c['layers']} layers):", "",
                   "| step | s | GB/s |", "|---|---:|---:|"]
         for key, label in (("copytree", "shutil.copytree"), ("hf_to_mcore", "convert hf-to-mcore"),
                            ("mcore_to_hf", "convert mcore-to-hf")):
-            lines.append(f"| {label} | {c[f'{key}_s']:.2f} | {c[f'{key}_gb_per_s']:.2f} |")
+            lines.append(f"| {label} | {c[f'{key}_s']:.2f} | {c[f'{key}_gb_per_s']:.3g} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -310,8 +316,10 @@ def run(args) -> None:
                     print(json.dumps(row), flush=True)
             reference = log_probs.get("fsdp2")
             for row in result["routes"]:
-                row["max_abs_dlogprob_vs_fsdp2"] = (None if reference is None else
-                                                    float((log_probs[row["layout"]] - reference).abs().max()))
+                for mode in ("forward", "forward_backward"):
+                    row[f"{mode}_max_abs_dlogprob_vs_fsdp2"] = (
+                        None if reference is None else
+                        float((log_probs[row["layout"]][mode] - reference[mode]).abs().max()))
         if args.convert and rank == 0:
             result["convert"] = _convert(args, workdir)
         dist.barrier()
