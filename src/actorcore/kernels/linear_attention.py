@@ -24,18 +24,12 @@ from collections import Counter
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from actorcore.kernels.trace import add
 
 BACKENDS = ("auto", "torch", "fla")
 ACTIVATIONS = (None, "silu", "swish")
 CHUNK_SIZE = 64
-# The torch delta rule keeps about twenty fp32 [tokens, heads, 128] tensors for its backward. A caller short of
-# memory may take the heads in checkpointed groups of at most ``head_tokens_per_group`` (token x value-head) pairs:
-# one group's working set at a time, for a recomputation and more, smaller steps. Off by default: on the H200 a
-# 160K-token pack of a Qwen3.5-2B shape trained at least 2.8x slower in groups of 2 heads (docs/benchmarks.md).
-HEAD_TOKENS_PER_GROUP = None
 
 
 @functools.cache
@@ -146,13 +140,10 @@ def gated_delta_rule_packed(
     scale: float | None = None,
     backend: str = "auto",
     trace: Counter[str] | None = None,
-    head_tokens_per_group: int | None = HEAD_TOKENS_PER_GROUP,
 ) -> torch.Tensor:
     """The gated delta rule over packed sequences, state reset at each boundary; ``[T, M, V]`` in q's dtype.
 
     ``g`` is the log decay (``<= 0``), ``beta`` the write strength; both per token and value head.
-    ``head_tokens_per_group``: the torch backend's memory knob (``None``: all heads at once; see
-    ``HEAD_TOKENS_PER_GROUP``).
     """
     T, N, K = q_TNK.shape
     M = v_TMV.shape[1]
@@ -175,8 +166,7 @@ def gated_delta_rule_packed(
         out, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
                                         cu_seqlens=cu_seqlens.long())
         return out[0].to(q_TNK.dtype)
-    return _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale,
-                             head_tokens_per_group, trace).to(q_TNK.dtype)
+    return _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale).to(q_TNK.dtype)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -203,34 +193,7 @@ def _step_major_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk_size: in
     return dest_T, running
 
 
-def _key_heads_per_group(N: int, rep: int, T: int, head_tokens_per_group: int) -> int:
-    """The most key heads (a divisor of ``N``) whose ``rep`` value heads each stay within the group budget."""
-    return max([d for d in range(1, N + 1) if N % d == 0 and d * rep * T <= head_tokens_per_group] or [1])
-
-
-def _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale, head_tokens_per_group,
-                      trace):
-    """Heads are independent: run them in groups, each group checkpointed when it records gradients."""
-    T, N, _ = q_TNK.shape
-    rep = v_TMV.shape[1] // N
-    layout = _step_major_layout(cu_seqlens, T, CHUNK_SIZE)
-    per_group = N if head_tokens_per_group is None else _key_heads_per_group(N, rep, T, head_tokens_per_group)
-    if per_group == N:
-        return _delta_rule_heads(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, layout, use_qk_l2norm, scale)
-    outs = []
-    add(trace, "gated_delta_rule:head_groups", N // per_group)
-    for start in range(0, N, per_group):
-        keys, values = slice(start, start + per_group), slice(start * rep, (start + per_group) * rep)
-        args = (q_TNK[:, keys], k_TNK[:, keys], v_TMV[:, values], g_TM[:, values], beta_TM[:, values])
-        if torch.is_grad_enabled() and any(a.requires_grad for a in args):
-            outs.append(torch.utils.checkpoint.checkpoint(_delta_rule_heads, *args, layout, use_qk_l2norm, scale,
-                                                          use_reentrant=False))
-        else:
-            outs.append(_delta_rule_heads(*args, layout, use_qk_l2norm, scale))
-    return torch.cat(outs, dim=1)
-
-
-def _delta_rule_heads(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, layout, use_qk_l2norm, scale, chunk_size=CHUNK_SIZE):
+def _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale, chunk_size=CHUNK_SIZE):
     """Every sequence of the pack at once, in fp32: ``[T, M, V]``.
 
     Each sequence is padded to whole chunks (zero keys, values, decay and write strength: the padding changes
@@ -247,7 +210,7 @@ def _delta_rule_heads(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, layout, use_qk_l2norm,
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * (K**-0.5 if scale is None else scale)
-    dest_T, running = layout
+    dest_T, running = _step_major_layout(cu_seqlens, T, chunk_size)
     if not running:
         return v_TMV.new_zeros(T, M, V, dtype=torch.float32)
     total_chunks = sum(running)
