@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_route import QWEN25_15B, TINY  # noqa: E402  (the B2 model shapes, one table)
+from hf_route import QWEN25_15B, TINY, model_and_sequences  # noqa: E402  (the B2 model shapes, one table)
 
 
 def _sync() -> None:
@@ -55,7 +55,6 @@ def _write_atomic(path: str, text: str) -> None:
 
 def main() -> None:
     import actorcore as ac
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequences", type=int, default=32)
@@ -69,15 +68,10 @@ def main() -> None:
         args.sequences, args.min_len, args.max_len = min(args.sequences, 6), min(args.min_len, 3), min(args.max_len, 60)
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    config = AutoConfig.for_model("qwen2", **(TINY if args.tiny else QWEN25_15B))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    g = torch.Generator().manual_seed(1)
-    lengths = torch.randint(args.min_len, args.max_len + 1, (args.sequences,), generator=g).tolist()
-    sequences = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
+    model, sequences, g = model_and_sequences("qwen2", TINY if args.tiny else QWEN25_15B, device, args.sequences,
+                                           args.min_len, args.max_len, checkpointing={"use_reentrant": False})
+    dtype = model.dtype
+    lengths = [len(s) for s in sequences]
     whole = ac.pack(sequences).to(device)
 
     def logprobs(batch, invariant: bool, train: bool):

@@ -39,6 +39,25 @@ TINY_HYBRID = dict(TINY, num_hidden_layers=4, head_dim=16, linear_num_key_heads=
 MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B, TINY), "qwen3.5-2b": ("qwen3_5_text", QWEN35_2B, TINY_HYBRID)}
 
 
+def model_and_sequences(model_type: str, shape: dict, device: str, sequences: int, min_len: int, max_len: int,
+                        checkpointing: dict | None = None):
+    """The benchmark's randomly initialised model (seed 0; bf16 on the GPU, fp32 on the CPU, activation
+    checkpointing on) and its RL-like batch of ``sequences`` token sequences of ``min_len..max_len`` tokens (seed 1),
+    with the generator that drew them (for scripts that draw more): one definition for every bench script that runs
+    this batch."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    config = AutoConfig.for_model(model_type, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(min_len, max_len + 1, (sequences,), generator=g).tolist()
+    return model, [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths], g
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -100,7 +119,6 @@ def transformers_torch_delta_rule(model, train: bool):
 def main() -> None:
     import actorcore as ac
     from actorcore.hf.reference import logprobs_from_logits, padded_position_ids, right_padded
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
@@ -118,16 +136,10 @@ def main() -> None:
     args = parser.parse_args()
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model_type, shape, tiny_shape = MODELS[args.model]
-    config = AutoConfig.for_model(model_type, **(tiny_shape if args.tiny else shape))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    model.gradient_checkpointing_enable()
-    g = torch.Generator().manual_seed(1)
-    lengths = torch.randint(args.min_len, args.max_len + 1, (args.sequences,), generator=g).tolist()
-    sequences = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
+    model, sequences, _ = model_and_sequences(model_type, tiny_shape if args.tiny else shape, device, args.sequences,
+                                           args.min_len, args.max_len)
+    dtype = model.dtype
     batch = ac.pack(sequences).to(device)
     micro = [sequences[i : i + args.micro_batch] for i in range(0, len(sequences), args.micro_batch)]
     padded = [tuple(t.to(device) for t in right_padded(m)) for m in micro]

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _trl_logps import entropy_from_logits, selective_log_softmax  # noqa: E402
 from _verl_head import verl_fused_linear_for_ppo  # noqa: E402
-from hf_route import QWEN25_15B, TINY  # noqa: E402
+from hf_route import QWEN25_15B, TINY, model_and_sequences  # noqa: E402
 from hf_route import _measure as measure  # noqa: E402
 
 PATHS = ("actorcore packed", "hf packed sdpa", "hf packed flex_attention", "trl padded", "verl head")
@@ -165,7 +165,6 @@ def _leaky_control(model, config, device, a_len, b_len) -> float:
 def main() -> None:
     import actorcore as ac
     from actorcore.hf.reference import right_padded
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequences", type=int, default=32)
@@ -184,17 +183,12 @@ def main() -> None:
         parser.error(f"--paths: unknown {unknown}; 'actorcore packed' (the reference) must be included")
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if args.tiny:
         args.sequences, args.min_len, args.max_len = min(args.sequences, 6), 8, 48
-    config = AutoConfig.for_model("qwen2", **(TINY if args.tiny else QWEN25_15B))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    model.gradient_checkpointing_enable()
-    g = torch.Generator().manual_seed(1)
-    lengths = torch.randint(args.min_len, args.max_len + 1, (args.sequences,), generator=g).tolist()
-    sequences = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
+    model, sequences, _ = model_and_sequences("qwen2", TINY if args.tiny else QWEN25_15B, device, args.sequences,
+                                           args.min_len, args.max_len)
+    config, dtype = model.config, model.dtype
+    lengths = [len(s) for s in sequences]
     batch = ac.pack(sequences).to(device)
     padded = [tuple(t.to(device) for t in right_padded(sequences[i:i + args.micro_batch]))
               for i in range(0, len(sequences), args.micro_batch)]

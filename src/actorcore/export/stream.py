@@ -83,7 +83,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
     if not isinstance(tensor, DTensor):
         return tensor.detach()
-    if tensor.device_mesh.size() == 1:  # one rank holds all of it: no collective (full_tensor costs ~0.6 ms each)
+    if tensor.device_mesh.size() == 1:  # one rank holds all of it: full_tensor would still run a collective
         local = tensor.to_local()
         if local.shape == tensor.shape:
             return local.detach()
