@@ -53,6 +53,19 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _profile(step, title: str, rows: int = 40) -> str:
+    """One call of ``step`` under torch.profiler: the table of the ops with the most device (else CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # warm
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return f"## {title}\n" + prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70)
+
+
 def main() -> None:
     import actorcore as ac
 
@@ -63,6 +76,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (to check the script)")
     parser.add_argument("--out", required=True, help="folder for batch_invariant.json and batch_invariant.md")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write profile.txt: one forward+backward per mode under torch.profiler, the ops "
+                             "and kernels that take the most device time")
     args = parser.parse_args()
     if args.tiny:
         args.sequences, args.min_len, args.max_len = min(args.sequences, 6), min(args.min_len, 3), min(args.max_len, 60)
@@ -113,6 +129,11 @@ def main() -> None:
             worst_lp = max((r[i][0] - base[i][0]).abs().max().item() for r in runs.values() for i in base)
             worst_ent = max((r[i][1] - base[i][1]).abs().max().item() for r in runs.values() for i in base)
             results["max_abs_diff"][key] = {"log_probs": worst_lp, "entropy": worst_ent}
+    os.makedirs(args.out, exist_ok=True)
+    if args.profile:
+        _write_atomic(os.path.join(args.out, "profile.txt"),
+                      "\n\n".join(_profile(lambda: logprobs(whole, invariant, True), f"batch_invariant={invariant}")
+                                   for invariant in (False, True)))
     timing = results["timing"]
     results["cost"] = {phase: timing[f"batch_invariant {phase}"] / timing[f"plain {phase}"] - 1
                        for phase in ("fwd", "fwd+bwd")}
