@@ -53,6 +53,12 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def bi_tile_rows() -> int:
+    import actorcore.hf.batch_invariant as bi
+
+    return bi.batch_invariant_decoder.__defaults__[0]
+
+
 def _profile(step, title: str, rows: int = 40) -> str:
     """One call of ``step`` under torch.profiler: the table of the ops with the most device (else CPU) time."""
     from torch.profiler import ProfilerActivity, profile
@@ -76,6 +82,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (to check the script)")
     parser.add_argument("--out", required=True, help="folder for batch_invariant.json and batch_invariant.md")
+    parser.add_argument("--tile-rows", type=int, default=None,
+                        help="rows per tile of the invariant linears (default: the library's TILE_ROWS)")
     parser.add_argument("--profile", action="store_true",
                         help="also write profile.txt: one forward+backward per mode under torch.profiler, the ops "
                              "and kernels that take the most device time")
@@ -83,6 +91,10 @@ def main() -> None:
     if args.tiny:
         args.sequences, args.min_len, args.max_len = min(args.sequences, 6), min(args.min_len, 3), min(args.max_len, 60)
 
+    if args.tile_rows is not None:  # the mode's tile size has no public knob: set the default the call uses
+        import actorcore.hf.batch_invariant as bi
+
+        bi.batch_invariant_decoder.__defaults__ = (args.tile_rows, bi.NORM_TILE_ROWS)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     model, sequences, g = model_and_sequences("qwen2", TINY if args.tiny else QWEN25_15B, device, args.sequences,
                                            args.min_len, args.max_len, checkpointing={"use_reentrant": False})
@@ -118,7 +130,8 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
                      "model": "qwen2 tiny" if args.tiny else "qwen2 (Qwen2.5-1.5B shape)",
                      "sequences": len(sequences), "tokens": whole.num_tokens, "min_len": min(lengths),
-                     "max_len": max(lengths), "activation_checkpointing": True, "timing": {}, "max_abs_diff": {}}
+                     "max_len": max(lengths), "activation_checkpointing": True,
+                     "tile_rows": bi_tile_rows(), "timing": {}, "max_abs_diff": {}}
     for invariant in (False, True):
         mode = "batch_invariant" if invariant else "plain"
         for train in (False, True):
@@ -140,7 +153,8 @@ def main() -> None:
 
     lines = [f"# batch_invariant=True: cost and packing invariance", "",
              f"{results['device']}, {dtype}, {results['model']}, {len(sequences)} sequences of "
-             f"{min(lengths)}-{max(lengths)} tokens ({whole.num_tokens} tokens), activation checkpointing; "
+             f"{min(lengths)}-{max(lengths)} tokens ({whole.num_tokens} tokens), activation checkpointing, "
+             f"invariant linears in tiles of {results['tile_rows']} rows; "
              f"median of {args.repeats}. Packings: as given, reversed, shuffled into two micro-batches.", "",
              "| mode | phase | time | tokens/s | max abs diff log-prob across packings | entropy |",
              "|---|---|---|---|---|---|"]
