@@ -153,3 +153,17 @@ def test_qwen2_5_vl_megatron_matches_hf_tp1_tp2():
             assert bool((ref != 0).any()), name
             torch.testing.assert_close(grad, ref, atol=grad_tol * ref.abs().max(), rtol=0,
                                        msg=f"rank {rank} tp={tp} {name}")
+
+
+def test_vision_tower_class_without_an_auto_mapping(monkeypatch):
+    """transformers 5.17 (the GPU machine's) maps no AutoModel to Qwen2.5-VL's vision config, 5.24 does: the tower
+    class is then the family's pretrained class whose ``config_class`` the vision config is."""
+    import transformers.models.auto.modeling_auto as modeling_auto
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from actorcore.mcore.vlm import vision_tower_class
+
+    assert vision_tower_class(Qwen2_5_VLVisionConfig()) is Qwen2_5_VisionTransformerPretrainedModel
+    monkeypatch.setattr(modeling_auto, "MODEL_MAPPING", {})
+    assert vision_tower_class(Qwen2_5_VLVisionConfig()) is Qwen2_5_VisionTransformerPretrainedModel

@@ -76,3 +76,25 @@ def test_other_megatron_versions_are_refused(monkeypatch):
         with CpuRuntime():
             pass
     _assert_originals(before)
+
+
+def test_te_absent_fixes_apply_on_any_device_and_are_undone():
+    """Without TransformerEngine, megatron-core 0.16.1's MLA sees TE's placeholder classes as TE (``HAVE_TE``) and
+    calls ``isinstance`` with a placeholder: a TypeError building DeepSeek-V3 on a GPU, where ``CpuRuntime`` does
+    nothing. ``te_absent_fixes`` (used around model construction and the forward, on every device) turns that off
+    and the MoE router's missing ``te_general_gemm`` on, for the block only."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    from actorcore.mcore.cpu_runtime import te_absent_fixes
+
+    if isinstance(mla.TELinear, type) or not mla.HAVE_TE:
+        pytest.skip("this megatron-core's MLA sees no TE placeholder")
+    before = (mla.HAVE_TE, getattr(moe_utils, "te_general_gemm", ABSENT))
+    with te_absent_fixes():
+        assert mla.HAVE_TE is False
+        assert moe_utils.te_general_gemm is None
+    assert (mla.HAVE_TE, getattr(moe_utils, "te_general_gemm", ABSENT)) == before
+    with pytest.raises(RuntimeError), te_absent_fixes():
+        raise RuntimeError("inside")
+    assert (mla.HAVE_TE, getattr(moe_utils, "te_general_gemm", ABSENT)) == before

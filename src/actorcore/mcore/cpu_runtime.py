@@ -109,7 +109,6 @@ def _shims() -> list[tuple[Any, str, Callable[[], Any]]]:
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-    import megatron.core.transformer.multi_latent_attention as multi_latent_attention
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     shims: list[tuple[Any, str, Callable[[], Any]]] = [
@@ -126,10 +125,6 @@ def _shims() -> list[tuple[Any, str, Callable[[], Any]]]:
         (token_dispatcher, "maybe_move_tensor_to_cpu", lambda: _move_to_cpu),
         (schedules, "torch", lambda: _cpu_device_torch(torch)),
     ]
-    if not isinstance(multi_latent_attention.TELinear, type):
-        # Without TE, 0.16.1's TE extension module still imports (with placeholder classes), so MLA sets
-        # HAVE_TE and calls isinstance(..., <placeholder>).
-        shims.append((multi_latent_attention, "HAVE_TE", lambda: False))
     if not filesystem_async.HAVE_PSUTIL:
         # The checkpoint writer's worker only logs its memory use with psutil; without it the forked worker
         # dies and the save waits forever.
@@ -190,17 +185,29 @@ class CpuRuntime:
 
 @contextlib.contextmanager
 def te_absent_fixes():
-    """megatron-core 0.16.x without TransformerEngine, on any device (CUDA too): its MoE router tests an
-    undefined ``te_general_gemm`` (a NameError on the first MoE forward). Defined as ``None`` (the no-TE branch)
-    for the block and removed again; nothing is changed when the name exists."""
+    """megatron-core 0.16.x without TransformerEngine, on any device (CUDA too), for the block, then undone:
+    - its MoE router tests an undefined ``te_general_gemm`` (a NameError on the first MoE forward): defined as
+      ``None`` (the no-TE branch);
+    - MLA's constructor sets ``HAVE_TE`` when TE's extension module imports with placeholder classes, then calls
+      ``isinstance(..., <placeholder>)`` (a TypeError building DeepSeek-V3 on a GPU without TE): ``HAVE_TE = False``.
+    Nothing is changed where the names are already right."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.multi_latent_attention as multi_latent_attention
 
-    if hasattr(moe_utils, "te_general_gemm"):
-        yield
-        return
-    moe_utils.te_general_gemm = None
+    fixes = []
+    if not hasattr(moe_utils, "te_general_gemm"):
+        fixes.append((moe_utils, "te_general_gemm", None))
+    if multi_latent_attention.HAVE_TE and not isinstance(multi_latent_attention.TELinear, type):
+        fixes.append((multi_latent_attention, "HAVE_TE", False))
+    applied = []
     try:
+        for module, name, value in fixes:
+            applied.append((module, name, _own(module, name)))
+            setattr(module, name, value)
         yield
     finally:
-        if _own(moe_utils, "te_general_gemm") is None:
-            delattr(moe_utils, "te_general_gemm")
+        for module, name, original in reversed(applied):
+            if original is _MISSING:
+                delattr(module, name)
+            else:
+                setattr(module, name, original)

@@ -22,6 +22,7 @@ import torch
 from actorcore.archs import get_spec, registered_model_types
 from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore._megatron import require_megatron
+from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
 from actorcore.mcore.mla import route_kv_down_projection_full_width
 from actorcore.mcore.norm import with_sequence_parallel_norms
@@ -185,8 +186,9 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         mtp_spec = _mtp_block_spec(config, block, stage) if config.mtp_num_layers else None
-        model = GPTModel(config, block, pre_process=pre, post_process=post, vp_stage=stage, mtp_block_spec=mtp_spec,
-                         **model_args)
+        with te_absent_fixes():
+            model = GPTModel(config, block, pre_process=pre, post_process=post, vp_stage=stage,
+                             mtp_block_spec=mtp_spec, **model_args)
         if model.mtp_process:
             model._postprocess = types.MethodType(_postprocess, model)
         model.actorcore_run_mtp = False  # compute_logprobs(..., mtp_loss_scale=...) sets it for its schedule

@@ -47,12 +47,33 @@ def build_vision_tower(vision_config: Any, dtype: torch.dtype, device: Any) -> t
     """The HF vision tower of ``vision_config`` (transformers' own module and math), in ``dtype``. Its random
     initial weights (before a checkpoint is loaded) come from a fixed seed, so every rank's replica is the same;
     the caller's RNG state is left as it was."""
-    from transformers import AutoModel
-
+    tower_class = vision_tower_class(vision_config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        tower = AutoModel.from_config(copy.deepcopy(vision_config), dtype=dtype)
+        tower = tower_class._from_config(copy.deepcopy(vision_config), dtype=dtype)
     return tower.to(device=device, dtype=dtype)
+
+
+def vision_tower_class(vision_config: Any) -> type:
+    """The transformers class that builds a tower from ``vision_config``: ``AutoModel``'s, or, where the installed
+    transformers does not map the vision config there (5.17 does not for Qwen2.5-VL, 5.24 does), the pretrained
+    model class of the family's modeling module whose ``config_class`` it is (what the VLM itself builds)."""
+    import importlib
+
+    from transformers import PreTrainedModel
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        return MODEL_MAPPING[type(vision_config)]
+    except KeyError:
+        pass
+    module = importlib.import_module(type(vision_config).__module__.replace(".configuration_", ".modeling_"))
+    found = [obj for obj in vars(module).values() if isinstance(obj, type) and issubclass(obj, PreTrainedModel)
+             and obj.__dict__.get("config_class") is type(vision_config)]
+    if len(found) != 1:
+        raise ValueError(f"no single transformers model class builds a {type(vision_config).__name__} (found "
+                         f"{[c.__name__ for c in found]}); this transformers version cannot build the vision tower")
+    return found[0]
 
 
 def build_vlm_model(hf_config: Any, parallel: McoreParallel | None, dtype: torch.dtype, *, value_head: bool,
