@@ -30,12 +30,8 @@ def load_into(model: torch.nn.Module, stream: Iterable[Bucket]) -> list[str]:
     a tied duplicate the stream leaves out is filled through its tie. Tensors are copied as they arrive: after an
     error the model holds a partial update, so reload it.
     """
-    targets: dict[str, torch.Tensor] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        targets[name] = tensor
-    persistent = set(model.state_dict().keys())
-    targets = {n: t for n, t in targets.items() if n in persistent}
-    expected = exported_names(model)
+    targets = model.state_dict(keep_vars=True)  # parameters and persistent buffers, tied ones under every name
+    expected = exported_names(model, targets)
     received: list[str] = []
     seen: set[str] = set()
     with torch.no_grad():
@@ -97,5 +93,4 @@ def load_into_sglang(engine: Any, stream: Iterable[Bucket], *, load_format: str 
         engine.update_weights_from_tensor(named_tensors=list(bucket), load_format=load_format, flush_cache=False)
         sent += 1
     engine.flush_cache()
-    return sent
     return sent

@@ -38,23 +38,24 @@ def _tied_weight_patterns(model: torch.nn.Module) -> list[str]:
     return patterns
 
 
-def exported_names(model: torch.nn.Module) -> list[str]:
+def exported_names(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> list[str]:
     """The state-dict names ``save_pretrained`` keeps, in ``state_dict()`` order: every name, except a tied
     duplicate (a name holding the same tensor object as another) declared in ``_tied_weights_keys``.
 
-    A group of tied names that the declared keys do not reduce to one is refused, as ``save_pretrained`` refuses it.
+    ``state``: the model's ``state_dict(keep_vars=True)`` if the caller has it (one walk of the module tree per
+    export; the walks were a measurable part of a sync). A group of tied names that the declared keys do not
+    reduce to one is refused, as ``save_pretrained`` refuses it.
     """
-    state_names = list(model.state_dict().keys())
-    wanted = set(state_names)
+    state = model.state_dict(keep_vars=True) if state is None else state
     by_object: dict[int, list[str]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        if name in wanted:
-            by_object.setdefault(id(tensor), []).append(name)
-    patterns = _tied_weight_patterns(model)
+    for name, tensor in state.items():
+        by_object.setdefault(id(tensor), []).append(name)
+    patterns = None
     dropped = set()
     for names in by_object.values():
         if len(names) < 2:
             continue
+        patterns = _tied_weight_patterns(model) if patterns is None else patterns
         tied = [n for n in sorted(names) if any(re.search(p, n) for p in patterns)]
         drop = tied[: len(names) - 1]
         if len(names) - len(drop) > 1:
@@ -64,7 +65,7 @@ def exported_names(model: torch.nn.Module) -> list[str]:
         dropped.update(drop)
     if dropped:
         logger.debug("not exporting tied duplicates %s", sorted(dropped))
-    return [n for n in state_names if n not in dropped]
+    return [n for n in state if n not in dropped]
 
 
 def _out_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -81,12 +82,13 @@ def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None, scheme: BlockwiseFP
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
+    tensor = tensor.detach()
     if not isinstance(tensor, DTensor):
-        return tensor.detach()
+        return tensor
     if tensor.device_mesh.size() == 1:  # one rank holds all of it: full_tensor would still run a collective
         local = tensor.to_local()
         if local.shape == tensor.shape:
-            return local.detach()
+            return local
     return tensor.full_tensor()
 
 
@@ -143,10 +145,10 @@ def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCK
         yield from _adapter_stream(model, bucket_bytes, dtype)
         return
     tree = task_model(model)  # the plain transformers model (inside a PEFT wrapper: its base model with the adapters)
-    order = exported_names(tree)
+    state = tree.state_dict(keep_vars=True)  # once per stream: the (sharded) parameters themselves, nothing gathered
+    order = exported_names(tree, state)
     entries = merged_entries(model, order) if peft else [Entry(n, n) for n in order]
     fp8 = quantized_model_names(tree, scheme, [e.source for e in entries]) if scheme is not None else set()
-    state = tree.state_dict()  # once per stream: references to the (sharded) parameters, nothing gathered
     plan = plan_buckets([(e.name, _nbytes(state[e.source], dtype, scheme if e.source in fp8 else None))
                          for e in entries], bucket_bytes)
     by_name = {e.name: e for e in entries}
