@@ -63,8 +63,12 @@ def test_tiled_linear_gradients_and_tiled_rows_match_plain_torch():
     assert torch.autograd.gradcheck(lambda x, w, b: tiled_linear(x, w, b, tile_rows=8), (x, lin.weight, lin.bias),
                                     eps=TOL["gradcheck_fp64"], atol=TOL["gradcheck_fp64"])
     norm = torch.nn.RMSNorm(12, dtype=torch.float64)
-    out = tiled_rows(norm, x, tile_rows=8)
+    out = tiled_rows(norm, x, tile_rows=8)  # 38 rows: the last tile overlaps the previous one
     torch.testing.assert_close(out, norm(x), rtol=0, atol=TOL["attention_fp64_vs_plain"])
+    assert torch.autograd.gradcheck(lambda x: tiled_rows(norm, x, tile_rows=8), (x,), eps=TOL["gradcheck_fp64"],
+                                    atol=TOL["gradcheck_fp64"])
+    assert torch.autograd.gradcheck(lambda x: tiled_rows(norm, x, tile_rows=64), (x,), eps=TOL["gradcheck_fp64"],
+                                    atol=TOL["gradcheck_fp64"])  # fewer rows than a tile: zero-padded
     with pytest.raises(ValueError, match="tile_rows"):
         tiled_linear(x, lin.weight, tile_rows=0)
 

@@ -8,8 +8,9 @@ CPU (MKL / oneDNN, measured here) a call with 1-3, 5-7 or 9-11 rows takes anothe
 or >= 12, which rounds differently. So row r of ``x @ W.T`` changes with the number of rows M, i.e. with what a
 sequence is packed with. Norm reductions pick their launch configuration from the number of rows too (torch's
 CUDA reduction widens its blocks below 16 rows). Cutting the rows into tiles of exactly ``TILE_ROWS`` (the
-last one padded with zero rows) gives every call the same shapes; in a fixed-shape call a row's result does not
-depend on its position either (each output row is the same sequence of operations on that row's inputs).
+last one overlapping the previous, or zero-padded when the call has fewer rows than a tile) gives every call the
+same shapes; in a fixed-shape call a row's result does not depend on its position either (each output row is the
+same sequence of operations on that row's inputs).
 
 Only the forward is made invariant (that is what the log-probs and entropies are computed from); the backward
 of ``tiled_linear`` is plain torch over all rows at once (parameter gradients are sums over the batch anyway).
@@ -42,12 +43,18 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def _padded_tile(x_RK: torch.Tensor, start: int, end: int, tile_rows: int) -> torch.Tensor:
-    if end - start == tile_rows:
-        return x_RK[start:end]
+def _last_tile(x_RK: torch.Tensor, start: int, tile_rows: int) -> tuple[torch.Tensor, int]:
+    """The tile that computes rows ``start:`` (fewer than ``tile_rows``), and where they begin in it.
+
+    With at least ``tile_rows`` rows: the full tile ending at the last row; its first rows were computed by the
+    previous tile and come out the same (in a fixed-shape call a row's result does not depend on its position), so
+    nothing is copied or zero-filled. With fewer rows in the whole call: the rows padded with zeros."""
+    rows = x_RK.shape[0]
+    if rows >= tile_rows:
+        return x_RK[rows - tile_rows:], start - (rows - tile_rows)
     tile = x_RK.new_zeros(tile_rows, x_RK.shape[1])
-    tile[: end - start] = x_RK[start:end]
-    return tile
+    tile[:rows] = x_RK
+    return tile, start
 
 
 class _TiledLinear(torch.autograd.Function):
@@ -60,14 +67,15 @@ class _TiledLinear(torch.autograd.Function):
         weight_KN = weight_NK.t()
         for start in range(0, rows, tile_rows):
             end = min(start + tile_rows, rows)
-            tile = _padded_tile(x_RK, start, end, tile_rows)
-            target = out_RN[start:end] if end - start == tile_rows else None
+            full = end - start == tile_rows
+            tile, offset = (x_RK[start:end], 0) if full else _last_tile(x_RK, start, tile_rows)
+            target = out_RN[start:end] if full else None
             if bias_N is None:
                 result = torch.mm(tile, weight_KN, out=target)
             else:
                 result = torch.addmm(bias_N, tile, weight_KN, out=target)
-            if target is None:
-                out_RN[start:end] = result[: end - start]
+            if not full:
+                out_RN[start:end] = result[offset: offset + end - start]
         ctx.save_for_backward(x_RK, weight_NK)
         ctx.has_bias = bias_N is not None
         return out_RN
@@ -108,7 +116,8 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                tile_rows: int = NORM_TILE_ROWS) -> torch.Tensor:
     """``fn(x)`` for a row-wise ``fn`` over the last dimension (a norm), run on ``[tile_rows, D]`` tiles.
 
-    Plain autograd through ``fn`` on every tile; padding rows are zeros, which a norm maps to zeros.
+    Plain autograd through ``fn`` on every tile (the last one overlapping the previous, or zero-padded: see
+    ``_last_tile``; a norm maps zero rows to zeros).
     """
     check_tile_rows(tile_rows)
     lead, width = x.shape[:-1], x.shape[-1]
@@ -119,9 +128,10 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     outs = []
     for start in range(0, rows, tile_rows):
         end = min(start + tile_rows, rows)
-        tile = x_RD[start:end]
-        if end - start < tile_rows:
-            tile = torch.cat([tile, tile.new_zeros(tile_rows - (end - start), width)])
-        outs.append(fn(tile)[: end - start])
+        if end - start == tile_rows:
+            outs.append(fn(x_RD[start:end]))
+        else:
+            tile, offset = _last_tile(x_RD, start, tile_rows)
+            outs.append(fn(tile)[offset: offset + end - start])
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(*lead, out.shape[-1])
