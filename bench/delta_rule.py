@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--value-heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-tokens", default=None,
-                        help="the blocks path's slots per block; comma-separated to run it at each (default: the library's)")
+                        help="the blocks path's slots per block, comma-separated to run each (default: the library's)")
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per cell (3 on CUDA, 1 on the CPU)")
     parser.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU (to check the script)")

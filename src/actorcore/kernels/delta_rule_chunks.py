@@ -3,18 +3,19 @@
 Legend as in ``kernels.linear_attention``; ``P`` padded slots (every sequence padded to whole chunks), ``c`` chunks,
 ``L`` the chunk size (64), ``n`` the sequences still running at a recurrence step.
 
-``delta_rule_blocks`` (used for training) computes what the whole-pack autograd path computes, with the same
-operations on the same values, but holds far less for the backward. Its forward runs without autograd and saves
-only its inputs (token layout, as given) and the recurrence state at the start of each block; the steps are taken
-in blocks of consecutive steps (contiguous chunks in the step-major layout, about ``block_tokens`` slots each).
-Its backward walks the blocks in reverse: it recomputes one block's per-chunk terms with autograd (batched over
-the block's chunks, no Python loop), reruns the block's steps to get the state before each, runs the hand-written
-reverse of the recurrence over the block's steps, and back-propagates the terms' gradients to the block's inputs
-in one ``autograd.grad``. So only one block's terms, states and graph are alive at a time, and every Python step
-loop runs at most twice forward and once in reverse (the removed head-group checkpointing re-ran the whole step
-loop per group, forward and backward, which is why it was slow).
+``delta_rule_whole_pack`` is the first torch path: autograd through the whole pack at once, which keeps some twenty
+fp32 pack-sized tensors for the backward (``bench/delta_rule.py`` and the tests compare against it).
+``delta_rule_blocks`` (the torch backend's path) computes the same with the same operations on the same values but
+holds far less. Its forward runs without autograd and saves only its inputs (token layout, as given) and the state
+at the start of each block of consecutive steps (contiguous chunks of the step-major layout, about ``block_tokens``
+slots). Its backward walks the blocks in reverse: it recomputes one block's per-chunk terms with autograd (batched
+over the block's chunks, no Python loop), reruns the block's steps for the state before each, reverses the
+recurrence by hand over them, and back-propagates the terms' gradients to the block's inputs in one
+``autograd.grad``. So one block's terms, states and graph are alive at a time, and the Python step loop runs twice
+forward and once in reverse per call (the removed head-group checkpointing re-ran the whole step loop once per
+group, which is why it was slow).
 
-The recurrence of step ``i`` (state ``S`` ``[M, n, K, V]``) and its reverse, given ``dS'`` and ``do``:
+The recurrence of step ``i`` (state ``S`` ``[n, M, K, V]``) and its reverse, given ``dS'`` and ``do``:
     u = new_v - kd @ S;   o = qg @ S + intra @ u;   S' = S * cd + kt @ u
     du = intra^T @ do + kt^T @ dS';  d_intra = do @ u^T;  d_qg = do @ S^T;  d_kt = dS' @ u^T;
     d_cd = sum(dS' * S);  d_new_v = du;  d_kd = -du @ S^T;  dS = dS' * cd + qg^T @ do - kd^T @ du

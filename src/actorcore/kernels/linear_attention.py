@@ -10,7 +10,8 @@ Both functions restart at every boundary of ``cu_seqlens``: nothing of one seque
 - ``gated_delta_rule_packed``: the gated delta rule, state ``S`` (``[K, V]`` per value head) starting at zero in
   every sequence: ``S = exp(g_t) S``, ``S += k_t (beta_t (v_t - S^T k_t))^T``, ``o_t = S^T q_t`` (q scaled by
   ``K^-0.5``, q and k L2-normalised when asked), computed in fp32 chunk by chunk (chunks of 64) as transformers' torch
-  reference does, every sequence of the pack at once (one recurrence step per chunk index).
+  reference does, every sequence of the pack at once (one recurrence step per chunk index); the torch backend runs
+  ``delta_rule_chunks.delta_rule_blocks`` (blocks of steps, a hand-written backward that holds one block at a time).
 Backends: ``torch`` (any device; the plain reference) and ``fla`` (flash-linear-attention's Triton kernels with
 ``cu_seqlens``; CUDA, when installed, imported lazily). ``auto`` picks ``fla`` on CUDA when it is installed.
 Each call counts its backend in ``trace`` under ``"causal_conv1d:<backend>"`` / ``"gated_delta_rule:<backend>"``.
