@@ -137,6 +137,41 @@ def test_delta_rule_blocks_gradcheck_fp64():
         lambda *x: delta_rule_blocks(*x, _cu(lengths), True, 0.7, chunk_size=4, block_tokens=8), inputs)
 
 
+def _saved_by_autograd(fn):
+    """``(result, [(shape, bytes)] of every tensor autograd saved for backward while fn ran)``."""
+    saved = []
+
+    def pack(x):
+        saved.append((tuple(x.shape), x.numel() * x.element_size()))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        return fn(), saved
+
+
+def test_delta_rule_blocks_saves_a_fraction_of_the_whole_pack_path():
+    """What the blocks path keeps for backward (its inputs and each block's start state) against the whole-pack
+    autograd path's pack-sized fp32 intermediates."""
+    lengths = [100, 300, 7, 250]
+    inputs = _delta_rule_inputs(lengths, 2, 4, 16, torch.float32)
+    _, blocks = _saved_by_autograd(lambda: delta_rule_blocks(*inputs, _cu(lengths), True, 0.3, block_tokens=128))
+    _, whole = _saved_by_autograd(lambda: delta_rule_whole_pack(*inputs, _cu(lengths), True, 0.3))
+    input_bytes = sum(x.numel() * x.element_size() for x in inputs)
+    blocks_bytes, whole_bytes = sum(b for _, b in blocks), sum(b for _, b in whole)
+    assert blocks_bytes < 1.5 * input_bytes and whole_bytes > 10 * blocks_bytes, (blocks_bytes, whole_bytes)
+
+
+def test_gated_norm_is_recomputed_in_backward():
+    """The layer's gated RMSNorm keeps only its two inputs for backward (transformers' torch norm keeps about six
+    ``[tokens * M, V]`` tensors, four of them fp32)."""
+    model = build_tiny_model("qwen3_5_text")
+    seqs = _sequences()
+    out, saved = _saved_by_autograd(lambda: ac.compute_logprobs(model, ac.pack(seqs)))
+    rows = sum(len(s) for s in seqs) * model.config.linear_num_value_heads
+    assert out.log_probs.requires_grad
+    assert sum(1 for shape, _ in saved if shape == (rows, model.config.linear_value_head_dim)) == 2
+
+
 def test_kernels_refuse_bad_input():
     x = torch.randn(5, 4)
     with pytest.raises(ValueError, match="cu_seqlens ends at 4 but there are 5 tokens"):
