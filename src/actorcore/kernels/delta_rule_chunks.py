@@ -130,11 +130,8 @@ class _Block:
     A block's tensors are chunk-major, ``[c, H, L, ...]``, so each step's chunks are one contiguous slice and its
     batched matmuls need no copies."""
 
-    def __init__(self, steps: range, sizes: list[int], c0: int, c1: int, src_P: torch.Tensor, chunk_size: int):
-        self.steps, self.sizes, self.c0, self.c1 = steps, sizes, c0, c1
-        src = src_P[c0 * chunk_size : c1 * chunk_size]
-        self.slots = (src >= 0).nonzero()[:, 0]
-        self.tokens = src.index_select(0, self.slots)
+    def __init__(self, steps: range, sizes: list[int], c0: int, c1: int, slots: torch.Tensor, tokens: torch.Tensor):
+        self.steps, self.sizes, self.c0, self.c1, self.slots, self.tokens = steps, sizes, c0, c1, slots, tokens
 
     def gather(self, x_T: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
         """``[T, H, ...]`` -> this block's ``[c, H, L, ...]`` in ``dtype`` (contiguous), zero in the padding."""
@@ -158,12 +155,19 @@ def _plan(cu_seqlens: torch.Tensor, num_tokens: int, chunk_size: int, block_toke
     src_P = torch.full((step_offset[-1] * chunk_size,), -1, dtype=torch.long, device=cu_seqlens.device)
     src_P[dest_T] = torch.arange(num_tokens, device=cu_seqlens.device)
     budget = max(1, block_tokens // chunk_size)
-    blocks, start = [], 0
+    spans, start = [], 0  # (first step, end step) of each block
     for i in range(1, len(running) + 1):
         if i == len(running) or step_offset[i + 1] - step_offset[start] > budget:
-            blocks.append(_Block(range(start, i), running[start:i], step_offset[start], step_offset[i], src_P,
-                                 chunk_size))
+            spans.append((start, i))
             start = i
+    filled_P = (src_P >= 0).nonzero()[:, 0]  # one device sync for all blocks, one more for their token counts
+    ends = torch.tensor([step_offset[end] * chunk_size for _, end in spans], device=src_P.device)
+    cuts = [0, *torch.searchsorted(filled_P, ends).tolist()]
+    blocks = []
+    for (first, end), a, b in zip(spans, cuts, cuts[1:]):
+        c0 = step_offset[first]
+        blocks.append(_Block(range(first, end), running[first:end], c0, step_offset[end],
+                             filled_P[a:b] - c0 * chunk_size, src_P[filled_P[a:b]]))
     return running, blocks
 
 
@@ -269,9 +273,9 @@ class _DeltaRuleBlocks(torch.autograd.Function):
 
 def delta_rule_blocks(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale, chunk_size=CHUNK_SIZE,
                       block_tokens=BLOCK_TOKENS, out_dtype=None):
-    """The gated delta rule over the pack, ``[T, M, V]`` in ``out_dtype`` (default: fp32, fp64 for fp64 inputs;
-    computed in that), with the lean backward of the module docstring; ``block_tokens``: padded slots per block
-    (more: fewer, larger batched ops; fewer: less memory)."""
+    """The gated delta rule over the pack, computed in fp32 (fp64 for fp64 inputs) with the lean backward of the
+    module docstring; ``[T, M, V]`` in ``out_dtype`` (default: the compute dtype). ``block_tokens``: padded slots per
+    block (more: fewer, larger batched ops; fewer: less memory)."""
     T, M, V = v_TMV.shape
     out_dtype = out_dtype or compute_dtype(q_TNK)
     plan = _plan(cu_seqlens, T, chunk_size, block_tokens)
