@@ -105,9 +105,10 @@ def _project(module: torch.nn.Module, projections: str, hidden_1LD: torch.Tensor
 
 
 def _gated_norm(norm: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The module's gated RMSNorm; when recording gradients, recomputed in backward (the same values): transformers'
-    torch norm keeps about four fp32 ``[tokens * M, V]`` tensors for its backward (some 5 GiB per layer for 159K
-    tokens of Qwen3.5-2B) that would otherwise be alive alongside the delta rule's backward."""
+    """The module's gated RMSNorm; when recording gradients, recomputed in its own backward (the same values):
+    transformers' torch norm keeps about four fp32 ``[tokens * M, V]`` tensors for its backward (some 5 GiB per layer
+    for 159K tokens of Qwen3.5-2B), alive with the rest of the layer's saved tensors from the end of the recomputed
+    forward until the norm's backward; checkpointed, it keeps its two bf16 inputs."""
     if torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad):
         return torch.utils.checkpoint.checkpoint(norm, x, gate, use_reentrant=False)
     return norm(x, gate)

@@ -15,7 +15,7 @@ recurrence by hand over them, and back-propagates the terms' gradients to the bl
 forward and once in reverse per call (the removed head-group checkpointing re-ran the whole step loop once per
 group, which is why it was slow).
 
-The recurrence of step ``i`` (state ``S`` ``[n, M, K, V]``) and its reverse, given ``dS'`` and ``do``:
+The recurrence of step ``i`` (state ``S`` ``[n * M, K, V]``) and its reverse, given ``dS'`` and ``do``:
     u = new_v - kd @ S;   o = qg @ S + intra @ u;   S' = S * cd + kt @ u
     du = intra^T @ do + kt^T @ dS';  d_intra = do @ u^T;  d_qg = do @ S^T;  d_kt = dS' @ u^T;
     d_cd = sum(dS' * S);  d_new_v = du;  d_kd = -du @ S^T;  dS = dS' * cd + qg^T @ do - kd^T @ du
@@ -183,41 +183,46 @@ def _block_terms(block, inputs, rep, scale, use_qk_l2norm, chunk_size):
     q = q * scale
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-    return leaves, chunk_terms(q, k, v, g, beta)
+    return leaves, [t.flatten(0, 1) for t in chunk_terms(q, k, v, g, beta)]  # [c * M, ...]: 3-D batched matmuls
 
 
 def _steps_forward(terms, state, block, states_before=None):
-    """Run the block's steps from ``state`` (``[n, M, K, V]``); returns ``(outputs [c, M, L, V], state after)``;
-    appends the state before each step to ``states_before`` when given."""
+    """Run the block's steps from ``state`` (``[n * M, K, V]``, sequence-major); returns ``(outputs [c * M, L, V],
+    state after)``; appends the state before each step to ``states_before`` when given. ``terms``: ``[c * M, ...]``."""
+    M = terms[0].shape[0] // (block.c1 - block.c0)
+    rows = [n * M for n in block.sizes]
     outs = []
-    for n, new_v, kd, qg, intra, kt, cd in zip(block.sizes, *(t.split(block.sizes) for t in terms)):
+    for n, new_v, kd, qg, intra, kt, cd in zip(rows, *(t.split(rows) for t in terms)):
         state = state[:n]  # the sequences still running are a prefix
         if states_before is not None:
             states_before.append(state)
-        u = new_v - kd @ state
-        outs.append(qg @ state + intra @ u)
-        state = state * cd + kt @ u
+        u = torch.baddbmm(new_v, kd, state, alpha=-1)
+        outs.append(torch.baddbmm(qg @ state, intra, u))
+        state = torch.baddbmm(state * cd, kt, u)
     return torch.cat(outs), state
 
 
 def _steps_backward(terms, states_before, d_out, d_state, block):
     """The reverse of ``_steps_forward`` over the block: gradients of the six terms, and of the block's start state."""
+    M = terms[0].shape[0] // (block.c1 - block.c0)
+    rows = [n * M for n in block.sizes]
     grads = [torch.empty_like(t) for t in terms]
-    per_step = zip(block.sizes, states_before, d_out.split(block.sizes),
-                   *(t.split(block.sizes) for t in terms), *(t.split(block.sizes) for t in grads))
+    per_step = zip(rows, states_before, d_out.split(rows), *(t.split(rows) for t in terms),
+                   *(t.split(rows) for t in grads))
     for n, state, do, new_v, kd, qg, intra, kt, cd, d_new_v, d_kd, d_qg, d_intra, d_kt, d_cd in reversed(
             list(per_step)):
         if d_state.shape[0] < n:  # sequences whose last chunk was this step: their later state is unused
             d_state = torch.cat([d_state, d_state.new_zeros(n - d_state.shape[0], *d_state.shape[1:])])
-        u = new_v - kd @ state
-        du = torch.matmul(intra.transpose(-1, -2), do, out=d_new_v)
-        du += kt.transpose(-1, -2) @ d_state
-        torch.matmul(du, state.transpose(-1, -2), out=d_kd).neg_()
-        torch.matmul(do, state.transpose(-1, -2), out=d_qg)
-        torch.matmul(do, u.transpose(-1, -2), out=d_intra)
-        torch.matmul(d_state, u.transpose(-1, -2), out=d_kt)
-        torch.sum(d_state * state, (-1, -2), keepdim=True, out=d_cd)
-        d_state = d_state * cd + qg.transpose(-1, -2) @ do - kd.transpose(-1, -2) @ du
+        u = torch.baddbmm(new_v, kd, state, alpha=-1)
+        du = torch.bmm(intra.transpose(-1, -2), do, out=d_new_v).baddbmm_(kt.transpose(-1, -2), d_state)
+        torch.bmm(du, state.transpose(-1, -2), out=d_kd)  # negated once per block, below
+        torch.bmm(do, state.transpose(-1, -2), out=d_qg)
+        torch.bmm(do, u.transpose(-1, -2), out=d_intra)
+        torch.bmm(d_state, u.transpose(-1, -2), out=d_kt)
+        torch.bmm(d_state.flatten(1)[:, None], state.flatten(1)[:, :, None], out=d_cd)  # sum(dS' * S)
+        d_state = torch.baddbmm(torch.baddbmm(d_state * cd, qg.transpose(-1, -2), do), kd.transpose(-1, -2), du,
+                                alpha=-1)
+    grads[1].neg_()
     return grads, d_state
 
 
@@ -229,14 +234,14 @@ class _DeltaRuleBlocks(torch.autograd.Function):
         K = q_TNK.shape[-1]
         inputs = (q_TNK, k_TNK, v_TMV, g_TM, beta_TM)
         out = v_TMV.new_zeros(T, M, V, dtype=out_dtype)
-        state = v_TMV.new_zeros(running[0], M, K, V, dtype=compute_dtype(q_TNK))
+        state = v_TMV.new_zeros(running[0] * M, K, V, dtype=compute_dtype(q_TNK))
         starts = []
         for block in blocks:
             starts.append(state)
             _, terms = _block_terms(block, inputs, rep, scale, use_qk_l2norm, chunk_size)
             o, state = _steps_forward(terms, state, block)
             del terms
-            block.scatter(o, out)
+            block.scatter(o.unflatten(0, (-1, M)), out)
             del o
         ctx.save_for_backward(*inputs, *starts)
         ctx.plan, ctx.args = plan, (rep, scale, use_qk_l2norm, chunk_size)
@@ -259,7 +264,7 @@ class _DeltaRuleBlocks(torch.autograd.Function):
                 _steps_forward(plain, start, block, states_before)
                 if d_state is None:
                     d_state = torch.zeros_like(states_before[-1])
-                d_out = block.gather(d_out_TMV, chunk_size, compute_dtype(q_TNK))
+                d_out = block.gather(d_out_TMV, chunk_size, compute_dtype(q_TNK)).flatten(0, 1)
                 d_terms, d_state = _steps_backward(plain, states_before, d_out, d_state, block)
             del plain, states_before, d_out
             grads = torch.autograd.grad(terms, leaves, d_terms)
