@@ -100,3 +100,33 @@ def test_hybrid_model_runs_fla_and_matches_cpu(model_type):
     assert trace["causal_conv1d:fla"] == layers and trace["gated_delta_rule:fla"] == layers
     assert (got.log_probs.cpu() - want.log_probs).abs().max().item() <= TOL["hybrid_fla_vs_cpu_fp32"]
     assert (got.entropy.cpu() - want.entropy).abs().max().item() <= TOL["hybrid_fla_vs_cpu_fp32"]
+
+
+def test_torch_delta_rule_blocks_on_cuda_match_whole_pack_on_cpu():
+    """The torch backend's blocks path (hand-written backward) on CUDA against the whole-pack autograd path on the
+    CPU, fp32 (no TF32), per element: output and the gradients of q, k, v, g, beta. Needs CUDA only."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from actorcore.kernels.delta_rule_chunks import delta_rule_blocks, delta_rule_whole_pack
+
+    lengths = [1, 3, 300, 64, 0, 1000, 2]
+    T = sum(lengths)
+    g = torch.Generator().manual_seed(2)
+    cpu = [torch.randn(T, 2, 64, generator=g), torch.randn(T, 2, 64, generator=g), torch.randn(T, 4, 64, generator=g),
+           -torch.rand(T, 4, generator=g) * 0.3, torch.rand(T, 4, generator=g)]
+    cpu = [x.requires_grad_() for x in cpu]
+    cuda = [x.detach().cuda().requires_grad_() for x in cpu]
+    w = torch.randn(T, 4, 64, generator=g)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        got = delta_rule_blocks(*cuda, _cu(lengths), True, 0.125, block_tokens=256)
+        got_grads = torch.autograd.grad((got * w.cuda()).sum(), cuda)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert type(got.grad_fn).__name__ == "_DeltaRuleBlocksBackward"
+    want = delta_rule_whole_pack(*cpu, _cu(lengths).cpu(), True, 0.125)
+    want_grads = torch.autograd.grad((want * w).sum(), cpu)
+    assert (got.cpu() - want).abs().max().item() <= TOL["linear_kernel_vs_reference_fp32"]
+    for a, b in zip(got_grads, want_grads):
+        assert _rel(a.cpu(), b) <= TOL["linear_kernel_grad_vs_reference_fp32_rel"]

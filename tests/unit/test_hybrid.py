@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import actorcore as ac
 from actorcore.archs import get_spec, registered_model_types
 from actorcore.hf.attention import PackingNotAppliedError
+from actorcore.kernels.delta_rule_chunks import delta_rule_blocks, delta_rule_whole_pack
 from actorcore.kernels.linear_attention import causal_conv1d_packed, gated_delta_rule_packed
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
@@ -92,9 +93,83 @@ def test_packed_delta_rule_equals_token_by_token_reference_with_gradients():
     want = _delta_rule_token_by_token(*inputs, lengths)
     want_grads = torch.autograd.grad((want * w).sum(), inputs)
     assert trace["gated_delta_rule:torch"] == 1
+    assert type(got.grad_fn).__name__ == "_DeltaRuleBlocksBackward"  # the torch backend's lean training path ran
     assert (got - want).abs().max().item() <= TOL["linear_kernel_vs_reference_fp32"]
     for a, b in zip(got_grads, want_grads):
         assert ((a - b).abs().max() / b.abs().max()).item() <= TOL["linear_kernel_grad_vs_reference_fp32_rel"]
+
+
+def _delta_rule_inputs(lengths, key_heads, value_heads, dim, dtype, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q, k = (torch.randn(T, key_heads, dim, generator=g, dtype=dtype) for _ in range(2))
+    v = torch.randn(T, value_heads, dim - 2, generator=g, dtype=dtype)
+    decay, beta = -torch.rand(T, value_heads, generator=g, dtype=dtype) * 0.5, torch.rand(T, value_heads, generator=g,
+                                                                                          dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v, decay, beta)]
+
+
+@pytest.mark.parametrize("block_tokens", [64, 192, 100_000])  # one step per block; blocks of 1-3 steps; one block
+def test_delta_rule_blocks_equal_reference_and_whole_pack_per_element(block_tokens):
+    """The blocks path (hand-written backward) against the token-by-token reference and the whole-pack autograd
+    path: output and the gradients of q, k, v, g, beta, per element; sequences end inside blocks (0-token one too)."""
+    lengths = [1, 65, 3, 0, 130, 64, 200]
+    inputs = _delta_rule_inputs(lengths, 2, 4, 8, torch.float32)
+    got = delta_rule_blocks(*inputs, _cu(lengths), True, 0.3, block_tokens=block_tokens)
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(6))
+    got_grads = torch.autograd.grad((got * w).sum(), inputs)
+    for name, fn in (("reference", lambda *x: _delta_rule_token_by_token(*x, lengths) * (0.3 / 8**-0.5)),
+                     ("whole pack", lambda *x: delta_rule_whole_pack(*x, _cu(lengths), True, 0.3))):
+        want = fn(*inputs)
+        want_grads = torch.autograd.grad((want * w).sum(), inputs)
+        assert (got - want).abs().max().item() <= TOL["linear_kernel_vs_reference_fp32"], name
+        for x, a, b in zip("q k v g beta".split(), got_grads, want_grads):
+            rel = ((a - b).abs().max() / b.abs().max()).item()
+            assert rel <= TOL["linear_kernel_grad_vs_reference_fp32_rel"], f"{name}: grad of {x} off by {rel:.2e}"
+
+
+def test_delta_rule_blocks_gradcheck_fp64():
+    """The hand-written backward against numerical differences in fp64 (chunks of 4, blocks of 2 chunks, two value
+    heads per key head, sequences ending at different steps)."""
+    lengths = [3, 9, 1, 5]
+    inputs = _delta_rule_inputs(lengths, 1, 2, 4, torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda *x: delta_rule_blocks(*x, _cu(lengths), True, 0.7, chunk_size=4, block_tokens=8), inputs)
+
+
+def _saved_by_autograd(fn):
+    """``(result, [(shape, bytes)] of every tensor autograd saved for backward while fn ran)``."""
+    saved = []
+
+    def pack(x):
+        saved.append((tuple(x.shape), x.numel() * x.element_size()))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        return fn(), saved
+
+
+def test_delta_rule_blocks_saves_a_fraction_of_the_whole_pack_path():
+    """What the blocks path keeps for backward (its inputs and each block's start state) against the whole-pack
+    autograd path's pack-sized fp32 intermediates."""
+    lengths = [100, 300, 7, 250]
+    inputs = _delta_rule_inputs(lengths, 2, 4, 16, torch.float32)
+    _, blocks = _saved_by_autograd(lambda: delta_rule_blocks(*inputs, _cu(lengths), True, 0.3, block_tokens=128))
+    _, whole = _saved_by_autograd(lambda: delta_rule_whole_pack(*inputs, _cu(lengths), True, 0.3))
+    input_bytes = sum(x.numel() * x.element_size() for x in inputs)
+    blocks_bytes, whole_bytes = sum(b for _, b in blocks), sum(b for _, b in whole)
+    assert blocks_bytes < 1.5 * input_bytes and whole_bytes > 10 * blocks_bytes, (blocks_bytes, whole_bytes)
+
+
+def test_gated_norm_is_recomputed_in_backward():
+    """The layer's gated RMSNorm keeps only its two inputs for backward (transformers' torch norm keeps about six
+    ``[tokens * M, V]`` tensors, four of them fp32)."""
+    model = build_tiny_model("qwen3_5_text")
+    seqs = _sequences()
+    out, saved = _saved_by_autograd(lambda: ac.compute_logprobs(model, ac.pack(seqs)))
+    rows = sum(len(s) for s in seqs) * model.config.linear_num_value_heads
+    assert out.log_probs.requires_grad
+    assert sum(1 for shape, _ in saved if shape == (rows, model.config.linear_value_head_dim)) == 2
 
 
 def test_kernels_refuse_bad_input():

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from actorcore.archs import LinearAttentionSpec, submodule
 from actorcore.hf.attention import TRACE_KWARG, PackingNotAppliedError, parallel_from_kwargs
@@ -103,6 +104,16 @@ def _project(module: torch.nn.Module, projections: str, hidden_1LD: torch.Tensor
     return mixed_LC, z.reshape(L, M, V), b.reshape(L, M), a.reshape(L, M)
 
 
+def _gated_norm(norm: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The module's gated RMSNorm; when recording gradients, recomputed in its own backward (the same values):
+    transformers' torch norm keeps about four fp32 ``[tokens * M, V]`` tensors for its backward (some 5 GiB per layer
+    for 159K tokens of Qwen3.5-2B), alive with the rest of the layer's saved tensors from the end of the recomputed
+    forward until the norm's backward; checkpointed, it keeps its two bf16 inputs."""
+    if torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad):
+        return torch.utils.checkpoint.checkpoint(norm, x, gate, use_reentrant=False)
+    return norm(x, gate)
+
+
 class GatedDeltaNetForward:
     """The instance ``forward`` of one Gated DeltaNet module for packed calls (see the module docstring).
 
@@ -146,7 +157,7 @@ class GatedDeltaNetForward:
         else:
             out_LMV = self._ulysses(mixed_LC, g_LM, beta_LM, cu_seqlens, ctx, trace)
         V = m.head_v_dim
-        out = m.norm(out_LMV.reshape(-1, V), z_LMV.reshape(-1, V)).reshape(1, L, -1)
+        out = _gated_norm(m.norm, out_LMV.reshape(-1, V), z_LMV.reshape(-1, V)).reshape(1, L, -1)
         return m.out_proj(out)
 
     def _split_channels(self, x_LC: torch.Tensor, key_heads: int, value_heads: int):

@@ -20,6 +20,7 @@ Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``l
     varlen_attention:at_positions calls of ``causal_attention_at_positions`` (context-parallel query chunks)
     causal_conv1d:<backend>       packed causal conv1d calls (``linear_attention.causal_conv1d_packed``): torch, fla
     gated_delta_rule:<backend>    packed gated delta rule calls (``linear_attention.gated_delta_rule_packed``): torch, fla
+                                  (torch: ``delta_rule_chunks.delta_rule_blocks``, its output's grad_fn says so)
 
 Nothing else in the package keeps counters: there is no module-level state that a test reads or sets.
 """

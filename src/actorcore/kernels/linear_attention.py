@@ -10,7 +10,8 @@ Both functions restart at every boundary of ``cu_seqlens``: nothing of one seque
 - ``gated_delta_rule_packed``: the gated delta rule, state ``S`` (``[K, V]`` per value head) starting at zero in
   every sequence: ``S = exp(g_t) S``, ``S += k_t (beta_t (v_t - S^T k_t))^T``, ``o_t = S^T q_t`` (q scaled by
   ``K^-0.5``, q and k L2-normalised when asked), computed in fp32 chunk by chunk (chunks of 64) as transformers' torch
-  reference does, every sequence of the pack at once (one recurrence step per chunk index).
+  reference does, every sequence of the pack at once (one recurrence step per chunk index); the torch backend runs
+  ``delta_rule_chunks.delta_rule_blocks`` (blocks of steps, a hand-written backward that holds one block at a time).
 Backends: ``torch`` (any device; the plain reference) and ``fla`` (flash-linear-attention's Triton kernels with
 ``cu_seqlens``; CUDA, when installed, imported lazily). ``auto`` picks ``fla`` on CUDA when it is installed.
 Each call counts its backend in ``trace`` under ``"causal_conv1d:<backend>"`` / ``"gated_delta_rule:<backend>"``.
@@ -25,11 +26,11 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from actorcore.kernels.delta_rule_chunks import delta_rule_blocks, positions_in_sequence
 from actorcore.kernels.trace import add
 
 BACKENDS = ("auto", "torch", "fla")
 ACTIVATIONS = (None, "silu", "swish")
-CHUNK_SIZE = 64
 
 
 @functools.cache
@@ -71,13 +72,6 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
         raise ValueError(f"cu_seqlens must be a 1-D tensor of B + 1 offsets, got shape {tuple(cu_seqlens.shape)}")
     if not cu_seqlens.is_cuda and int(cu_seqlens[-1]) != num_tokens:  # no device sync on the GPU path
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but there are {num_tokens} tokens")
-
-
-def positions_in_sequence(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[T]``: each token's offset from the start of its own sequence."""
-    idx = torch.arange(num_tokens, device=cu_seqlens.device)
-    seq = torch.searchsorted(cu_seqlens[1:].long(), idx, right=True)
-    return idx - cu_seqlens.long()[seq]
 
 
 def causal_conv1d_packed(
@@ -166,78 +160,5 @@ def gated_delta_rule_packed(
         out, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
                                         cu_seqlens=cu_seqlens.long())
         return out[0].to(q_TNK.dtype)
-    return _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale).to(q_TNK.dtype)
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def _step_major_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk_size: int):
-    """Where each token goes when every sequence is padded to whole chunks and the chunks are ordered by step.
-
-    Step ``i`` holds the ``i``-th chunk of every sequence that has one, longest sequences first, so the sequences
-    still running at step ``i`` are a prefix and each step's chunks are contiguous. Returns ``(dest_T,
-    running_per_step)``: the padded slot of each token and how many sequences run at each step.
-    """
-    lengths_B = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    chunks_B = (lengths_B + chunk_size - 1) // chunk_size
-    order = torch.argsort(chunks_B, descending=True, stable=True)
-    rank_B = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    chunks_sorted = chunks_B[order].tolist()
-    running = [sum(1 for c in chunks_sorted if c > i) for i in range(chunks_sorted[0] if chunks_sorted else 0)]
-    step_offset = torch.tensor([0, *running], device=cu_seqlens.device).cumsum(0)
-    seq_T = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(num_tokens, device=cu_seqlens.device), right=True)
-    pos_T = positions_in_sequence(cu_seqlens, num_tokens)
-    dest_T = (step_offset[pos_T // chunk_size] + rank_B[seq_T]) * chunk_size + pos_T % chunk_size
-    return dest_T, running
-
-
-def _delta_rule_torch(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale, chunk_size=CHUNK_SIZE):
-    """Every sequence of the pack at once, in fp32: ``[T, M, V]``.
-
-    Each sequence is padded to whole chunks (zero keys, values, decay and write strength: the padding changes
-    nothing), the intra-chunk WY solves run batched over every chunk of the pack, and the state recurrence steps
-    over the chunk index with all sequences that still have a chunk, so one Python step serves the whole pack
-    and no state crosses a boundary: each sequence's state starts at zero in its own first chunk. The chunks are
-    laid out step by step and split once, so autograd never builds a pack-sized gradient per step.
-    """
-    T, N, K = q_TNK.shape
-    M, V = v_TMV.shape[1:]
-    rep = M // N
-    q, k = (x.repeat_interleave(rep, dim=1) if rep > 1 else x for x in (q_TNK, k_TNK))
-    q, k, v, beta, g = (x.float() for x in (q, k, v_TMV, beta_TM, g_TM))
-    if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q = q * (K**-0.5 if scale is None else scale)
-    dest_T, running = _step_major_layout(cu_seqlens, T, chunk_size)
-    if not running:
-        return v_TMV.new_zeros(T, M, V, dtype=torch.float32)
-    total_chunks = sum(running)
-    P = total_chunks * chunk_size
-
-    def to_chunks(x):  # [T, M, ...] -> [M, chunks, chunk_size, ...], zero in the padding
-        padded = x.new_zeros((P,) + x.shape[1:]).index_copy(0, dest_T, x)
-        return padded.reshape(total_chunks, chunk_size, *x.shape[1:]).movedim(2, 0)
-
-    q, k, v, beta, g = (to_chunks(x) for x in (q, k, v, beta, g))
-    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
-    g = g.cumsum(-1)  # log decay from the chunk start to each position
-    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    decay = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower-triangular after adding I (WY form)
-    intra = (q @ k.transpose(-1, -2)) * decay
-    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_decayed = torch.linalg.solve_triangular(system, k_beta * g.exp()[..., None], upper=False, unitriangular=True)
-    q = q * g.exp()[..., None]
-    k_t = (k * (g[..., -1:] - g).exp()[..., None]).transpose(-1, -2)
-    chunk_decay = g[..., -1].exp()[..., None, None]
-    steps = zip(*(x.split(running, dim=1) for x in (new_v, k_decayed, q, intra, k_t, chunk_decay)))
-    state = q.new_zeros(M, running[0], K, V)
-    outs = []
-    for n, (new_v_i, k_decayed_i, q_i, intra_i, k_t_i, chunk_decay_i) in zip(running, steps):
-        state = state[:, :n]  # the sequences still running are a prefix
-        v_i = new_v_i - k_decayed_i @ state
-        outs.append(q_i @ state + intra_i @ v_i)
-        state = state * chunk_decay_i + k_t_i @ v_i
-    return torch.cat(outs, dim=1).reshape(M, P, V).index_select(1, dest_T).transpose(0, 1)
+    return delta_rule_blocks(q_TNK, k_TNK, v_TMV, g_TM, beta_TM, cu_seqlens, use_qk_l2norm, scale,
+                             out_dtype=q_TNK.dtype)
