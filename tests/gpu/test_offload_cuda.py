@@ -119,17 +119,28 @@ def _assert_grads_bitwise(grads, grads_again, grads_off):
         assert torch.equal(grads[name], grads_off[name]), name
 
 
-def test_offload_is_bitwise_lowers_peak_and_costs_little(model_and_ids, deterministic):
+def test_offload_gradients_are_bitwise(model_and_ids, deterministic):
     model, ids = model_and_ids
     ids = deterministic(ids)
-    lp, ent, grads, _, peak, seconds = _measured(model, ids, offload=False)
+    lp, ent, grads, _, _, _ = _measured(model, ids, offload=False)
     _, _, grads_again, _, _, _ = _measured(model, ids, offload=False)
-    lp_off, ent_off, grads_off, trace, peak_off, seconds_off = _measured(model, ids, offload=True)
+    lp_off, ent_off, grads_off, trace, _, _ = _measured(model, ids, offload=True)
     assert torch.equal(lp, lp_off) and torch.equal(ent, ent_off)
     assert len(grads) == len(list(model.parameters()))
     _assert_grads_bitwise(grads, grads_again, grads_off)
     assert (trace[OFFLOAD_LAYERS], trace[OFFLOAD_TENSORS], trace[OFFLOAD_RESTORED]) == (LAYERS, LAYERS, LAYERS)
     assert trace[OFFLOAD_PREFETCHED] == LAYERS - 1
+
+
+def test_offload_lowers_peak_and_costs_little(model_and_ids):
+    """Peak and time as users run it: one long sequence on the varlen flash attention (not the deterministic
+    per-sequence math attention of the bitwise tests, whose [heads, L, L] scores change where the peak falls:
+    under it, 2026-11-30 19:33 UTC, full offload saved 586 MiB of the 896 MiB expected). Forward outputs have no
+    atomics: bitwise here too."""
+    model, ids = model_and_ids
+    lp, ent, _, _, peak, seconds = _measured(model, ids, offload=False)
+    lp_off, ent_off, _, _, peak_off, seconds_off = _measured(model, ids, offload=True)
+    assert torch.equal(lp, lp_off) and torch.equal(ent, ent_off)
     saved = peak - peak_off
     # At most the layer being recomputed and the prefetched one are on the GPU: the others' inputs are saved.
     print(f"peak {peak / 2**30:.2f} GiB -> {peak_off / 2**30:.2f} GiB with offload (saved {saved / 2**20:.0f} MiB, "
