@@ -100,7 +100,10 @@ def _hf_to_mcore_rank(rank: int, world_size: int, port: int, src: str, out: str,
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     with _megatron_runtime(rank, world_size, port):
         context = initialize_megatron(parallel)
-        chunks = build_gpt_model(hf_config, parallel, dtype, vocab_multiple=vocab_multiple, mtp=mtp)
+        # No random initialisation: the load fills (and checks) every parameter; initialising an 8B-shaped model
+        # on the CPU took most of a conversion's time (measured: 27 of 42 s for a 3.1 GB checkpoint).
+        chunks = build_gpt_model(hf_config, parallel, dtype, vocab_multiple=vocab_multiple, mtp=mtp,
+                                 perform_initialization=False)
         fault_points.reach("loading")
         load_hf_into_mcore(chunks, src, context, progress=rank == 0)
         save_mcore_checkpoint(chunks, out, src, vocab_multiple)
@@ -233,7 +236,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     with atomic_output(args.dst) as out, _megatron_runtime(0, 1, _free_port()):
         context = initialize_megatron(McoreParallel())
         chunks = build_gpt_model(hf_config, McoreParallel(), dtype, vocab_multiple=int(meta["vocab_multiple"]),
-                                 mtp=bool(meta.get("mtp_layers")))
+                                 mtp=bool(meta.get("mtp_layers")), perform_initialization=False)  # the load fills all
         fault_points.reach("loading")
         load_mcore_checkpoint(chunks, src)
         copy_hf_side_files(os.path.join(src, HF_DIR), out)
