@@ -27,15 +27,16 @@ def _plain_attention(q, k, v, positions, window, scale):
     return torch.einsum("nqk,knh->qnh", torch.softmax(scores.masked_fill(~allowed, -math.inf), -1), v)
 
 
-@pytest.mark.parametrize("cp,window", [(2, None), (4, 5)])
-def test_merged_blocks_equal_plain_softmax_and_its_gradients(cp, window):
+@pytest.mark.parametrize("cp,window,max_run", [(2, None, None), (2, None, 3), (4, 5, None)])
+def test_merged_blocks_equal_plain_softmax_and_its_gradients(cp, window, max_run):
     gen = torch.Generator().manual_seed(7)
     scale = 0.3
     keys = torch.randn(PADDED[-1], 2, 16, generator=gen, dtype=torch.float64)
     values = torch.randn(PADDED[-1], 2, 12, generator=gen, dtype=torch.float64)  # value head dim differs (MLA)
     cu_local = torch.tensor(PADDED) // cp
     index = [cp_chunk_index(PADDED, cp, r) for r in range(cp)]
-    runs = [position_runs(cu_local, cp_local_positions(PADDED, cp, r)) for r in range(cp)]
+    runs = [position_runs(cu_local, cp_local_positions(PADDED, cp, r), max_run) for r in range(cp)]
+    assert max_run is None or max(b - a for segment in runs[0] for a, b, _ in segment) == max_run  # tiles cut
     tol = TOL["cp_attention_vs_reference_fp32"]
     for rank in range(cp):
         positions = cp_local_positions(PADDED, cp, rank)
@@ -85,5 +86,7 @@ def test_a_block_entirely_in_the_future_contributes_nothing():
 def test_position_runs_split_at_gaps():
     runs = position_runs(torch.tensor([0, 4, 6]), torch.tensor([0, 1, 6, 7, 3, 4]))
     assert runs == [[(0, 2, 0), (2, 4, 6)], [(4, 6, 3)]]
+    tiles = position_runs(torch.tensor([0, 5]), torch.tensor([0, 1, 2, 3, 4]), max_run=2)
+    assert tiles == [[(0, 2, 0), (2, 4, 2), (4, 5, 4)]]
     with pytest.raises(ValueError, match="positions but the segments end"):
         position_runs(torch.tensor([0, 5]), torch.tensor([0, 1]))

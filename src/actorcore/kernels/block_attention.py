@@ -20,8 +20,13 @@ import torch
 Runs = list[list[tuple[int, int, int]]]
 
 
-def position_runs(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> Runs:
-    """The runs of consecutive positions of every segment (host tensors: read once, cache the result)."""
+def position_runs(cu_seqlens: torch.Tensor, positions: torch.Tensor, max_run: int | None = None) -> Runs:
+    """The runs of consecutive positions of every segment (host tensors: read once, cache the result).
+
+    ``max_run`` cuts longer runs into tiles: a pair of tiles' scores ``[N, max_run, max_run]`` is the most any
+    step holds at once, and tiles entirely in the future of a query tile are skipped."""
+    if max_run is not None and max_run < 1:
+        raise ValueError(f"max_run must be a positive number of tokens, got {max_run}")
     bounds, pos = cu_seqlens.tolist(), positions.tolist()
     if len(pos) != bounds[-1]:
         raise ValueError(f"{len(pos)} positions but the segments end at {bounds[-1]}")
@@ -30,7 +35,7 @@ def position_runs(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> Runs:
         segment = []
         while start < end:
             stop = start + 1
-            while stop < end and pos[stop] == pos[stop - 1] + 1:
+            while stop < end and pos[stop] == pos[stop - 1] + 1 and (max_run is None or stop - start < max_run):
                 stop += 1
             segment.append((start, stop, pos[start]))
             start = stop

@@ -35,6 +35,9 @@ except ImportError:  # pragma: no cover - guarded by require_megatron
 
 
 CP_COMM_TYPES = (None, "all_gather", "p2p")
+# The ring's plain-torch block kernel works on tiles of at most this many tokens (its fp32 scores per tile pair:
+# heads x RING_TILE^2 x 4 bytes, 128 MiB at 32 heads) and skips the tiles a query tile cannot see.
+RING_TILE = 1024
 
 
 def uses_cp_ring(cp_comm_type: Any) -> bool:
@@ -153,7 +156,7 @@ def _cp_runs(params: Any, cp_group: Any) -> list[block_attention.Runs]:
         cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
         bounds = [int(b) for b in cu.tolist()]
         cu_local = torch.tensor(bounds, dtype=torch.int64) // cp_size
-        cached = [block_attention.position_runs(cu_local, cp_local_positions(bounds, cp_size, rank))
+        cached = [block_attention.position_runs(cu_local, cp_local_positions(bounds, cp_size, rank), RING_TILE)
                   for rank in range(cp_size)]
         params._actorcore_cp_runs = cached
     return cached
