@@ -2,7 +2,8 @@
 spawned group): per-token log-probs, entropy and every parameter's gradient equal plain transformers' fp32 forward
 and, per element, the all-gather path on the same weights, at TP=2 x CP=2 (mistral: a sliding window shorter than
 the sequences, GQA) and CP=4 (qwen2: q/k/v biases; at CP=4 some of a rank's query chunks see none of a block's
-keys). The traces prove which path ran."""
+keys) and CP=2 x DP=2 (deepseek_v3: MLA, whose keys and values have different head dims, and MoE). The traces
+prove which path ran."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from actorcore.testing.tolerances import TOL
 pytest.importorskip("megatron.core")
 
 # (model_type, overrides, tp, cp): 4 ranks each.
-LAYOUTS = [("mistral", {}, 2, 2), ("qwen2", {}, 1, 4)]
+LAYOUTS = [("mistral", {}, 2, 2), ("qwen2", {}, 1, 4), ("deepseek_v3", {}, 1, 2)]
 
 
 def _run(chunks, context, comm: str) -> dict:
@@ -42,7 +43,8 @@ def _run(chunks, context, comm: str) -> dict:
     dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
     for chunk in chunks:
         for param in chunk.parameters():
-            dist.all_reduce(param.grad, group=dp_cp)
+            expert = not getattr(param, "allreduce", True)
+            dist.all_reduce(param.grad, group=ps.get_expert_data_parallel_group() if expert else dp_cp)
             param.grad /= dist.get_world_size(dp_cp)
     return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb],
             "grads": _megatron_grads_as_hf(chunks, context), "trace": dict(trace)}
