@@ -95,7 +95,8 @@ def _layout(cp: int, hf_config, batch, args, state: dict | None,
     fwd_s, fwd_peak, log_probs = _measure(forward, args.repeats)
     fb_s, fb_peak, _ = _measure(forward_backward, args.repeats)
     batches_per_step = 2 // cp  # CP=1: each GPU runs the whole batch (data parallel)
-    row = {"cp": cp, "cp_comm_type": cp_comm, "tokens": batch.num_tokens, "forward_s": fwd_s, "forward_backward_s": fb_s,
+    row = {"cp": cp, "cp_comm_type": cp_comm, "tokens": batch.num_tokens, "forward_s": fwd_s,
+           "forward_backward_s": fb_s,
            "forward_tokens_per_s": batch.num_tokens * batches_per_step / fwd_s,
            "forward_backward_tokens_per_s": batch.num_tokens * batches_per_step / fb_s,
            "forward_peak_gib": fwd_peak, "forward_backward_peak_gib": fb_peak}
