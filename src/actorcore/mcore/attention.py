@@ -7,8 +7,8 @@ runs actorcore's varlen causal attention (flash-attn / torch varlen / per-sequen
 Under context parallelism (cp > 1) each rank holds two chunks of every sequence (``actorcore.context_split``)
 and its queries attend causally, at their global positions, to the keys and values of all CP ranks: gathered
 once per layer (``cp_comm_type`` ``None`` or ``"all_gather"``), or passed around the CP ring one rank's block
-at a time, merging partial softmaxes (``"p2p"``). ``packed_seq_params.cu_seqlens_q_padded`` is then the padded layout of
-the whole batch (Megatron's convention, which its RoPE also reads).
+at a time, merging partial softmaxes (``"p2p"``). ``packed_seq_params.cu_seqlens_q_padded`` is then the
+padded layout of the whole batch (Megatron's convention, which its RoPE also reads).
 
 Legend: ``T`` packed tokens, ``N`` query heads (this TP rank), ``K`` kv heads, ``H`` head dim.
 """
