@@ -59,11 +59,12 @@ def _visible_pairs(q_runs: Runs, k_runs: Runs, window: int | None):
 
 
 def _scores(q_LNH, k_MKH, q_run, k_run, masked, scale, window):
-    """Scaled fp32 scores ``[N, q, k]`` of a pair of runs (invisible ones at -inf) and its keys ``[N, k, H]``."""
+    """Scaled scores ``[N, q, k]`` of a pair of runs (invisible ones at -inf), its queries and its keys
+    ``[N, k, H]`` (``q_LNH`` and ``k_MKH`` already fp32)."""
     (qa, qb, qp), (ka, kb, kp) = q_run, k_run
     groups = q_LNH.shape[1] // k_MKH.shape[1]
-    q_NQH = q_LNH[qa:qb].transpose(0, 1).float()
-    k_NKH = k_MKH[ka:kb].transpose(0, 1).float().repeat_interleave(groups, dim=0)
+    q_NQH = q_LNH[qa:qb].transpose(0, 1)
+    k_NKH = k_MKH[ka:kb].transpose(0, 1).repeat_interleave(groups, dim=0)
     scores = torch.matmul(q_NQH, k_NKH.transpose(-1, -2)) * scale
     if masked:
         device = q_LNH.device
@@ -100,6 +101,7 @@ def attention_block_forward(q_LNH: torch.Tensor, k_MKH: torch.Tensor, v_MKV: tor
     if N % k_MKH.shape[1]:
         raise ValueError(f"{N} query heads cannot share {k_MKH.shape[1]} key/value heads evenly")
     groups = N // k_MKH.shape[1]
+    q_LNH, k_MKH, v_MKV = q_LNH.float(), k_MKH.float(), v_MKV.float()  # once, not per pair of tiles
     out = q_LNH.new_zeros(L, N, v_MKV.shape[-1], dtype=torch.float32)
     lse = q_LNH.new_full((L, N), float("-inf"), dtype=torch.float32)
     for q_run, k_run, masked in _visible_pairs(q_runs, k_runs, sliding_window):
@@ -107,7 +109,7 @@ def attention_block_forward(q_LNH: torch.Tensor, k_MKH: torch.Tensor, v_MKV: tor
         (qa, qb, _), (ka, kb, _) = q_run, k_run
         lse_NQ = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - _finite(lse_NQ).unsqueeze(-1))
-        v_NKV = v_MKV[ka:kb].transpose(0, 1).float().repeat_interleave(groups, dim=0)
+        v_NKV = v_MKV[ka:kb].transpose(0, 1).repeat_interleave(groups, dim=0)
         pair_out, pair_lse = torch.matmul(probs, v_NKV).transpose(0, 1), lse_NQ.transpose(0, 1)
         out[qa:qb], lse[qa:qb] = merge_attention_blocks(out[qa:qb], lse[qa:qb], pair_out, pair_lse)
     return out, lse
@@ -124,7 +126,7 @@ def attention_block_backward(grad_LNV: torch.Tensor, q_LNH: torch.Tensor, k_MKH:
     L, N, _ = q_LNH.shape
     M, K, _ = k_MKH.shape
     groups = N // K
-    grad = grad_LNV.float()
+    grad, q_LNH, k_MKH, v_MKV = grad_LNV.float(), q_LNH.float(), k_MKH.float(), v_MKV.float()
     dq = torch.zeros(L, N, q_LNH.shape[-1], dtype=torch.float32, device=q_LNH.device)
     dk_MNH = torch.zeros(M, N, k_MKH.shape[-1], dtype=torch.float32, device=q_LNH.device)
     dv_MNV = torch.zeros(M, N, v_MKV.shape[-1], dtype=torch.float32, device=q_LNH.device)
@@ -134,7 +136,7 @@ def attention_block_backward(grad_LNV: torch.Tensor, q_LNH: torch.Tensor, k_MKH:
         (qa, qb, _), (ka, kb, _) = q_run, k_run
         probs = torch.exp(scores - safe_lse[qa:qb].transpose(0, 1).unsqueeze(-1))
         grad_NQV = grad[qa:qb].transpose(0, 1)
-        v_NKV = v_MKV[ka:kb].transpose(0, 1).float().repeat_interleave(groups, dim=0)
+        v_NKV = v_MKV[ka:kb].transpose(0, 1).repeat_interleave(groups, dim=0)
         dv_MNV[ka:kb] += torch.matmul(probs.transpose(-1, -2), grad_NQV).transpose(0, 1)
         d_scores = probs * (torch.matmul(grad_NQV, v_NKV.transpose(-1, -2))
                             - delta_LN[qa:qb].transpose(0, 1).unsqueeze(-1)) * scale
