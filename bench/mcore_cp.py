@@ -4,11 +4,14 @@ Two NCCL ranks (``--tiny``: two gloo CPU ranks and a tiny model, to check the sc
 Qwen3-8B-shaped model with a few layers, bf16, an RL-like packed batch of sequences of very different lengths.
 Each layout runs forward-only log-probs and forward+backward on the same batch and weights (copied from the
 CP=1 model): CP=1 gives each GPU the whole batch (two batches per step over the two GPUs), CP=2 splits it over
-both. Reported per layout: median seconds, tokens/s over both GPUs, peak memory per GPU, and max |Δ log-prob|
-of CP=2 against CP=1 (bf16 model: attention kernels differ, so small differences are expected).
+both. CP=2 runs with each requested key/value exchange (``--cp-comm``: Megatron's ``cp_comm_type``
+``all_gather``, one all-gather per layer, or ``p2p``, the ring that passes one rank's block at a time and merges
+partial softmaxes; ``both`` runs them side by side). Reported per layout: median seconds, tokens/s over both
+GPUs, peak memory per GPU, and max |Δ log-prob| of CP=2 against CP=1 (bf16 model: attention kernels differ, so
+small differences are expected) and, with ``both``, of the ring against the all-gather.
 
     PYTHONPATH=src python3 bench/mcore_cp.py [--layers 4 --sequences 16 --min-len 512 --max-len 8192]
-        [--out results.json] [--tiny]
+        [--cp-comm all_gather|p2p|both] [--out results.json] [--tiny]
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def _batch(args: argparse.Namespace, vocab: int):
     return ac.pack([torch.randint(0, vocab, (n,), generator=gen) for n in lengths])
 
 
-def _layout(cp: int, hf_config, batch, args, state: dict | None) -> tuple[dict, dict, torch.Tensor]:
+def _layout(cp: int, hf_config, batch, args, state: dict | None,
+            cp_comm: str | None = None) -> tuple[dict, dict, torch.Tensor]:
     from megatron.core import parallel_state as ps
 
     from actorcore.mcore.forward import compute_logprobs
@@ -66,7 +70,8 @@ def _layout(cp: int, hf_config, batch, args, state: dict | None) -> tuple[dict, 
 
     parallel = McoreParallel(cp=cp)
     context = initialize_megatron(parallel)
-    chunks = build_gpt_model(hf_config, parallel, dtype=torch.float32 if args.tiny else torch.bfloat16)
+    overrides = {} if cp_comm is None else {"cp_comm_type": cp_comm}
+    chunks = build_gpt_model(hf_config, parallel, dtype=torch.float32 if args.tiny else torch.bfloat16, **overrides)
     if state is None:  # random initialisation may differ between ranks: every rank takes rank 0's weights
         from actorcore.parallel import collectives
 
@@ -90,7 +95,8 @@ def _layout(cp: int, hf_config, batch, args, state: dict | None) -> tuple[dict, 
     fwd_s, fwd_peak, log_probs = _measure(forward, args.repeats)
     fb_s, fb_peak, _ = _measure(forward_backward, args.repeats)
     batches_per_step = 2 // cp  # CP=1: each GPU runs the whole batch (data parallel)
-    row = {"cp": cp, "tokens": batch.num_tokens, "forward_s": fwd_s, "forward_backward_s": fb_s,
+    row = {"cp": cp, "cp_comm_type": cp_comm, "tokens": batch.num_tokens, "forward_s": fwd_s,
+           "forward_backward_s": fb_s,
            "forward_tokens_per_s": batch.num_tokens * batches_per_step / fwd_s,
            "forward_backward_tokens_per_s": batch.num_tokens * batches_per_step / fb_s,
            "forward_peak_gib": fwd_peak, "forward_backward_peak_gib": fb_peak}
@@ -120,12 +126,19 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, directory: str) 
     try:
         with CpuRuntime():
             cp1, state, lp1 = _layout(1, hf_config, batch, args, None)
-            cp2, _, lp2 = _layout(2, hf_config, batch, args, state)
-        cp2["max_abs_dlogprob_vs_cp1"] = float((lp2.float() - lp1.float()).abs().max())
+            comms = ["all_gather", "p2p"] if args.cp_comm == "both" else [args.cp_comm]
+            rows, log_probs = {}, {}
+            for comm in comms:
+                rows[comm], _, log_probs[comm] = _layout(2, hf_config, batch, args, state, comm)
+                rows[comm]["max_abs_dlogprob_vs_cp1"] = float((log_probs[comm].float() - lp1.float()).abs().max())
+        if len(comms) == 2:
+            rows["p2p"]["max_abs_dlogprob_vs_all_gather"] = float(
+                (log_probs["p2p"].float() - log_probs["all_gather"].float()).abs().max())
         if rank == 0:
             result = {"model": "tiny" if args.tiny else "qwen3-8b-shaped", "layers": args.layers,
                       "sequences": args.sequences, "device": torch.cuda.get_device_name(0)
-                      if torch.cuda.is_available() and not args.tiny else "cpu", "cp1_dp2": cp1, "cp2": cp2}
+                      if torch.cuda.is_available() and not args.tiny else "cpu", "cp1_dp2": cp1,
+                      **{f"cp2_{comm}": row for comm, row in rows.items()}}
             text = json.dumps(result, indent=2)
             print(text)
             if args.out:
@@ -144,6 +157,8 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=512)
     parser.add_argument("--max-len", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cp-comm", choices=["all_gather", "p2p", "both"], default="both",
+                        help="CP=2's key/value exchange (Megatron's cp_comm_type); both: side by side")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on two gloo CPU ranks (checks the script)")
     args = parser.parse_args()

@@ -113,7 +113,7 @@ def test_mcore_on_nccl(tmp_path, model_type, tp, pp, ep):
             torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=f"rank {rank} entropy")
 
 
-def _cp_worker(rank: int, world_size: int, hf_dir: str) -> dict:
+def _cp_worker(rank: int, world_size: int, hf_dir: str, cp_comm: str) -> dict:
     import collections
 
     import torch.distributed as dist
@@ -129,7 +129,7 @@ def _cp_worker(rank: int, world_size: int, hf_dir: str) -> dict:
 
     parallel = McoreParallel(cp=2)
     context = initialize_megatron(parallel)
-    chunks = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel)
+    chunks = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel, cp_comm_type=cp_comm)
     load_hf_into_mcore(chunks, hf_dir, context)
     trace: collections.Counter = collections.Counter()
     for layer in chunks[0].decoder.layers:
@@ -152,9 +152,11 @@ def _cp_worker(rank: int, world_size: int, hf_dir: str) -> dict:
             "grads": grads, "trace": dict(trace)}
 
 
-def test_mcore_context_parallel_on_nccl(tmp_path):
-    """CP=2 over NCCL (mistral: GQA, a sliding window shorter than the sequences): log-probs, entropy and every
-    parameter's gradient (averaged over the CP ranks, as Megatron's DDP does) equal transformers' fp32 forward."""
+@pytest.mark.parametrize("cp_comm", ["all_gather", "p2p"])
+def test_mcore_context_parallel_on_nccl(tmp_path, cp_comm):
+    """CP=2 over NCCL (mistral: GQA, a sliding window shorter than the sequences), with the all-gather and with the
+    ring (cp_comm_type="p2p", NCCL's batched send/recv): log-probs, entropy and every parameter's gradient
+    (averaged over the CP ranks, as Megatron's DDP does) equal transformers' fp32 forward."""
     pytest.importorskip("megatron.core")
     from actorcore.testing.reference import reference_logprobs, right_padded
     from actorcore.testing.tiny_configs import build_tiny_model
@@ -162,7 +164,7 @@ def test_mcore_context_parallel_on_nccl(tmp_path):
     hf = build_tiny_model("mistral", seed=5)
     hf_dir = str(tmp_path / "hf")
     hf.save_pretrained(hf_dir)
-    results = _run_nccl(_cp_worker, 2, (hf_dir,))
+    results = _run_nccl(_cp_worker, 2, (hf_dir, cp_comm))
     ref = []
     for sequences in _sequences():
         lp, ent = reference_logprobs(hf, *right_padded(sequences))
@@ -170,7 +172,8 @@ def test_mcore_context_parallel_on_nccl(tmp_path):
         ref.append((lp.detach(), ent.detach()))
     tol, grad_tol = TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"]
     for rank, result in enumerate(results):
-        assert result["trace"] == {"varlen_attention:at_positions": 2 * len(LENGTHS)}, rank
+        path = "varlen_attention:cp_ring" if cp_comm == "p2p" else "varlen_attention:at_positions"
+        assert result["trace"] == {path: 2 * len(LENGTHS)}, rank
         for (lp, ent, device), (ref_lp, ref_ent) in zip(result["got"], ref):
             assert device == "cuda"
             torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=f"rank {rank} log-probs")

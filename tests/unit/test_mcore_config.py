@@ -265,3 +265,18 @@ def test_vision_tower_replicas_start_equal_and_leave_the_rng_alone():
         torch.manual_seed(seed)
         assert torch.equal(draws[-1], torch.rand(3))
     assert all(torch.equal(a, b) for a, b in zip(towers[0].state_dict().values(), towers[1].state_dict().values()))
+
+
+def test_cp_comm_type_selects_the_ring_or_the_all_gather_and_refuses_the_rest():
+    from actorcore.mcore.attention import PackedCoreAttention, uses_cp_ring
+
+    hf = AutoConfig.for_model("qwen3", **QWEN3_8B)
+    # Not asked: Megatron's TransformerConfig default (None), which means the all-gather.
+    assert hf_to_mcore_config(hf, McoreParallel(cp=2)).cp_comm_type is None
+    assert not uses_cp_ring(None) and not uses_cp_ring("all_gather") and uses_cp_ring("p2p")
+    # build_gpt_model(..., cp_comm_type=...) passes it through to the TransformerConfig.
+    assert hf_to_mcore_config(hf, McoreParallel(cp=2), cp_comm_type="p2p").cp_comm_type == "p2p"
+    for refused in ("a2a", "a2a+p2p", ["p2p"] * 36):
+        config = hf_to_mcore_config(hf, McoreParallel(cp=2), cp_comm_type=refused)
+        with pytest.raises(ValueError, match="cp_comm_type=.* is not supported.*'all_gather'.*'p2p'"):
+            PackedCoreAttention(config, 1, None, "self")

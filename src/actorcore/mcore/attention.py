@@ -4,10 +4,11 @@ Megatron-Core's own ``DotProductAttention`` refuses ``PackedSeqParams``; Transfo
 but is often not installed. This module has DotProductAttention's constructor and forward signature and
 runs actorcore's varlen causal attention (flash-attn / torch varlen / per-sequence SDPA).
 
-Under context parallelism (cp > 1) each rank holds two chunks of every sequence (``actorcore.context_split``);
-the keys and values of all CP ranks are gathered once per layer and the rank's queries attend to them
-causally at their global positions. ``packed_seq_params.cu_seqlens_q_padded`` is then the padded layout of
-the whole batch (Megatron's convention, which its RoPE also reads).
+Under context parallelism (cp > 1) each rank holds two chunks of every sequence (``actorcore.context_split``)
+and its queries attend causally, at their global positions, to the keys and values of all CP ranks: gathered
+once per layer (``cp_comm_type`` ``None`` or ``"all_gather"``), or passed around the CP ring one rank's block
+at a time, merging partial softmaxes (``"p2p"``). ``packed_seq_params.cu_seqlens_q_padded`` is then the
+padded layout of the whole batch (Megatron's convention, which its RoPE also reads).
 
 Legend: ``T`` packed tokens, ``N`` query heads (this TP rank), ``K`` kv heads, ``H`` head dim.
 """
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from actorcore.context_split import cp_gather_order, cp_local_positions
+from actorcore.kernels import block_attention
+from actorcore.kernels.trace import add
 from actorcore.kernels.varlen_attention import causal_attention_at_positions, varlen_causal_attention
 from actorcore.parallel import collectives
 
@@ -29,6 +32,22 @@ try:  # megatron-core is optional; this module is only imported by mcore/model.p
     from megatron.core.transformer.module import MegatronModule
 except ImportError:  # pragma: no cover - guarded by require_megatron
     MegatronModule = torch.nn.Module  # type: ignore[misc,assignment]
+
+
+CP_COMM_TYPES = (None, "all_gather", "p2p")
+# The ring's plain-torch block kernel works on tiles of at most this many tokens (its fp32 scores per tile pair:
+# heads x RING_TILE^2 x 4 bytes, 128 MiB at 32 heads) and skips the tiles a query tile cannot see.
+RING_TILE = 1024
+
+
+def uses_cp_ring(cp_comm_type: Any) -> bool:
+    """Whether Megatron's ``TransformerConfig.cp_comm_type`` asks for the ring (``"p2p"``) rather than the
+    all-gather (``None``, the default, or ``"all_gather"``); anything else is refused."""
+    if cp_comm_type not in CP_COMM_TYPES or isinstance(cp_comm_type, list):
+        raise ValueError(f"cp_comm_type={cp_comm_type!r} is not supported by actorcore's packed core attention: "
+                         "use 'all_gather' (the default: one all-gather of the keys and values per layer) or "
+                         "'p2p' (a ring exchange), one string for all layers")
+    return cp_comm_type == "p2p"
 
 
 class PackedCoreAttention(MegatronModule):
@@ -42,7 +61,9 @@ class PackedCoreAttention(MegatronModule):
         # A caller's collections.Counter: the attention kernels count the path they ran in it (tests set it).
         self.trace: Counter[str] | None = None
         self.cp_group = None
+        self.cp_ring = False
         if config.context_parallel_size > 1:
+            self.cp_ring = uses_cp_ring(config.cp_comm_type)
             self.cp_group = getattr(pg_collection, "cp", None)
             if self.cp_group is None:
                 from megatron.core import parallel_state
@@ -87,9 +108,19 @@ class PackedCoreAttention(MegatronModule):
 
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any,
                           dropout: float) -> torch.Tensor:
-        """This rank's query chunks ``[L, N, H]`` against every rank's keys/values, gathered in one collective."""
-        order, positions, cu_local, cu = _cp_layout(params, self.cp_group, query.device)
+        """This rank's query chunks ``[L, N, H]`` against every rank's keys/values, gathered in one collective
+        (or passed around the ring)."""
         key_width = key.shape[-1]
+        if self.cp_ring:
+            if dropout:
+                raise ValueError("attention dropout is not supported with cp_comm_type='p2p' (the ring): set "
+                                 "attention_dropout=0.0 or use cp_comm_type='all_gather'")
+            add(self.trace, "varlen_attention:cp_ring")
+            blocks = _RingBlocks(_cp_runs(params, self.cp_group), dist.get_rank(self.cp_group), key_width,
+                                 self.softmax_scale, self.sliding_window)
+            out_LNH = collectives.ring_cp_attention(query, torch.cat([key, value], dim=-1), blocks, self.cp_group)
+            return out_LNH.reshape(out_LNH.shape[0], -1)
+        order, positions, cu_local, cu = _cp_layout(params, self.cp_group, query.device)
         kv_gathered = collectives.gather_cp_key_values(torch.cat([key, value], dim=-1), self.cp_group)
         kv_full = kv_gathered[order]  # the padded layout of the whole batch, in order
         out_LNH = causal_attention_at_positions(query, kv_full[..., :key_width], kv_full[..., key_width:], cu_local,
@@ -115,3 +146,45 @@ def _cp_layout(params: Any, cp_group: Any, device: torch.device) -> tuple[torch.
                   cp_local_positions(bounds, cp_size, cp_rank), cu_cpu // cp_size, cu_cpu)
         params._actorcore_cp_layout = cached
     return cached[1:]
+
+
+def _cp_runs(params: Any, cp_group: Any) -> list[block_attention.Runs]:
+    """Per CP rank, the runs of consecutive positions its tokens hold in every segment (cached on ``params``)."""
+    cp_size = dist.get_world_size(cp_group)
+    cached = getattr(params, "_actorcore_cp_runs", None)
+    if cached is None or len(cached) != cp_size:
+        cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
+        bounds = [int(b) for b in cu.tolist()]
+        cu_local = torch.tensor(bounds, dtype=torch.int64) // cp_size
+        cached = [block_attention.position_runs(cu_local, cp_local_positions(bounds, cp_size, rank), RING_TILE)
+                  for rank in range(cp_size)]
+        params._actorcore_cp_runs = cached
+    return cached
+
+
+class _RingBlocks:
+    """What ``collectives.ring_cp_attention`` computes per block: this rank's queries against CP rank
+    ``source``'s keys/values (concatenated on the last dim, keys first), causal at their global positions."""
+
+    def __init__(self, runs: list[block_attention.Runs], cp_rank: int, key_width: int, scale: float,
+                 window: int | None) -> None:
+        self.runs, self.q_runs = runs, runs[cp_rank]
+        self.key_width, self.scale, self.window = key_width, scale, window
+
+    def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv[..., :self.key_width], kv[..., self.key_width:]
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key, value = self._split(kv)
+        return block_attention.attention_block_forward(q, key, value, self.q_runs, self.runs[source],
+                                                       scale=self.scale, sliding_window=self.window)
+
+    merge = staticmethod(block_attention.merge_attention_blocks)
+
+    def backward(self, grad: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                 source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key, value = self._split(kv)
+        dq, dk, dv = block_attention.attention_block_backward(grad, q, key, value, lse, delta, self.q_runs,
+                                                              self.runs[source], scale=self.scale,
+                                                              sliding_window=self.window)
+        return dq, torch.cat([dk, dv], dim=-1)

@@ -211,3 +211,73 @@ def broadcast_object(obj: Any, src_group_rank: int, group: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, src_group_rank), group=group)
     return box[0]
+
+
+# ---- Context parallelism, ring exchange (Megatron route, cp_comm_type="p2p"). ----
+
+
+class _RingPass:
+    """One step of a ring: this rank's ``tensor`` goes to the next rank, the previous rank's arrives (async)."""
+
+    def __init__(self, tensor: torch.Tensor, group: Any) -> None:
+        size, rank = _group_size(group), dist.get_rank(group)
+        self.sent, self.received = tensor.contiguous(), torch.empty_like(tensor)  # both alive until wait()
+        ops = [dist.P2POp(dist.isend, self.sent, dist.get_global_rank(group, (rank + 1) % size), group),
+               dist.P2POp(dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % size), group)]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, blocks: Any, group: Any) -> torch.Tensor:
+        size, rank = _group_size(group), dist.get_rank(group)
+        out = lse = None
+        current = kv.contiguous()
+        for step in range(size):
+            transfer = _RingPass(current, group) if step < size - 1 else None  # overlaps this step's compute
+            block_out, block_lse = blocks.forward(q, current, (rank - step) % size)
+            out, lse = (block_out, block_lse) if out is None else blocks.merge(out, lse, block_out, block_lse)
+            if transfer is not None:
+                current = transfer.wait()
+        ctx.blocks, ctx.group = blocks, group
+        ctx.save_for_backward(q, kv, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, kv, out, lse = ctx.saved_tensors
+        blocks, group = ctx.blocks, ctx.group
+        size, rank = _group_size(group), dist.get_rank(group)
+        grad_out = grad_out.float()
+        delta = (grad_out * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        current, grad_pass, grad_kv = kv, None, None
+        for step in range(size):
+            transfer = _RingPass(current, group) if step < size - 1 else None
+            block_dq, block_dkv = blocks.backward(grad_out, q, current, lse, delta, (rank - step) % size)
+            dq += block_dq
+            # The key/value gradient travels with its block: add this rank's share to what the ranks before
+            # it computed, pass it on; after ``size`` passes it is back on the rank that holds the block.
+            grad_kv = block_dkv if grad_pass is None else grad_pass.wait() + block_dkv
+            grad_pass = _RingPass(grad_kv, group)
+            if transfer is not None:
+                current = transfer.wait()
+        return dq.to(q.dtype), grad_pass.wait().to(kv.dtype), None, None
+
+
+def ring_cp_attention(q: torch.Tensor, kv: torch.Tensor, blocks: Any, group: Any) -> torch.Tensor:
+    """This rank's queries attending to every CP rank's keys/values, passed around the ring one block at a time.
+
+    ``kv`` is this rank's ``[L, ...]`` block; each step sends the block in hand to the next rank and receives
+    the previous rank's while ``blocks.forward(q, kv_block, source_rank) -> (out, lse)`` (fp32) computes on
+    the current one, and ``blocks.merge`` folds the partial softmaxes together. The backward circulates the
+    blocks again with ``blocks.backward(grad, q, kv_block, lse, delta, source_rank) -> (dq, dkv)`` (merged
+    ``lse`` and ``delta = sum(grad * out)``), sending each block's accumulated key/value gradient along with
+    it back to its owner. Only one other rank's block is held at a time (plus the one in flight).
+    """
+    return _RingAttention.apply(q, kv, blocks, group)
