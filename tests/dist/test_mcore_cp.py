@@ -59,13 +59,10 @@ def _megatron_grads_as_hf(chunks, context) -> dict[str, torch.Tensor]:
 
 
 def _layout(model_type: str, tp: int, pp: int, cp: int, ep: int, directory: str) -> dict:
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
-    import actorcore as ac
     from actorcore.mcore.checkpoint import load_hf_into_mcore
-    from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
@@ -78,21 +75,32 @@ def _layout(model_type: str, tp: int, pp: int, cp: int, ep: int, directory: str)
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             layer.self_attention.core_attention.trace = trace
+    result = _run_and_reduce(chunks, context, trace)
+    ps.destroy_model_parallel()
+    return result
+
+
+def _run_and_reduce(chunks, context, trace) -> dict:
+    """Forward-only and forward+backward log-probs of ``_sequences()``, then every parameter's gradient reduced as
+    Megatron's DDP does (sum over the ranks holding a copy: data x context parallel, for experts the expert data
+    parallel ranks; divided by the data x context parallel size), HF-named."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import actorcore as ac
+    from actorcore.mcore.forward import compute_logprobs
+
     batches = [ac.pack(s) for s in _sequences()]
     got = compute_logprobs(chunks, batches, context)
     fb = compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: -out.log_probs.sum())
-    # Megatron's DDP: sum over the ranks holding a copy (data x context parallel; for experts, the expert data
-    # parallel ranks), divided by the data x context parallel size.
     dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
     for chunk in chunks:
         for param in chunk.parameters():
             expert = not getattr(param, "allreduce", True)
             dist.all_reduce(param.grad, group=ps.get_expert_data_parallel_group() if expert else dp_cp)
             param.grad /= dist.get_world_size(dp_cp)
-    grads = _megatron_grads_as_hf(chunks, context)
-    ps.destroy_model_parallel()
-    return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "grads": grads,
-            "trace": dict(trace)}
+    return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb],
+            "grads": _megatron_grads_as_hf(chunks, context), "trace": dict(trace)}
 
 
 def _critic(directory: str) -> list[torch.Tensor]:

@@ -26,12 +26,7 @@ LAYOUTS = [("mistral", {}, 2, 1, 2), ("qwen2", {}, 1, 1, 4), ("llama", {"tie_wor
 
 def _run(chunks, context, comm: str) -> dict:
     """Log-probs / entropy, forward-backward log-probs and HF-named gradients averaged over data x CP ranks."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from test_mcore_cp import _megatron_grads_as_hf, _sequences
-
-    import actorcore as ac
-    from actorcore.mcore.forward import compute_logprobs
+    from test_mcore_cp import _run_and_reduce
 
     trace: collections.Counter = collections.Counter()
     for chunk in chunks:
@@ -39,17 +34,7 @@ def _run(chunks, context, comm: str) -> dict:
         for layer in chunk.decoder.layers:
             layer.self_attention.core_attention.trace = trace
             layer.self_attention.core_attention.cp_ring = comm == "p2p"  # same weights, the other path
-    batches = [ac.pack(s) for s in _sequences()]
-    got = compute_logprobs(chunks, batches, context)
-    fb = compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: -out.log_probs.sum())
-    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-    for chunk in chunks:
-        for param in chunk.parameters():
-            expert = not getattr(param, "allreduce", True)
-            dist.all_reduce(param.grad, group=ps.get_expert_data_parallel_group() if expert else dp_cp)
-            param.grad /= dist.get_world_size(dp_cp)
-    return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb],
-            "grads": _megatron_grads_as_hf(chunks, context), "trace": dict(trace)}
+    return _run_and_reduce(chunks, context, trace)
 
 
 def _layout(tp: int, pp: int, cp: int, directory: str) -> dict:
