@@ -31,28 +31,17 @@ def _on_cpu(value):
     return value
 
 
-def _nccl_entry(rank: int, world_size: int, directory: str, cases: list) -> None:
-    import torch.distributed as dist
+def _cases_worker(rank: int, world_size: int, cases: list) -> dict:
     from test_mcore_moe_tp import _case
 
-    torch.cuda.set_device(rank)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group("nccl", init_method=f"file://{os.path.join(directory, 'rendezvous')}", rank=rank,
-                            world_size=world_size, device_id=torch.device("cuda", rank))
-    try:
-        result = {case[0]: _on_cpu(_case(*case)) for case in cases}
-        torch.save(result, os.path.join(directory, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    return {case[0]: _on_cpu(_case(*case)) for case in cases}
 
 
 def test_moe_tp2_ep2_training_on_nccl():
     pytest.importorskip("megatron.core")
     from test_mcore_moe_tp import WORLD, check_results, saved_cases
+    from test_mcore_nccl import _run_nccl
 
     with tempfile.TemporaryDirectory() as root:
-        cases = saved_cases(root)
-        torch.multiprocessing.spawn(_nccl_entry, args=(WORLD, root, cases), nprocs=WORLD, join=True)
-        results = [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+        results = _run_nccl(_cases_worker, WORLD, (saved_cases(root),))
     check_results(results, TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"])

@@ -24,20 +24,6 @@ def _sequences() -> list[torch.Tensor]:
     return [torch.randint(3, 131, (n,), generator=gen) for n in LENGTHS]
 
 
-def _nccl_entry(rank: int, world_size: int, directory: str, fn, args: tuple) -> None:
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group("nccl", init_method=f"file://{os.path.join(directory, 'rendezvous')}", rank=rank,
-                            world_size=world_size, device_id=torch.device("cuda", rank))
-    try:
-        torch.save(fn(rank, world_size, *args), os.path.join(directory, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
     from transformers import AutoConfig
 
@@ -66,15 +52,13 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
 def test_mtp_on_nccl(tp, pp):
     pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
+    from test_mcore_nccl import _run_nccl
 
     from actorcore.testing.mtp import reference_mtp, write_mtp_checkpoint
 
     with tempfile.TemporaryDirectory() as root:
         mtp_dir, donor_dir = write_mtp_checkpoint(root)
-        with tempfile.TemporaryDirectory() as directory:
-            torch.multiprocessing.spawn(_nccl_entry, args=(2, directory, _worker, (tp, pp, mtp_dir)), nprocs=2,
-                                        join=True)
-            results = [torch.load(os.path.join(directory, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+        results = _run_nccl(_worker, 2, (tp, pp, mtp_dir))
         reference = load_file(os.path.join(mtp_dir, "model.safetensors"))
         main_ref, mtp_rows, ref_loss, ref_grad = reference_mtp(mtp_dir, donor_dir, _sequences(), MTP_SCALE)
     tol, grad_tol = TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"]

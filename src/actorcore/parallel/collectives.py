@@ -70,12 +70,14 @@ def reduce_scatter_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-class _GatherSequence(torch.autograd.Function):
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 0 (rank order); the backward reduce-scatters (SUM) the incoming gradient. Used by
+    Ulysses SP for its outputs and by CP for its keys and values."""
+
     @staticmethod
     def forward(ctx, local_T: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        gathered = all_gather_blocks(local_T, group)
-        return gathered.reshape(gathered.shape[0] * gathered.shape[1], *gathered.shape[2:])
+        return torch.cat(all_gather_tensor(local_T, group))
 
     @staticmethod
     def backward(ctx, grad_T: torch.Tensor):
@@ -91,7 +93,7 @@ def gather_sp(local_T: torch.Tensor, ctx: Any) -> torch.Tensor:
     """
     if ctx.sp_size == 1:
         return local_T
-    return _GatherSequence.apply(local_T, ctx.sp_group)
+    return _GatherTokens.apply(local_T, ctx.sp_group)
 
 
 def merge_vocab_stats(stats: tuple, group: Any) -> tuple:
@@ -111,43 +113,25 @@ def merge_vocab_stats(stats: tuple, group: Any) -> tuple:
 # ---- Context parallelism (Megatron route): autograd all-gathers over the CP group. ----
 
 
-def _all_gather_cat(local: torch.Tensor, group: Any) -> torch.Tensor:
-    local = local.contiguous()
-    parts = [torch.empty_like(local) for _ in range(_group_size(group))]
-    dist.all_gather(parts, local, group=group)
-    return torch.cat(parts, dim=0)
-
-
-class _GatherKeyValues(torch.autograd.Function):
+class _GatherOutputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_L: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_cat(local_L, group)
+        ctx.rank, ctx.length = dist.get_rank(group), local_L.shape[0]
+        return torch.cat(all_gather_tensor(local_L, group))
 
     @staticmethod
     def backward(ctx, grad_P: torch.Tensor):
-        return reduce_scatter_sum(grad_P, ctx.group), None
+        return grad_P[ctx.rank * ctx.length:(ctx.rank + 1) * ctx.length].contiguous(), None
 
 
 def gather_cp_key_values(local_L: torch.Tensor, group: Any) -> torch.Tensor:
     """Every CP rank's ``[L, ...]`` keys/values concatenated in rank order, ``[cp * L, ...]``, on every rank.
 
     Each rank's queries read every rank's keys, so the backward sums (reduce-scatters) the key/value
-    gradients of all ranks onto the rank that holds them. One all-gather per layer; a ring (pass one rank's
-    block at a time, merging partial softmaxes) could replace it without changing the caller's math.
+    gradients of all ranks onto the rank that holds them. One all-gather per layer (``cp_comm_type`` None or
+    ``"all_gather"``; ``ring_cp_attention`` is the ring alternative).
     """
-    return _GatherKeyValues.apply(local_L, group)
-
-
-class _GatherOutputs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local_L: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.rank, ctx.length = dist.get_rank(group), local_L.shape[0]
-        return _all_gather_cat(local_L, group)
-
-    @staticmethod
-    def backward(ctx, grad_P: torch.Tensor):
-        return grad_P[ctx.rank * ctx.length:(ctx.rank + 1) * ctx.length].contiguous(), None
+    return _GatherTokens.apply(local_L, group)
 
 
 def gather_cp_outputs(local_L: torch.Tensor, group: Any) -> torch.Tensor:
