@@ -15,6 +15,7 @@ import torch
 
 from actorcore.export import TransportError, hf_weight_stream, ipc_receive, ipc_send
 from actorcore.export.ipc_buffers import shm_dir
+from actorcore.testing.receiving import module_of
 
 TIMEOUT = 60.0
 
@@ -55,21 +56,6 @@ class _SglangStandIn:
         self.flushes += 1
 
 
-def _module_of(spec):
-    """A module with a zero parameter per (name, shape, dtype) of ``spec``: the receiving side's model, without
-    importing transformers in the child (the receivers only need state-dict names)."""
-    root = torch.nn.Module()
-    for name, shape, dtype in spec:
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
-    return root
-
-
 def _spec(model):
     return [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
 
@@ -82,7 +68,7 @@ def _receiver(conn, scenario, spec, out_path):
     result = {}
     try:
         if scenario == "ok":
-            model = _module_of(spec)
+            model = module_of(spec)
 
             def slow(stream):  # a slow loader: the sender should be packing the next buffer meanwhile
                 for bucket in stream:
@@ -100,7 +86,7 @@ def _receiver(conn, scenario, spec, out_path):
             result["sglang"], result["flushes"] = sglang.seen, sglang.flushes
         elif scenario == "wrong_model":
             with ipc_receive(conn, timeout=TIMEOUT) as stream:
-                load_into(_module_of(spec), stream)
+                load_into(module_of(spec), stream)
         elif scenario == "dies":
             for k, _ in enumerate(ipc_receive(conn, timeout=TIMEOUT)):
                 if k == 1:

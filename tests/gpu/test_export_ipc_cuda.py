@@ -11,23 +11,11 @@ import os
 import pytest
 import torch
 
+from actorcore.testing.receiving import module_of
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 TIMEOUT = 120.0
-
-
-def _module_of(spec, device):
-    root = torch.nn.Module()
-    for name, shape, dtype in spec:
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device),
-                                                           requires_grad=False))
-    return root
 
 
 def _big_tensors(device):
@@ -44,7 +32,7 @@ def _receiver(conn, scenario, spec, out_path):
     result = {}
     try:
         if scenario == "ok":
-            model = _module_of(spec, "cuda")
+            model = module_of(spec, "cuda")
             with ipc_receive(conn, timeout=TIMEOUT) as stream:
                 devices = set()
 
