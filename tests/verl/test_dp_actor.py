@@ -16,6 +16,7 @@ pytest.importorskip("verl.workers.actor.dp_actor", reason="verl (0.7.x, with the
 
 from actorcore.testing.distributed import run_distributed  # noqa: E402
 from actorcore.testing.tolerances import TOL  # noqa: E402
+from rollout_layout import padded_rollout  # noqa: E402
 
 PROMPTS = (3, 5, 1)  # prompt lengths, left-padded to 5
 RESPONSES = (6, 2, 4)  # response lengths, right-padded to 6
@@ -23,17 +24,7 @@ TEMPERATURE = 0.7
 
 
 def _micro_batch():
-    """verl's layout: left-padded prompts, right-padded responses, position ids from the attention mask."""
-    g = torch.Generator().manual_seed(17)
-    P, R = max(PROMPTS), max(RESPONSES)
-    input_ids = torch.zeros(len(PROMPTS), P + R, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
-        input_ids[i, P - p:P + r] = torch.randint(3, 131, (p + r,), generator=g)
-        mask[i, P - p:P + r] = 1
-    position_ids = (torch.cumsum(mask, 1) - 1).clamp(min=0)
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids,
-            "responses": input_ids[:, P:]}
+    return padded_rollout(PROMPTS, RESPONSES, seed=17)
 
 
 def _reference(model):

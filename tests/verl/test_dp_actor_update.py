@@ -26,6 +26,7 @@ pytest.importorskip("verl.workers.actor.dp_actor", reason="verl (0.7.x, with the
 
 from actorcore.testing.distributed import run_distributed  # noqa: E402
 from actorcore.testing.tolerances import TOL  # noqa: E402
+from rollout_layout import padded_rollout  # noqa: E402
 
 PROMPTS = (3, 5, 1, 4)  # prompt lengths, left-padded to 5
 RESPONSES = (6, 2, 4, 5)  # response lengths, right-padded to 6
@@ -34,20 +35,7 @@ LR = 0.5
 
 
 def _batch(seed):
-    """verl's rollout batch: left-padded prompts, right-padded responses, position ids from the mask, and the
-    per-token PPO inputs (off-policy old log-probs, advantages, reference log-probs)."""
-    g = torch.Generator().manual_seed(seed)
-    P, R = max(PROMPTS), max(RESPONSES)
-    input_ids = torch.zeros(len(PROMPTS), P + R, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
-        input_ids[i, P - p:P + r] = torch.randint(3, 131, (p + r,), generator=g)
-        mask[i, P - p:P + r] = 1
-    response_mask = mask[:, P:].clone()
-    noise = lambda: torch.randn(len(PROMPTS), R, generator=g) * response_mask  # noqa: E731
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": (torch.cumsum(mask, 1) - 1).clamp(min=0),
-            "responses": input_ids[:, P:].clone(), "response_mask": response_mask,
-            "old_log_probs": -5.0 + 0.3 * noise(), "ref_log_prob": -5.0 + 0.3 * noise(), "advantages": noise()}
+    return padded_rollout(PROMPTS, RESPONSES, seed, ppo=True)
 
 
 def _reference_logprobs(model, batch):

@@ -29,6 +29,7 @@ import torch
 
 from actorcore.testing.distributed import run_distributed
 from actorcore.testing.tolerances import TOL
+from rollout_layout import padded_rollout
 
 PROMPTS = (3, 5, 1, 4)  # prompt lengths, left-padded to 5
 RESPONSES = (6, 2, 4, 5)  # response lengths, right-padded to 6
@@ -89,20 +90,7 @@ def _use_verls_torch_padding_helpers():
 
 
 def _padded_batch():
-    """verl's rollout layout (left-padded prompts, right-padded responses) and the PPO inputs."""
-    g = torch.Generator().manual_seed(17)
-    P, R = max(PROMPTS), max(RESPONSES)
-    input_ids = torch.zeros(len(PROMPTS), P + R, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
-        input_ids[i, P - p:P + r] = torch.randint(3, 131, (p + r,), generator=g)
-        mask[i, P - p:P + r] = 1
-    response_mask = mask[:, P:].clone()
-    noise = lambda: torch.randn(len(PROMPTS), R, generator=g) * response_mask  # noqa: E731
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": (torch.cumsum(mask, 1) - 1).clamp(min=0),
-            "prompts": input_ids[:, :P].clone(), "responses": input_ids[:, P:].clone(),
-            "response_mask": response_mask, "old_log_probs": -5.0 + 0.3 * noise(),
-            "ref_log_prob": -5.0 + 0.3 * noise(), "advantages": noise()}
+    return padded_rollout(PROMPTS, RESPONSES, seed=17, ppo=True)
 
 
 def _engine_data(fused):
