@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 
 # Rows per tile of a linear. Large enough that the GEMMs fill the GPU (for a 1024-row tile of a 1536-wide linear,
-# cuBLAS picked a 192x128-tile kernel: about 72 tiles for the H200's 132 SMs), small enough that padding one partial tile per call costs little (<= 2047 rows).
+# cuBLAS picked a 192x128-tile kernel: about 72 tiles for the H200's 132 SMs), small enough that the last tile of a
+# call recomputes few rows (<= 2047).
 # Measured on the H200 (bench/batch_invariant.py --tile-rows, Qwen2.5-1.5B shape, 59.5K tokens): cost of the mode
 # 1024 rows +18.6% forward / +21.0% forward+backward, 2048 rows +10.9% / +16.5%, 4096 rows +8.6% / +25.0%.
 TILE_ROWS = 2048
