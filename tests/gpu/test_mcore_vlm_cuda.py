@@ -7,6 +7,7 @@ devices or megatron-core."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -23,22 +24,9 @@ GRAD_PAIRS = {
 }
 
 
-def _tiny_vlm():
-    """The tiny Qwen2.5-VL with sharper attention and logits (positions and image features matter)."""
-    from actorcore.testing.tiny_vlm import build_tiny_vlm
-
-    model = build_tiny_vlm("qwen2_5_vl", seed=4)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight", "lm_head.weight")):
-                param.mul_(6.0)
-    return model
-
-
-def _samples(model):
-    from actorcore.testing.tiny_vlm import mixed_samples
-
-    return mixed_samples(model, seed=3)
+# The tiny model and its samples are the gloo test's (spawned ranks inherit this path).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "dist"))
+from test_mcore_vlm import _samples, _tiny_vlm  # noqa: E402
 
 
 def _worker(rank: int, world_size: int, tp: int, pp: int, hf_dir: str) -> dict:
