@@ -7,8 +7,9 @@ CP=1 model): CP=1 gives each GPU the whole batch (two batches per step over the 
 both. CP=2 runs with each requested key/value exchange (``--cp-comm``: Megatron's ``cp_comm_type``
 ``all_gather``, one all-gather per layer, or ``p2p``, the ring that passes one rank's block at a time and merges
 partial softmaxes; ``both`` runs them side by side). Reported per layout: median seconds, tokens/s over both
-GPUs, peak memory per GPU, and max |Δ log-prob| of CP=2 against CP=1 (bf16 model: attention kernels differ, so
-small differences are expected) and, with ``both``, of the ring against the all-gather.
+GPUs, peak memory per GPU, the attention kernels that ran (``attention_paths``, trace keys), and max |Δ log-prob|
+of CP=2 against CP=1 (bf16 model: attention kernels differ, so small differences are expected) and, with
+``both``, of the ring against the all-gather.
 
     PYTHONPATH=src python3 bench/mcore_cp.py [--layers 4 --sequences 16 --min-len 512 --max-len 8192]
         [--cp-comm all_gather|p2p|both] [--out results.json] [--tiny]
@@ -21,6 +22,7 @@ import json
 import os
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -81,6 +83,9 @@ def _layout(cp: int, hf_config, batch, args, state: dict | None,
     else:
         chunks[0].load_state_dict(state)
     own_state = chunks[0].state_dict()
+    trace: Counter = Counter()  # which attention kernels ran (the flash paths on the GPU)
+    for layer in chunks[0].decoder.layers:
+        layer.self_attention.core_attention.trace = trace
 
     def forward():
         with torch.no_grad():
@@ -99,7 +104,8 @@ def _layout(cp: int, hf_config, batch, args, state: dict | None,
            "forward_backward_s": fb_s,
            "forward_tokens_per_s": batch.num_tokens * batches_per_step / fwd_s,
            "forward_backward_tokens_per_s": batch.num_tokens * batches_per_step / fb_s,
-           "forward_peak_gib": fwd_peak, "forward_backward_peak_gib": fb_peak}
+           "forward_peak_gib": fwd_peak, "forward_backward_peak_gib": fb_peak,
+           "attention_paths": sorted(trace)}
     del chunks
     ps.destroy_model_parallel()
     if torch.cuda.is_available():

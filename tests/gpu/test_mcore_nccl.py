@@ -113,7 +113,7 @@ def test_mcore_on_nccl(tmp_path, model_type, tp, pp, ep):
             torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=f"rank {rank} entropy")
 
 
-def _cp_worker(rank: int, world_size: int, hf_dir: str, cp_comm: str) -> dict:
+def _cp_worker(rank: int, world_size: int, hf_dir: str, cp_comm: str, dtype: torch.dtype) -> dict:
     import collections
 
     import torch.distributed as dist
@@ -129,7 +129,7 @@ def _cp_worker(rank: int, world_size: int, hf_dir: str, cp_comm: str) -> dict:
 
     parallel = McoreParallel(cp=2)
     context = initialize_megatron(parallel)
-    chunks = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel, cp_comm_type=cp_comm)
+    chunks = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel, cp_comm_type=cp_comm, dtype=dtype)
     load_hf_into_mcore(chunks, hf_dir, context)
     trace: collections.Counter = collections.Counter()
     for layer in chunks[0].decoder.layers:
@@ -144,7 +144,7 @@ def _cp_worker(rank: int, world_size: int, hf_dir: str, cp_comm: str) -> dict:
     weights = [p.data for p in params]
     for p in params:
         p.data = p.grad
-    grads = {k: v.cpu() for k, v in gather_hf_state_dict(chunks, context).items()}
+    grads = {k: v.float().cpu() for k, v in gather_hf_state_dict(chunks, context).items()}
     for p, w in zip(params, weights):
         p.data = w
     parallel_state.destroy_model_parallel()
@@ -152,36 +152,53 @@ def _cp_worker(rank: int, world_size: int, hf_dir: str, cp_comm: str) -> dict:
             "grads": grads, "trace": dict(trace)}
 
 
-@pytest.mark.parametrize("cp_comm", ["all_gather", "p2p"])
-def test_mcore_context_parallel_on_nccl(tmp_path, cp_comm):
-    """CP=2 over NCCL (mistral: GQA, a sliding window shorter than the sequences), with the all-gather and with the
-    ring (cp_comm_type="p2p", NCCL's batched send/recv): log-probs, entropy and every parameter's gradient
-    (averaged over the CP ranks, as Megatron's DDP does) equal transformers' fp32 forward."""
+# fp32 runs the plain attention paths (flash kernels take 16-bit inputs); bf16 the flash ones.
+CP_PATHS = {("all_gather", torch.float32): "varlen_attention:at_positions",
+            ("p2p", torch.float32): "varlen_attention:cp_ring",
+            ("all_gather", torch.bfloat16): "varlen_attention:at_positions:torch_varlen",
+            ("p2p", torch.bfloat16): "varlen_attention:cp_ring_flash"}
+
+
+@pytest.mark.parametrize("cp_comm,dtype,model_type", [("all_gather", torch.float32, "mistral"),
+                                                      ("p2p", torch.float32, "mistral"),
+                                                      ("all_gather", torch.bfloat16, "qwen3"),
+                                                      ("p2p", torch.bfloat16, "qwen3")])
+def test_mcore_context_parallel_on_nccl(tmp_path, cp_comm, dtype, model_type):
+    """CP=2 over NCCL with the all-gather and with the ring (cp_comm_type="p2p", NCCL's batched send/recv):
+    log-probs, entropy and every parameter's gradient (averaged over the CP ranks, as Megatron's DDP does) equal
+    transformers' fp32 forward. fp32 (mistral: GQA, a sliding window shorter than the sequences) runs the plain
+    attention paths and is held to fp32 tolerances; bf16 (qwen3) runs the flash ones (the varlen call over key
+    prefixes, the ring's per-block flash calls) and is held to the bf16 decoder's."""
     pytest.importorskip("megatron.core")
     from actorcore.testing.reference import reference_logprobs, right_padded
     from actorcore.testing.tiny_configs import build_tiny_model
 
-    hf = build_tiny_model("mistral", seed=5)
+    hf = build_tiny_model(model_type, seed=5)
     hf_dir = str(tmp_path / "hf")
     hf.save_pretrained(hf_dir)
-    results = _run_nccl(_cp_worker, 2, (hf_dir, cp_comm))
+    results = _run_nccl(_cp_worker, 2, (hf_dir, cp_comm, dtype))
     ref = []
     for sequences in _sequences():
         lp, ent = reference_logprobs(hf, *right_padded(sequences))
         (lp.sum() * (-1.0 / len(LENGTHS))).backward()
         ref.append((lp.detach(), ent.detach()))
-    tol, grad_tol = TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"]
+    if dtype == torch.float32:
+        tol, grad_tol = TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"]
+    else:
+        tol, grad_tol = TOL["mcore_bf16_cuda_vs_hf_fp32"], TOL["grad_bf16_vs_fp32_rel_norm"]
     for rank, result in enumerate(results):
-        path = "varlen_attention:cp_ring" if cp_comm == "p2p" else "varlen_attention:at_positions"
-        assert result["trace"] == {path: 2 * len(LENGTHS)}, rank
+        assert result["trace"] == {CP_PATHS[cp_comm, dtype]: 2 * len(LENGTHS)}, rank
         for (lp, ent, device), (ref_lp, ref_ent) in zip(result["got"], ref):
             assert device == "cuda"
             torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=f"rank {rank} log-probs")
             torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=f"rank {rank} entropy")
         for name, param in hf.named_parameters():
-            scale = param.grad.abs().max()
-            torch.testing.assert_close(result["grads"][name], param.grad, atol=grad_tol * scale, rtol=0,
-                                       msg=f"rank {rank} {name}")
+            got, want = result["grads"][name], param.grad
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, atol=grad_tol * want.abs().max(), rtol=0,
+                                           msg=f"rank {rank} {name}")
+            else:
+                assert ((got - want).norm() / want.norm()).item() < grad_tol, f"rank {rank} {name}"
 
 
 def test_convert_cli_tp2_on_cuda(tmp_path):

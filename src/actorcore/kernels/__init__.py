@@ -17,10 +17,13 @@ Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``l
     logprob:triton_backward       launches of the Triton grad_logits recompute kernel (one per backward block)
     logprob:triton_fused_loss     chunks run by the Triton loss-fused forward (``linear_logprob_loss``)
     varlen_attention:<backend>    calls per attention backend that ran: flash_attn, torch_varlen, segments
-    varlen_attention:at_positions calls of ``causal_attention_at_positions`` (context-parallel query chunks)
+    varlen_attention:at_positions calls of ``causal_attention_at_positions`` (context-parallel query chunks) that
+                                  ran one SDPA call per run of positions; ``...:at_positions:<backend>`` those that
+                                  ran one varlen flash call (torch_varlen, flash_attn) over every run's key prefix
     varlen_attention:cp_ring      context-parallel attention calls that ran the ring exchange (Megatron route,
                                   ``cp_comm_type="p2p"``; counted by ``mcore.attention``, one per layer call, each
-                                  running ``block_attention``'s per-block kernel once per CP rank)
+                                  running ``block_attention``'s plain per-block kernel once per CP rank);
+                                  ``varlen_attention:cp_ring_flash`` those whose blocks ran ``flash_blocks``
     causal_conv1d:<backend>       packed causal conv1d calls (``linear_attention.causal_conv1d_packed``): torch, fla
     gated_delta_rule:<backend>    packed gated delta rule calls (``linear_attention.gated_delta_rule_packed``): torch, fla
                                   (torch: ``delta_rule_chunks.delta_rule_blocks``, its output's grad_fn says so)

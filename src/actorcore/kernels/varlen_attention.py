@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import math
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -178,43 +179,30 @@ def _segments(q, k, v, cu, scale, window, softcap, dropout, sinks=None):
     return torch.cat(outs, dim=0)
 
 
-def causal_attention_at_positions(
-    q_LNH: torch.Tensor,
-    k_PKH: torch.Tensor,
-    v_PKH: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    q_positions: torch.Tensor,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    dropout: float = 0.0,
-    trace: Counter[str] | None = None,
-) -> torch.Tensor:
-    """Causal attention of some of each segment's queries over the whole segment's keys (context parallelism:
-    a rank's query chunks against the gathered keys); returns ``[L, N, H]`` in the input dtype.
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Each run of consecutive query positions as one segment of a varlen call over the keys it can see.
 
-    Segment ``s`` has queries ``[cu_seqlens_q[s], cu_seqlens_q[s+1])`` at positions ``q_positions`` within
-    the segment and keys ``[cu_seqlens_k[s], cu_seqlens_k[s+1])`` at positions 0, 1, ...; query at position
-    ``p`` sees key ``j`` iff ``j <= p`` (and ``p - j < sliding_window``). The offsets and positions are read on
-    the host (CPU tensors avoid a device sync). Each run of consecutive query positions is one SDPA call over
-    the keys it can see: a lower-right causal bias (no mask tensor; the memory-efficient kernel on CUDA), or
-    with a sliding window a boolean mask over the window's band only.
-    """
-    from torch.nn.attention.bias import causal_lower_right
+    ``cu_q`` cuts the queries (already in run order: no gather) into runs; ``key_index`` lists, run after run,
+    the rows of the keys that run sees (``[lo, end)`` of its segment: a prefix, or the window's band); ``cu_k``
+    cuts that list. The query run ending at position ``end - 1`` and its keys ending at ``end - 1`` make a causal
+    mask aligned at the bottom right, which is what flash kernels apply when a segment has more keys than
+    queries."""
 
-    L, N, H = q_LNH.shape
-    if N % k_PKH.shape[1]:
-        raise ValueError(f"{N} query heads cannot share {k_PKH.shape[1]} key/value heads evenly")
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel() or q_positions.shape != (L,):
-        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, cu_seqlens_k {tuple(cu_seqlens_k.shape)} and "
-                         f"q_positions {tuple(q_positions.shape)} do not describe the same {L} queries' segments")
-    scale = H**-0.5 if scale is None else scale
-    add(trace, "varlen_attention:at_positions")
-    groups = N // k_PKH.shape[1]
-    positions = q_positions.tolist()
-    q_bounds, k_bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    outs = []
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    key_index: torch.Tensor
+    max_q: int
+    max_k: int
+
+    def to(self, device: torch.device) -> "PrefixPlan":
+        move = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
+        return PrefixPlan(move(self.cu_q), move(self.cu_k), move(self.key_index), self.max_q, self.max_k)
+
+
+def _position_runs(q_bounds: list[int], k_bounds: list[int], positions: list[int],
+                   sliding_window: int | None):
+    """(query rows [start, stop), key rows [lo, end) of its segment) for every run of consecutive positions."""
     for qs, qe, ks, ke in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:]):
         start = qs
         while start < qe:
@@ -227,16 +215,96 @@ def causal_attention_at_positions(
                 raise ValueError(f"query position {end - 1} is beyond its segment's {ke - ks} keys")
             windowed = bool(sliding_window) and sliding_window < end
             lo = max(0, first - sliding_window + 1) if windowed else 0
-            q_NQH = q_LNH[start:stop].transpose(0, 1)
-            k_NKH = k_PKH[ks + lo:ks + end].transpose(0, 1).repeat_interleave(groups, dim=0)
-            v_NKH = v_PKH[ks + lo:ks + end].transpose(0, 1).repeat_interleave(groups, dim=0)
-            if windowed:
-                diff = (first + torch.arange(count, device=q_LNH.device))[:, None] - \
-                    (lo + torch.arange(end - lo, device=q_LNH.device))[None, :]
-                mask = (diff >= 0) & (diff < sliding_window)
-            else:
-                mask = causal_lower_right(count, end)
-            o = F.scaled_dot_product_attention(q_NQH, k_NKH, v_NKH, attn_mask=mask, dropout_p=dropout, scale=scale)
-            outs.append(o.transpose(0, 1))
+            yield (start, stop, first), (ks + lo, ks + end), windowed
             start = stop
+
+
+def prefix_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, q_positions: torch.Tensor,
+                sliding_window: int | None = None) -> PrefixPlan:
+    """The varlen layout of ``causal_attention_at_positions`` (host tensors; callers that run it every layer
+    build it once and move it to the device)."""
+    cu_q, cu_k, index = [0], [0], []
+    for (start, stop, _), (lo, end), _ in _position_runs(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(),
+                                                         q_positions.tolist(), sliding_window):
+        cu_q.append(stop)
+        cu_k.append(cu_k[-1] + end - lo)
+        index.append(torch.arange(lo, end))
+    lengths_q = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])] or [0]
+    lengths_k = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])] or [0]
+    key_index = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
+    return PrefixPlan(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), key_index,
+                      max(lengths_q), max(lengths_k))
+
+
+def causal_attention_at_positions(
+    q_LNH: torch.Tensor,
+    k_PKH: torch.Tensor,
+    v_PKH: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    q_positions: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    dropout: float = 0.0,
+    backend: str = "auto",
+    plan: PrefixPlan | None = None,
+    trace: Counter[str] | None = None,
+) -> torch.Tensor:
+    """Causal attention of some of each segment's queries over the whole segment's keys (context parallelism:
+    a rank's query chunks against the gathered keys); returns ``[L, N, H]`` in the input dtype.
+
+    Segment ``s`` has queries ``[cu_seqlens_q[s], cu_seqlens_q[s+1])`` at positions ``q_positions`` within
+    the segment and keys ``[cu_seqlens_k[s], cu_seqlens_k[s+1])`` at positions 0, 1, ...; query at position
+    ``p`` sees key ``j`` iff ``j <= p`` (and ``p - j < sliding_window``). The offsets and positions are read on
+    the host (CPU tensors avoid a device sync). On CUDA with 16-bit inputs and a flash kernel (``auto``), one
+    varlen call covers every run of consecutive query positions (``prefix_plan``; pass ``plan`` to reuse one);
+    otherwise (``segments``) each run is one SDPA call over the keys it can see: a lower-right causal bias, or
+    with a sliding window a boolean mask over the window's band only.
+    """
+    L, N, H = q_LNH.shape
+    if N % k_PKH.shape[1]:
+        raise ValueError(f"{N} query heads cannot share {k_PKH.shape[1]} key/value heads evenly")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel() or q_positions.shape != (L,):
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, cu_seqlens_k {tuple(cu_seqlens_k.shape)} and "
+                         f"q_positions {tuple(q_positions.shape)} do not describe the same {L} queries' segments")
+    if backend not in ("auto", "segments"):
+        raise ValueError(f"causal_attention_at_positions takes backend 'auto' or 'segments', got {backend!r}")
+    scale = H**-0.5 if scale is None else scale
+    if backend == "auto":
+        backend = choose_backend(q_LNH.device, q_LNH.dtype, None, dropout)
+    if backend != "segments":
+        add(trace, f"varlen_attention:at_positions:{backend}")
+        plan = (plan or prefix_plan(cu_seqlens_q, cu_seqlens_k, q_positions, sliding_window)).to(q_LNH.device)
+        k_sel, v_sel = k_PKH.index_select(0, plan.key_index), v_PKH.index_select(0, plan.key_index)
+        window = (sliding_window - 1 if sliding_window else -1, 0)
+        if backend == "flash_attn":
+            from flash_attn import flash_attn_varlen_func
+
+            return flash_attn_varlen_func(q_LNH, k_sel, v_sel, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+                                          dropout_p=dropout, softmax_scale=scale, causal=True, window_size=window)
+        from torch.nn.attention.varlen import varlen_attn
+
+        gqa = {"enable_gqa": True} if k_sel.shape[1] != N and _varlen_takes_enable_gqa() else {}
+        return varlen_attn(q_LNH, k_sel, v_sel, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale,
+                           window_size=window, **gqa)
+    from torch.nn.attention.bias import causal_lower_right
+
+    add(trace, "varlen_attention:at_positions")
+    groups = N // k_PKH.shape[1]
+    outs = []
+    for (start, stop, first), (lo, end), windowed in _position_runs(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(),
+                                                                  q_positions.tolist(), sliding_window):
+        count = stop - start
+        q_NQH = q_LNH[start:stop].transpose(0, 1)
+        k_NKH = k_PKH[lo:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        v_NKH = v_PKH[lo:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        if windowed:
+            diff = (first + torch.arange(count, device=q_LNH.device))[:, None] - \
+                (first + count - (end - lo) + torch.arange(end - lo, device=q_LNH.device))[None, :]
+            mask = (diff >= 0) & (diff < sliding_window)
+        else:
+            mask = causal_lower_right(count, end - lo)
+        o = F.scaled_dot_product_attention(q_NQH, k_NKH, v_NKH, attn_mask=mask, dropout_p=dropout, scale=scale)
+        outs.append(o.transpose(0, 1))
     return torch.cat(outs, dim=0)

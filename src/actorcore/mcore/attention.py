@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from actorcore.context_split import cp_gather_order, cp_local_positions
-from actorcore.kernels import block_attention
+from actorcore.kernels import block_attention, flash_blocks
 from actorcore.kernels.trace import add
-from actorcore.kernels.varlen_attention import causal_attention_at_positions, varlen_causal_attention
+from actorcore.kernels.varlen_attention import causal_attention_at_positions, prefix_plan, varlen_causal_attention
 from actorcore.parallel import collectives
 
 try:  # megatron-core is optional; this module is only imported by mcore/model.py after require_megatron()
@@ -115,17 +115,21 @@ class PackedCoreAttention(MegatronModule):
             if dropout:
                 raise ValueError("attention dropout is not supported with cp_comm_type='p2p' (the ring): set "
                                  "attention_dropout=0.0 or use cp_comm_type='all_gather'")
-            add(self.trace, "varlen_attention:cp_ring")
-            blocks = _RingBlocks(_cp_runs(params, self.cp_group), dist.get_rank(self.cp_group), key_width,
-                                 self.softmax_scale, self.sliding_window)
+            blocks = _RingBlocks(params, self.cp_group, key_width, self.softmax_scale, self.sliding_window)
+            if blocks.use_flash(query, key, value):
+                add(self.trace, "varlen_attention:cp_ring_flash")
+            else:
+                add(self.trace, "varlen_attention:cp_ring")
             out_LNH = collectives.ring_cp_attention(query, torch.cat([key, value], dim=-1), blocks, self.cp_group)
             return out_LNH.reshape(out_LNH.shape[0], -1)
         order, positions, cu_local, cu = _cp_layout(params, self.cp_group, query.device)
         kv_gathered = collectives.gather_cp_key_values(torch.cat([key, value], dim=-1), self.cp_group)
         kv_full = kv_gathered[order]  # the padded layout of the whole batch, in order
+        plan = _cp_prefix_plan(params, positions, cu_local, cu, self.sliding_window, query.device) \
+            if query.is_cuda else None
         out_LNH = causal_attention_at_positions(query, kv_full[..., :key_width], kv_full[..., key_width:], cu_local,
                                                 cu, positions, scale=self.softmax_scale,
-                                                sliding_window=self.sliding_window, dropout=dropout,
+                                                sliding_window=self.sliding_window, dropout=dropout, plan=plan,
                                                 trace=self.trace)
         return out_LNH.reshape(out_LNH.shape[0], -1)
 
@@ -148,43 +152,90 @@ def _cp_layout(params: Any, cp_group: Any, device: torch.device) -> tuple[torch.
     return cached[1:]
 
 
-def _cp_runs(params: Any, cp_group: Any) -> list[block_attention.Runs]:
-    """Per CP rank, the runs of consecutive positions its tokens hold in every segment (cached on ``params``)."""
+def _cp_prefix_plan(params: Any, positions: torch.Tensor, cu_local: torch.Tensor, cu: torch.Tensor,
+                    window: int | None, device: torch.device):
+    """The all-gather path's varlen layout on ``device`` (built by the first layer, kept on ``params``)."""
+    key = (window, device)
+    cached = getattr(params, "_actorcore_cp_prefix_plan", None)
+    if cached is None or cached[0] != key:
+        cached = (key, prefix_plan(cu_local, cu, positions, window).to(device))
+        params._actorcore_cp_prefix_plan = cached
+    return cached[1]
+
+
+def _cp_runs(params: Any, cp_group: Any, max_run: int | None) -> list[block_attention.Runs]:
+    """Per CP rank, the runs of consecutive positions its tokens hold in every segment (cached on ``params``),
+    cut into tiles of ``max_run`` tokens (``None``: uncut)."""
     cp_size = dist.get_world_size(cp_group)
-    cached = getattr(params, "_actorcore_cp_runs", None)
-    if cached is None or len(cached) != cp_size:
+    cache = getattr(params, "_actorcore_cp_runs", None)
+    if cache is None or cache[0] != cp_size:
+        cache = (cp_size, {})
+        params._actorcore_cp_runs = cache
+    if max_run not in cache[1]:
         cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
         bounds = [int(b) for b in cu.tolist()]
         cu_local = torch.tensor(bounds, dtype=torch.int64) // cp_size
-        cached = [block_attention.position_runs(cu_local, cp_local_positions(bounds, cp_size, rank), RING_TILE)
-                  for rank in range(cp_size)]
-        params._actorcore_cp_runs = cached
-    return cached
+        cache[1][max_run] = [block_attention.position_runs(cu_local, cp_local_positions(bounds, cp_size, rank),
+                                                           max_run) for rank in range(cp_size)]
+    return cache[1][max_run]
+
+
+def _cp_flash_calls(params: Any, cp_group: Any, device: torch.device) -> list[list[flash_blocks.FlashCall]] | None:
+    """Per source CP rank, the flash calls of this rank's block against it (on ``device``; cached on ``params``),
+    or ``None`` where the layout does not line up for them."""
+    cp_rank = dist.get_rank(cp_group)
+    cached = getattr(params, "_actorcore_cp_flash_calls", None)
+    if cached is None or cached[0] != (cp_rank, device):
+        runs = _cp_runs(params, cp_group, None)
+        num_queries = sum(stop - start for segment in runs[cp_rank] for start, stop, _ in segment)
+        plans = [flash_blocks.plan_flash_block(runs[cp_rank], source_runs, num_queries) for source_runs in runs]
+        calls = None if any(plan is None for plan in plans) else [[c.to(device) for c in plan] for plan in plans]
+        cached = ((cp_rank, device), calls)
+        params._actorcore_cp_flash_calls = cached
+    return cached[1]
 
 
 class _RingBlocks:
     """What ``collectives.ring_cp_attention`` computes per block: this rank's queries against CP rank
-    ``source``'s keys/values (concatenated on the last dim, keys first), causal at their global positions."""
+    ``source``'s keys/values (concatenated on the last dim, keys first), causal at their global positions.
 
-    def __init__(self, runs: list[block_attention.Runs], cp_rank: int, key_width: int, scale: float,
-                 window: int | None) -> None:
-        self.runs, self.q_runs = runs, runs[cp_rank]
+    Flash kernels (``flash_blocks``) where the inputs and layout allow (CUDA, 16-bit, no sliding window, equal
+    key and value head dims), else the plain fp32 ``block_attention`` on tiles of ``RING_TILE`` tokens."""
+
+    def __init__(self, params: Any, cp_group: Any, key_width: int, scale: float, window: int | None) -> None:
+        self.params, self.cp_group = params, cp_group
+        self.cp_rank = dist.get_rank(cp_group)
         self.key_width, self.scale, self.window = key_width, scale, window
+        self.flash_calls: list[list[flash_blocks.FlashCall]] | None = None
+
+    def use_flash(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Choose the kernel for this layer call (and build what it needs); True for flash."""
+        if self.window is None and flash_blocks.flash_usable(query, key, value):
+            self.flash_calls = _cp_flash_calls(self.params, self.cp_group, query.device)
+        if self.flash_calls is None:
+            self.runs = _cp_runs(self.params, self.cp_group, RING_TILE)
+        return self.flash_calls is not None
 
     def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kv[..., :self.key_width], kv[..., self.key_width:]
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, source: int) -> tuple[torch.Tensor, torch.Tensor]:
         key, value = self._split(kv)
-        return block_attention.attention_block_forward(q, key, value, self.q_runs, self.runs[source],
+        if self.flash_calls is not None:
+            return flash_blocks.flash_block_forward(q, key, value, self.flash_calls[source], scale=self.scale)
+        return block_attention.attention_block_forward(q, key, value, self.runs[self.cp_rank], self.runs[source],
                                                        scale=self.scale, sliding_window=self.window)
 
     merge = staticmethod(block_attention.merge_attention_blocks)
 
-    def backward(self, grad: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                 source: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(self, grad: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 delta: torch.Tensor, source: int) -> tuple[torch.Tensor, torch.Tensor]:
         key, value = self._split(kv)
-        dq, dk, dv = block_attention.attention_block_backward(grad, q, key, value, lse, delta, self.q_runs,
-                                                              self.runs[source], scale=self.scale,
-                                                              sliding_window=self.window)
+        if self.flash_calls is not None:
+            dq, dk, dv = flash_blocks.flash_block_backward(grad, q, key, value, out, lse, self.flash_calls[source],
+                                                           scale=self.scale)
+        else:
+            dq, dk, dv = block_attention.attention_block_backward(grad, q, key, value, lse, delta,
+                                                                  self.runs[self.cp_rank], self.runs[source],
+                                                                  scale=self.scale, sliding_window=self.window)
         return dq, torch.cat([dk, dv], dim=-1)

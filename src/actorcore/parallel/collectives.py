@@ -243,7 +243,7 @@ class _RingAttention(torch.autograd.Function):
         current, grad_pass, grad_kv = kv, None, None
         for step in range(size):
             transfer = _RingPass(current, group) if step < size - 1 else None
-            block_dq, block_dkv = blocks.backward(grad_out, q, current, lse, delta, (rank - step) % size)
+            block_dq, block_dkv = blocks.backward(grad_out, q, current, out, lse, delta, (rank - step) % size)
             dq += block_dq
             # The key/value gradient travels with its block: add this rank's share to what the ranks before
             # it computed, pass it on; after ``size`` passes it is back on the rank that holds the block.
@@ -260,8 +260,8 @@ def ring_cp_attention(q: torch.Tensor, kv: torch.Tensor, blocks: Any, group: Any
     ``kv`` is this rank's ``[L, ...]`` block; each step sends the block in hand to the next rank and receives
     the previous rank's while ``blocks.forward(q, kv_block, source_rank) -> (out, lse)`` (fp32) computes on
     the current one, and ``blocks.merge`` folds the partial softmaxes together. The backward circulates the
-    blocks again with ``blocks.backward(grad, q, kv_block, lse, delta, source_rank) -> (dq, dkv)`` (merged
-    ``lse`` and ``delta = sum(grad * out)``), sending each block's accumulated key/value gradient along with
+    blocks again with ``blocks.backward(grad, q, kv_block, out, lse, delta, source_rank) -> (dq, dkv)`` (merged
+    ``out``, ``lse`` and ``delta = sum(grad * out)``), sending each block's accumulated key/value gradient along with
     it back to its owner. Only one other rank's block is held at a time (plus the one in flight).
     """
     return _RingAttention.apply(q, kv, blocks, group)
