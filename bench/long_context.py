@@ -28,11 +28,33 @@ history during the first step of the offload variant (else actorcore) at the lon
 live at the peak, by size and allocation site. Results go to ``--out``.json and ``--out``.md (rank 0), rewritten
 after every cell.
 
+``--attention-window W``: the same shape built as a ``MistralConfig`` with ``sliding_window=W`` (every other field
+Llama's; the script refuses a config that differs elsewhere), so attention is windowed to W tokens. Flash/varlen
+attention keeps per token the same tensors whatever the window (output and log-sum-exp; its backward's working set
+is per token too), so the memory is that of full causal attention while the time is not: at 512K tokens the linear
+layers dominate and a 32-layer step fits in one command. The results say so (``attention_window`` in the setup and
+every cell, an ``attention`` column, a bold label). Before the runs, every rank proves on the CPU that the window
+reaches actorcore's attention kernel, exactly (``check_window``: the model's own forward, full attention on the same
+weights, the kernel's arguments), and each cell records the ``sliding_window`` every kernel call received.
+
+``--memory-phases``: the first timed step of the offload variant (else actorcore, else transformers) at the longest
+length, on rank 0, split into phases by module pre-/post-hooks (embedding, each decoder layer and its submodules,
+final norm, lm head) and, in backward, tensor hooks on the first forward's outputs (a module's backward starts when
+its output's gradient is ready) and the submodules' pre-hooks again (gradient checkpointing's recompute, told apart
+from the first forward by a flag set just before ``.backward()``). Each phase has ``memory_allocated`` at its start
+and end and ``max_memory_allocated`` within it (reset per phase; the running maximum keeps the step's peak, so the
+reported peak is unchanged). No allocator history (``--memory-history`` crashed at 512K inside the tiled MLP's
+autograd function). The JSON lists every phase; the table, the top 10 by peak. Off CUDA the numbers are null (the
+hooks still run: ``--tiny`` checks that every layer's forward, recompute and backward were marked). The hooks are
+removed after the step.
+
     PYTHONPATH=src python3 bench/long_context.py --lengths 131072,262144 --layers 4 --out /tmp/long_context
     PYTHONPATH=src python3 bench/long_context.py --tiny --out /tmp/long_context_tiny     # CPU, checks the script
     PYTHONPATH=src torchrun --nproc-per-node 2 bench/long_context.py --sp 2 --lengths 1048576 --layers 1 \
         --variants offload --offload-layers auto --warmup 0 --out /tmp/long_context_sp2
     PYTHONPATH=src torchrun --nproc-per-node 2 bench/long_context.py --sp 2 --tiny --out /tmp/lc_sp2_tiny   # gloo
+    PYTHONPATH=src python3 bench/long_context.py --lengths 524288 --variants offload --attention-window 4096 \
+        --memory-phases --warmup 1 --out /tmp/lc512k_32l      # 32 layers; all offloaded: 128 GiB pinned host memory
 """
 
 from __future__ import annotations
@@ -201,17 +223,18 @@ def attention_windows_seen():
 def check_window(window: int) -> dict:
     """Prove on the CPU (fp32, the tiny shape) that a windowed model's attention is windowed, exactly at ``window``.
 
-    Three checks, on one sequence of ``window + 128`` tokens: (1) ``actorcore.verify``: actorcore's packed route
-    gives per token what the model's own transformers forward gives (which applies the window with its own
-    sliding-window mask); (2) the same weights with full causal attention (the Llama model) give the same log-probs
+    On one sequence of ``window + max(128, window // 4)`` tokens: (1) ``actorcore.verify``: actorcore's packed
+    route gives per token what the model's own transformers forward gives (which applies the window with its own
+    sliding-window mask); the same weights with full causal attention (the Llama model) give (2) the same log-probs
     for tokens 1..window (predicted from positions < window, which see every earlier key either way) and (3)
-    different ones after (a window that did not reach the kernel, or sat one token off, fails one of these); the
-    kernel received ``sliding_window=window`` in every call."""
+    different ones after; (4) the kernel received ``sliding_window=window`` in every call. A window that did not
+    reach the kernel, or sat one token off, fails (1) and (2) or (3). Seconds (10 s at a window of 4096).
+    """
     import actorcore as ac
     from actorcore.hf.verify import VERIFY_TOLERANCE
     from transformers import AutoModelForCausalLM
 
-    tokens = window + 128
+    tokens = window + max(128, window // 4)
     shape = dict(TINY, max_position_embeddings=max(TINY["max_position_embeddings"], tokens))
     torch.manual_seed(2)
     windowed = AutoModelForCausalLM.from_config(build_config(shape, window), attn_implementation="sdpa",
@@ -604,6 +627,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     longest = max(lengths)
     history_variant = next(v for v in ("offload", "actorcore", "transformers") if v in variants)
+    phases_tokens = max(plain_lengths if history_variant == "transformers" else lengths)
     for tokens in sorted(set(lengths) | (plain_lengths if "transformers" in variants else set())):
         ids = torch.randint(0, config.vocab_size, (tokens,), generator=g).to(device)
         for variant in variants:
@@ -638,7 +662,7 @@ def main() -> None:
             step = _transformers_step if variant == "transformers" else _actorcore_step
             record = (args.memory_history and device == "cuda" and rank == 0 and tokens == longest
                       and variant == history_variant)
-            profile = args.memory_phases and rank == 0 and tokens == longest and variant == history_variant
+            profile = args.memory_phases and rank == 0 and tokens == phases_tokens and variant == history_variant
             oom = False
             recorder = None
             windows = attention_windows_seen if window is not None else (lambda: contextlib.nullcontext(None))
