@@ -24,9 +24,9 @@ are counted 32/N times), peak + (32 - N) x the per-layer parameters and gradient
 of the 32-layer model, whose first ones the layers built stand for (K >= N: every built layer offloads). Each cell
 catches out-of-memory; an offload cell whose pinned host memory (all ranks on the host) would not fit in the
 machine's available memory is skipped with the numbers. ``--memory-history`` records ``torch.cuda.memory``
-history during the first step of the offload variant (else actorcore) at the longest length and summarises what is
-live at the peak, by size and allocation site. Results go to ``--out``.json and ``--out``.md (rank 0), rewritten
-after every cell.
+history during the first step of the offload variant (else actorcore, else transformers) at the longest length and
+summarises what is live at the peak, by size and allocation site. Results go to ``--out``.json and ``--out``.md
+(rank 0), rewritten after every cell.
 
 ``--attention-window W``: the same shape built as a ``MistralConfig`` with ``sliding_window=W`` (every other field
 Llama's; the script refuses a config that differs elsewhere), so attention is windowed to W tokens. Flash/varlen
