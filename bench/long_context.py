@@ -24,20 +24,43 @@ are counted 32/N times), peak + (32 - N) x the per-layer parameters and gradient
 of the 32-layer model, whose first ones the layers built stand for (K >= N: every built layer offloads). Each cell
 catches out-of-memory; an offload cell whose pinned host memory (all ranks on the host) would not fit in the
 machine's available memory is skipped with the numbers. ``--memory-history`` records ``torch.cuda.memory``
-history during the first step of the offload variant (else actorcore) at the longest length and summarises what is
-live at the peak, by size and allocation site. Results go to ``--out``.json and ``--out``.md (rank 0), rewritten
-after every cell.
+history during the first step of the offload variant (else actorcore, else transformers) at the longest length and
+summarises what is live at the peak, by size and allocation site. Results go to ``--out``.json and ``--out``.md
+(rank 0), rewritten after every cell.
+
+``--attention-window W``: the same shape built as a ``MistralConfig`` with ``sliding_window=W`` (every other field
+Llama's; the script refuses a config that differs elsewhere), so attention is windowed to W tokens. Flash/varlen
+attention keeps per token the same tensors whatever the window (output and log-sum-exp; its backward's working set
+is per token too), so the memory is that of full causal attention while the time is not: at 512K tokens the linear
+layers dominate and a 32-layer step fits in one command. The results say so (``attention_window`` in the setup and
+every cell, an ``attention`` column, a bold label). Before the runs, every rank proves on the CPU that the window
+reaches actorcore's attention kernel, exactly (``check_window``: the model's own forward, full attention on the same
+weights, the kernel's arguments), and each cell records the ``sliding_window`` every kernel call received.
+
+``--memory-phases``: the first timed step of the offload variant (else actorcore, else transformers) at the longest
+length, on rank 0, split into phases by module pre-/post-hooks (embedding, each decoder layer and its submodules,
+final norm, lm head) and, in backward, tensor hooks on the first forward's outputs (a module's backward starts when
+its output's gradient is ready) and the submodules' pre-hooks again (gradient checkpointing's recompute, told apart
+from the first forward by a flag set just before ``.backward()``). Each phase has ``memory_allocated`` at its start
+and end and ``max_memory_allocated`` within it (reset per phase; the running maximum keeps the step's peak, so the
+reported peak is unchanged). No allocator history (``--memory-history`` crashed at 512K inside the tiled MLP's
+autograd function). The JSON lists every phase; the table, the top 10 by peak. Off CUDA the numbers are null (the
+hooks still run: ``--tiny`` checks that every layer's forward, recompute and backward were marked). The hooks are
+removed after the step.
 
     PYTHONPATH=src python3 bench/long_context.py --lengths 131072,262144 --layers 4 --out /tmp/long_context
     PYTHONPATH=src python3 bench/long_context.py --tiny --out /tmp/long_context_tiny     # CPU, checks the script
     PYTHONPATH=src torchrun --nproc-per-node 2 bench/long_context.py --sp 2 --lengths 1048576 --layers 1 \
         --variants offload --offload-layers auto --warmup 0 --out /tmp/long_context_sp2
     PYTHONPATH=src torchrun --nproc-per-node 2 bench/long_context.py --sp 2 --tiny --out /tmp/lc_sp2_tiny   # gloo
+    PYTHONPATH=src python3 bench/long_context.py --lengths 524288 --variants offload --attention-window 4096 \
+        --memory-phases --warmup 1 --out /tmp/lc512k_32l      # 32 layers; all offloaded: 128 GiB pinned host memory
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -74,23 +97,28 @@ def _neg_logprob(logprob, entropy):
     return -logprob
 
 
-def _actorcore_step(model, ids, parallel=None):
+def _actorcore_step(model, ids, parallel=None, before_backward=lambda: None):
     import actorcore as ac
 
     trace = Counter()
     if parallel is None:
         out = ac.compute_loss(model, ac.pack([ids]), _neg_logprob, entropy=False, trace=trace)
+        before_backward()
         out.loss.backward()
     else:  # compute_loss does not run under SP: the summed log-prob of the gathered [T] outputs
         out = ac.compute_logprobs(model, ac.pack([ids]), entropy=False, parallel=parallel, trace=trace)
-        (-out.log_probs.sum()).backward()
+        loss = -out.log_probs.sum()
+        before_backward()
+        loss.backward()
     return trace
 
 
-def _transformers_step(model, ids, parallel=None):
+def _transformers_step(model, ids, parallel=None, before_backward=lambda: None):
     logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1]
     logprob = torch.log_softmax(logits.float(), -1).gather(-1, ids[1:, None])
-    (-logprob.sum()).backward()
+    loss = -logprob.sum()
+    before_backward()
+    loss.backward()
     return Counter()
 
 
@@ -147,6 +175,252 @@ def _site(frames: list) -> str:
     return "(no Python frame)"
 
 
+# Fields in which the windowed (Mistral) config may differ from the Llama one: the window itself, and Llama's
+# bias switches and tensor-parallel split count (Mistral has no biases and no such split: the same computation).
+_WINDOW_CONFIG_DIFFERENCES = {"model_type", "sliding_window", "attention_bias", "mlp_bias", "pretraining_tp",
+                              "architectures", "transformers_version"}
+
+
+def build_config(shape: dict, window: int | None):
+    """The Llama config of ``shape``, or with ``window`` the same shape as a ``MistralConfig`` whose attention is
+    windowed to ``window`` tokens (Mistral's attention hands ``config.sliding_window`` to the attention function;
+    every other field that shapes the computation is Llama's)."""
+    from transformers import AutoConfig
+
+    llama = AutoConfig.for_model("llama", **shape)
+    if window is None:
+        return llama
+    if window < 1:
+        raise SystemExit(f"--attention-window must be a positive number of tokens, got {window}")
+    mistral = AutoConfig.for_model("mistral", **shape, sliding_window=window)
+    a, b = llama.to_dict(), mistral.to_dict()
+    if differ := sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in _WINDOW_CONFIG_DIFFERENCES):
+        raise SystemExit(f"the windowed (Mistral) config differs from the Llama one in {differ}: "
+                         f"{[(k, a.get(k), b.get(k)) for k in differ]}")
+    return mistral
+
+
+@contextlib.contextmanager
+def attention_windows_seen():
+    """Count the ``sliding_window`` each call of actorcore's packed attention kernel receives (plain and Ulysses
+    attention both call it through ``actorcore.hf.attention``): proof that the window reaches the kernel."""
+    import actorcore.hf.attention as attention
+
+    seen: Counter = Counter()
+    kernel = attention.varlen_causal_attention
+
+    def counting(*args, **kwargs):
+        seen[str(kwargs.get("sliding_window"))] += 1
+        return kernel(*args, **kwargs)
+
+    attention.varlen_causal_attention = counting
+    try:
+        yield seen
+    finally:
+        attention.varlen_causal_attention = kernel
+
+
+def check_window(window: int) -> dict:
+    """Prove on the CPU (fp32, the tiny shape) that a windowed model's attention is windowed, exactly at ``window``.
+
+    On one sequence of ``window + max(128, window // 4)`` tokens: (1) ``actorcore.verify``: actorcore's packed
+    route gives per token what the model's own transformers forward gives (which applies the window with its own
+    sliding-window mask); the same weights with full causal attention (the Llama model) give (2) the same log-probs
+    for tokens 1..window (predicted from positions < window, which see every earlier key either way) and (3)
+    different ones after; (4) the kernel received ``sliding_window=window`` in every call. A window that did not
+    reach the kernel, or sat one token off, fails (1) and (2) or (3). Seconds (10 s at a window of 4096).
+    """
+    import actorcore as ac
+    from actorcore.hf.verify import VERIFY_TOLERANCE
+    from transformers import AutoModelForCausalLM
+
+    tokens = window + max(128, window // 4)
+    shape = dict(TINY, max_position_embeddings=max(TINY["max_position_embeddings"], tokens))
+    torch.manual_seed(2)
+    windowed = AutoModelForCausalLM.from_config(build_config(shape, window), attn_implementation="sdpa",
+                                                dtype=torch.float32)
+    full = AutoModelForCausalLM.from_config(build_config(shape, None), attn_implementation="sdpa",
+                                            dtype=torch.float32)
+    full.load_state_dict(windowed.state_dict(), strict=True)
+    ids = torch.randint(0, shape["vocab_size"], (tokens,), generator=torch.Generator().manual_seed(3))
+    batch = ac.pack([ids])
+    tolerance = VERIFY_TOLERANCE[torch.float32]
+    with attention_windows_seen() as seen:
+        report = ac.verify(windowed, batch)
+        with torch.no_grad():
+            lp_windowed = ac.compute_logprobs(windowed, batch, entropy=False).log_probs
+    with torch.no_grad():
+        lp_full = ac.compute_logprobs(full, batch, entropy=False).log_probs
+    diff = (lp_windowed - lp_full).abs()
+    inside, beyond = float(diff[1:window + 1].max()), float(diff[window + 1:].max())
+    result = {"window": window, "tokens": tokens, "verify_max_abs_diff": report.max_abs_diff_logprob,
+              "windowed_vs_full_max_abs_diff_within_window": inside,
+              "windowed_vs_full_max_abs_diff_beyond_window": beyond, "tolerance": tolerance,
+              "kernel_windows_seen": dict(seen)}
+    problems = []
+    if not report.ok:
+        problems.append(f"actorcore differs from the windowed model's own forward ({report.summary()})")
+    if inside > tolerance:
+        problems.append(f"tokens 1..{window} differ from full attention by {inside:.2e} (> {tolerance:.0e})")
+    if beyond <= 100 * tolerance:
+        problems.append(f"tokens after {window} differ from full attention by only {beyond:.2e}: no window applied")
+    if set(seen) != {str(window)}:
+        problems.append(f"the attention kernel received sliding_window {dict(seen)}, not only {window}")
+    if problems:
+        raise SystemExit("--attention-window check failed: " + "; ".join(problems) + f" ({result})")
+    return result
+
+
+class PhaseRecorder:
+    """GPU memory per phase of one step, from hooks (no allocator history: that recorder crashed at 512K).
+
+    ``mark(name)`` ends the running phase and starts ``name``: each phase gets ``memory_allocated`` at its start
+    and end and ``max_memory_allocated`` within it (the peak statistic is reset at every mark). ``global_peak``
+    keeps the largest of those, so the step's peak is still known. Off CUDA the numbers are None.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.phases: list[dict] = []
+        self.global_peak = 0
+        self.in_backward = False
+
+    def mark(self, name: str) -> None:
+        if self.phases and self.phases[-1]["name"] == name:
+            return  # a module called twice in a row (e.g. the same norm): one phase
+        now = torch.cuda.memory_allocated() if self.cuda else None
+        self._close(now)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.phases.append({"name": name, "start_gib": None if now is None else now / 2**30,
+                            "end_gib": None, "peak_gib": None})
+
+    def finish(self) -> None:
+        self._close(torch.cuda.memory_allocated() if self.cuda else None)
+
+    def _close(self, now: int | None) -> None:
+        if not self.phases or self.phases[-1]["end_gib"] is not None or now is None:
+            return
+        peak = torch.cuda.max_memory_allocated()
+        self.global_peak = max(self.global_peak, peak)
+        self.phases[-1].update(end_gib=now / 2**30, peak_gib=peak / 2**30)
+
+
+def attach_phase_hooks(model, recorder: PhaseRecorder) -> list:
+    """Hooks that mark the phases of one forward+backward; returns the handles (remove them after the step).
+
+    Forward: module pre-hooks mark the embedding, each decoder layer's start (the checkpoint saves or offloads its
+    input there) and each of its submodules (``input_layernorm``, ``self_attn``, ...), the final norm and the lm
+    head; after the final norm the phase runs until backward (the loss-fused head does not call ``lm_head``).
+    Backward (``recorder.in_backward``, set by the step just before ``.backward()``): tensor hooks registered on
+    the first forward's outputs mark when a module's backward begins (its output's gradient is ready); the
+    submodules' pre-hooks fire again when gradient checkpointing recomputes the layer, marked ``recompute``.
+    Checkpointing stops recomputing after the last tensor the backward needs (early stop), so a layer's last
+    ``recompute`` phase runs on into that submodule's backward (with the tiled MLP: the MLP's).
+    """
+    handles: list = []
+    decoder = model.model
+
+    def forward_mark(name: str):
+        def pre(module, args):
+            if not recorder.in_backward:
+                recorder.mark(f"fwd {name}")
+        return pre
+
+    def grad_mark_after(name: str, recompute_name: str | None = None):
+        def post(module, args, output):
+            if recorder.in_backward:
+                return
+            tensor = output if isinstance(output, torch.Tensor) else next(
+                (t for t in (output if isinstance(output, (tuple, list)) else ()) if isinstance(t, torch.Tensor)),
+                None)
+            if tensor is not None and tensor.requires_grad:
+                handles.append(tensor.register_hook(lambda grad: recorder.mark(f"bwd {name}")))
+            if recompute_name:
+                recorder.mark(recompute_name)
+        return post
+
+    def recompute_mark(name: str):
+        def pre(module, args):
+            if recorder.in_backward:
+                recorder.mark(f"bwd {name} recompute")
+        return pre
+
+    handles.append(decoder.embed_tokens.register_forward_pre_hook(forward_mark("embedding")))
+    handles.append(decoder.embed_tokens.register_forward_hook(grad_mark_after("embedding", "fwd rotary, masks")))
+    for i, layer in enumerate(decoder.layers):
+        handles.append(layer.register_forward_pre_hook(forward_mark(f"L{i} start (checkpoint input)")))
+        for child_name, child in layer.named_children():
+            name = f"L{i} {child_name}"
+            handles.append(child.register_forward_pre_hook(forward_mark(name)))
+            handles.append(child.register_forward_pre_hook(recompute_mark(name)))
+            handles.append(child.register_forward_hook(grad_mark_after(name)))
+    handles.append(decoder.norm.register_forward_pre_hook(forward_mark("final norm")))
+    handles.append(decoder.norm.register_forward_hook(grad_mark_after("final norm", "fwd head + loss")))
+    handles.append(model.lm_head.register_forward_pre_hook(forward_mark("lm_head")))
+    handles.append(model.lm_head.register_forward_hook(grad_mark_after("lm_head", "fwd loss")))
+    return handles
+
+
+def summarize_phases(phases: list[dict], top: int = 10) -> dict:
+    """The phase where the step's peak happened and the ``top`` phases by peak (None numbers: not measured)."""
+    measured = [p for p in phases if p.get("peak_gib") is not None]
+    if not measured:
+        return {"peak_phase": None, "peak_gib": None, "top": []}
+    ranked = sorted(measured, key=lambda p: -p["peak_gib"])
+    return {"peak_phase": ranked[0]["name"], "peak_gib": ranked[0]["peak_gib"], "top": ranked[:top]}
+
+
+def _profiled_step(step, model, ids, parallel, recorder: PhaseRecorder, windows):
+    """One step with the phase hooks attached (removed afterwards, also on an error)."""
+    handles = attach_phase_hooks(model, recorder)
+
+    def before_backward() -> None:
+        recorder.in_backward = True
+        recorder.mark("bwd head + loss")
+
+    try:
+        recorder.mark("step start")
+        with windows() as seen:
+            trace = step(model, ids, parallel, before_backward=before_backward)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return trace, seen
+
+
+def _phase_results(recorder: PhaseRecorder, variant: str, tokens: int, layers: int) -> dict:
+    names = [p["name"] for p in recorder.phases]
+    return dict(summarize_phases(recorder.phases), variant=variant, tokens=tokens,
+                missing=_check_phase_structure(names, layers),
+                step_peak_gib=recorder.global_peak / 2**30 if recorder.cuda else None, phases=recorder.phases)
+
+
+def _check_phase_structure(names: list[str], layers: int) -> list[str]:
+    """What the hooks should have marked and did not (empty: every layer's forward, recompute and backward)."""
+    wanted = ["fwd embedding", "fwd final norm", "bwd head + loss", "bwd final norm", "bwd embedding"]
+    for i in range(layers):
+        wanted += [f"fwd L{i} start (checkpoint input)", f"fwd L{i} self_attn", f"fwd L{i} mlp",
+                   f"bwd L{i} self_attn recompute", f"bwd L{i} mlp recompute", f"bwd L{i} self_attn"]
+    missing = [n for n in wanted if n not in names]
+    first_backward = names.index("bwd head + loss") if "bwd head + loss" in names else len(names)
+    if any(n.startswith("bwd") for n in names[:first_backward]) or any(
+            n.startswith("fwd") for n in names[first_backward:]):
+        missing.append("(forward and backward phases interleave: the backward flag is wrong)")
+    return missing
+
+
+def _self_test_summary() -> None:
+    """``summarize_phases`` on synthetic numbers (run by ``--tiny``)."""
+    phases = [{"name": f"p{i}", "start_gib": 1.0, "end_gib": 1.0, "peak_gib": float(v)}
+              for i, v in enumerate([3, 9, 1, 7, 9.5, 2, 8, 4, 6, 5, 0.5, 2.5])]
+    summary = summarize_phases(phases, top=3)
+    assert summary["peak_phase"] == "p4" and summary["peak_gib"] == 9.5, summary
+    assert [p["name"] for p in summary["top"]] == ["p4", "p1", "p6"], summary
+    assert summarize_phases([{"name": "x", "start_gib": None, "end_gib": None, "peak_gib": None}]) == {
+        "peak_phase": None, "peak_gib": None, "top": []}
+
+
 def _write(results: dict, out: str) -> None:
     """Atomic writes of ``out``.json and ``out``.md."""
     directory = os.path.dirname(os.path.abspath(out))
@@ -171,13 +445,29 @@ def _markdown(results: dict) -> str:
              f"MLP {setup['shards']} shards for actorcore. Warm-up steps {setup['warmup']}, timed {setup['repeats']} "
              "(median). `32L` columns are estimates from the layers built (time x 32/N, an upper bound; peak + the "
              "missing layers' parameters, gradients and, for the layers not offloaded, checkpointed inputs)."
-             + (" Peak memory: the largest over the ranks (the JSON has each rank's)." if sp > 1 else ""), "",
-             "| variant | tokens | offloaded layers (built, 32L) | seconds | tokens/s | peak GiB | est. 32L seconds | "
-             "est. 32L peak GiB | host GiB offloaded (32L, all ranks) | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             + (" Peak memory: the largest over the ranks (the JSON has each rank's)." if sp > 1 else ""), ""]
+    window = setup.get("attention_window")
+    if window is not None:
+        check = results.get("window_check", {})
+        lines += [f"**Attention windowed to {window} tokens: memory as full causal, time not.** The model is the "
+                  f"same shape as a `MistralConfig` with `sliding_window={window}`; flash/varlen attention keeps "
+                  "per token the same tensors whatever the window, so the peaks stand for full causal attention, "
+                  "while the seconds, tokens/s and 32L time estimates are those of windowed attention (cheaper "
+                  "than full causal at these lengths). The plain transformers variant applies the window with a "
+                  "`[T, T]` mask: its memory is not that of full causal attention."
+                  + (f" Window check (CPU, tiny shape, {check['tokens']} tokens): actorcore vs the model's own "
+                     f"forward {check['verify_max_abs_diff']:.1e}; vs full attention on the same weights "
+                     f"{check['windowed_vs_full_max_abs_diff_within_window']:.1e} for tokens 1..{window}, "
+                     f"{check['windowed_vs_full_max_abs_diff_beyond_window']:.1e} after; the kernel received "
+                     f"`sliding_window` {check['kernel_windows_seen']}." if check else ""), ""]
+    seconds = "seconds" if window is None else f"seconds (window {window})"
+    lines += [f"| variant | tokens | attention | offloaded layers (built, 32L) | {seconds} | tokens/s | peak GiB | "
+              "est. 32L seconds | est. 32L peak GiB | host GiB offloaded (32L, all ranks) | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in results["cells"]:
         offloaded = f"{c['offload_layers']}, {c['offload_layers_full']}" if "offload_layers" in c else "-"
-        lines.append(f"| {c['variant']} | {c['tokens']} | {offloaded} | "
+        attention = "full causal" if c.get("attention_window") is None else f"window {c['attention_window']}"
+        lines.append(f"| {c['variant']} | {c['tokens']} | {attention} | {offloaded} | "
                      f"{_fmt(c.get('seconds'), '.2f')} | "
                      f"{_fmt(c.get('tokens_per_s'), '.0f')} | {_fmt(c.get('peak_gib'), '.1f')} | "
                      f"{_fmt(c.get('est_full_seconds'), '.1f')} | {_fmt(c.get('est_full_peak_gib'), '.1f')} | "
@@ -191,7 +481,25 @@ def _markdown(results: dict) -> str:
         for r in history["live_at_peak"]:
             lines.append(f"| {r['size_mib']:.1f} | {r['count']} | {r['total_gib']:.2f} | `{r['site']}` |")
         lines.append(f"| | | {history['other_gib']:.2f} | (everything else) |")
+    lines += _phases_markdown(results.get("memory_phases"))
     return "\n".join(lines) + "\n"
+
+
+def _phases_markdown(phases: dict | None) -> list[str]:
+    if not phases:
+        return []
+    head = (f"## Memory by phase: {phases['variant']} at {phases['tokens']} tokens, first timed step "
+            f"({len(phases['phases'])} phases" + (f"; {phases['status']}" if phases.get("status") else "") + ")")
+    if phases["peak_phase"] is None:
+        return ["", head, "", "Not measured off CUDA (the phase list is in the JSON, with null numbers)."]
+    lines = ["", head, "", f"Peak {phases['peak_gib']:.1f} GiB in `{phases['peak_phase']}`. `bwd X` starts when X's "
+             "output gradient is ready; `bwd X recompute` when checkpointing recomputes X (the layer's last "
+             "recompute phase runs on into that module's backward: the recompute stops early)."
+             + (f" Not marked: {phases['missing']}." if phases["missing"] else ""), "",
+             "| phase | start GiB | end GiB | peak GiB |", "|---|---|---|---|"]
+    for p in phases["top"]:
+        lines.append(f"| {p['name']} | {p['start_gib']:.2f} | {p['end_gib']:.2f} | {p['peak_gib']:.2f} |")
+    return lines
 
 
 def _offload_count(spec: str) -> int | None:
@@ -248,7 +556,7 @@ def _gather(value, world: int) -> list:
 def main() -> None:
     import actorcore as ac
     from actorcore.hf.offload import host_bytes
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="131072,262144,524288", help="comma-separated sequence lengths")
@@ -265,6 +573,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--memory-history", action="store_true")
+    parser.add_argument("--memory-phases", action="store_true", help="per-phase GPU memory of the first timed step "
+                        "of the offload variant (else actorcore, else transformers) at the longest length, from "
+                        "module and tensor hooks")
+    parser.add_argument("--attention-window", type=int, default=None, metavar="W", help="build the same shape as "
+                        "a MistralConfig with sliding_window=W: attention windowed to W tokens (memory as full "
+                        "causal, time not)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (checks the script)")
     parser.add_argument("--out", required=True, help="path prefix of the .json and .md results")
     args = parser.parse_args()
@@ -284,7 +598,10 @@ def main() -> None:
         args.layers = TINY["num_hidden_layers"] if args.tiny else FULL_LAYERS
     offload_count = _offload_count(args.offload_layers)
     shape = dict(TINY if args.tiny else LLAMA_8B, num_hidden_layers=args.layers)
-    config = AutoConfig.for_model("llama", **shape)
+    window = args.attention_window
+    config = build_config(shape, window)
+    # Every rank proves the window reaches the kernel (CPU, the tiny shape; seconds) before the long runs.
+    window_check = check_window(window) if window is not None else None
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
@@ -293,22 +610,31 @@ def main() -> None:
     hidden = config.hidden_size
     layer_params = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))  # ranks sharing this host's memory
-    results = {"setup": {"model": "tiny llama" if args.tiny else "Llama-8B shape", "layers": args.layers,
+    model_name = "tiny llama" if args.tiny else "Llama-8B shape"
+    if window is not None:
+        model_name += f" as Mistral, attention windowed to {window} tokens"
+    results = {"setup": {"model": model_name, "layers": args.layers, "attention_window": window,
                          "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                          "sp": args.sp, "shards": args.shards, "warmup": args.warmup, "repeats": args.repeats,
                          "offload_layers": args.offload_layers, "torch": torch.__version__,
                          "host_available_gib": (_host_available_bytes() or 0) / 2**30},
                "cells": []}
+    if window_check is not None:
+        results["window_check"] = window_check
+    if args.tiny:
+        _self_test_summary()
     write = (lambda: _write(results, args.out)) if rank == 0 else (lambda: None)
     g = torch.Generator().manual_seed(1)
     longest = max(lengths)
-    history_variant = "offload" if "offload" in variants else "actorcore"
+    history_variant = next(v for v in ("offload", "actorcore", "transformers") if v in variants)
+    phases_tokens = max(plain_lengths if history_variant == "transformers" else lengths)
     for tokens in sorted(set(lengths) | (plain_lengths if "transformers" in variants else set())):
         ids = torch.randint(0, config.vocab_size, (tokens,), generator=g).to(device)
         for variant in variants:
             if tokens not in (plain_lengths if variant == "transformers" else lengths):
                 continue
-            cell = {"variant": variant, "tokens": tokens, "layers": args.layers, "sp": args.sp}
+            cell = {"variant": variant, "tokens": tokens, "layers": args.layers, "sp": args.sp,
+                    "attention_window": window}
             checkpoint_bytes = -(-tokens // args.sp) * hidden * 2  # one layer's checkpointed input on one rank
             offload = offload_full = 0
             if variant == "offload":
@@ -336,7 +662,10 @@ def main() -> None:
             step = _transformers_step if variant == "transformers" else _actorcore_step
             record = (args.memory_history and device == "cuda" and rank == 0 and tokens == longest
                       and variant == history_variant)
+            profile = args.memory_phases and rank == 0 and tokens == phases_tokens and variant == history_variant
             oom = False
+            recorder = None
+            windows = attention_windows_seen if window is not None else (lambda: contextlib.nullcontext(None))
             try:
                 times, peak, trace = [], 0, Counter()
                 for i in range(args.warmup + args.repeats):
@@ -349,10 +678,23 @@ def main() -> None:
                     if recording:
                         before = torch.cuda.memory_allocated()
                         torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+                    recorder = PhaseRecorder(device == "cuda") if profile and i == args.warmup else None
                     start = time.perf_counter()
-                    trace = step(model, ids, parallel)
+                    if recorder is None:
+                        with windows() as seen:
+                            trace = step(model, ids, parallel)
+                    else:
+                        trace, seen = _profiled_step(step, model, ids, parallel, recorder, windows)
                     _sync()
                     elapsed = time.perf_counter() - start
+                    if recorder is not None:
+                        recorder.finish()
+                        results["memory_phases"] = _phase_results(recorder, variant, tokens, args.layers)
+                        if args.tiny and results["memory_phases"]["missing"]:
+                            raise SystemExit(f"--memory-phases: hooks did not mark "
+                                             f"{results['memory_phases']['missing']}")
+                    if seen is not None:
+                        cell["attention_windows_seen"] = dict(seen)
                     if recording:
                         snapshot = torch.cuda.memory._snapshot()
                         torch.cuda.memory._record_memory_history(enabled=None)
@@ -363,13 +705,18 @@ def main() -> None:
                     if i >= args.warmup:
                         times.append(elapsed)
                         if device == "cuda":
-                            peak = max(peak, torch.cuda.max_memory_allocated())
+                            peak = max(peak, torch.cuda.max_memory_allocated(),
+                                       recorder.global_peak if recorder is not None else 0)
             except (torch.OutOfMemoryError, RuntimeError) as exc:
                 if not _is_oom(exc):
                     raise
                 oom = True
                 if record:
                     torch.cuda.memory._record_memory_history(enabled=None)
+                if recorder is not None and recorder.phases:
+                    recorder.finish()
+                    results["memory_phases"] = dict(_phase_results(recorder, variant, tokens, args.layers),
+                                                    status="out of memory during the step: the phases so far")
                 del exc
             finally:
                 model.zero_grad(set_to_none=True)
@@ -399,6 +746,10 @@ def main() -> None:
                         cell["peak_gib_per_rank"] = [r["peak"] / 2**30 for r in ranks]
             results["cells"].append(cell)
             write()
+            if "attention_windows_seen" in cell and variant != "transformers" and set(
+                    cell["attention_windows_seen"]) != {str(window)}:
+                raise SystemExit(f"{variant} at {tokens} tokens: actorcore's attention kernel received sliding_window"
+                                 f" {cell['attention_windows_seen']}, not only {window}")
             if rank == 0:
                 print(f"{variant:>12} {tokens:>8} tokens: {cell['status']} {_fmt(cell.get('seconds'), '.2f')} s "
                       f"peak {_fmt(cell.get('peak_gib'), '.1f')} GiB", flush=True)
