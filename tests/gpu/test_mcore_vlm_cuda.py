@@ -16,11 +16,13 @@ from actorcore.testing.tolerances import TOL
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
+# Megatron parameter -> the HF parameter whose gradient it must equal; ``{layer}``: the global index of the stage's
+# first decoder layer (under PP=2 the second stage's local layer 0 is the model's layer 1).
 GRAD_PAIRS = {
     "vision_tower.patch_embed.proj.weight": "model.visual.patch_embed.proj.weight",
     "vision_tower.blocks.0.attn.qkv.weight": "model.visual.blocks.0.attn.qkv.weight",
     "vision_tower.merger.mlp.2.bias": "model.visual.merger.mlp.2.bias",
-    "decoder.layers.0.input_layernorm.weight": "model.language_model.layers.0.input_layernorm.weight",
+    "decoder.layers.0.input_layernorm.weight": "model.language_model.layers.{layer}.input_layernorm.weight",
 }
 
 
@@ -54,10 +56,12 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, hf_dir: str) -> dict:
 
     out = compute_logprobs(chunks, batch, context, loss_fn=loss_fn)
     params = dict(chunks[0].named_parameters())
-    grads = {name: params[name].grad.cpu() for name in GRAD_PAIRS if name in params and params[name].grad is not None}
+    layer = chunks[0].decoder.layers[0].layer_number - 1  # Megatron numbers layers globally, from 1
+    grads = {hf_name.format(layer=layer): params[name].grad.cpu() for name, hf_name in GRAD_PAIRS.items()
+             if name in params and params[name].grad is not None}
     parallel_state.destroy_model_parallel()
     return {"exported": exported, "lp": out.log_probs.cpu(), "ent": out.entropy.cpu(),
-            "device": out.log_probs.device.type, "grads": grads, "weights": weights}
+            "device": out.log_probs.device.type, "grads": grads, "weights": weights, "layer": layer}
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
@@ -87,8 +91,11 @@ def test_qwen2_5_vl_megatron_on_nccl(tmp_path, tp, pp):
         assert r["device"] == "cuda"
         torch.testing.assert_close(r["lp"], ref_lp.detach(), atol=tol, rtol=0, msg=f"rank {rank} log-probs")
         torch.testing.assert_close(r["ent"], ref_ent.detach(), atol=tol, rtol=0, msg=f"rank {rank} entropy")
-        for name, grad in r["grads"].items():
-            seen.add(name)
-            ref = hf_params[GRAD_PAIRS[name]].grad
-            torch.testing.assert_close(grad, ref, atol=grad_tol * ref.abs().max(), rtol=0, msg=f"rank {rank} {name}")
-    assert seen == set(GRAD_PAIRS)
+        for hf_name, grad in r["grads"].items():
+            seen.add(hf_name)
+            ref = hf_params[hf_name].grad
+            torch.testing.assert_close(grad, ref, atol=grad_tol * ref.abs().max(), rtol=0,
+                                       msg=f"rank {rank} {hf_name}")
+    layers = sorted({r["layer"] for r in results})
+    assert layers[0] == 0 and len(layers) == pp
+    assert seen == {hf_name.format(layer=layer) for hf_name in GRAD_PAIRS.values() for layer in layers}
