@@ -53,10 +53,16 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def bi_tile_rows() -> int:
+def bi_tile_rows() -> str:
+    """The linears' tile rows the mode runs with: one number, or the library's rule by output width."""
     import actorcore.hf.batch_invariant as bi
+    from actorcore.kernels.batch_invariant import linear_tile_rows
 
-    return bi.batch_invariant_decoder.__defaults__[0]
+    fixed = bi.batch_invariant_decoder.__defaults__[0]
+    if fixed is not None:
+        return f"{fixed} rows"
+    widths = {"q/o and down (1536 outputs)": 1536, "k/v (256)": 256, "gate/up (8960)": 8960}
+    return ", ".join(f"{name} {linear_tile_rows(n)} rows" for name, n in widths.items())
 
 
 def _profile(step, title: str, rows: int = 40) -> str:
@@ -83,7 +89,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (to check the script)")
     parser.add_argument("--out", required=True, help="folder for batch_invariant.json and batch_invariant.md")
     parser.add_argument("--tile-rows", type=int, default=None,
-                        help="rows per tile of the invariant linears (default: the library's TILE_ROWS)")
+                        help="rows per tile of every invariant linear (default: the library's rule, "
+                             "linear_tile_rows of each linear's output width)")
     parser.add_argument("--profile", action="store_true",
                         help="also write profile.txt: one forward+backward per mode under torch.profiler, the ops "
                              "and kernels that take the most device time")
@@ -154,7 +161,7 @@ def main() -> None:
     lines = [f"# batch_invariant=True: cost and packing invariance", "",
              f"{results['device']}, {dtype}, {results['model']}, {len(sequences)} sequences of "
              f"{min(lengths)}-{max(lengths)} tokens ({whole.num_tokens} tokens), activation checkpointing, "
-             f"invariant linears in tiles of {results['tile_rows']} rows; "
+             f"invariant linears in tiles of {results['tile_rows']}; "
              f"median of {args.repeats}. Packings: as given, reversed, shuffled into two micro-batches.", "",
              "| mode | phase | time | tokens/s | max abs diff log-prob across packings | entropy |",
              "|---|---|---|---|---|---|"]

@@ -56,6 +56,19 @@ def test_cpu_matmul_rows_depend_on_the_row_count_and_tiles_do_not():
     torch.testing.assert_close(tiled_full, full, rtol=0, atol=TOL["kernel_chunked_vs_reference_fp32"])
 
 
+def test_narrow_linears_get_taller_tiles_and_stay_invariant():
+    from actorcore.kernels.batch_invariant import MAX_TILE_ROWS, TILE_ROWS, linear_tile_rows
+
+    # Qwen2.5-1.5B's gate/up (8960 outputs), q/o and down (1536), k/v (256); a 1-output linear gets the cap.
+    assert [linear_tile_rows(n) for n in (8960, 1536, 256, 1)] == [TILE_ROWS, 2 * TILE_ROWS, MAX_TILE_ROWS,
+                                                                  MAX_TILE_ROWS]
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(300, 24, generator=g), torch.randn(20, 24, generator=g)
+    full = tiled_linear(x, w)  # the default: linear_tile_rows(20) rows per tile
+    for m in (1, 7, 299):
+        assert torch.equal(tiled_linear(x[:m], w), full[:m]) and torch.equal(tiled_linear(x[300 - m:], w), full[-m:])
+
+
 def test_tiled_linear_gradients_and_tiled_rows_match_plain_torch():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 19, 12, generator=g, dtype=torch.float64, requires_grad=True)

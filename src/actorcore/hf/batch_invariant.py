@@ -30,7 +30,7 @@ import torch
 
 from actorcore.archs import ArchSpec
 from actorcore.hf.attention import switched_for_call
-from actorcore.kernels.batch_invariant import NORM_TILE_ROWS, TILE_ROWS, tiled_linear, tiled_rows
+from actorcore.kernels.batch_invariant import NORM_TILE_ROWS, tiled_linear, tiled_rows
 
 LINEAR_TRACE_KEY = "batch_invariant:linear"
 NORM_TRACE_KEY = "batch_invariant:norm"
@@ -59,7 +59,7 @@ def check_batch_invariant_support(spec: ArchSpec) -> None:
 class InvariantLinearForward:
     """The instance ``forward`` of an ``nn.Linear`` for one call: ``tiled_linear`` with its own parameters."""
 
-    def __init__(self, linear: torch.nn.Linear, tile_rows: int, trace: Counter) -> None:
+    def __init__(self, linear: torch.nn.Linear, tile_rows: int | None, trace: Counter) -> None:
         self.linear = linear
         self.tile_rows = tile_rows
         self.trace = trace
@@ -112,7 +112,7 @@ def invariant_modules(decoder: torch.nn.Module) -> tuple[list[torch.nn.Linear], 
 
 
 @contextlib.contextmanager
-def _installed(linears: list, norms: list, tile_rows: int, norm_tile_rows: int, trace: Counter) -> Iterator[None]:
+def _installed(linears: list, norms: list, tile_rows: int | None, norm_tile_rows: int, trace: Counter) -> Iterator[None]:
     """The invariant forwards on these modules for one forward (or one recomputation), then the class's again."""
     installed = []
     try:
@@ -128,9 +128,10 @@ def _installed(linears: list, norms: list, tile_rows: int, norm_tile_rows: int, 
             module.__dict__.pop("forward", None)
 
 
-def batch_invariant_decoder(decoder: torch.nn.Module, spec: ArchSpec, trace: Counter, tile_rows: int = TILE_ROWS,
+def batch_invariant_decoder(decoder: torch.nn.Module, spec: ArchSpec, trace: Counter, tile_rows: int | None = None,
                             norm_tile_rows: int = NORM_TILE_ROWS) -> Any:
-    """Context manager: the decoder's linears and norms run batch-invariant for one call (and its recomputation)."""
+    """Context manager: the decoder's linears and norms run batch-invariant for one call (and its recomputation);
+    ``tile_rows``: one tile height for every linear (``None``: each linear's ``linear_tile_rows``)."""
     check_batch_invariant_support(spec)
     linears, norms = invariant_modules(decoder)
     return switched_for_call(decoder, functools.partial(_installed, linears, norms, tile_rows, norm_tile_rows, trace))

@@ -22,12 +22,18 @@ from typing import Callable
 
 import torch
 
-# Rows per tile of a linear. Large enough that the GEMMs fill the GPU (for a 1024-row tile of a 1536-wide linear,
-# cuBLAS picked a 192x128-tile kernel: about 72 tiles for the H200's 132 SMs), small enough that the last tile of a
-# call recomputes few rows (<= 2047).
+# Rows per tile of a linear, at least. Large enough that the GEMMs fill the GPU (for a 1024-row tile of a 1536-wide
+# linear, cuBLAS picked a 192x128-tile kernel: about 72 tiles for the H200's 132 SMs), small enough that the last tile
+# of a call recomputes few rows (<= 2047).
 # Measured on the H200 (bench/batch_invariant.py --tile-rows, Qwen2.5-1.5B shape, 59.5K tokens): cost of the mode
-# 1024 rows +18.6% forward / +21.0% forward+backward, 2048 rows +10.9% / +16.5%, 4096 rows +8.6% / +25.0%.
+# 1024 rows +18.6% forward / +21.0% forward+backward, 2048 rows +10.9% / +16.5%, 4096 rows +8.6% / +25.0% (the last
+# tile then zero-padded; with it overlapping the previous one, 2048 rows: +11.1% / +15.6%).
 TILE_ROWS = 2048
+# Narrow linears (GQA key/value projections, a small model's attention and down projections) get taller tiles: the
+# smallest power of two from TILE_ROWS up to MAX_TILE_ROWS whose call has TARGET_OUTPUT_TILES output tiles of
+# 128 x 128 (about two waves on the H200's 132 SMs). A function of the layer's shape, never of the batch.
+TARGET_OUTPUT_TILES = 256
+MAX_TILE_ROWS = 8192
 # Rows per tile of a norm: memory-bound and cheap, so larger tiles (fewer launches) cost little recomputation.
 NORM_TILE_ROWS = 8192
 
@@ -36,6 +42,14 @@ def check_tile_rows(tile_rows: int) -> int:
     if isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1:
         raise ValueError(f"tile_rows must be a positive int, got {tile_rows!r}")
     return tile_rows
+
+
+def linear_tile_rows(out_features: int) -> int:
+    """Rows per tile for a linear with ``out_features`` outputs (see ``TARGET_OUTPUT_TILES``)."""
+    rows, column_tiles = TILE_ROWS, -(-out_features // 128)
+    while rows < MAX_TILE_ROWS and (rows // 128) * column_tiles < TARGET_OUTPUT_TILES:
+        rows *= 2
+    return rows
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -92,12 +106,13 @@ class _TiledLinear(torch.autograd.Function):
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 tile_rows: int = TILE_ROWS) -> torch.Tensor:
-    """``torch.nn.functional.linear`` whose every row is computed in a call of exactly ``tile_rows`` rows.
+                 tile_rows: int | None = None) -> torch.Tensor:
+    """``torch.nn.functional.linear`` whose every row is computed in a call of exactly ``tile_rows`` rows
+    (``None``: ``linear_tile_rows`` of the weight's output width).
 
     ``x`` is ``[..., K]``; inside a ``torch.autocast`` region the operands are cast as autocast casts a linear.
     """
-    check_tile_rows(tile_rows)
+    tile_rows = linear_tile_rows(weight.shape[0]) if tile_rows is None else check_tile_rows(tile_rows)
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
