@@ -442,7 +442,9 @@ def _markdown(results: dict) -> str:
     lines = [f"# Long context: {setup['model']}, {setup['layers']} of {FULL_LAYERS} layers built, "
              f"{setup['device']}" + (f", Ulysses SP={sp} on {sp} processes" if sp > 1 else ""), "",
              f"One sequence, forward+backward of the log-prob loss, bf16 parameters, gradient checkpointing; tiled "
-             f"MLP {setup['shards']} shards for actorcore. Warm-up steps {setup['warmup']}, timed {setup['repeats']} "
+             f"MLP {setup['shards']} shards"
+             + (" and recomputed norms (`recompute_norms=True`)" if setup.get("recompute_norms") else "")
+             + f" for actorcore. Warm-up steps {setup['warmup']}, timed {setup['repeats']} "
              "(median). `32L` columns are estimates from the layers built (time x 32/N, an upper bound; peak + the "
              "missing layers' parameters, gradients and, for the layers not offloaded, checkpointed inputs)."
              + (" Peak memory: the largest over the ranks (the JSON has each rank's)." if sp > 1 else ""), ""]
@@ -566,6 +568,8 @@ def main() -> None:
                         "--sp > 1 actorcore,offload)")
     parser.add_argument("--layers", type=int, default=None, help=f"decoder layers to build (default {FULL_LAYERS})")
     parser.add_argument("--shards", type=int, default=8, help="tiled-MLP shards")
+    parser.add_argument("--recompute-norms", action="store_true",
+                        help="actorcore variants: patch_model(recompute_norms=True), the norms keep only their input")
     parser.add_argument("--offload-layers", default="all", help="offload variant: all, auto, or K: the first K of "
                         f"the {FULL_LAYERS}-layer model (the layers built are its first ones)")
     parser.add_argument("--sp", type=int, default=1, help="Ulysses SP size (launch with torchrun)")
@@ -615,7 +619,7 @@ def main() -> None:
         model_name += f" as Mistral, attention windowed to {window} tokens"
     results = {"setup": {"model": model_name, "layers": args.layers, "attention_window": window,
                          "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                         "sp": args.sp, "shards": args.shards, "warmup": args.warmup, "repeats": args.repeats,
+                         "sp": args.sp, "shards": args.shards, "recompute_norms": args.recompute_norms, "warmup": args.warmup, "repeats": args.repeats,
                          "offload_layers": args.offload_layers, "torch": torch.__version__,
                          "host_available_gib": (_host_available_bytes() or 0) / 2**30},
                "cells": []}
@@ -658,7 +662,7 @@ def main() -> None:
             handle = None
             if variant != "transformers":
                 handle = ac.patch_model(model, parallel=parallel, tiled_mlp_shards=args.shards,
-                                        offload_activations=offload or False)
+                                        offload_activations=offload or False, recompute_norms=args.recompute_norms)
             step = _transformers_step if variant == "transformers" else _actorcore_step
             record = (args.memory_history and device == "cuda" and rank == 0 and tokens == longest
                       and variant == history_variant)

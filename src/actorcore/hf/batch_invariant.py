@@ -30,11 +30,11 @@ import torch
 
 from actorcore.archs import ArchSpec
 from actorcore.hf.attention import switched_for_call
+from actorcore.hf.norm_recompute import RecomputedNormForward, is_norm
 from actorcore.kernels.batch_invariant import NORM_TILE_ROWS, tiled_linear, tiled_rows
 
 LINEAR_TRACE_KEY = "batch_invariant:linear"
 NORM_TRACE_KEY = "batch_invariant:norm"
-_NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
 
 class BatchInvariantNotAppliedError(RuntimeError):
@@ -85,12 +85,6 @@ class InvariantRowsForward:
         return tiled_rows(type(self.norm).forward.__get__(self.norm), hidden_states, self.tile_rows)
 
 
-def _is_norm(module: torch.nn.Module) -> bool:
-    if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
-        return True
-    return type(module).__name__.endswith(_NORM_SUFFIXES) and not any(True for _ in module.children())
-
-
 def invariant_modules(decoder: torch.nn.Module) -> tuple[list[torch.nn.Linear], list[torch.nn.Module]]:
     """The decoder's linears and norms, checked to run their class ``forward`` (nothing else replaced it)."""
     linears, norms = [], []
@@ -100,10 +94,13 @@ def invariant_modules(decoder: torch.nn.Module) -> tuple[list[torch.nn.Linear], 
                 raise ValueError(f"batch_invariant=True: {name} is a {type(module).__name__} with its own forward "
                                  "(e.g. a quantized linear), which the mode cannot make invariant")
             found = linears
-        elif _is_norm(module):
+        elif is_norm(module):
             found = norms
         else:
             continue
+        if isinstance(module.__dict__.get("forward"), RecomputedNormForward):
+            raise ValueError(f"batch_invariant=True: {name} recomputes in backward (patch_model(recompute_norms=True))"
+                             "; the two do not combine: revert that patch and patch without recompute_norms")
         if "forward" in module.__dict__:
             raise ValueError(f"batch_invariant=True: {name} already has an instance forward (another patch); "
                              "the mode would replace it")
