@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from test_block_attention import _plain_attention
 
 from actorcore.context_split import cp_chunk_index, cp_local_positions
 from actorcore.kernels.block_attention import merge_attention_blocks, position_runs
@@ -39,19 +40,9 @@ def _flash_like(q, k, v, cu_q, cu_k, causal, window=None):
     return torch.cat(outs), torch.cat(lses)
 
 
-def _plain(q, k, v, positions, window):
-    """Softmax over keys ``j <= p`` (and ``p - j < window``) of one segment, GQA by repetition."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = torch.einsum("qnh,knh->nqk", q, k) * SCALE
-    j = torch.arange(k.shape[0])
-    allowed = (j[None, :] <= positions[:, None]) & ((positions[:, None] - j[None, :]) < (window or 10**9))
-    return torch.einsum("nqk,knh->qnh", torch.softmax(scores.masked_fill(~allowed, -math.inf), -1), v)
-
-
 def _reference(q, keys, values, cu_local, positions, window):
     bounds = cu_local.tolist()
-    return torch.cat([_plain(q[qs:qe], keys[ks:ke], values[ks:ke], positions[qs:qe], window)
+    return torch.cat([_plain_attention(q[qs:qe], keys[ks:ke], values[ks:ke], positions[qs:qe], window, SCALE)
                       for qs, qe, ks, ke in zip(bounds[:-1], bounds[1:], PADDED[:-1], PADDED[1:])])
 
 
@@ -66,10 +57,10 @@ def test_prefix_plan_under_flash_masks_equals_plain_softmax(cp, window):
         positions = cp_local_positions(PADDED, cp, rank)
         q = torch.randn(positions.numel(), 4, 8, generator=gen, dtype=torch.float64)
         plan = prefix_plan(cu_local, torch.tensor(PADDED), positions, window)
-        assert plan.cu_q[-1] == q.shape[0] and plan.cu_k[-1] == plan.key_index.numel()
+        assert plan.cu_q[-1] == q.shape[0] and plan.cu_k[-1] == plan.k_index.numel()
         assert plan.max_q == int((plan.cu_q[1:] - plan.cu_q[:-1]).max())
         assert plan.max_k == int((plan.cu_k[1:] - plan.cu_k[:-1]).max())
-        got, _ = _flash_like(q, keys[plan.key_index], values[plan.key_index], plan.cu_q, plan.cu_k, True, window)
+        got, _ = _flash_like(q, keys[plan.k_index], values[plan.k_index], plan.cu_q, plan.cu_k, True, window)
         want = _reference(q, keys, values, cu_local, positions, window)
         torch.testing.assert_close(got, want, atol=TOL["attention_fp64_vs_plain"], rtol=0, msg=f"rank {rank}")
 
@@ -102,7 +93,7 @@ def test_flash_block_plans_merged_over_the_ring_equal_plain_softmax(cp):
             out, lse = (block_out, block_lse) if out is None else merge_attention_blocks(out, lse, block_out,
                                                                                          block_lse)
         bounds = cu_local.tolist()
-        want = torch.cat([_plain(q[qs:qe], keys[ks:ke], values[ks:ke], positions[qs:qe], None)
+        want = torch.cat([_plain_attention(q[qs:qe], keys[ks:ke], values[ks:ke], positions[qs:qe], None, SCALE)
                           for qs, qe, ks, ke in zip(bounds[:-1], bounds[1:], padded[:-1], padded[1:])])
         torch.testing.assert_close(out, want, atol=TOL["attention_fp64_vs_plain"], rtol=0, msg=f"rank {rank}")
 

@@ -33,6 +33,7 @@ import torch.utils.checkpoint
 
 from actorcore.archs import LinearAttentionSpec, submodule
 from actorcore.hf.attention import TRACE_KWARG, PackingNotAppliedError, parallel_from_kwargs
+from actorcore.hf.instance_forwards import install_forwards
 from actorcore.kernels.linear_attention import causal_conv1d_packed, gated_delta_rule_packed
 from actorcore.parallel.ulysses import (
     head_to_sequence_sharded,
@@ -211,19 +212,8 @@ def is_installed(module: torch.nn.Module) -> bool:
 
 def install_linear_forwards(modules: list[torch.nn.Module], spec: LinearAttentionSpec) -> Any:
     """Give each module a ``GatedDeltaNetForward``; returns the undo (restores exactly what was there)."""
-    saved = []
-    for module in modules:
-        had, previous = "forward" in module.__dict__, module.__dict__.get("forward")
-        saved.append((module, had, previous))
-        module.__dict__["forward"] = GatedDeltaNetForward(module, spec.projections, previous)
-
-    def restore() -> None:
-        for module, had, previous in reversed(saved):
-            if had:
-                module.__dict__["forward"] = previous
-            else:
-                module.__dict__.pop("forward", None)
-
+    _, restore = install_forwards(modules, lambda module, previous: GatedDeltaNetForward(module, spec.projections,
+                                                                                          previous))
     return restore
 
 

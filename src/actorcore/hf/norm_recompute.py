@@ -20,6 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
+from actorcore.hf.instance_forwards import install_forwards
+
 _NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
 
@@ -60,23 +62,11 @@ def decoder_norms(decoder: torch.nn.Module) -> list[torch.nn.Module]:
 
 def install_recomputed_norms(norms: list[torch.nn.Module]) -> tuple[list[RecomputedNormForward], Callable[[], None]]:
     """Install a ``RecomputedNormForward`` on each norm; returns them and the function that restores the norms."""
-    forwards, restores = [], []
-    for norm in norms:
-        had = "forward" in norm.__dict__
-        previous = norm.__dict__.get("forward")
+
+    def make(norm: torch.nn.Module, previous: Callable | None) -> RecomputedNormForward:
         if isinstance(previous, RecomputedNormForward):
             raise ValueError(f"{type(norm).__name__} already recomputes in backward (another actorcore patch); "
                              "revert it first")
-        forward = RecomputedNormForward(norm, previous)
-        norm.__dict__["forward"] = forward
-        forwards.append(forward)
-        restores.append((norm, had, previous))
+        return RecomputedNormForward(norm, previous)
 
-    def restore() -> None:
-        for norm, had, previous in reversed(restores):
-            if had:
-                norm.__dict__["forward"] = previous
-            else:
-                norm.__dict__.pop("forward", None)
-
-    return forwards, restore
+    return install_forwards(norms, make)

@@ -33,6 +33,7 @@ import torch
 from actorcore.archs import spec_for_model, submodule, text_config
 from actorcore.hf.attention import attention_configs, current_implementations, register_attention, swap_attention_implementation
 from actorcore.hf.linear_attention import check_linear_heads, install_linear_forwards, is_installed, split_layers
+from actorcore.hf.instance_forwards import install_forwards
 from actorcore.hf.norm_recompute import decoder_norms, install_recomputed_norms
 from actorcore.hf.offload import check_checkpointed, check_offload_layers, release_offload_buffers
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION, PatchNotAppliedError, ulysses_attention_forward
@@ -269,21 +270,8 @@ def _patch_linear_attention(handle: PatchHandle, modules: list[torch.nn.Module],
 
 
 def _patch_mlps(handle: PatchHandle, decoder: torch.nn.Module, mlps: list[torch.nn.Module], shards: int) -> None:
-    forwards = []
-    for mlp in mlps:
-        had_instance_forward = "forward" in mlp.__dict__
-        previous = mlp.__dict__.get("forward")
-
-        def restore(mlp=mlp, had=had_instance_forward, previous=previous) -> None:
-            if had:
-                mlp.__dict__["forward"] = previous
-            else:
-                mlp.__dict__.pop("forward", None)
-
-        handle._undo.append(restore)
-        forward = TiledMLPForward(mlp, shards, previous)
-        mlp.__dict__["forward"] = forward
-        forwards.append(forward)
+    forwards, restore = install_forwards(mlps, lambda mlp, previous: TiledMLPForward(mlp, shards, previous))
+    handle._undo.append(restore)
     ForwardsRanCheck(forwards, type(handle.model).__name__, "tiled MLP").install(handle, decoder)
 
 

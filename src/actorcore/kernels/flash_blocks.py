@@ -13,38 +13,16 @@ Legend: ``L`` queries, ``M`` keys of the block, ``N`` query heads, ``K`` key/val
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 
 from actorcore.kernels.block_attention import Runs
+from actorcore.kernels.varlen_attention import VarlenCall
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
-@dataclass(frozen=True)
-class FlashCall:
-    """One varlen flash call of a block: the query rows it covers (``None``: all, in order), its segments'
-    key rows, their offsets and longest lengths."""
-
-    causal: bool
-    q_index: torch.Tensor | None
-    k_index: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-
-    def to(self, device: torch.device) -> "FlashCall":
-        move = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
-        q_index = None if self.q_index is None else move(self.q_index)
-        return FlashCall(self.causal, q_index, move(self.k_index), move(self.cu_q), move(self.cu_k), self.max_q,
-                         self.max_k)
-
-
-def plan_flash_block(q_runs: Runs, k_runs: Runs, num_queries: int) -> list[FlashCall] | None:
+def plan_flash_block(q_runs: Runs, k_runs: Runs, num_queries: int) -> list[VarlenCall] | None:
     """The flash calls of one block (host tensors), or ``None`` if a pair of runs overlaps other than on the
     diagonal. ``num_queries`` is the number of query rows (to tell whether a call covers them all)."""
     if len(q_runs) != len(k_runs):
@@ -70,7 +48,7 @@ def plan_flash_block(q_runs: Runs, k_runs: Runs, num_queries: int) -> list[Flash
     return [_flash_call(causal, entries, num_queries) for causal, entries in groups.items() if entries]
 
 
-def _flash_call(causal: bool, entries: list, num_queries: int) -> FlashCall:
+def _flash_call(causal: bool, entries: list, num_queries: int) -> VarlenCall:
     q_rows, k_rows, cu_q, cu_k, max_q, max_k = [], [], [0], [0], 0, 0
     for qa, qb, seen in entries:
         q_rows.append(torch.arange(qa, qb))
@@ -81,7 +59,7 @@ def _flash_call(causal: bool, entries: list, num_queries: int) -> FlashCall:
     q_index = torch.cat(q_rows)
     if q_index.numel() == num_queries and torch.equal(q_index, torch.arange(num_queries)):
         q_index = None
-    return FlashCall(causal, q_index, torch.cat(k_rows), torch.tensor(cu_q, dtype=torch.int32),
+    return VarlenCall(causal, q_index, torch.cat(k_rows), torch.tensor(cu_q, dtype=torch.int32),
                      torch.tensor(cu_k, dtype=torch.int32), max_q, max_k)
 
 
@@ -100,7 +78,7 @@ def _unused(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 
-def flash_block_forward(q_LNH: torch.Tensor, k_MKH: torch.Tensor, v_MKH: torch.Tensor, calls: list[FlashCall], *,
+def flash_block_forward(q_LNH: torch.Tensor, k_MKH: torch.Tensor, v_MKH: torch.Tensor, calls: list[VarlenCall], *,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [L, N, H], lse [L, N])`` in fp32, as ``block_attention.attention_block_forward`` returns them."""
     L, N, H = q_LNH.shape
@@ -122,7 +100,7 @@ def flash_block_forward(q_LNH: torch.Tensor, k_MKH: torch.Tensor, v_MKH: torch.T
 
 
 def flash_block_backward(grad_LNH: torch.Tensor, q_LNH: torch.Tensor, k_MKH: torch.Tensor, v_MKH: torch.Tensor,
-                         out_LNH: torch.Tensor, lse_LN: torch.Tensor, calls: list[FlashCall], *,
+                         out_LNH: torch.Tensor, lse_LN: torch.Tensor, calls: list[VarlenCall], *,
                          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 ``(dq [L, N, H], dk [M, K, H], dv [M, K, H])`` of this block's share, from the *merged* output and
     log-sum-exp over all blocks (flash's backward then gives each block's exact share)."""

@@ -180,24 +180,25 @@ def _segments(q, k, v, cu, scale, window, softcap, dropout, sinks=None):
 
 
 @dataclass(frozen=True)
-class PrefixPlan:
-    """Each run of consecutive query positions as one segment of a varlen call over the keys it can see.
+class VarlenCall:
+    """One varlen flash call over gathered rows: the query rows it covers (``None``: all, in order), its segments'
+    key rows (``k_index``, segment after segment), their offsets (``cu_q``, ``cu_k``) and longest lengths, and
+    whether it is causal. A causal segment with more keys than queries is masked from the bottom right (query
+    ``a`` of ``Lq`` sees key ``b`` of ``Lk`` iff ``b <= a + Lk - Lq``), as flash kernels do."""
 
-    ``cu_q`` cuts the queries (already in run order: no gather) into runs; ``key_index`` lists, run after run,
-    the rows of the keys that run sees (``[lo, end)`` of its segment: a prefix, or the window's band); ``cu_k``
-    cuts that list. The query run ending at position ``end - 1`` and its keys ending at ``end - 1`` make a causal
-    mask aligned at the bottom right, which is what flash kernels apply when a segment has more keys than
-    queries."""
-
+    causal: bool
+    q_index: torch.Tensor | None
+    k_index: torch.Tensor
     cu_q: torch.Tensor
     cu_k: torch.Tensor
-    key_index: torch.Tensor
     max_q: int
     max_k: int
 
-    def to(self, device: torch.device) -> "PrefixPlan":
+    def to(self, device: torch.device) -> "VarlenCall":
         move = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
-        return PrefixPlan(move(self.cu_q), move(self.cu_k), move(self.key_index), self.max_q, self.max_k)
+        q_index = None if self.q_index is None else move(self.q_index)
+        return VarlenCall(self.causal, q_index, move(self.k_index), move(self.cu_q), move(self.cu_k), self.max_q,
+                          self.max_k)
 
 
 def _position_runs(q_bounds: list[int], k_bounds: list[int], positions: list[int],
@@ -220,9 +221,11 @@ def _position_runs(q_bounds: list[int], k_bounds: list[int], positions: list[int
 
 
 def prefix_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, q_positions: torch.Tensor,
-                sliding_window: int | None = None) -> PrefixPlan:
-    """The varlen layout of ``causal_attention_at_positions`` (host tensors; callers that run it every layer
-    build it once and move it to the device)."""
+                sliding_window: int | None = None) -> VarlenCall:
+    """``causal_attention_at_positions`` as one causal varlen call (host tensors; callers that run it every layer
+    build it once and move it to the device): each run of consecutive query positions is a segment (the queries
+    are in run order already: no gather) over the keys it sees, ``[lo, end)`` of its segment (a prefix, or the
+    window's band), which end at the run's last position."""
     cu_q, cu_k, index = [0], [0], []
     for (start, stop, _), (lo, end), _ in _position_runs(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(),
                                                          q_positions.tolist(), sliding_window):
@@ -232,8 +235,8 @@ def prefix_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, q_positi
     lengths_q = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])] or [0]
     lengths_k = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])] or [0]
     key_index = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
-    return PrefixPlan(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), key_index,
-                      max(lengths_q), max(lengths_k))
+    return VarlenCall(True, None, key_index, torch.tensor(cu_q, dtype=torch.int32),
+                      torch.tensor(cu_k, dtype=torch.int32), max(lengths_q), max(lengths_k))
 
 
 def causal_attention_at_positions(
@@ -248,7 +251,7 @@ def causal_attention_at_positions(
     sliding_window: int | None = None,
     dropout: float = 0.0,
     backend: str = "auto",
-    plan: PrefixPlan | None = None,
+    plan: VarlenCall | None = None,
     trace: Counter[str] | None = None,
 ) -> torch.Tensor:
     """Causal attention of some of each segment's queries over the whole segment's keys (context parallelism:
@@ -276,7 +279,7 @@ def causal_attention_at_positions(
     if backend != "segments":
         add(trace, f"varlen_attention:at_positions:{backend}")
         plan = (plan or prefix_plan(cu_seqlens_q, cu_seqlens_k, q_positions, sliding_window)).to(q_LNH.device)
-        k_sel, v_sel = k_PKH.index_select(0, plan.key_index), v_PKH.index_select(0, plan.key_index)
+        k_sel, v_sel = k_PKH.index_select(0, plan.k_index), v_PKH.index_select(0, plan.k_index)
         window = (sliding_window - 1 if sliding_window else -1, 0)
         if backend == "flash_attn":
             from flash_attn import flash_attn_varlen_func

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from actorcore.context_split import cp_gather_order, cp_local_positions
 from actorcore.kernels import block_attention, flash_blocks
 from actorcore.kernels.trace import add
-from actorcore.kernels.varlen_attention import causal_attention_at_positions, prefix_plan, varlen_causal_attention
+from actorcore.kernels.varlen_attention import (VarlenCall, causal_attention_at_positions, prefix_plan,
+                                                varlen_causal_attention)
 from actorcore.parallel import collectives
 
 try:  # megatron-core is optional; this module is only imported by mcore/model.py after require_megatron()
@@ -180,7 +181,7 @@ def _cp_runs(params: Any, cp_group: Any, max_run: int | None) -> list[block_atte
     return cache[1][max_run]
 
 
-def _cp_flash_calls(params: Any, cp_group: Any, device: torch.device) -> list[list[flash_blocks.FlashCall]] | None:
+def _cp_flash_calls(params: Any, cp_group: Any, device: torch.device) -> list[list[VarlenCall]] | None:
     """Per source CP rank, the flash calls of this rank's block against it (on ``device``; cached on ``params``),
     or ``None`` where the layout does not line up for them."""
     cp_rank = dist.get_rank(cp_group)
@@ -206,7 +207,7 @@ class _RingBlocks:
         self.params, self.cp_group = params, cp_group
         self.cp_rank = dist.get_rank(cp_group)
         self.key_width, self.scale, self.window = key_width, scale, window
-        self.flash_calls: list[list[flash_blocks.FlashCall]] | None = None
+        self.flash_calls: list[list[VarlenCall]] | None = None
 
     def use_flash(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Choose the kernel for this layer call (and build what it needs); True for flash."""
