@@ -207,7 +207,8 @@ class _RingBlocks:
         self.params, self.cp_group = params, cp_group
         self.cp_rank = dist.get_rank(cp_group)
         self.key_width, self.scale, self.window = key_width, scale, window
-        self.flash_calls: list[list[VarlenCall]] | None = None
+        self.flash_calls: list[list[VarlenCall]] | None = None  # per source rank (flash), or
+        self.runs: list[block_attention.Runs] | None = None  # every rank's tiled runs (plain)
 
     def use_flash(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Choose the kernel for this layer call (and build what it needs); True for flash."""
