@@ -10,6 +10,7 @@ SPEC = ArchSpec(
     model_type="qwen3_5_text", mlp_kind="gated",
     linear_attention=LinearAttentionSpec(module="linear_attn", projections="separate"),
     mcore=McoreSpec(refused="Gated DeltaNet (linear-attention) layers, the attention output gate and the "
-                    "zero-centred RMSNorm have no rules in actorcore's Megatron conversion; train Qwen3.5 on the "
-                    "Hugging Face route"),
+                    "zero-centred RMSNorm have no rules in actorcore's Megatron conversion (megatron-core 0.16.1's "
+                    "own GatedDeltaNet refuses packed THD sequences, which the route always runs); train Qwen3.5 on "
+                    "the Hugging Face route"),
 )

@@ -13,5 +13,7 @@ SPEC = dataclasses.replace(
     linear_attention=LinearAttentionSpec(module="linear_attn", projections="grouped"),
     mcore=McoreSpec(refused="Gated DeltaNet (linear-attention) layers with grouped projections, the attention output "
                     "gate, the zero-centred RMSNorm and the gated shared expert have no rules in actorcore's Megatron "
-                    "conversion; train Qwen3-Next on the Hugging Face route"),
+                    "conversion (megatron-core 0.16.1's own GatedDeltaNet refuses packed THD sequences, which the "
+                    "route always runs), so its MTP layers stay out too; train Qwen3-Next on the Hugging Face "
+                    "route"),
 )
