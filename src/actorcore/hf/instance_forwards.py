@@ -12,6 +12,11 @@ from typing import Any, Callable
 import torch
 
 
+def wrapped_forward(module: torch.nn.Module, previous: Callable | None) -> Callable:
+    """The forward an installed object wraps: the instance forward that was there before it, else the class's."""
+    return previous if previous is not None else type(module).forward.__get__(module)
+
+
 def install_forwards(modules: list[torch.nn.Module], make: Callable[[torch.nn.Module, Any], Any]
                      ) -> tuple[list[Any], Callable[[], None]]:
     """Set each module's instance forward to ``make(module, previous)`` (``previous``: the instance forward that

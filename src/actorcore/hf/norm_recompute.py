@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
-from actorcore.hf.instance_forwards import install_forwards
+from actorcore.hf.instance_forwards import install_forwards, wrapped_forward
 
 _NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
@@ -51,8 +51,7 @@ class RecomputedNormForward:
 
     def _run(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.runs += 1
-        forward = self.previous if self.previous is not None else type(self.norm).forward.__get__(self.norm)
-        return forward(hidden_states, *args, **kwargs)
+        return wrapped_forward(self.norm, self.previous)(hidden_states, *args, **kwargs)
 
 
 def decoder_norms(decoder: torch.nn.Module) -> list[torch.nn.Module]:

@@ -33,7 +33,7 @@ import torch
 from actorcore.archs import spec_for_model, submodule, text_config
 from actorcore.hf.attention import attention_configs, current_implementations, register_attention, swap_attention_implementation
 from actorcore.hf.linear_attention import check_linear_heads, install_linear_forwards, is_installed, split_layers
-from actorcore.hf.instance_forwards import install_forwards
+from actorcore.hf.instance_forwards import install_forwards, wrapped_forward
 from actorcore.hf.norm_recompute import decoder_norms, install_recomputed_norms
 from actorcore.hf.offload import check_checkpointed, check_offload_layers, release_offload_buffers
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION, PatchNotAppliedError, ulysses_attention_forward
@@ -74,7 +74,7 @@ class TiledMLPForward:
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        plain = self.previous if self.previous is not None else type(self.mlp).forward.__get__(self.mlp)
+        plain = wrapped_forward(self.mlp, self.previous)
         # Parameters as registered now: under FSDP2, the unsharded ones its pre-forward hook installed.
         params = [p for p in self.mlp.parameters() if p.requires_grad]
         return tiled_mlp(plain, hidden_states, self.shards, params)

@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 
 from actorcore.kernels.block_attention import Runs
-from actorcore.kernels.varlen_attention import VarlenCall
+from actorcore.kernels.varlen_attention import FLASH_DTYPES, VarlenCall
 
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
