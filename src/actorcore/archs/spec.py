@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actorcore.archs.megatron_rules import McoreSpec
+from actorcore.errors import UnsupportedArchitectureError  # noqa: F401 (re-exported)
 
 # MLP kinds the generic code knows. "gated": down(act(gate(x)) * up(x)) (SwiGLU, GeGLU);
 # "fused_gated": the same with gate and up in one projection (phi3); "plain": down(act(up(x)));
@@ -143,7 +144,3 @@ def submodule(root: Any, path: str) -> Any:
             f"{type(root).__name__} has no submodule {path!r} (a path from actorcore's arch spec): {err}. The "
             "installed transformers lays this model out differently: update the spec in actorcore/archs/"
         ) from None
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The model's architecture is not registered, or uses a feature actorcore refuses."""

@@ -31,6 +31,7 @@ import torch
 
 from actorcore.export.ipc_buffers import ALIGN, ReceiveBuffer, SendBuffer
 from actorcore.export.stream import DEFAULT_BUCKET_BYTES, Bucket
+from actorcore.errors import TransportError  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ _DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int8", "int16", "i
                 "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 DTYPES = {name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)}
 _DTYPE_TO_NAME = {dtype: name for name, dtype in DTYPES.items()}
-
-
-class TransportError(RuntimeError):
-    """The other side stopped (its error, an interrupt, its process died) or did not answer in time."""
 
 
 class _Channel:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from actorcore.kernels.varlen_attention import varlen_causal_attention
+from actorcore.errors import PackingNotAppliedError  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +68,6 @@ def record_call(kwargs: dict[str, Any], implementation: str) -> None:
     ref = kwargs.get(TRACE_KWARG)
     if ref is not None:
         ref.counts[trace_key(implementation)] += 1
-
-
-class PackingNotAppliedError(RuntimeError):
-    """The packed attention did not run where it should have (e.g. a transformers change bypassed it)."""
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

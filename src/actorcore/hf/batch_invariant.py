@@ -32,13 +32,10 @@ from actorcore.archs import ArchSpec
 from actorcore.hf.attention import switched_for_call
 from actorcore.hf.norm_recompute import RecomputedNormForward, is_norm
 from actorcore.kernels.batch_invariant import NORM_TILE_ROWS, tiled_linear, tiled_rows
+from actorcore.errors import BatchInvariantNotAppliedError  # noqa: F401 (re-exported)
 
 LINEAR_TRACE_KEY = "batch_invariant:linear"
 NORM_TRACE_KEY = "batch_invariant:norm"
-
-
-class BatchInvariantNotAppliedError(RuntimeError):
-    """The batch-invariant forwards did not run where they should have (e.g. a module bypassed them)."""
 
 
 def check_batch_invariant_support(spec: ArchSpec) -> None:

@@ -45,12 +45,9 @@ from actorcore.hf.patch import PatchNotAppliedError, patch_state, require_sequen
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
 from actorcore.kernels.trace import check_trace
 from actorcore.parallel import sp_size
+from actorcore.errors import NonFiniteError  # noqa: F401 (re-exported)
 
 ATTENTION_TRACE_KEYS = (trace_key(PACKED_ATTENTION), trace_key(ULYSSES_ATTENTION))
-
-
-class NonFiniteError(ValueError):
-    """A decoder layer produced NaN or inf (``check_finite=True``)."""
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:

@@ -25,12 +25,9 @@ from actorcore.hf.attention import (
     record_call,
 )
 from actorcore.parallel.ulysses import head_to_sequence_sharded, replicate_kv_heads, sequence_to_head_sharded
+from actorcore.errors import PatchNotAppliedError  # noqa: F401 (re-exported)
 
 ULYSSES_ATTENTION = "actorcore_ulysses"
-
-
-class PatchNotAppliedError(PackingNotAppliedError):
-    """A patch applied by ``patch_model`` did not run where it should have."""
 
 
 def ulysses_attention_forward(

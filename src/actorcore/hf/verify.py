@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from actorcore.batch import PackedBatch
+from actorcore.errors import VerificationError  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,6 @@ VERIFY_TOLERANCE: dict[torch.dtype, float] = {
     torch.bfloat16: 6e-2,
     torch.float16: 1e-2,
 }
-
-
-class VerificationError(ValueError):
-    """actorcore's outputs differ from the model's own forward by more than the tolerance."""
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import functools
-
-
-class MegatronNotInstalledError(ImportError):
-    pass
+from actorcore.errors import MegatronNotInstalledError  # noqa: F401 (re-exported)
 
 
 @functools.cache

@@ -24,20 +24,13 @@ from actorcore.parallel import collectives
 from actorcore.parallel.context import ParallelContext
 from actorcore.archs.megatron_rules import McoreSpec, WeightRule
 from actorcore.mcore.transforms import local_experts, merge_parts, split_parts, tp_dim, tp_range
+from actorcore.errors import CheckpointError, CheckpointMismatchError  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be read (damaged file, missing index, bad config)."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint's tensors do not match the model: names the missing, extra and mis-shaped tensors."""
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -21,12 +21,9 @@ import torch
 from actorcore.archs import get_spec
 from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore.parallel import McoreParallel
+from actorcore.errors import UnsupportedConfigError  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
-
-
-class UnsupportedConfigError(UnsupportedArchitectureError):
-    """The HF config uses a feature the Megatron route cannot reproduce exactly."""
 
 
 def _same(x: Any) -> Any:

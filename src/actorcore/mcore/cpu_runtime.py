@@ -28,13 +28,10 @@ import types
 from typing import Any, Callable
 
 import torch
+from actorcore.errors import UnsupportedMegatronVersionError  # noqa: F401 (re-exported)
 
 SUPPORTED_MEGATRON = "0.16"  # major.minor the shims were written and tested for
 _MISSING = object()
-
-
-class UnsupportedMegatronVersionError(ValueError):
-    """The installed megatron-core is not a version the CPU shims were written for."""
 
 
 def installed_megatron_version() -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from actorcore.mcore.checkpoint import CheckpointError
+from actorcore.errors import UnsafeCheckpointError  # noqa: F401 (re-exported)
 
 # Every global a DCP ``.metadata`` written by torch 2.x / megatron-core 0.16 refers to.
 _ALLOWED = {
@@ -29,10 +30,6 @@ _ALLOWED = {
     "pathlib": {"PosixPath", "PurePosixPath", "Path"},  # StorageMeta.checkpoint_id when torch's writer saved it
 }
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A pickled file of the checkpoint refers to something a checkpoint never contains."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
