@@ -1,4 +1,5 @@
-"""Result types shared by both routes (HF and Megatron-Core), so neither imports the other for them."""
+"""Result types of the public calls, shared by both routes (HF and Megatron-Core) and the head kernels, so none
+imports another for them. Plain dataclasses over torch tensors: the kernels may import this module."""
 
 from __future__ import annotations
 
@@ -15,3 +16,13 @@ class LogProbOutput:
     log_probs: torch.Tensor
     entropy: torch.Tensor | None
     mtp_log_probs: torch.Tensor | None = None
+
+
+@dataclass
+class LossOutput:
+    """``loss``: the summed loss (differentiable w.r.t. hidden and weight); ``logprob`` / ``entropy``:
+    the per-token values it was computed from, detached (entropy is None when not requested)."""
+
+    loss: torch.Tensor
+    logprob: torch.Tensor
+    entropy: torch.Tensor | None

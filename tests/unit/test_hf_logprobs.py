@@ -8,6 +8,7 @@ import torch
 
 import actorcore as ac
 from actorcore.archs import UnsupportedArchitectureError, get_spec, registered_model_types
+from actorcore.batch import grid_to_packed, packed_to_grid
 from actorcore.hf.attention import TRACE_KWARG, PackingNotAppliedError, TraceRef
 
 PACKED = "attention:actorcore_packed"
@@ -349,11 +350,11 @@ def test_padded_call_returns_the_input_grid(left):
     assert torch.equal(out.log_probs[mask == 0], torch.zeros(int((mask == 0).sum())))
     # grid <-> packed round trip for per-token arguments (advantages held as [B, S])
     adv_BS = torch.randn(ids.shape, generator=torch.Generator().manual_seed(0)) * mask
-    adv_T = ac.grid_to_packed(adv_BS, mask)
-    assert adv_T.shape == (int(mask.sum()),) and torch.equal(ac.packed_to_grid(adv_T, mask), adv_BS)
+    adv_T = grid_to_packed(adv_BS, mask)
+    assert adv_T.shape == (int(mask.sum()),) and torch.equal(packed_to_grid(adv_T, mask), adv_BS)
     loss = ac.compute_loss(model, ac.pack_padded(ids, mask), lambda lp, ent, a: -lp * a, token_args=(adv_T,),
                            temperature=0.9)
-    assert _max_diff(ac.packed_to_grid(loss.logprob, mask), out.log_probs) <= TOL["packed_vs_hf_fp32"]
+    assert _max_diff(packed_to_grid(loss.logprob, mask), out.log_probs) <= TOL["packed_vs_hf_fp32"]
 
 
 def test_untested_transformers_is_refused_with_what_to_install():

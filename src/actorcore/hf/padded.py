@@ -3,7 +3,7 @@
 ``compute_logprobs_padded(model, input_ids, attention_mask)`` packs the rows (left or right padding), runs
 ``compute_logprobs`` and puts the ``[T]`` results back where their tokens were: ``out.log_probs[b, s]`` is the
 log-prob of ``input_ids[b, s]``, 0 at padding and at each row's first real token. Per-token arguments held in
-the grid (advantages, old log-probs, masks) reach ``compute_loss`` through ``actorcore.grid_to_packed``.
+the grid (advantages, old log-probs, masks) reach ``compute_loss`` through ``actorcore.batch.grid_to_packed``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Nothing heavy is imported here; import the submodule you need, e.g.
 ``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch
-(and triton / flash-linear-attention lazily, when such a backend is chosen); they never import model code or issue collectives.
+(and triton / flash-linear-attention lazily, when such a backend is chosen) and, of actorcore, the result types
+(``actorcore.outputs``); they never import model code or issue collectives.
 
 Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``linear_logprob_loss``,
 ``linear_logprob_entropy_vocab_shard`` and ``parallel.vocab_parallel.linear_logprob_entropy_vocab_parallel``,

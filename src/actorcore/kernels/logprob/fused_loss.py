@@ -22,7 +22,6 @@ sequence ratio) must use ``linear_logprob_entropy``.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
 
@@ -34,18 +33,9 @@ from actorcore.kernels.logprob.chunked import default_chunk_rows
 from actorcore.kernels.logprob.reference import linear_logprob_entropy_reference
 from actorcore.kernels.precision import autocast_disabled
 from actorcore.kernels.trace import add
+from actorcore.outputs import LossOutput
 
 TokenLoss = Callable[..., torch.Tensor]
-
-
-@dataclass
-class LossOutput:
-    """``loss``: the summed loss (differentiable w.r.t. hidden and weight); ``logprob`` / ``entropy``:
-    the per-token values it was computed from, detached (entropy is None when not requested)."""
-
-    loss: torch.Tensor
-    logprob: torch.Tensor
-    entropy: torch.Tensor | None
 
 
 def linear_logprob_loss(
