@@ -14,6 +14,7 @@ from actorcore.archs import get_spec, registered_model_types
 from actorcore.archs.megatron_rules import McoreSpec, WeightRule
 from actorcore.mcore import transforms as T
 from actorcore.mcore.model import megatron_model_types, refused_megatron_model_types
+from actorcore.testing.docs import doc_between
 
 
 def test_megatron_archs_and_refusals_are_declared():
@@ -29,8 +30,7 @@ def test_megatron_archs_and_refusals_are_declared():
 
 def _documented_archs() -> tuple[list[str], list[str]]:
     """model_types named in the first column of docs/megatron.md's "Supported architectures" table."""
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "megatron.md")
-    text = open(path).read().split("## Supported architectures", 1)[1].split("\n## ", 1)[0]
+    text = doc_between("docs/megatron.md", "## Supported architectures", "\n## ")
     supported, refused = [], []
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

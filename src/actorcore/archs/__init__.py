@@ -24,7 +24,7 @@ from actorcore.archs.spec import (
 __all__ = ["ArchSpec", "HeadTransform", "LinearAttentionSpec", "Registry", "UnsupportedArchitectureError",
            "check_config", "get_spec", "registered_model_types", "spec_for_model", "submodule", "text_config"]
 
-_NOT_SPECS = {"spec", "megatron_rules"}
+_NOT_SPECS = {"spec", "megatron_rules", "support", "table"}
 
 
 class Registry:

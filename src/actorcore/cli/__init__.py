@@ -1,4 +1,4 @@
-"""``actorcore`` command line: ``demo``, ``verify``, ``convert``. Only the CLI package prints.
+"""``actorcore`` command line: ``demo``, ``verify``, ``convert``, ``models``. Only the CLI package prints.
 
 Benchmarks are scripts under ``bench/`` of a source checkout (``python bench/logprob.py --help``); a wheel does
 not ship them, so the CLI does not offer them."""
@@ -30,6 +30,13 @@ def _convert(args: argparse.Namespace) -> int:
     return convert_main(args.convert_args)
 
 
+def _models(args: argparse.Namespace) -> int:
+    from actorcore.archs.table import models_table
+
+    print(models_table(), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="actorcore", description="Exact per-token log-probs for RL on packed batches: the demo on the embedded "
@@ -57,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="hf-to-mcore / mcore-to-hf checkpoint conversion", add_help=False)
     convert.add_argument("convert_args", nargs=argparse.REMAINDER)
     convert.set_defaults(func=_convert)
+
+    models = sub.add_parser("models", help="the supported-models table (markdown), from the registry")
+    models.set_defaults(func=_models)
 
     return parser
 

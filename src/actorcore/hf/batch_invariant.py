@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from actorcore.archs import ArchSpec
+from actorcore.archs.support import batch_invariant_refusal
 from actorcore.hf.attention import switched_for_call
 from actorcore.hf.norm_recompute import RecomputedNormForward, is_norm
 from actorcore.kernels.batch_invariant import NORM_TILE_ROWS, tiled_linear, tiled_rows
@@ -40,14 +41,7 @@ NORM_TRACE_KEY = "batch_invariant:norm"
 
 def check_batch_invariant_support(spec: ArchSpec) -> None:
     """Refuse what this mode does not make invariant, before any work."""
-    why = None
-    if spec.mlp_kind == "moe":
-        why = ("its MLP is a mixture of experts: the router's choices and each expert's matmul row count depend "
-               "on the other tokens of the batch")
-    elif spec.linear_attention is not None:
-        why = "its linear-attention layers are not covered by the batch-invariant mode"
-    elif spec.vision is not None:
-        why = "its vision tower is not covered by the batch-invariant mode"
+    why = batch_invariant_refusal(spec)
     if why:
         raise ValueError(f"batch_invariant=True does not support {spec.model_type}: {why}; call without "
                          "batch_invariant")

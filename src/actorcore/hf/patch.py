@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from actorcore.archs import spec_for_model, submodule, text_config
+from actorcore.archs.support import tiled_mlp_refusal
 from actorcore.hf.attention import attention_configs, current_implementations, register_attention, swap_attention_implementation
 from actorcore.hf.linear_attention import check_linear_heads, install_linear_forwards, is_installed, split_layers
 from actorcore.hf.instance_forwards import install_forwards, wrapped_forward
@@ -183,12 +184,10 @@ def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None) -> No
     if tiled_mlp_shards is not None:
         if isinstance(tiled_mlp_shards, bool) or not isinstance(tiled_mlp_shards, int) or tiled_mlp_shards < 1:
             raise ValueError(f"tiled_mlp_shards must be a positive int or None, got {tiled_mlp_shards!r}")
-        if spec.mlp_kind == "moe":
-            raise ValueError(
-                f"tiled MLP does not support {spec.model_type}: its MLP is a mixture of experts (mlp_kind='moe'), "
-                "whose blocks route tokens to experts (and may return router outputs), which tiled recompute does "
-                "not cover; pass tiled_mlp_shards=None (Ulysses SP alone works for MoE models)"
-            )
+        why = tiled_mlp_refusal(spec)
+        if why:
+            raise ValueError(f"tiled MLP does not support {spec.model_type}: {why}; pass tiled_mlp_shards=None "
+                             "(Ulysses SP alone works for MoE models)")
 
 
 def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: int | None = None,
