@@ -15,9 +15,8 @@ def _installed_transformers() -> str:
 REASON = (
     f"Kimi-VL is not shipped by the installed transformers ({_installed_transformers()}): it has no "
     "KimiVLConfig / KimiVLForConditionalGeneration, only remote code (trust_remote_code), whose layout and "
-    "rope scheme actorcore cannot check against a reference; actorcore refuses it rather than guess. Supported "
-    "VLMs: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, glm4v, glm4v_moe, and kimi_k25 (Kimi-K2.5, which "
-    "transformers ships)"
+    "rope scheme actorcore cannot check against a reference; actorcore refuses it rather than guess. Kimi-K2.5 "
+    "(kimi_k25), which transformers ships, is supported; `actorcore models` lists every supported VLM"
 )
 
 # Registered only to refuse: every kimi_vl config has model_type "kimi_vl", so spec_for_model always raises.

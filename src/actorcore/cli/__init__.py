@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="actorcore", description="Exact per-token log-probs for RL on packed batches: the demo on the embedded "
                                       "model, a check of a local model against its own forward, checkpoint "
-                                      "conversion. Benchmarks: python bench/<name>.py in a source checkout.")
+                                      "conversion, the supported models. Benchmarks: python bench/<name>.py in a source checkout.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     parser.add_argument("--version", action="version", version=f"actorcore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
