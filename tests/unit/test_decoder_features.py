@@ -19,9 +19,9 @@ from actorcore.errors import (
     VisionInputsNotAppliedError,
 )
 from actorcore.hf.call import DecoderCall
-from actorcore.hf.decoder_feature import DecoderFeature, patch_trace_bound
+from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
 from actorcore.hf.features import DECODER_FEATURES
-from actorcore.hf.instance_forwards import install_forwards, wrapped_forward
+from actorcore.hf.features.instance_forwards import install_forwards, wrapped_forward
 from actorcore.testing.reference import reference_logprobs, right_padded
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
@@ -48,7 +48,7 @@ def test_every_error_of_the_family_is_a_fast_path_error():
 def test_bypassed_batch_invariant_forwards_are_an_error(monkeypatch):
     model = build_tiny_model("llama")
     ac.compute_logprobs(model, _batch(), batch_invariant=True)  # runs when nothing bypasses it
-    monkeypatch.setattr("actorcore.hf.batch_invariant.batch_invariant_decoder", _nothing)
+    monkeypatch.setattr("actorcore.hf.features.batch_invariant.batch_invariant_decoder", _nothing)
     with pytest.raises(BatchInvariantNotAppliedError, match="batch-invariant linears ran 0 times for 2"):
         ac.compute_logprobs(model, _batch(), batch_invariant=True)
 
@@ -58,14 +58,15 @@ def test_bypassed_finite_checks_are_an_error(monkeypatch):
     trace = Counter()
     ac.compute_logprobs(model, _batch(), check_finite=True, trace=trace)
     assert trace["finite:checked"] == 1 + model.config.num_hidden_layers  # the embedding and every layer
-    monkeypatch.setattr("actorcore.hf.finite.finite_checks", _nothing)
+    monkeypatch.setattr("actorcore.hf.features.finite.finite_checks", _nothing)
     with pytest.raises(FiniteCheckNotRunError, match="finite checks ran 0 times for 2 decoder layers"):
         ac.compute_logprobs(model, _batch(), check_finite=True)
 
 
 def test_vlm_decoder_that_ignores_the_merged_embeddings_is_an_error(monkeypatch):
-    import actorcore.hf.vlm as vlm
-    from actorcore.hf.vlm_packing import pack_multimodal
+    import actorcore.hf.vlm.inputs as vlm
+    from actorcore.hf.features.vision_inputs import EMBEDDED_IDS_KEY, INPUTS_EMBEDS_KEY
+    from actorcore.hf.vlm.packing import pack_multimodal
     from actorcore.testing.tiny_vlm import build_tiny_vlm, synthetic_sample
 
     model = build_tiny_vlm("qwen2_vl")
@@ -75,7 +76,7 @@ def test_vlm_decoder_that_ignores_the_merged_embeddings_is_an_error(monkeypatch)
     trace = Counter()
     with torch.no_grad():
         ac.compute_logprobs(model, batch, trace=trace)
-    assert (trace[vlm.INPUTS_EMBEDS_KEY], trace[vlm.EMBEDDED_IDS_KEY]) == (1, 0)
+    assert (trace[INPUTS_EMBEDS_KEY], trace[EMBEDDED_IDS_KEY]) == (1, 0)
     monkeypatch.setattr(vlm, "vlm_decoder_inputs", lambda *args: {})  # the decoder embeds the token ids itself
     with pytest.raises(VisionInputsNotAppliedError, match="did not run on the embeddings with the visual features"):
         with torch.no_grad():

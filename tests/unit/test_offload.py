@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import actorcore as ac
-from actorcore.hf.offload import (
+from actorcore.hf.features.offload import (
     OFFLOAD_BYTES,
     OFFLOAD_HOST_ALLOCATED,
     OFFLOAD_KEPT,

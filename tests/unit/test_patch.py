@@ -11,7 +11,7 @@ import torch
 
 import actorcore as ac
 from actorcore.hf.patch import PatchNotAppliedError, require_sequence_parallel_patch
-from actorcore.hf.tiled_mlp import TILED_MLP_KEY
+from actorcore.hf.features.tiled_mlp import TILED_MLP_KEY
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 

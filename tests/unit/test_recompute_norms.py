@@ -14,7 +14,7 @@ import torch
 from test_offload import _assert_bitwise, _batch, _train_step, checkpointed
 
 import actorcore as ac
-from actorcore.hf.norm_recompute import NORM_FORWARD_KEY, NORM_RUN_KEY, RecomputedNormForward, decoder_norms
+from actorcore.hf.features.norm_recompute import NORM_FORWARD_KEY, NORM_RUN_KEY, RecomputedNormForward, decoder_norms
 from actorcore.hf.patch import PatchNotAppliedError
 from actorcore.testing.tiny_configs import build_tiny_model
 

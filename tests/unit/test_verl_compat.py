@@ -74,7 +74,7 @@ def test_logits_forward_without_fused_kernels_matches_hf():
 
 def _tiled_mlps_that_ran(monkeypatch):
     """The MLP modules whose tiled forward ran (the kernel's forward calls, spied on), in call order."""
-    import actorcore.hf.tiled_mlp as tiled
+    import actorcore.hf.features.tiled_mlp as tiled
 
     ran, real = [], tiled.tiled_mlp
 

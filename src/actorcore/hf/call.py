@@ -6,7 +6,7 @@ Legend: ``T`` packed tokens (this rank's shard under SP), ``D`` hidden.
 A ``DecoderCall`` is made once per ``compute_logprobs`` / ``compute_values`` / ``compute_loss`` call
 (``hf.decoder.decoder_call``): the model, its spec (resolved once), the decoder's parts, the batch as run (padded
 for SP), the ``ParallelContext``, the call's options, its patch (``PatchState``, if ``patch_model`` ran) and the
-one trace ``Counter`` of the call. Features (``hf.decoder_feature``) count in that trace and check it afterwards
+one trace ``Counter`` of the call. Features (``hf.features.base``) count in that trace and check it afterwards
 with ``call.ran(key)``: the counts since the call began (the trace a caller passes may hold earlier calls).
 
 Two references carry the call to code transformers calls for us, without module-level state:

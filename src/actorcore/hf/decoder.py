@@ -7,7 +7,7 @@ The decoder runs on the packed batch (no padding, nothing across sequences): the
 keyword arguments down to the attention functions. Under Ulysses sequence parallelism each rank runs its
 contiguous shard of the padded batch. Everything else the pass does is a decoder feature
 (``hf.features.DECODER_FEATURES``: packed and linear attention, offload, batch-invariant tiles, VLM inputs, tiled
-MLP, recomputed norms, finite checks), entered around the forward and checked after it (``hf.decoder_feature``).
+MLP, recomputed norms, finite checks), entered around the forward and checked after it (``hf.features.base``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from actorcore.archs import ArchSpec, spec_for_model
 from actorcore.batch import PackedBatch, pad_to_multiple, shard_for_sp
-from actorcore.hf.batch_invariant import check_batch_invariant_support
+from actorcore.hf.features.batch_invariant import check_batch_invariant_support
 from actorcore.hf.call import PARALLEL_KWARG, TRACE_KWARG, DecoderCall, DecoderParts, ParallelRef, TraceRef, patch_state
 from actorcore.hf.features import DECODER_FEATURES
 from actorcore.hf.inputs import check_batch
@@ -33,7 +33,7 @@ def decoder_call(model: Any, batch: PackedBatch, parallel: Any = None, trace: Co
                  spec: ArchSpec | None = None) -> DecoderCall:
     """The ``DecoderCall`` of one packed pass, its inputs checked (before any forward: bad input costs nothing).
 
-    ``batch_invariant``: each token's hidden states do not depend on the rest of the pack (``hf.batch_invariant``).
+    ``batch_invariant``: each token's hidden states do not depend on the rest of the pack (``hf.features.batch_invariant``).
     """
     spec = spec_for_model(model) if spec is None else spec
     if batch_invariant:

@@ -49,7 +49,7 @@ def compute_logprobs(model: Any, batch: PackedBatch, temperature: float = 1.0, e
     keyword is a ``TypeError``, never a silently ignored option. ``check_finite=True`` raises
     ``NonFiniteError`` naming the first decoder layer whose output holds NaN or inf (a cheap check per layer).
     ``batch_invariant=True``: a sequence's outputs are bitwise the same whatever it is packed with, wherever it
-    sits and whatever the pack's token count, with or without grad (``hf.batch_invariant``; costs a little
+    sits and whatever the pack's token count, with or without grad (``hf.features.batch_invariant``; costs a little
     speed: fixed-size row tiles). Dense text models only: MoE, hybrid and VLM models are refused.
     """
     temperature = check_head_options(temperature, entropy, trace, batch_invariant)

@@ -3,19 +3,19 @@
 What a patch changes, all on this model instance only:
 - Ulysses SP (``parallel.sp_size > 1``): ``_attn_implementation`` of the configs this model's attention
   modules read is set to ``actorcore_ulysses``; a hybrid model's linear-attention modules get their packed
-  instance ``forward`` (``hf.linear_attention.GatedDeltaNetForward``), which splits their heads over the SP group.
+  instance ``forward`` (``hf.features.linear_attention.GatedDeltaNetForward``), which splits their heads over the SP group.
   The SP group itself is not stored: it arrives with every call
   (``compute_logprobs(..., parallel=ctx)``), through the decoder's keyword arguments.
 - Tiled MLP (``tiled_mlp_shards``): each decoder layer's MLP gets an instance ``forward`` (a
-  ``hf.tiled_mlp.TiledMLPForward`` object that holds its module) running the original forward shard by shard
+  ``hf.features.tiled_mlp.TiledMLPForward`` object that holds its module) running the original forward shard by shard
   (``kernels.tiled_mlp``); every actorcore call checks, from its trace, that it ran in every layer, so a
   transformers version that bypasses it raises ``PatchNotAppliedError`` instead of training unpatched.
 - Recomputed norms (``recompute_norms``): every norm of the decoder gets an instance ``forward`` (a
-  ``hf.norm_recompute.RecomputedNormForward``) that keeps only its input for backward and runs again there;
+  ``hf.features.norm_recompute.RecomputedNormForward``) that keeps only its input for backward and runs again there;
   every call checks that they ran.
 - Activation offload (``offload_activations``): nothing is installed; the layer count in ``PatchState`` makes
   every decoder call move the inputs that gradient checkpointing keeps (of all layers, or of the first K) to
-  pinned CPU memory (``hf.offload``). Reverting also frees the offload's idle host memory.
+  pinned CPU memory (``hf.features.offload``). Reverting also frees the offload's idle host memory.
 - ``model._actorcore_patch`` records the patch (a ``PatchState``), with the trace slot the installed forwards
   count into during actorcore's calls.
 Each of these is installed by its decoder feature (``install`` of the objects in ``hf.features``), which also
@@ -37,9 +37,9 @@ from actorcore.archs import ArchSpec, spec_for_model
 from actorcore.errors import PatchNotAppliedError  # noqa: F401 (re-exported)
 from actorcore.hf.call import PATCH_ATTR, DecoderParts, PatchState, patch_state
 from actorcore.hf.features import DECODER_FEATURES
-from actorcore.hf.offload import check_offload_layers
-from actorcore.hf.packed_attention import require_sequence_parallel_patch  # noqa: F401 (re-exported)
-from actorcore.hf.tiled_mlp import TiledMLPForward  # noqa: F401 (re-exported)
+from actorcore.hf.features.offload import check_offload_layers
+from actorcore.hf.features.packed_attention import require_sequence_parallel_patch  # noqa: F401 (re-exported)
+from actorcore.hf.features.tiled_mlp import TiledMLPForward  # noqa: F401 (re-exported)
 from actorcore.parallel import sp_size
 
 logger = logging.getLogger(__name__)

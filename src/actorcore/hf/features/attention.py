@@ -18,8 +18,8 @@ import torch
 
 from actorcore.errors import PackingNotAppliedError  # noqa: F401 (re-exported)
 from actorcore.hf.call import PARALLEL_KWARG, TRACE_KWARG, ParallelRef, TraceRef, parallel_from_kwargs  # noqa: F401
-from actorcore.hf.decoder_feature import switched_for_call
-from actorcore.kernels.varlen_attention import varlen_causal_attention
+from actorcore.hf.features.base import switched_for_call
+from actorcore.kernels.attention.varlen import varlen_causal_attention
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import torch.utils.checkpoint
 
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall, TraceRef
-from actorcore.hf.decoder_feature import DecoderFeature, patch_trace_bound
-from actorcore.hf.instance_forwards import install_forwards, wrapped_forward
+from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
+from actorcore.hf.features.instance_forwards import install_forwards, wrapped_forward
 
 NORM_FORWARD_KEY = "recompute_norms:forward"
 NORM_RUN_KEY = "recompute_norms:run"

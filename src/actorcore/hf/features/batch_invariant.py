@@ -15,7 +15,7 @@ MoE blocks (routing and per-expert matmuls whose row counts depend on the batch)
 vision towers are refused.
 
 The forwards are installed per call and removed after it (also around activation checkpointing's
-recomputation: ``hf.decoder_feature.switched_for_call``); they are objects holding their module, not closures. Each
+recomputation: ``hf.features.base.switched_for_call``); they are objects holding their module, not closures. Each
 counts itself in the call's trace (``batch_invariant:linear``, ``batch_invariant:norm``).
 """
 
@@ -31,8 +31,8 @@ import torch
 from actorcore.archs import ArchSpec
 from actorcore.errors import BatchInvariantNotAppliedError  # noqa: F401 (re-exported)
 from actorcore.hf.call import DecoderCall
-from actorcore.hf.decoder_feature import DecoderFeature, switched_for_call
-from actorcore.hf.norm_recompute import RecomputedNormForward, is_norm
+from actorcore.hf.features.base import DecoderFeature, switched_for_call
+from actorcore.hf.features.norm_recompute import RecomputedNormForward, is_norm
 from actorcore.kernels.batch_invariant import NORM_TILE_ROWS, tiled_linear, tiled_rows
 
 LINEAR_TRACE_KEY = "batch_invariant:linear"

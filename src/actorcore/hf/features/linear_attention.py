@@ -35,9 +35,9 @@ import torch.utils.checkpoint
 from actorcore.archs import LinearAttentionSpec
 from actorcore.errors import PackingNotAppliedError
 from actorcore.hf.call import DecoderCall, parallel_from_kwargs, trace_from_kwargs
-from actorcore.hf.decoder_feature import DecoderFeature, switched_for_call
-from actorcore.hf.instance_forwards import install_forwards
-from actorcore.kernels.linear_attention import causal_conv1d_packed, gated_delta_rule_packed
+from actorcore.hf.features.base import DecoderFeature, switched_for_call
+from actorcore.hf.features.instance_forwards import install_forwards
+from actorcore.kernels.linear_attention.packed import causal_conv1d_packed, gated_delta_rule_packed
 from actorcore.parallel.ulysses import (
     head_to_sequence_sharded,
     heads_of_rank,

@@ -47,7 +47,7 @@ import torch.utils.checkpoint
 
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall
-from actorcore.hf.decoder_feature import DecoderFeature
+from actorcore.hf.features.base import DecoderFeature
 
 logger = logging.getLogger(__name__)
 

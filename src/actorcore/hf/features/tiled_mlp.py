@@ -16,8 +16,8 @@ import torch
 from actorcore.archs import submodule
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall, TraceRef
-from actorcore.hf.decoder_feature import DecoderFeature, patch_trace_bound
-from actorcore.hf.instance_forwards import install_forwards, wrapped_forward
+from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
+from actorcore.hf.features.instance_forwards import install_forwards, wrapped_forward
 from actorcore.kernels.tiled_mlp import tiled_mlp
 
 TILED_MLP_KEY = "tiled_mlp:forward"

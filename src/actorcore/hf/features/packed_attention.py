@@ -1,7 +1,7 @@
 """The packed-attention decoder feature: every softmax-attention layer runs actorcore's attention.
 
 One process: the attention modules' configs are switched to ``actorcore_packed`` for the call
-(``hf.attention.packed_attention``). Ulysses SP (``sp_size > 1``): ``patch_model`` switches them to
+(``hf.features.attention.packed_attention``). Ulysses SP (``sp_size > 1``): ``patch_model`` switches them to
 ``actorcore_ulysses`` for the patch's lifetime (``install``), and a call needs that patch. Every attention call
 counts itself in the call's trace (``attention:actorcore_packed`` / ``attention:actorcore_ulysses``); ``check``
 requires one per attention layer, so a transformers that bypasses the registered implementation raises
@@ -17,7 +17,7 @@ import torch
 
 from actorcore.archs import submodule
 from actorcore.errors import PackingNotAppliedError
-from actorcore.hf.attention import (
+from actorcore.hf.features.attention import (
     PACKED_ATTENTION,
     attention_configs,
     current_implementations,
@@ -27,8 +27,8 @@ from actorcore.hf.attention import (
     trace_key,
 )
 from actorcore.hf.call import DecoderCall, patch_state
-from actorcore.hf.decoder_feature import DecoderFeature
-from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION, ulysses_attention_forward
+from actorcore.hf.features.base import DecoderFeature
+from actorcore.hf.features.ulysses_attention import ULYSSES_ATTENTION, ulysses_attention_forward
 from actorcore.parallel.ulysses import check_heads
 
 ATTENTION_TRACE_KEYS = (trace_key(PACKED_ATTENTION), trace_key(ULYSSES_ATTENTION))

@@ -12,17 +12,19 @@ attention, activation offload, batch-invariant tiles, VLM inputs, finite checks,
 and ``patch_model`` calls ``f.install(handle)`` of every feature once, for what lives as long as the patch.
 
 How to add a feature:
-1. Write a ``DecoderFeature`` subclass next to the code it drives, with a ``name`` and the trace keys it counts
-   (``"<area>:<what>"``; document them in its module).
+1. Write a ``DecoderFeature`` subclass in a module of ``hf/features/``, with a ``name`` and the trace keys it
+   counts (``"<area>:<what>"``; document them in its module).
 2. ``active(call)``: whether it runs in this call (a call option, ``call.patch``, ``call.spec``).
 3. ``enter(call)``: a context manager around the decoder forward. It may add decoder keyword arguments
-   (``call.kwargs``), install per-instance forwards on modules for this call (``switched_for_call`` keeps them
-   in force for activation checkpointing's recomputation in backward), or wrap the forward in any context.
+   (``call.kwargs``), install per-instance forwards on modules for this call (``instance_forwards``;
+   ``switched_for_call`` keeps them in force for activation checkpointing's recomputation in backward), or wrap
+   the forward in any context.
 4. ``install(handle)`` (optional): per-instance forwards for the patch's lifetime, with their undo added to the
    handle (``handle.add_undo``); read the request from ``handle.state``. Such forwards are called with the
    hidden states only, so they count into the patch's trace slot (``handle.state.trace.counts``, None outside
    actorcore's calls); the feature's ``enter`` returns ``patch_trace_bound(call)``, which points the slot at
-   the call's trace for the forward and its recomputation.
+   the call's trace for the forward and its recomputation. The option that asks for it is a keyword of
+   ``patch_model`` recorded in a field of ``PatchState`` (``hf.call``).
 5. ``check(call)``: after the forward, compare ``call.ran(key)`` with what must have run (e.g. one count per
    layer) and raise the feature's ``actorcore.errors.FastPathNotRunError`` subclass with what ran, what was
    expected, and the likely cause.

@@ -15,7 +15,7 @@ import torch
 
 from actorcore.errors import FiniteCheckNotRunError, NonFiniteError
 from actorcore.hf.call import DecoderCall
-from actorcore.hf.decoder_feature import DecoderFeature
+from actorcore.hf.features.base import DecoderFeature
 
 FINITE_KEY = "finite:checked"
 
