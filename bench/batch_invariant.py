@@ -55,7 +55,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 def bi_tile_rows() -> str:
     """The linears' tile rows the mode runs with: one number, or the library's rule by output width."""
-    import actorcore.hf.batch_invariant as bi
+    import actorcore.hf.features.batch_invariant as bi
     from actorcore.kernels.batch_invariant import linear_tile_rows
 
     fixed = bi.batch_invariant_decoder.__defaults__[0]
@@ -99,7 +99,7 @@ def main() -> None:
         args.sequences, args.min_len, args.max_len = min(args.sequences, 6), min(args.min_len, 3), min(args.max_len, 60)
 
     if args.tile_rows is not None:  # the mode's tile size has no public knob: set the default the call uses
-        import actorcore.hf.batch_invariant as bi
+        import actorcore.hf.features.batch_invariant as bi
 
         bi.batch_invariant_decoder.__defaults__ = (args.tile_rows, bi.NORM_TILE_ROWS)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"

@@ -27,7 +27,7 @@ PATHS = ("whole_pack", "blocks")
 
 
 def _run(path: str, inputs, cu_seqlens, scale: float, block_tokens: int):
-    from actorcore.kernels.delta_rule_chunks import delta_rule_blocks, delta_rule_whole_pack
+    from actorcore.kernels.linear_attention.delta_rule_chunks import delta_rule_blocks, delta_rule_whole_pack
 
     if path == "whole_pack":
         return delta_rule_whole_pack(*inputs, cu_seqlens, True, scale).to(inputs[0].dtype)
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="folder for delta_rule.json")
     args = parser.parse_args()
 
-    from actorcore.kernels.delta_rule_chunks import BLOCK_TOKENS
+    from actorcore.kernels.linear_attention.delta_rule_chunks import BLOCK_TOKENS
 
     if args.tiny:
         args.sequences, args.min_len, args.max_len = 5, 1, 300

@@ -101,7 +101,7 @@ def transformers_torch_delta_rule(model, train: bool):
     """Plain transformers picks flash-linear-attention's delta rule at import when fla is installed; fla 0.6 refuses
     its backward on Hopper with Triton < 3.7.1 (fla #640). There, plain transformers trains on its own torch delta
     rule (the function its fla wrapper falls back to), as actorcore does; forward-only keeps fla on both sides."""
-    from actorcore.kernels.linear_attention import fla_delta_rule_refusal
+    from actorcore.kernels.linear_attention.packed import fla_delta_rule_refusal
 
     layer = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
     if layer is None or not train or not torch.cuda.is_available() or not fla_delta_rule_refusal(torch.device("cuda")):

@@ -203,8 +203,8 @@ def build_config(shape: dict, window: int | None):
 @contextlib.contextmanager
 def attention_windows_seen():
     """Count the ``sliding_window`` each call of actorcore's packed attention kernel receives (plain and Ulysses
-    attention both call it through ``actorcore.hf.attention``): proof that the window reaches the kernel."""
-    import actorcore.hf.attention as attention
+    attention both call it through ``actorcore.hf.features.attention``): proof that the window reaches the kernel."""
+    import actorcore.hf.features.attention as attention
 
     seen: Counter = Counter()
     kernel = attention.varlen_causal_attention
@@ -557,7 +557,7 @@ def _gather(value, world: int) -> list:
 
 def main() -> None:
     import actorcore as ac
-    from actorcore.hf.offload import host_bytes
+    from actorcore.hf.features.offload import host_bytes
     from transformers import AutoModelForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

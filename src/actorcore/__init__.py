@@ -56,9 +56,9 @@ _DEPRECATED = {
     **{name: ("actorcore.batch", f"actorcore.batch.{name}") for name in (
         "pad_to_multiple", "next_token_labels", "shard_for_sp", "grid_to_packed", "packed_to_grid")},
     **{name: ("actorcore.context_split", f"actorcore.context_split.{name}") for name in ("split_for_cp", "CpShard")},
-    "release_offload_buffers": ("actorcore.hf.offload", "actorcore.hf.offload.release_offload_buffers"),
-    "pack_multimodal": ("actorcore.hf.vlm_packing", "actorcore.pack(sequences, multimodal=..., model=...)"),
-    "pack_multimodal_padded": ("actorcore.hf.vlm_packing",
+    "release_offload_buffers": ("actorcore.hf.features.offload", "actorcore.hf.features.offload.release_offload_buffers"),
+    "pack_multimodal": ("actorcore.hf.vlm.packing", "actorcore.pack(sequences, multimodal=..., model=...)"),
+    "pack_multimodal_padded": ("actorcore.hf.vlm.packing",
                                "actorcore.pack_padded(input_ids, attention_mask, model=..., **processor_outputs)"),
 }
 

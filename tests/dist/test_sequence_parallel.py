@@ -90,7 +90,7 @@ def _check_arch(model_type, ctx):
 def _bypass_is_caught(model_type, ctx):
     """Simulate a transformers version that ignores the patched implementation: the self-check must fire."""
     import actorcore as ac
-    from actorcore.hf.attention import PackingNotAppliedError
+    from actorcore.hf.features.attention import PackingNotAppliedError
     from actorcore.testing.tiny_configs import build_tiny_model
 
     model = build_tiny_model(model_type)

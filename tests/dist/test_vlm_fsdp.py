@@ -19,7 +19,7 @@ def _batches(model):
 
 def _loss(model, samples):
     import actorcore as ac
-    from actorcore.hf.vlm_packing import pack_multimodal
+    from actorcore.hf.vlm.packing import pack_multimodal
 
     batch = pack_multimodal(model, [s.input_ids for s in samples], [s.multimodal for s in samples])
     out = ac.compute_logprobs(model, batch, temperature=0.9)

@@ -49,7 +49,7 @@ def _check_arch(model_type, ctx):
     import actorcore as ac
     from actorcore.archs import get_spec
     from actorcore.testing.tiny_vlm import build_tiny_vlm
-    from actorcore.hf.vlm_packing import pack_multimodal
+    from actorcore.hf.vlm.packing import pack_multimodal
 
     reference, actor = build_tiny_vlm(model_type, seed=3), build_tiny_vlm(model_type, seed=3)
     ac.patch_model(actor, parallel=ctx)

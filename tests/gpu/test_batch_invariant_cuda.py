@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import actorcore as ac
-from actorcore.hf.batch_invariant import LINEAR_TRACE_KEY
+from actorcore.hf.features.batch_invariant import LINEAR_TRACE_KEY
 from actorcore.testing.tiny_configs import tiny_config
 from actorcore.testing.tolerances import TOL
 
@@ -116,7 +116,7 @@ def test_tiled_linear_rows_do_not_depend_on_the_other_rows_cuda():
 
 
 def test_varlen_attention_of_a_sequence_does_not_depend_on_its_offset_cuda():
-    from actorcore.kernels.varlen_attention import varlen_causal_attention
+    from actorcore.kernels.attention.varlen import varlen_causal_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     lengths = [1500, 37, 700, 2900, 3]

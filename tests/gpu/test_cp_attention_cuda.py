@@ -41,7 +41,7 @@ def _assert_grads_close(got, want, what):
 @pytest.mark.parametrize("cp,window", [(2, None), (4, None), (2, 300)])
 def test_all_gather_varlen_path_equals_segments(cp, window):
     from actorcore.context_split import cp_local_positions
-    from actorcore.kernels.varlen_attention import causal_attention_at_positions, choose_backend
+    from actorcore.kernels.attention.varlen import causal_attention_at_positions, choose_backend
 
     padded = _layout(cp)
     backend = choose_backend(torch.device("cuda"), torch.bfloat16, None, 0.0)
@@ -72,9 +72,9 @@ def test_ring_flash_blocks_equal_plain_blocks(cp):
     """Every rank's blocks against every source, merged as the ring merges them: flash (bf16) vs the plain fp32
     block kernel on the same values, outputs and the backward's dq, dk, dv."""
     from actorcore.context_split import cp_chunk_index, cp_local_positions
-    from actorcore.kernels.block_attention import (attention_block_backward, attention_block_forward,
+    from actorcore.kernels.attention.block_attention import (attention_block_backward, attention_block_forward,
                                                    merge_attention_blocks, position_runs)
-    from actorcore.kernels.flash_blocks import flash_block_backward, flash_block_forward, plan_flash_block
+    from actorcore.kernels.attention.flash_blocks import flash_block_backward, flash_block_forward, plan_flash_block
 
     padded = _layout(cp)
     cu_local = torch.tensor(padded) // cp

@@ -11,7 +11,7 @@ from actorcore.testing.tolerances import TOL
 
 
 def _needs_cuda_and_fla():
-    from actorcore.kernels.linear_attention import has_fla
+    from actorcore.kernels.linear_attention.packed import has_fla
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -30,7 +30,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_conv_matches_torch(dtype):
     _needs_cuda_and_fla()
-    from actorcore.kernels.linear_attention import causal_conv1d_packed
+    from actorcore.kernels.linear_attention.packed import causal_conv1d_packed
 
     lengths = [1, 3, 300, 64, 1000, 2]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -50,7 +50,7 @@ def test_fla_conv_matches_torch(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_delta_rule_matches_torch(dtype):
     _needs_cuda_and_fla()
-    from actorcore.kernels.linear_attention import gated_delta_rule_packed
+    from actorcore.kernels.linear_attention.packed import gated_delta_rule_packed
 
     lengths = [1, 3, 300, 64, 1000, 2]
     T = sum(lengths)
@@ -59,7 +59,7 @@ def test_fla_delta_rule_matches_torch(dtype):
     v = torch.randn(T, 4, 64, device="cuda", dtype=dtype, generator=g)
     decay = -torch.rand(T, 4, device="cuda", generator=g) * 0.3
     beta = torch.rand(T, 4, device="cuda", generator=g).to(dtype)
-    from actorcore.kernels.linear_attention import fla_delta_rule_refusal
+    from actorcore.kernels.linear_attention.packed import fla_delta_rule_refusal
 
     with torch.no_grad():  # forward only: fla runs wherever it is installed
         trace = Counter()
@@ -107,7 +107,7 @@ def test_torch_delta_rule_blocks_on_cuda_match_whole_pack_on_cpu():
     CPU, fp32 (no TF32), per element: output and the gradients of q, k, v, g, beta. Needs CUDA only."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from actorcore.kernels.delta_rule_chunks import delta_rule_blocks, delta_rule_whole_pack
+    from actorcore.kernels.linear_attention.delta_rule_chunks import delta_rule_blocks, delta_rule_whole_pack
 
     lengths = [1, 3, 300, 64, 0, 1000, 2]
     T = sum(lengths)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import actorcore as ac
-from actorcore.hf.offload import (
+from actorcore.hf.features.offload import (
     OFFLOAD_HOST_ALLOCATED,
     OFFLOAD_KEPT,
     OFFLOAD_LAYERS,
@@ -101,7 +101,7 @@ def deterministic(monkeypatch):
     changes no kernel, so under this backward it must be bitwise. Yields the sequences to pack."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import actorcore.kernels.varlen_attention as varlen_attention
+    import actorcore.kernels.attention.varlen as varlen_attention
 
     monkeypatch.setattr(varlen_attention, "choose_backend", lambda *args, **kwargs: "segments")
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())

@@ -19,7 +19,7 @@ def _qkv(lengths, n=8, k=2, h=64, dtype=torch.bfloat16, seed=0):
 
 @pytest.mark.parametrize("window", [None, 17])
 def test_torch_varlen_matches_segments(window):
-    from actorcore.kernels.varlen_attention import _has_torch_varlen, varlen_causal_attention
+    from actorcore.kernels.attention.varlen import _has_torch_varlen, varlen_causal_attention
 
     if not _has_torch_varlen():
         pytest.skip("torch.nn.attention.varlen is not available")
@@ -43,7 +43,7 @@ def test_torch_varlen_matches_segments(window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compute_logprobs_on_cuda_matches_padded(dtype):
     import actorcore as ac
-    from actorcore.kernels.varlen_attention import choose_backend
+    from actorcore.kernels.attention.varlen import choose_backend
     from actorcore.testing.reference import reference_logprobs, right_padded
     from actorcore.testing.tiny_configs import build_tiny_model
 

@@ -20,7 +20,7 @@ def _worker(rank, world_size):
     import torch.distributed as dist
 
     import actorcore as ac
-    from actorcore.kernels.varlen_attention import choose_backend
+    from actorcore.kernels.attention.varlen import choose_backend
     from actorcore.parallel import ParallelContext
     from actorcore.testing.tiny_configs import build_tiny_model
 

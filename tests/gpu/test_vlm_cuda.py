@@ -13,10 +13,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_vlm_on_cuda_matches_padded(model_type, dtype):
     import actorcore as ac
-    from actorcore.kernels.varlen_attention import choose_backend
+    from actorcore.kernels.attention.varlen import choose_backend
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
     from actorcore.testing.tiny_vlm import build_tiny_vlm, mixed_samples
-    from actorcore.hf.vlm_packing import pack_multimodal
+    from actorcore.hf.vlm.packing import pack_multimodal
 
     model = build_tiny_vlm(model_type, dtype=dtype, attn_implementation="sdpa").cuda()
     samples = mixed_samples(model)

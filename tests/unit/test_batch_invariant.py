@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import actorcore as ac
-from actorcore.hf.batch_invariant import LINEAR_TRACE_KEY, NORM_TRACE_KEY
+from actorcore.hf.features.batch_invariant import LINEAR_TRACE_KEY, NORM_TRACE_KEY
 from actorcore.kernels.batch_invariant import tiled_linear, tiled_rows
 from actorcore.kernels.logprob import linear_logprob_entropy, linear_logprob_loss
 from actorcore.kernels.logprob.triton_blocking import FWD_CONFIG, forward_grid

@@ -1,4 +1,4 @@
-"""Ring attention's per-block kernel (``actorcore.kernels.block_attention``): merging the blocks of every CP rank
+"""Ring attention's per-block kernel (``actorcore.kernels.attention.block_attention``): merging the blocks of every CP rank
 (each rank's keys at their positions in the load-balanced layout) gives plain float64 softmax attention for every
 rank's queries, per element, and the blocks' flash-style backward gives autograd's gradients of that softmax."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actorcore.context_split import cp_chunk_index, cp_local_positions
-from actorcore.kernels.block_attention import (attention_block_backward, attention_block_forward,
+from actorcore.kernels.attention.block_attention import (attention_block_backward, attention_block_forward,
                                                merge_attention_blocks, position_runs)
 from actorcore.testing.tolerances import TOL
 

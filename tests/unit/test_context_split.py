@@ -106,7 +106,7 @@ def _plain_attention(q, k, v, positions, window, scale):
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_attention_at_positions_equals_plain_softmax(window):
-    from actorcore.kernels.varlen_attention import causal_attention_at_positions
+    from actorcore.kernels.attention.varlen import causal_attention_at_positions
 
     gen = torch.Generator().manual_seed(3)
     padded = [0, 8, 24]  # two segments of a cp=2 layout

@@ -12,9 +12,9 @@ import torch
 from test_block_attention import _plain_attention
 
 from actorcore.context_split import cp_chunk_index, cp_local_positions
-from actorcore.kernels.block_attention import merge_attention_blocks, position_runs
-from actorcore.kernels.flash_blocks import plan_flash_block
-from actorcore.kernels.varlen_attention import prefix_plan
+from actorcore.kernels.attention.block_attention import merge_attention_blocks, position_runs
+from actorcore.kernels.attention.flash_blocks import plan_flash_block
+from actorcore.kernels.attention.varlen import prefix_plan
 from actorcore.testing.tolerances import TOL
 
 PADDED = [0, 8, 24, 48]  # three segments, multiples of 2*cp for cp = 2 and 4

@@ -9,7 +9,7 @@ import torch
 import actorcore as ac
 from actorcore.archs import UnsupportedArchitectureError, get_spec, registered_model_types
 from actorcore.batch import grid_to_packed, packed_to_grid
-from actorcore.hf.attention import TRACE_KWARG, PackingNotAppliedError, TraceRef
+from actorcore.hf.features.attention import TRACE_KWARG, PackingNotAppliedError, TraceRef
 
 PACKED = "attention:actorcore_packed"
 from actorcore.testing.reference import (
@@ -116,7 +116,7 @@ def test_packed_attention_ran_and_plain_forward_is_unchanged():
 def test_bypassed_packed_attention_is_an_error(monkeypatch):
     model = build_tiny_model("llama")
     # Simulate a transformers version that ignores the registered implementation.
-    monkeypatch.setattr("actorcore.hf.decoder.packed_attention",
+    monkeypatch.setattr("actorcore.hf.features.packed_attention.packed_attention",
                         lambda decoder, configs, name: __import__("contextlib").nullcontext())
     with pytest.raises(PackingNotAppliedError, match="bypassed"):
         ac.compute_logprobs(model, ac.pack(_sequences()))
@@ -256,7 +256,7 @@ def test_torch_checkpoint_wrapper_recomputes_with_packed_attention(reentrant):
 
 def test_switch_that_does_not_read_back_is_an_error_and_leaves_nothing_changed():
     """If a transformers version stores the implementation elsewhere, switching fails loudly, not silently."""
-    from actorcore.hf.attention import swap_attention_implementation
+    from actorcore.hf.features.attention import swap_attention_implementation
 
     class StoresElsewhere:
         _attn_implementation = "eager"  # a class attribute: writing the instance dict does not change it
@@ -279,7 +279,7 @@ def test_misspelt_keywords_are_refused():
 
 
 def test_check_finite_names_the_first_non_finite_layer():
-    from actorcore.hf.decoder import NonFiniteError
+    from actorcore.errors import NonFiniteError
 
     model = build_tiny_model("llama")
     batch = ac.pack(_sequences())
@@ -358,7 +358,7 @@ def test_padded_call_returns_the_input_grid(left):
 
 
 def test_untested_transformers_is_refused_with_what_to_install():
-    from actorcore.hf.attention import check_transformers_version
+    from actorcore.hf.features.attention import check_transformers_version
 
     for ok in ("5.10.0", "5.17.0", "5.24.1", "5.30.0.dev0"):
         check_transformers_version(ok)

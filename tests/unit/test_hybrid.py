@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 import actorcore as ac
 from actorcore.archs import get_spec, registered_model_types
-from actorcore.hf.attention import PackingNotAppliedError
-from actorcore.kernels.delta_rule_chunks import delta_rule_blocks, delta_rule_whole_pack
-from actorcore.kernels.linear_attention import causal_conv1d_packed, gated_delta_rule_packed
+from actorcore.hf.features.attention import PackingNotAppliedError
+from actorcore.kernels.linear_attention.delta_rule_chunks import delta_rule_blocks, delta_rule_whole_pack
+from actorcore.kernels.linear_attention.packed import causal_conv1d_packed, gated_delta_rule_packed
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 
@@ -290,7 +290,7 @@ def test_packing_isolation(model_type):
 @pytest.mark.parametrize("broken", ["causal_conv1d_packed", "gated_delta_rule_packed"])
 def test_each_boundary_is_needed(monkeypatch, broken):
     """With only the conv's boundary, or only the delta rule's state reset, ignored, sequences leak."""
-    import actorcore.hf.linear_attention as linear
+    import actorcore.hf.features.linear_attention as linear
 
     monkeypatch.setattr(linear, broken, _whole_stream(getattr(linear, broken)))
     others, _ = _isolation_diffs(build_tiny_model("qwen3_5_text"))
@@ -322,7 +322,7 @@ def _bypassing(modules, spec):
 
 def test_bypassed_linear_attention_is_an_error(monkeypatch):
     """A transformers version that bypasses actorcore's linear attention: the trace self-check fires."""
-    monkeypatch.setattr("actorcore.hf.decoder.packed_linear_attention", _bypassing)
+    monkeypatch.setattr("actorcore.hf.features.linear_attention.packed_linear_attention", _bypassing)
     with pytest.raises(PackingNotAppliedError, match="linear attention ran 0 times for 1 linear-attention layers"):
         ac.compute_logprobs(build_tiny_model("qwen3_5_text"), ac.pack(_sequences()))
 
@@ -338,7 +338,7 @@ def test_plain_forward_is_unchanged():
 
 
 def test_installed_forward_follows_a_deep_copy():
-    from actorcore.hf.linear_attention import install_linear_forwards
+    from actorcore.hf.features.linear_attention import install_linear_forwards
 
     model = build_tiny_model("qwen3_5_text")
     module = model.model.layers[0].linear_attn

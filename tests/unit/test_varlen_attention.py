@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from actorcore.kernels.varlen_attention import varlen_causal_attention
+from actorcore.kernels.attention.varlen import varlen_causal_attention
 from actorcore.testing.tolerances import TOL
 
 

@@ -26,7 +26,7 @@ from actorcore.testing.tiny_vlm import (
     synthetic_sample,
 )
 from actorcore.testing.tolerances import TOL
-from actorcore.hf.vlm_packing import pack_multimodal, pack_multimodal_padded
+from actorcore.hf.vlm.packing import pack_multimodal, pack_multimodal_padded
 
 VLM_ARCHS = [m for m in registered_model_types() if get_spec(m).vision is not None and not get_spec(m).vision.refused]
 TOL_VLM = TOL["vlm_packed_vs_hf_fp32"]
@@ -183,7 +183,7 @@ def test_deepstack_and_pixels_reach_the_decoder(monkeypatch):
         other = dataclasses.replace(batch, multimodal={**batch.multimodal,
                                                        "pixel_values": batch.multimodal["pixel_values"] + 1.0})
         assert _max_diff(ac.compute_logprobs(model, other).log_probs, base) > TOL["logprob_changed_at_least"]
-        import actorcore.hf.vlm as vlm
+        import actorcore.hf.vlm.inputs as vlm
 
         real = vlm.vlm_decoder_inputs
 
@@ -298,7 +298,7 @@ def test_demo_vlm_row_agrees_with_hf():
 def test_text_only_batch_runs_a_dummy_image_when_ranks_may_disagree(monkeypatch, model_type):
     """With a sharded tower (FSDP2) or a data-parallel axis, a text-only batch still runs the tower (collectives
     match on every rank), its features enter multiplied by 0: same outputs, zero (not missing) tower grads."""
-    import actorcore.hf.vlm as vlm
+    import actorcore.hf.vlm.inputs as vlm
 
     model = build_tiny_vlm(model_type)
     samples = [synthetic_sample(model, text_lengths=(n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4)]

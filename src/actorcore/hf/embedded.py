@@ -114,7 +114,7 @@ def synthetic_sample(model_or_config: Any, *, images: list[tuple[int, int]] = ()
     (Kimi-K2.5) gets one ``h*w/merge²`` placeholder run for the video.
     """
     from actorcore.archs import spec_for_model
-    from actorcore.hf.vlm_packing import merge_kernel, patch_row_shape
+    from actorcore.hf.vlm.packing import merge_kernel, patch_row_shape
 
     config = getattr(model_or_config, "config", model_or_config)
     vision = spec_for_model(_ConfigHolder(config)).vision

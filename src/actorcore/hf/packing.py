@@ -2,7 +2,7 @@
 
 Text batches need nothing but token ids (``actorcore.batch``). A VLM batch also needs the model: its own
 rope-index function gives the M-RoPE position ids, and its vision spec says how pixels, grids and
-placeholders must agree (``actorcore.hf.vlm_packing``). This module is the one
+placeholders must agree (``actorcore.hf.vlm.packing``). This module is the one
 public door to both, so the data layer never imports a route.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from actorcore import batch as text_batch
 from actorcore.batch import PackedBatch
-from actorcore.hf import vlm_packing
+from actorcore.hf.vlm import packing as vlm_packing
 
 
 def pack(sequences: Sequence[torch.Tensor], multimodal: Sequence[dict | None] | None = None,

@@ -14,7 +14,7 @@ import torch
 
 from actorcore.archs._vision import IMAGE_KEYS, IMAGE_PATCH_KEYS, VIDEO_KEYS, VIDEO_PATCH_KEYS
 from actorcore.batch import PackedBatch
-from actorcore.hf.vlm_packing import IMAGE, TOKEN_TYPES_KEY, VIDEO, grid_tokens, merge_kernel, split_rows, vision_spec
+from actorcore.hf.vlm.packing import IMAGE, TOKEN_TYPES_KEY, VIDEO, grid_tokens, merge_kernel, split_rows, vision_spec
 
 
 def padded_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Kernel layer: model-agnostic compute (e.g. the fused log-prob/entropy head in ``logprob/``).
+"""Kernel layer: model-agnostic compute, a folder per concern: the fused log-prob/entropy head (``logprob/``),
+packed and ring attention (``attention/``), packed linear attention (``linear_attention/``); one-file concerns
+beside them (``tiled_mlp``, ``batch_invariant``, ``precision``, ``trace``).
 
 Nothing heavy is imported here; import the submodule you need, e.g.
 ``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch
@@ -25,8 +27,8 @@ Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``l
                                   ``cp_comm_type="p2p"``; counted by ``mcore.attention``, one per layer call, each
                                   running ``block_attention``'s plain per-block kernel once per CP rank);
                                   ``varlen_attention:cp_ring_flash`` those whose blocks ran ``flash_blocks``
-    causal_conv1d:<backend>       packed causal conv1d calls (``linear_attention.causal_conv1d_packed``): torch, fla
-    gated_delta_rule:<backend>    packed gated delta rule calls (``linear_attention.gated_delta_rule_packed``): torch, fla
+    causal_conv1d:<backend>       packed causal conv1d calls (``linear_attention.packed.causal_conv1d_packed``): torch, fla
+    gated_delta_rule:<backend>    packed gated delta rule calls (``linear_attention.packed.gated_delta_rule_packed``): torch, fla
                                   (torch: ``delta_rule_chunks.delta_rule_blocks``, its output's grad_fn says so)
 
 Nothing else in the package keeps counters: there is no module-level state that a test reads or sets.

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from actorcore.context_split import cp_gather_order, cp_local_positions
-from actorcore.kernels import block_attention, flash_blocks
+from actorcore.kernels.attention import block_attention, flash_blocks
 from actorcore.kernels.trace import add
-from actorcore.kernels.varlen_attention import (VarlenCall, causal_attention_at_positions, prefix_plan,
+from actorcore.kernels.attention.varlen import (VarlenCall, causal_attention_at_positions, prefix_plan,
                                                 varlen_causal_attention)
 from actorcore.parallel import collectives
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from actorcore.kernels.block_attention import Runs
-from actorcore.kernels.varlen_attention import FLASH_DTYPES, VarlenCall
+from actorcore.kernels.attention.block_attention import Runs
+from actorcore.kernels.attention.varlen import FLASH_DTYPES, VarlenCall
 
 MAX_HEAD_DIM = 256
 

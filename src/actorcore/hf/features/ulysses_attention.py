@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from actorcore.hf.attention import (
+from actorcore.hf.features.attention import (
     PackingNotAppliedError,
     attend_packed,
     attention_sinks,

@@ -1,4 +1,5 @@
-"""Decoder inputs for vision-language models on packed batches (called by ``run_decoder``).
+"""Decoder inputs for vision-language models on packed batches (run by the ``VisionInputs`` decoder feature,
+``hf.features.vision_inputs``).
 
 Legend: ``T`` tokens of the packed batch as run (padding for SP included), ``D`` text hidden size, ``N``
 visual tokens (image and video placeholders) of the batch.
@@ -14,7 +15,7 @@ Order of work, the same on every rank of an SP group:
    packed order, which is sequence order, which is the order of the processor outputs);
 3. only then the embeddings, and Qwen3-VL's DeepStack inputs (visual-position mask and per-layer visual
    features), are cut to this rank's contiguous token shard. Position ids were computed per sequence at
-   packing time (``actorcore.hf.vlm_packing``) and ``run_decoder`` shards them.
+   packing time (``actorcore.hf.vlm.packing``) and the packed pass shards them.
 
 Gradients: each rank's shard of the embeddings back-propagates into the shared vision-tower output, so the
 vision tower's parameter gradients, summed (or averaged, under the SP gradient contract) over the group, are
@@ -32,7 +33,7 @@ import torch
 from actorcore.archs import ArchSpec, submodule
 from actorcore.archs._vision import VisionSpec
 from actorcore.batch import PackedBatch, shard_bounds
-from actorcore.hf.vlm_packing import (
+from actorcore.hf.vlm.packing import (
     IMAGE,
     TOKEN_TYPES_KEY,
     VIDEO,
@@ -215,3 +216,4 @@ def vlm_decoder_inputs(model: Any, spec: ArchSpec, work: PackedBatch, parallel: 
         kwargs["visual_pos_masks"] = visual_T.unsqueeze(0)
         kwargs["deepstack_visual_embeds"] = deepstack_ND
     return kwargs
+

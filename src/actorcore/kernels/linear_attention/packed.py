@@ -26,7 +26,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from actorcore.kernels.delta_rule_chunks import delta_rule_blocks, positions_in_sequence
+from actorcore.kernels.linear_attention.delta_rule_chunks import delta_rule_blocks, positions_in_sequence
 from actorcore.kernels.trace import add
 
 BACKENDS = ("auto", "torch", "fla")

@@ -1,6 +1,6 @@
 """The chunked gated delta rule in torch: the step-major chunk layout, the per-chunk terms, and a lean training path.
 
-Legend as in ``kernels.linear_attention``; ``P`` padded slots (every sequence padded to whole chunks), ``c`` chunks,
+Legend as in ``kernels.linear_attention.packed``; ``P`` padded slots (every sequence padded to whole chunks), ``c`` chunks,
 ``L`` the chunk size (64), ``n`` the sequences still running at a recurrence step.
 
 ``delta_rule_whole_pack`` is the first torch path: autograd through the whole pack at once, which keeps some twenty

@@ -1,0 +1,38 @@
+"""The decoder features of the packed pass, in the order they enter a call (outermost first).
+
+Each is one object of ``base.DecoderFeature`` (that module says how to write one), in a module of this package
+next to the code it drives. To add a feature, write its object and add it here: ``hf.decoder.run_decoder``
+enters it in every call where it is ``active`` and checks it after the forward, and ``patch_model`` calls its
+``install``.
+
+The modules: ``base`` (the protocol), ``attention`` / ``ulysses_attention`` (actorcore's attention functions
+registered with transformers) and ``packed_attention`` (their feature), ``linear_attention`` (hybrid models'
+Gated DeltaNet), ``offload``, ``batch_invariant``, ``vision_inputs``, ``tiled_mlp``, ``norm_recompute``,
+``finite``, and ``instance_forwards`` (how features install per-instance forwards and undo them).
+
+Order: the VLM inputs are built before anything else is in force (as the plain model builds them); the offload
+wraps the layers' checkpoint functions before the attention features wrap them again for the recomputation, so
+the recomputation runs inside the offload's hooks; the finite checks see the layers' outputs last.
+"""
+
+from __future__ import annotations
+
+from actorcore.hf.features.batch_invariant import BatchInvariant
+from actorcore.hf.features.finite import FiniteChecks
+from actorcore.hf.features.linear_attention import LinearAttention
+from actorcore.hf.features.norm_recompute import RecomputedNorms
+from actorcore.hf.features.offload import ActivationOffload
+from actorcore.hf.features.packed_attention import PackedAttention
+from actorcore.hf.features.tiled_mlp import TiledMLP
+from actorcore.hf.features.vision_inputs import VisionInputs
+
+DECODER_FEATURES = (
+    VisionInputs(),
+    ActivationOffload(),
+    PackedAttention(),
+    LinearAttention(),
+    BatchInvariant(),
+    TiledMLP(),
+    RecomputedNorms(),
+    FiniteChecks(),
+)

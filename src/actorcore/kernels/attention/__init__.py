@@ -1,0 +1,9 @@
+"""Attention kernels over packed variable-length sequences, model-agnostic (torch; flash-attn lazily).
+
+- ``varlen``: causal attention within each segment of ``cu_seqlens`` (the HF route's packed attention and
+  Megatron's core attention), choosing the fastest available backend; and attention at given positions for
+  context parallelism's query chunks.
+- ``block_attention``: partial attention of queries against one block of keys with its log-sum-exp, and the
+  merge of such blocks (context parallelism's ring exchange), plain fp32.
+- ``flash_blocks``: the same per-block work with flash kernels on CUDA, for the layouts they cover.
+"""
