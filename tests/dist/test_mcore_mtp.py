@@ -41,6 +41,7 @@ def _worker(rank: int, world_size: int, mtp_dir: str, saved_dir: str) -> dict:
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.testing.mcore_cases import stapled_attributes
 
     hf_config = AutoConfig.from_pretrained(mtp_dir)
     batch = ac.pack(_sequences())
@@ -53,7 +54,7 @@ def _worker(rank: int, world_size: int, mtp_dir: str, saved_dir: str) -> dict:
             load_hf_into_mcore(model, mtp_dir)
             result = compute_logprobs(model, batch, mtp_loss_scale=MTP_SCALE,
                                       loss_fn=lambda o, b: o.log_probs.sum() * 0.0)
-            got = dict(state=gather_hf_state_dict(model), log_probs=result.log_probs,
+            got = dict(state=gather_hf_state_dict(model), log_probs=result.log_probs, stapled=stapled_attributes(model),
                        mtp=result.mtp_log_probs, loss=mtp_loss(result.mtp_log_probs, batch), tp_rank=context.tp_rank,
                        grads=[p.grad.clone() for n, p in model.chunks[-1].named_parameters()
                               if n.endswith("eh_proj.weight") and p.grad is not None])
@@ -100,6 +101,7 @@ def test_mtp_roundtrip_loss_and_packing():
     for result in results:
         for name, got in result.items():
             state = got["state"]
+            assert got["stapled"] == [], got["stapled"]  # nothing of ours on Megatron's modules, MTP included
             assert sorted(state) == sorted(reference), (name, set(state) ^ set(reference))
             for key, tensor in reference.items():
                 assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), (name, key)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases
+from actorcore.testing.mcore_cases import spawn_cases, stapled_attributes
 
 pytest.importorskip("megatron.core")
 
@@ -63,6 +63,7 @@ def _layout_case(tp: int, pp: int, ep: int, entries: list[tuple[str, dict]], roo
         directory = _directory(root, model_type, overrides)
         model = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
         load_hf_into_mcore(model, directory)
+        assert not stapled_attributes(model), stapled_attributes(model)
         results[(model_type, tuple(sorted(overrides.items())))] = gather_hf_state_dict(model)
     return results
 

@@ -28,7 +28,7 @@ from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
 from actorcore.mcore.handle import EXPERT_LAYOUTS, GROUPED, PER_EXPERT, McoreModel
 from actorcore.mcore.mla import route_kv_down_projection_full_width
 from actorcore.mcore.norm import with_sequence_parallel_norms
-from actorcore.mcore.parallel import McoreParallel
+from actorcore.mcore.parallel import McoreParallel, context_from_megatron
 from actorcore.mcore.vlm import add_vision_tower, check_vlm_build, is_vlm_config, language_config
 
 logger = logging.getLogger(__name__)
@@ -160,8 +160,6 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     tower in front of it (``mcore/vlm.py``).
     """
     require_megatron()
-    from actorcore.mcore.parallel import context_from_megatron
-
     parallel = parallel or McoreParallel()
     dtype = dtype or checkpoint_dtype(hf_config)
     vlm_config = hf_config if is_vlm_config(hf_config) else None

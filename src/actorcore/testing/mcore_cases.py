@@ -42,3 +42,10 @@ def spawn_cases(world_size: int, cases: list[Case]) -> dict[str, list[Any]]:
         raise ValueError(f"case names must be unique, got {names}")
     per_rank = run_distributed(_run_cases, world_size, args=(cases,))
     return {name: [result[name] for result in per_rank] for name in names}
+
+
+def stapled_attributes(model: Any) -> list[str]:
+    """Attributes of actorcore's set on the model's Megatron modules (``module.path: name``): the handle holds
+    every fact of ours, so this is empty."""
+    return [f"{path}: {name}" for chunk in model.chunks for path, module in chunk.named_modules()
+            for name in vars(module) if "actorcore" in name.lower()]
