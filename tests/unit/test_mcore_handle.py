@@ -81,3 +81,27 @@ def test_compute_logprobs_refuses_chunks():
         compute_values([object()], None)
     with pytest.raises(ValueError, match="needs a critic"):
         compute_values(_model(), None)
+
+
+def test_expert_layout_is_read_from_the_checkpoint_and_checked_at_load(tmp_path):
+    """A checkpoint's expert layout (per expert, as ``save_pretrained`` writes; stacked, as transformers 5 holds
+    them in memory) is read before building; loading one into a model built for the other layout is refused."""
+    from safetensors.torch import save_file
+
+    from actorcore.errors import CheckpointMismatchError
+    from actorcore.mcore.load import _checkpoint_rules, checkpoint_expert_layout
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    hf = build_tiny_model("qwen3_moe", seed=1)
+    hf.save_pretrained(str(tmp_path / "per_expert"))
+    (tmp_path / "grouped").mkdir()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(tmp_path / "grouped" / "model.safetensors"), metadata={"format": "pt"})
+    assert checkpoint_expert_layout(str(tmp_path / "per_expert"), hf.config) == "per_expert"
+    assert checkpoint_expert_layout(str(tmp_path / "grouped"), hf.config) == "grouped"
+    chunk = SimpleNamespace(config=SimpleNamespace(mtp_num_layers=None))
+    assert _checkpoint_rules(_model(chunks=[chunk], expert_layout="grouped"), set(state), "d").uses_grouped_experts
+    with pytest.raises(CheckpointMismatchError, match=r"stacked per layer .* build_gpt_model\(\.\.\., "
+                                                      r"expert_layout='grouped'\)"):
+        _checkpoint_rules(_model(chunks=[chunk]), set(state), "d")

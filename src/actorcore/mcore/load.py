@@ -28,23 +28,23 @@ from actorcore.parallel.context import ParallelContext
 logger = logging.getLogger(__name__)
 
 
-def expert_layout_of(spec: McoreSpec, hf_names: set[str]) -> str:
-    """The expert layout of a checkpoint with tensors ``hf_names`` under the architecture's rules."""
-    return GROUPED if spec.for_checkpoint(hf_names).uses_grouped_experts else PER_EXPERT
+def _expert_layout(checkpoint_rules: McoreSpec) -> str:
+    return GROUPED if checkpoint_rules.uses_grouped_experts else PER_EXPERT
 
 
 def checkpoint_expert_layout(hf_dir: str, hf_config: Any) -> str:
     """The expert layout the checkpoint in ``hf_dir`` stores (``build_gpt_model(..., expert_layout=)`` to load it)."""
-    return expert_layout_of(mcore_spec_for(hf_config), SafetensorsReader(hf_dir).names())
+    return _expert_layout(mcore_spec_for(hf_config).for_checkpoint(SafetensorsReader(hf_dir).names()))
 
 
 def _checkpoint_rules(model: McoreModel, hf_names: set[str], hf_dir: str) -> McoreSpec:
     """The model's weight rules under the checkpoint's stored names; refuses another expert layout than built."""
     spec = model.spec.for_checkpoint(hf_names)
-    found = GROUPED if spec.uses_grouped_experts else PER_EXPERT
+    found = _expert_layout(spec)
     if found != model.expert_layout:
-        raise CheckpointMismatchError(f"{hf_dir} stores the experts {found.replace('_', '-')}, but the model was "
-                                      f"built with expert_layout={model.expert_layout!r}: build it with "
+        stored = "stacked per layer (experts.gate_up_proj)" if found == GROUPED else "one tensor per expert"
+        raise CheckpointMismatchError(f"{hf_dir} stores the experts {stored}, but the model was built with "
+                                      f"expert_layout={model.expert_layout!r}: build it with "
                                       f"build_gpt_model(..., expert_layout={found!r}) (checkpoint_expert_layout "
                                       "reads it from the directory)")
     return spec.with_mtp() if model.mtp_layers else spec
