@@ -28,7 +28,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -332,12 +331,6 @@ def _write(rows: list[dict], out_dir: str, args) -> None:
             f.write(text)
         os.replace(tmp, os.path.join(out_dir, name))
     print("\n".join(lines))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

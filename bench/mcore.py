@@ -134,9 +134,10 @@ def _mcore_layout(name: str, hf_dir: str, batches, args) -> tuple[dict, torch.Te
     padded = [pad_to_multiple(b, target) if b.num_tokens < target else b for b in batches]
     with CpuRuntime():  # no-op with CUDA
         parallel = McoreParallel(**MCORE_LAYOUTS[name])
-        context = initialize_megatron(parallel)
-        chunks = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel)
-        load_hf_into_mcore(chunks, hf_dir, context)
+        initialize_megatron(parallel)
+        mcore_model = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel)
+        chunks = mcore_model.chunks
+        load_hf_into_mcore(mcore_model, hf_dir)
         params = [p for chunk in chunks for p in chunk.parameters()]
 
         def zero_grad():
@@ -148,16 +149,16 @@ def _mcore_layout(name: str, hf_dir: str, batches, args) -> tuple[dict, torch.Te
 
         def forward():
             with torch.no_grad():
-                return [o.log_probs for o in compute_logprobs(chunks, padded, context, entropy=False)]
+                return [o.log_probs for o in compute_logprobs(mcore_model, padded, entropy=False)]
 
         def forward_backward():
-            return [o.log_probs for o in compute_logprobs(chunks, padded, context, entropy=False,
+            return [o.log_probs for o in compute_logprobs(mcore_model, padded, entropy=False,
                                                           loss_fn=lambda out, b: -out.log_probs.sum())]
 
         fwd = _measure(forward, args)
         fb = _measure(forward_backward, args, before=zero_grad)
         zero_grad()
-        del chunks, params
+        del mcore_model, chunks, params
         ps.destroy_model_parallel()
     if _cuda(args):
         torch.cuda.empty_cache()

@@ -71,9 +71,11 @@ def _layout(cp: int, hf_config, batch, args, state: dict | None,
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(cp=cp)
-    context = initialize_megatron(parallel)
+    initialize_megatron(parallel)
     overrides = {} if cp_comm is None else {"cp_comm_type": cp_comm}
-    chunks = build_gpt_model(hf_config, parallel, dtype=torch.float32 if args.tiny else torch.bfloat16, **overrides)
+    mcore_model = build_gpt_model(hf_config, parallel, dtype=torch.float32 if args.tiny else torch.bfloat16,
+                                  **overrides)
+    chunks = mcore_model.chunks
     if state is None:  # random initialisation may differ between ranks: every rank takes rank 0's weights
         from actorcore.parallel import collectives
 
@@ -89,12 +91,12 @@ def _layout(cp: int, hf_config, batch, args, state: dict | None,
 
     def forward():
         with torch.no_grad():
-            return compute_logprobs(chunks, batch, context, entropy=False).log_probs
+            return compute_logprobs(mcore_model, batch, entropy=False).log_probs
 
     def forward_backward():
         for p in chunks[0].parameters():
             p.grad = None
-        return compute_logprobs(chunks, batch, context, entropy=False,
+        return compute_logprobs(mcore_model, batch, entropy=False,
                                 loss_fn=lambda out, b: -out.log_probs.sum() / b.num_tokens).log_probs
 
     fwd_s, fwd_peak, log_probs = _measure(forward, args.repeats)
@@ -106,7 +108,7 @@ def _layout(cp: int, hf_config, batch, args, state: dict | None,
            "forward_backward_tokens_per_s": batch.num_tokens * batches_per_step / fb_s,
            "forward_peak_gib": fwd_peak, "forward_backward_peak_gib": fb_peak,
            "attention_paths": sorted(trace)}
-    del chunks
+    del mcore_model, chunks
     ps.destroy_model_parallel()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

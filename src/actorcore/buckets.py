@@ -6,7 +6,12 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import TypeVar
 
+import torch
+
 Key = TypeVar("Key", bound=Hashable)
+
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+Bucket = list[tuple[str, torch.Tensor]]  # one bucket of a weight stream: (HF name, full tensor) pairs
 
 
 def plan_buckets(sizes: Sequence[tuple[Key, int]], bucket_bytes: int) -> list[list[Key]]:

@@ -41,18 +41,20 @@ def _tiny_hf(model_type: str, overrides: dict, task: str = "causal_lm"):
     return model
 
 
-def _megatron_grads_as_hf(chunks, context) -> dict[str, torch.Tensor]:
+def _megatron_grads_as_hf(model) -> dict[str, torch.Tensor]:
     """Every parameter's gradient, HF-named and gathered over TP / PP (the export's converters are linear)."""
+    import dataclasses
+
     from actorcore.mcore.weight_stream import gather_hf_state_dict
 
-    for chunk in chunks:  # transformers 5 holds experts stacked (experts.gate_up_proj): export that layout
-        chunk.actorcore_grouped_experts = bool(chunk.config.num_moe_experts)
-    params = [p for chunk in chunks for p in chunk.parameters()]
+    if model.config.num_moe_experts:  # transformers 5 holds experts stacked (experts.gate_up_proj): export that layout
+        model = dataclasses.replace(model, expert_layout="grouped")
+    params = [p for chunk in model.chunks for p in chunk.parameters()]
     saved = [p.data for p in params]
     for p in params:
         p.data = p.grad
     try:
-        return gather_hf_state_dict(chunks, context)
+        return gather_hf_state_dict(model)
     finally:
         for p, data in zip(params, saved):
             p.data = data
@@ -62,25 +64,25 @@ def _layout(model_type: str, tp: int, pp: int, cp: int, ep: int, directory: str)
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(tp=tp, pp=pp, cp=cp, ep=ep)
     context = initialize_megatron(parallel)
     assert (context.tp_size, context.pp_size, context.cp_size, context.ep_size) == (tp, pp, cp, ep)
-    chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
-    load_hf_into_mcore(chunks, directory, context)
+    model = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
+    load_hf_into_mcore(model, directory)
     trace: collections.Counter = collections.Counter()
-    for chunk in chunks:
+    for chunk in model.chunks:
         for layer in chunk.decoder.layers:
             layer.self_attention.core_attention.trace = trace
-    result = _run_and_reduce(chunks, context, trace)
+    result = _run_and_reduce(model, trace)
     ps.destroy_model_parallel()
     return result
 
 
-def _run_and_reduce(chunks, context, trace) -> dict:
+def _run_and_reduce(model, trace) -> dict:
     """Forward-only and forward+backward log-probs of ``_sequences()``, then every parameter's gradient reduced as
     Megatron's DDP does (sum over the ranks holding a copy: data x context parallel, for experts the expert data
     parallel ranks; divided by the data x context parallel size), HF-named."""
@@ -91,16 +93,16 @@ def _run_and_reduce(chunks, context, trace) -> dict:
     from actorcore.mcore.forward import compute_logprobs
 
     batches = [ac.pack(s) for s in _sequences()]
-    got = compute_logprobs(chunks, batches, context)
-    fb = compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: -out.log_probs.sum())
+    got = compute_logprobs(model, batches)
+    fb = compute_logprobs(model, batches, loss_fn=lambda out, batch: -out.log_probs.sum())
     dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-    for chunk in chunks:
+    for chunk in model.chunks:
         for param in chunk.parameters():
             expert = not getattr(param, "allreduce", True)
             dist.all_reduce(param.grad, group=ps.get_expert_data_parallel_group() if expert else dp_cp)
             param.grad /= dist.get_world_size(dp_cp)
     return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb],
-            "grads": _megatron_grads_as_hf(chunks, context), "trace": dict(trace)}
+            "grads": _megatron_grads_as_hf(model), "trace": dict(trace)}
 
 
 def _critic(directory: str) -> list[torch.Tensor]:
@@ -108,16 +110,16 @@ def _critic(directory: str) -> list[torch.Tensor]:
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
     from actorcore.mcore.forward import compute_values
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(cp=CRITIC_CP)
-    context = initialize_megatron(parallel)
-    chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel, value_head=True)
-    load_hf_into_mcore(chunks, directory, context)
-    values = compute_values(chunks, [ac.pack(s) for s in _sequences()], context)
+    initialize_megatron(parallel)
+    model = build_gpt_model(AutoConfig.from_pretrained(directory), parallel, value_head=True)
+    load_hf_into_mcore(model, directory)
+    values = compute_values(model, [ac.pack(s) for s in _sequences()])
     ps.destroy_model_parallel()
     return values
 

@@ -24,35 +24,35 @@ LAYOUTS = [("mistral", {}, 2, 1, 2), ("qwen2", {}, 1, 1, 4), ("llama", {"tie_wor
            ("deepseek_v3", {}, 1, 1, 2)]
 
 
-def _run(chunks, context, comm: str) -> dict:
+def _run(model, comm: str) -> dict:
     """Log-probs / entropy, forward-backward log-probs and HF-named gradients averaged over data x CP ranks."""
     from test_mcore_cp import _run_and_reduce
 
     trace: collections.Counter = collections.Counter()
-    for chunk in chunks:
+    for chunk in model.chunks:
         chunk.zero_grad(set_to_none=True)
         for layer in chunk.decoder.layers:
             layer.self_attention.core_attention.trace = trace
             layer.self_attention.core_attention.cp_ring = comm == "p2p"  # same weights, the other path
-    return _run_and_reduce(chunks, context, trace)
+    return _run_and_reduce(model, trace)
 
 
 def _layout(tp: int, pp: int, cp: int, directory: str) -> dict:
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(tp=tp, pp=pp, cp=cp)
-    context = initialize_megatron(parallel)
-    chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel, cp_comm_type="p2p")
-    attention = chunks[0].decoder.layers[0].self_attention.core_attention
-    assert chunks[0].config.cp_comm_type == "p2p" and attention.cp_ring  # the override selected the ring
-    load_hf_into_mcore(chunks, directory, context)
+    initialize_megatron(parallel)
+    model = build_gpt_model(AutoConfig.from_pretrained(directory), parallel, cp_comm_type="p2p")
+    attention = model.chunks[0].decoder.layers[0].self_attention.core_attention
+    assert model.config.cp_comm_type == "p2p" and attention.cp_ring  # the override selected the ring
+    load_hf_into_mcore(model, directory)
     # The all-gather at PP=2 x CP=2 is checked against transformers in test_mcore_cp.py; here only the ring.
-    results = {comm: _run(chunks, context, comm) for comm in (("p2p",) if pp > 1 else ("p2p", "all_gather"))}
+    results = {comm: _run(model, comm) for comm in (("p2p",) if pp > 1 else ("p2p", "all_gather"))}
     ps.destroy_model_parallel()
     return results
 

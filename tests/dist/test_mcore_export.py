@@ -43,7 +43,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from actorcore.export import iter_tensors, load_into, save_sharded_safetensors
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
@@ -60,22 +60,22 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
             context = initialize_megatron(parallel)
             directory = os.path.join(root, name)
             config = AutoConfig.from_pretrained(directory)
-            chunks = build_gpt_model(config, parallel)
-            load_hf_into_mcore(chunks, directory, context)
+            model = build_gpt_model(config, parallel)
+            load_hf_into_mcore(model, directory)
 
             buckets = [[(n, t.clone()) for n, t in bucket]
-                       for bucket in mcore_weight_stream(chunks, context, bucket_bytes=BUCKET_BYTES)]
-            bf16 = dict(iter_tensors(mcore_weight_stream(chunks, context, bucket_bytes=BUCKET_BYTES,
-                                                         dtype=torch.bfloat16)))
+                       for bucket in mcore_weight_stream(model, bucket_bytes=BUCKET_BYTES)]
+            bf16 = dict(iter_tensors(mcore_weight_stream(model, bucket_bytes=BUCKET_BYTES,
+                                                dtype=torch.bfloat16)))
             saved = os.path.join(root, f"{name}-saved")
-            weight_map = save_sharded_safetensors(mcore_weight_stream(chunks, context, bucket_bytes=BUCKET_BYTES),
+            weight_map = save_sharded_safetensors(mcore_weight_stream(model, bucket_bytes=BUCKET_BYTES),
                                                   saved, SHARD_BYTES, config=config, write=rank == 0)
             loaded = None
-            stream = mcore_weight_stream(chunks, context, bucket_bytes=BUCKET_BYTES)
+            stream = mcore_weight_stream(model, bucket_bytes=BUCKET_BYTES)
             if rank == 0 and name != "moe":  # load_into takes model names: a transformers-5 MoE fuses its experts
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-                load_into(model, stream)
-                loaded = {k: v.clone() for k, v in model.state_dict().items()}
+                hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                load_into(hf_model, stream)
+                loaded = {k: v.clone() for k, v in hf_model.state_dict().items()}
             else:
                 for _ in stream:  # the other ranks take part in the gathers
                     pass

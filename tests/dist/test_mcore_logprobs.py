@@ -1,16 +1,18 @@
 """Megatron per-token log-probs / entropy / values == the model's own transformers forward per token (fp32),
 at TP=2, PP=2 and EP=2 (gloo, CPU). The reference is plain transformers (``ForCausalLM.forward`` /
-``ForTokenClassification.forward`` on the padded batch), never actorcore's HF route."""
+``ForTokenClassification.forward`` on the padded batch), never actorcore's HF route.
+
+Every case of one world size runs in one spawn (a module-scoped fixture per world size); each test asserts its
+own case's results."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 
-from actorcore.testing.distributed import run_distributed
+from actorcore.testing.mcore_cases import spawn_cases
 from actorcore.testing.tolerances import TOL
 
 pytest.importorskip("megatron.core")
@@ -48,17 +50,9 @@ def _reference_values(critic, sequences: list[torch.Tensor]) -> torch.Tensor:
     return padded_to_packed(padded_logits(critic, ids, mask)[..., 0].float(), mask)
 
 
-def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, ep: int, directory: str,
-            overrides: dict) -> dict:
-    from actorcore.mcore.cpu_runtime import CpuRuntime
-
-    with CpuRuntime():
-        return _worker_body(model_type, tp, pp, ep, directory, overrides)
-
-
-def _worker_body(model_type: str, tp: int, pp: int, ep: int, directory: str, overrides: dict) -> dict:
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
+def _case(model_type: str, tp: int, pp: int, ep: int, directory: str, overrides: dict) -> dict:
     from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
@@ -66,12 +60,12 @@ def _worker_body(model_type: str, tp: int, pp: int, ep: int, directory: str, ove
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     context = initialize_megatron(parallel)
     assert (context.tp_size, context.pp_size, context.ep_size) == (tp, pp, ep)
-    chunks = build_gpt_model(hf.config, parallel)
-    load_hf_into_mcore(chunks, directory, context)
+    model = build_gpt_model(hf.config, parallel)
+    load_hf_into_mcore(model, directory)
     # PP needs equal micro-batch token counts: pad every batch to 32 tokens (a padding segment).
     batches = _batches(pad_to=32 if pp > 1 else None)
 
-    got = compute_logprobs(chunks, batches, context)
+    got = compute_logprobs(model, batches)
     with torch.no_grad():
         ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
 
@@ -79,12 +73,12 @@ def _worker_body(model_type: str, tp: int, pp: int, ep: int, directory: str, ove
     def loss_fn(out, batch):
         return -out.log_probs.sum()
 
-    fb = compute_logprobs(chunks, batches, context, loss_fn=loss_fn)
+    fb = compute_logprobs(model, batches, loss_fn=loss_fn)
     hf.zero_grad()
     for sequences in _sequences():
         (reference_logprobs_packed(hf, sequences)[0].sum() * (-1.0 / len(LENGTHS))).backward()
     grads = {}
-    for chunk in chunks:
+    for chunk in model.chunks:
         for name, param in chunk.named_parameters():
             if name == "decoder.final_layernorm.weight":
                 grads["model.norm.weight"] = (param.grad.clone(), hf.model.norm.weight.grad.clone())
@@ -105,10 +99,7 @@ def _tiny_hf(model_type: str, **overrides):
     return model
 
 
-def _run(model_type: str, tp: int, pp: int, ep: int, **overrides) -> None:
-    with tempfile.TemporaryDirectory() as directory:
-        _tiny_hf(model_type, **overrides).save_pretrained(directory)
-        results = run_distributed(_worker, tp * pp * ep, args=(model_type, tp, pp, ep, directory, overrides))
+def _check_logprobs(results: list[dict]) -> None:
     tol = TOL["mcore_vs_hf_fp32"]
     seen_grads = set()
     for rank, result in enumerate(results):
@@ -126,72 +117,116 @@ def _run(model_type: str, tp: int, pp: int, ep: int, **overrides) -> None:
     assert seen_grads == {"model.norm.weight", "model.layers.0.input_layernorm.weight"}
 
 
-@pytest.mark.slow
-def test_logprobs_dense_tp2():
-    _run("qwen2", tp=2, pp=1, ep=1)
+# (model_type, tp, pp, ep, HF config overrides) of the log-prob cases, by test name.
+_LOGPROB_CASES = {
+    "dense_tp2": ("qwen2", 2, 1, 1, {}),
+    "dense_pp2": ("llama", 1, 2, 1, {"tie_word_embeddings": True}),  # tied: the last stage's head is the embedding
+    "moe_ep2": ("qwen3_moe", 1, 1, 2, {}),
+    # DeepSeek-V3: MLA, sigmoid grouped routing with a (random) score-correction bias, shared experts.
+    "mla_moe_ep2": ("deepseek_v3", 1, 1, 2, {}),
+    # DeepSeek's yarn RoPE (with mscale on the softmax scale) maps exactly.
+    "mla_yarn_rope": ("deepseek_v3", 1, 1, 1, {
+        "max_position_embeddings": 512,
+        "rope_parameters": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32.0,
+                                beta_slow=1.0, mscale=0.9, mscale_all_dim=0.8, rope_theta=10000.0)}),
+}
 
 
-@pytest.mark.slow
-def test_logprobs_dense_pp2():
-    """Tied embeddings: the last stage's output weight is loaded from the embedding."""
-    _run("llama", tp=1, pp=2, ep=1, tie_word_embeddings=True)
+def _logprob_cases(root: str, world_size: int) -> list[tuple]:
+    cases = []
+    for name, (model_type, tp, pp, ep, overrides) in _LOGPROB_CASES.items():
+        if tp * pp * ep == world_size:
+            directory = os.path.join(root, name)
+            _tiny_hf(model_type, **overrides).save_pretrained(directory)
+            cases.append((name, _case, (model_type, tp, pp, ep, directory, overrides)))
+    return cases
 
 
-@pytest.mark.slow
-def test_logprobs_moe_ep2():
-    _run("qwen3_moe", tp=1, pp=1, ep=2)
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    """Every one-rank case of this file, in one spawn."""
+    return spawn_cases(1, _logprob_cases(str(tmp_path_factory.mktemp("mcore_logprobs1")), 1))
 
 
-@pytest.mark.slow
-def test_logprobs_mla_moe_ep2():
-    """DeepSeek-V3: MLA, sigmoid grouped routing with a (random) score-correction bias, shared experts."""
-    _run("deepseek_v3", tp=1, pp=1, ep=2)
-
-
-@pytest.mark.slow
-def test_logprobs_mla_yarn_rope():
-    """DeepSeek's yarn RoPE (with mscale on the softmax scale) maps exactly."""
-    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0,
-                mscale=0.9, mscale_all_dim=0.8, rope_theta=10000.0)
-    _run("deepseek_v3", tp=1, pp=1, ep=1, max_position_embeddings=512, rope_parameters=yarn)
-
-
-def _vp_worker(rank: int, world_size: int, directory: str) -> dict:
-    """4 layers on 2 pipeline ranks x 2 virtual stages (interleaved schedule)."""
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
-    from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.model import build_gpt_model
-    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    """Every two-rank case of this file, in one spawn."""
     from actorcore.testing.tiny_configs import build_tiny_model
 
-    with CpuRuntime():
-        hf = build_tiny_model("qwen3", seed=5, num_hidden_layers=4)
-        parallel = McoreParallel(pp=2, vp=2)
-        context = initialize_megatron(parallel)
-        chunks = build_gpt_model(hf.config, parallel)
-        assert len(chunks) == 2
-        load_hf_into_mcore(chunks, directory, context)
-        layers = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
-        batches = _batches(pad_to=32)[:2]  # the interleaved schedule needs micro-batches divisible by pp
-        got = compute_logprobs(chunks, batches, context)
-        with torch.no_grad():
-            ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()[:2]]
-        return {"got": [(o.log_probs, o.entropy) for o in got], "ref": ref, "layers": layers,
-                "state": gather_hf_state_dict(chunks, context)}
+    root = str(tmp_path_factory.mktemp("mcore_logprobs2"))
+    cases = _logprob_cases(root, 2)
+    build_tiny_model("qwen3", seed=5, num_hidden_layers=4).save_pretrained(os.path.join(root, "vp"))
+    build_tiny_model("qwen2", seed=9, task="token_classification").save_pretrained(os.path.join(root, "critic"))
+    _tiny_hf("deepseek_v3").save_pretrained(os.path.join(root, "moe_tp2"))
+    cases += [("vp", _vp_case, (os.path.join(root, "vp"),)),
+              ("critic", _critic_case, (os.path.join(root, "critic"),)),
+              ("moe_tp2", _moe_tp2_case, (os.path.join(root, "moe_tp2"),))]
+    results = spawn_cases(2, cases)
+    results["vp_reference"] = _load_reference(os.path.join(root, "vp"))
+    return results
 
 
-@pytest.mark.slow
-def test_virtual_pipeline_stages():
+def _load_reference(directory: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_logprobs_dense_tp2(world2):
+    _check_logprobs(world2["dense_tp2"])
+
+
+@pytest.mark.slow
+def test_logprobs_dense_pp2(world2):
+    """Tied embeddings: the last stage's output weight is loaded from the embedding."""
+    _check_logprobs(world2["dense_pp2"])
+
+
+@pytest.mark.slow
+def test_logprobs_moe_ep2(world2):
+    _check_logprobs(world2["moe_ep2"])
+
+
+@pytest.mark.slow
+def test_logprobs_mla_moe_ep2(world2):
+    """DeepSeek-V3: MLA, sigmoid grouped routing with a (random) score-correction bias, shared experts."""
+    _check_logprobs(world2["mla_moe_ep2"])
+
+
+@pytest.mark.slow
+def test_logprobs_mla_yarn_rope(world1):
+    """DeepSeek's yarn RoPE (with mscale on the softmax scale) maps exactly."""
+    _check_logprobs(world1["mla_yarn_rope"])
+
+
+def _vp_case(directory: str) -> dict:
+    """4 layers on 2 pipeline ranks x 2 virtual stages (interleaved schedule)."""
+    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.testing.tiny_configs import build_tiny_model
 
-    with tempfile.TemporaryDirectory() as directory:
-        build_tiny_model("qwen3", seed=5, num_hidden_layers=4).save_pretrained(directory)
-        reference = load_file(os.path.join(directory, "model.safetensors"))
-        results = run_distributed(_vp_worker, 2, args=(directory,))
+    hf = build_tiny_model("qwen3", seed=5, num_hidden_layers=4)
+    parallel = McoreParallel(pp=2, vp=2)
+    initialize_megatron(parallel)
+    model = build_gpt_model(hf.config, parallel)
+    assert len(model.chunks) == 2
+    load_hf_into_mcore(model, directory)
+    layers = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in model.chunks]
+    batches = _batches(pad_to=32)[:2]  # the interleaved schedule needs micro-batches divisible by pp
+    got = compute_logprobs(model, batches)
+    with torch.no_grad():
+        ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()[:2]]
+    return {"got": [(o.log_probs, o.entropy) for o in got], "ref": ref, "layers": layers,
+            "state": gather_hf_state_dict(model)}
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_stages(world2):
+    results, reference = world2["vp"], world2["vp_reference"]
     assert [r["layers"] for r in results] == [[[1], [3]], [[2], [4]]]  # Megatron's interleaved layer order
     tol = TOL["mcore_vs_hf_fp32"]
     for result in results:
@@ -203,74 +238,62 @@ def test_virtual_pipeline_stages():
             assert torch.equal(result["state"][name], tensor), name
 
 
-def _critic_worker(rank: int, world_size: int, directory: str) -> dict:
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
-    from actorcore.mcore.cpu_runtime import CpuRuntime
+def _critic_case(directory: str) -> dict:
     from actorcore.mcore.forward import compute_values
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.testing.tiny_configs import build_tiny_model
 
-    with CpuRuntime():
-        hf = build_tiny_model("qwen2", seed=9, task="token_classification")
-        parallel = McoreParallel(tp=2)
-        context = initialize_megatron(parallel)
-        # With sequence parallelism: the value head all-gathers the final hidden states first.
-        chunks = build_gpt_model(hf.config, parallel, value_head=True, sequence_parallel=True)
-        load_hf_into_mcore(chunks, directory, context)
-        got = compute_values(chunks, _batches(), context)
-        with torch.no_grad():
-            ref = [_reference_values(hf, sequences) for sequences in _sequences()]
-        return {"got": got, "ref": ref}
+    hf = build_tiny_model("qwen2", seed=9, task="token_classification")
+    parallel = McoreParallel(tp=2)
+    initialize_megatron(parallel)
+    # With sequence parallelism: the value head all-gathers the final hidden states first.
+    model = build_gpt_model(hf.config, parallel, value_head=True, sequence_parallel=True)
+    load_hf_into_mcore(model, directory)
+    got = compute_values(model, _batches())
+    with torch.no_grad():
+        ref = [_reference_values(hf, sequences) for sequences in _sequences()]
+    return {"got": got, "ref": ref}
 
 
 @pytest.mark.slow
-def test_critic_values_tp2():
-    from actorcore.testing.tiny_configs import build_tiny_model
-
-    with tempfile.TemporaryDirectory() as directory:
-        build_tiny_model("qwen2", seed=9, task="token_classification").save_pretrained(directory)
-        results = run_distributed(_critic_worker, 2, args=(directory,))
-    for result in results:
+def test_critic_values_tp2(world2):
+    for result in world2["critic"]:
         for got, ref in zip(result["got"], result["ref"]):
             assert got.dtype == torch.float32 and got.shape == ref.shape
             torch.testing.assert_close(got, ref, atol=TOL["mcore_vs_hf_fp32"], rtol=0)
 
 
-def _moe_tp2_worker(rank: int, world_size: int, directory: str) -> dict:
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
-    from actorcore.mcore.cpu_runtime import CpuRuntime
+def _moe_tp2_case(directory: str) -> dict:
     from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
-    with CpuRuntime():
-        hf = _tiny_hf("deepseek_v3")
-        parallel = McoreParallel(tp=2)
-        context = initialize_megatron(parallel)
-        chunks = build_gpt_model(hf.config, parallel, sequence_parallel=False)
-        load_hf_into_mcore(chunks, directory, context)
-        batches = _batches()
-        got = compute_logprobs(chunks, batches, context)
-        with torch.no_grad():
-            ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
-        try:
-            compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: out.log_probs.sum())
-            refused = ""
-        except ValueError as exc:
-            refused = str(exc)
-        return {"got": [(o.log_probs, o.entropy) for o in got], "ref": ref, "refused": refused,
-                "sequence_parallel": chunks[0].config.sequence_parallel}
+    hf = _tiny_hf("deepseek_v3")
+    parallel = McoreParallel(tp=2)
+    initialize_megatron(parallel)
+    model = build_gpt_model(hf.config, parallel, sequence_parallel=False)
+    load_hf_into_mcore(model, directory)
+    batches = _batches()
+    got = compute_logprobs(model, batches)
+    with torch.no_grad():
+        ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
+    try:
+        compute_logprobs(model, batches, loss_fn=lambda out, batch: out.log_probs.sum())
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {"got": [(o.log_probs, o.entropy) for o in got], "ref": ref, "refused": refused,
+            "sequence_parallel": model.config.sequence_parallel}
 
 
 @pytest.mark.slow
-def test_logprobs_moe_tp2_forward_only():
+def test_logprobs_moe_tp2_forward_only(world2):
     """MoE (here MLA + routed/shared experts) at TP=2 built without sequence parallelism: forward-only log-probs
     == transformers; training refused clearly (test_mcore_moe_tp.py trains it with sequence parallelism)."""
-    with tempfile.TemporaryDirectory() as directory:
-        _tiny_hf("deepseek_v3").save_pretrained(directory)
-        results = run_distributed(_moe_tp2_worker, 2, args=(directory,))
-    for result in results:
+    for result in world2["moe_tp2"]:
         for (lp, ent), (ref_lp, ref_ent) in zip(result["got"], result["ref"]):
             torch.testing.assert_close(lp, ref_lp, atol=TOL["mcore_vs_hf_fp32"], rtol=0)
             torch.testing.assert_close(ent, ref_ent, atol=TOL["mcore_vs_hf_fp32"], rtol=0)

@@ -27,21 +27,24 @@ WORLD = 2
 TP = 2
 
 
-def _grads_as_hf(chunks, context) -> dict[str, torch.Tensor]:
+def _grads_as_hf(model) -> dict[str, torch.Tensor]:
     """Every parameter's (finalized) gradient, HF-named and gathered like the weights themselves (experts
     stacked, as transformers 5 holds them in memory)."""
+    import dataclasses
+
     from actorcore.mcore.weight_stream import gather_hf_state_dict
 
+    if model.config.num_moe_experts:
+        model = dataclasses.replace(model, expert_layout="grouped")
     saved = []
-    for chunk in chunks:
-        chunk.actorcore_grouped_experts = bool(chunk.config.num_moe_experts)
+    for chunk in model.chunks:
         for param in chunk.parameters():
             grad = getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
             saved.append((param, param.data))
             param.data = torch.zeros_like(param) if grad is None else grad.detach().to(param.dtype)
     try:
-        return gather_hf_state_dict(chunks, context)
+        return gather_hf_state_dict(model)
     finally:
         for param, data in saved:
             param.data = data
@@ -53,28 +56,28 @@ def _case(model_type: str, ep: int, overrides: dict, directory: str) -> dict:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from test_mcore_logprobs import LENGTHS, _batches, _sequences, _tiny_hf, reference_logprobs_packed
 
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     hf = _tiny_hf(model_type)
     parallel = McoreParallel(tp=TP, ep=ep)
-    context = initialize_megatron(parallel)
-    chunks = build_gpt_model(hf.config, parallel, **overrides)
-    load_hf_into_mcore(chunks, directory, context)
+    initialize_megatron(parallel)
+    model = build_gpt_model(hf.config, parallel, **overrides)
+    load_hf_into_mcore(model, directory)
     # The trainer's wrapper: gradients accumulate into its buffers; finalize_model_grads reduces them.
-    wrapped = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk) for chunk in chunks]
+    wrapped = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk) for chunk in model.chunks]
     seen_tokens = []
-    hook = chunks[0].decoder.final_layernorm.register_forward_hook(
+    hook = model.chunks[0].decoder.final_layernorm.register_forward_hook(
         lambda module, args, out: seen_tokens.append(args[0].shape[0]))
     batches = _batches()
 
-    got = compute_logprobs(chunks, batches, context)
-    fb = compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: -out.log_probs.sum())
+    got = compute_logprobs(model, batches)
+    fb = compute_logprobs(model, batches, loss_fn=lambda out, batch: -out.log_probs.sum())
     finalize_model_grads(wrapped)
     hook.remove()
-    grads = _grads_as_hf(chunks, context)
+    grads = _grads_as_hf(model)
 
     with torch.no_grad():
         ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
@@ -84,8 +87,8 @@ def _case(model_type: str, ep: int, overrides: dict, directory: str) -> dict:
     ref_grads = {name: p.grad for name, p in hf.named_parameters() if p.grad is not None}
     padded = [-(-b.num_tokens // TP) * TP for b in batches]
     result = {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "ref": ref,
-              "grads": grads, "ref_grads": ref_grads, "sp": chunks[0].config.sequence_parallel,
-              "mla_full_width": chunks[0].actorcore_mla_full_width_projections,
+              "grads": grads, "ref_grads": ref_grads, "sp": model.config.sequence_parallel,
+              "mla_full_width": model.mla_full_width_projections,
               "seen_tokens": seen_tokens, "sp_tokens": [n // TP for n in padded] * 2}
     ps.destroy_model_parallel()
     return result

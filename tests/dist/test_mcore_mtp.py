@@ -34,13 +34,14 @@ def _worker(rank: int, world_size: int, mtp_dir: str, saved_dir: str) -> dict:
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
     from actorcore.mcore.cpu_runtime import CpuRuntime
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
     from actorcore.mcore.forward import compute_logprobs, mtp_loss
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.testing.mcore_cases import stapled_attributes
 
     hf_config = AutoConfig.from_pretrained(mtp_dir)
     batch = ac.pack(_sequences())
@@ -49,25 +50,25 @@ def _worker(rank: int, world_size: int, mtp_dir: str, saved_dir: str) -> dict:
         for name, parallel in (("tp2", McoreParallel(tp=2)), ("pp2", McoreParallel(pp=2)),
                                ("ep2", McoreParallel(ep=2))):
             context = initialize_megatron(parallel)
-            chunks = build_gpt_model(hf_config, parallel, mtp=True)
-            load_hf_into_mcore(chunks, mtp_dir, context)
-            result = compute_logprobs(chunks, batch, context, mtp_loss_scale=MTP_SCALE,
+            model = build_gpt_model(hf_config, parallel, mtp=True)
+            load_hf_into_mcore(model, mtp_dir)
+            result = compute_logprobs(model, batch, mtp_loss_scale=MTP_SCALE,
                                       loss_fn=lambda o, b: o.log_probs.sum() * 0.0)
-            got = dict(state=gather_hf_state_dict(chunks, context), log_probs=result.log_probs,
+            got = dict(state=gather_hf_state_dict(model), log_probs=result.log_probs, stapled=stapled_attributes(model),
                        mtp=result.mtp_log_probs, loss=mtp_loss(result.mtp_log_probs, batch), tp_rank=context.tp_rank,
-                       grads=[p.grad.clone() for n, p in chunks[-1].named_parameters()
+                       grads=[p.grad.clone() for n, p in model.chunks[-1].named_parameters()
                               if n.endswith("eh_proj.weight") and p.grad is not None])
             if name == "tp2":
-                plain_chunks = build_gpt_model(hf_config, parallel)  # the default: MTP tensors dropped
-                load_hf_into_mcore(plain_chunks, mtp_dir, context)
-                got["plain"] = compute_logprobs(plain_chunks, batch, context).log_probs
-                got["plain_names"] = sorted(gather_hf_state_dict(plain_chunks, context))
+                plain = build_gpt_model(hf_config, parallel)  # the default: MTP tensors dropped
+                load_hf_into_mcore(plain, mtp_dir)
+                got["plain"] = compute_logprobs(plain, batch).log_probs
+                got["plain_names"] = sorted(gather_hf_state_dict(plain))
                 try:
-                    compute_logprobs(plain_chunks, batch, context, mtp_loss_scale=1.0)
+                    compute_logprobs(plain, batch, mtp_loss_scale=1.0)
                 except ValueError as exc:
                     got["refusal"] = str(exc)
             elif name == "pp2":
-                save_mcore_checkpoint(chunks, saved_dir, mtp_dir, 128)
+                save_mcore_checkpoint(model, saved_dir, mtp_dir)
             out[name] = got
             parallel_state.destroy_model_parallel()
     return out
@@ -100,6 +101,7 @@ def test_mtp_roundtrip_loss_and_packing():
     for result in results:
         for name, got in result.items():
             state = got["state"]
+            assert got["stapled"] == [], got["stapled"]  # nothing of ours on Megatron's modules, MTP included
             assert sorted(state) == sorted(reference), (name, set(state) ^ set(reference))
             for key, tensor in reference.items():
                 assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), (name, key)
@@ -131,7 +133,8 @@ def test_mtp_copy_that_differs_is_refused(tmp_path):
     """The release's MTP embedding / head copies must equal the main tensors bitwise (Megatron holds one)."""
     from safetensors.torch import save_file
 
-    from actorcore.mcore.checkpoint import SafetensorsReader, _check_shared_copies
+    from actorcore.mcore.load import _check_shared_copies
+    from actorcore.mcore.safetensors_reader import SafetensorsReader
 
     main = torch.randn(5, 3)
     changed = main.clone()
@@ -150,6 +153,7 @@ def test_mtp_refusals():
     from actorcore.archs.spec import UnsupportedArchitectureError
     from actorcore.mcore.forward import _check_mtp
     from actorcore.mcore.model import mtp_layer_count
+    from actorcore.mcore.parallel import McoreParallel
     from actorcore.testing.tiny_configs import tiny_config
 
     assert mtp_layer_count(tiny_config("deepseek_v3", num_nextn_predict_layers=1), False) is None
@@ -158,10 +162,15 @@ def test_mtp_refusals():
         mtp_layer_count(tiny_config("deepseek_v3", num_nextn_predict_layers=0), True)
     with pytest.raises(UnsupportedArchitectureError, match="multi-token-prediction"):
         mtp_layer_count(tiny_config("qwen3"), True)
-    chunk = SimpleNamespace(config=SimpleNamespace(mtp_num_layers=1, pipeline_model_parallel_layout=None))
-    assert _check_mtp([chunk], SimpleNamespace(cp_size=1), 0.5) == 1
-    assert _check_mtp([chunk], SimpleNamespace(cp_size=1), None) == 0
+    def model(cp: int, mtp_layers: int = 1) -> SimpleNamespace:  # what _check_mtp reads of an McoreModel
+        return SimpleNamespace(mtp_layers=mtp_layers, parallel=McoreParallel(cp=cp),
+                               config=SimpleNamespace(pipeline_model_parallel_layout=None))
+
+    assert _check_mtp(model(cp=1), 0.5) == 1
+    assert _check_mtp(model(cp=1), None) == 0
+    with pytest.raises(ValueError, match="mtp=True"):
+        _check_mtp(model(cp=1, mtp_layers=0), 0.5)
     with pytest.raises(ValueError, match="context parallelism"):
-        _check_mtp([chunk], SimpleNamespace(cp_size=2), 0.5)
+        _check_mtp(model(cp=2), 0.5)
     with pytest.raises(ValueError, match="non-negative"):
-        _check_mtp([chunk], SimpleNamespace(cp_size=1), -1.0)
+        _check_mtp(model(cp=1), -1.0)

@@ -1,14 +1,15 @@
-"""HF -> Megatron (sharded over TP / PP / EP) -> HF is bit-exact for every Megatron architecture (gloo, CPU)."""
+"""HF -> Megatron (sharded over TP / PP / EP) -> HF is bit-exact for every Megatron architecture (gloo, CPU).
+
+Every two-rank case runs in one spawn (the module-scoped ``world2``); each test asserts its own layout's results."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 
-from actorcore.testing.distributed import run_distributed
+from actorcore.testing.mcore_cases import spawn_cases, stapled_attributes
 
 pytest.importorskip("megatron.core")
 
@@ -47,71 +48,93 @@ def _save_tiny(model_type: str, directory: str, **overrides) -> None:
     model.save_pretrained(directory)
 
 
-def _roundtrip_worker(rank: int, world_size: int, cases: list[tuple], root: str) -> dict:
-    """For each (model_type, tp, pp, ep, overrides): load the saved HF checkpoint sharded, gather it back.
-    Every case of one run has the same layout: Megatron's parallel state is initialised once and reused."""
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
-    from actorcore.mcore.cpu_runtime import CpuRuntime
+def _layout_case(tp: int, pp: int, ep: int, entries: list[tuple[str, dict]], root: str) -> dict:
+    """Under one layout, for each (model_type, overrides): load the saved HF checkpoint sharded, gather it back."""
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
     from transformers import AutoConfig
 
+    parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
+    initialize_megatron(parallel)
     results = {}
-    with CpuRuntime():
-        for model_type, tp, pp, ep, overrides in cases:
-            directory = os.path.join(root, f"{model_type}-{sorted(overrides.items())}")
-            parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
-            context = initialize_megatron(parallel)
-            chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
-            load_hf_into_mcore(chunks, directory, context)
-            results[(model_type, tp, pp, ep, tuple(sorted(overrides.items())))] = gather_hf_state_dict(chunks, context)
+    for model_type, overrides in entries:
+        directory = _directory(root, model_type, overrides)
+        model = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
+        load_hf_into_mcore(model, directory)
+        assert not stapled_attributes(model), stapled_attributes(model)
+        results[(model_type, tuple(sorted(overrides.items())))] = gather_hf_state_dict(model)
     return results
 
 
-def _check(cases: list[tuple], world_size: int) -> None:
+def _directory(root: str, model_type: str, overrides: dict) -> str:
+    return os.path.join(root, f"{model_type}-{sorted(overrides.items())}")
+
+
+def _layout_cases(root: str, layouts: dict[str, tuple[int, int, int, list[tuple[str, dict]]]]) -> list[tuple]:
+    """The spawn's cases, one per layout, with every checkpoint they read saved under ``root``."""
+    for *_sizes, entries in layouts.values():
+        for model_type, overrides in entries:
+            if not os.path.exists(_directory(root, model_type, overrides)):
+                _save_tiny(model_type, _directory(root, model_type, overrides), **overrides)
+    return [(name, _layout_case, (tp, pp, ep, entries, root)) for name, (tp, pp, ep, entries) in layouts.items()]
+
+
+def _check(results: list[dict], entries: list[tuple[str, dict]], root: str) -> None:
     from safetensors.torch import load_file
 
-    with tempfile.TemporaryDirectory() as root:
-        for model_type, _, _, _, overrides in cases:
-            directory = os.path.join(root, f"{model_type}-{sorted(overrides.items())}")
-            if not os.path.exists(directory):
-                _save_tiny(model_type, directory, **overrides)
-        results = run_distributed(_roundtrip_worker, world_size, args=(cases, root))
-        for model_type, tp, pp, ep, overrides in cases:
-            key = (model_type, tp, pp, ep, tuple(sorted(overrides.items())))
-            reference = load_file(os.path.join(root, f"{model_type}-{sorted(overrides.items())}", "model.safetensors"))
-            for rank_result in results:
-                got = rank_result[key]
-                assert sorted(got) == sorted(reference), f"{key}: names differ: {set(got) ^ set(reference)}"
-                for name, tensor in reference.items():
-                    assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, (key, name)
-                    assert torch.equal(got[name], tensor), f"{key}: {name} differs"
+    for model_type, overrides in entries:
+        key = (model_type, tuple(sorted(overrides.items())))
+        reference = load_file(os.path.join(_directory(root, model_type, overrides), "model.safetensors"))
+        for rank_result in results:
+            got = rank_result[key]
+            assert sorted(got) == sorted(reference), f"{key}: names differ: {set(got) ^ set(reference)}"
+            for name, tensor in reference.items():
+                assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, (key, name)
+                assert torch.equal(got[name], tensor), f"{key}: {name} differs"
+
+
+SINGLE = [(m, {}) for m in DENSE + MOE] + [("qwen2", {"tie_word_embeddings": True}),
+                                           ("qwen2", {"dtype": torch.bfloat16})]
+SHARDED = [(m, {}) for m in DENSE + MOE] + [("qwen2", {"tie_word_embeddings": True})]
+# The two-rank layouts, all in one spawn (``world2``).
+LAYOUTS2 = {"tp2": (2, 1, 1, SHARDED), "pp2": (1, 2, 1, SHARDED), "ep2": (1, 1, 2, [(m, {}) for m in MOE])}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    """Every two-rank case of this file in one spawn: the TP, PP and EP round trips and the grouped checkpoints."""
+    from actorcore.archs import get_spec
+
+    root = str(tmp_path_factory.mktemp("mcore_roundtrip2"))
+    cases = _layout_cases(root, LAYOUTS2)
+    grouped = [m for m in MOE if get_spec(m).mcore.grouped_expert_rules]
+    for model_type in grouped:
+        _save_grouped(model_type, os.path.join(root, "grouped", model_type))
+    cases.append(("grouped_ep2", _grouped_case, (os.path.join(root, "grouped"), grouped)))
+    return {"root": root, "grouped": grouped, **spawn_cases(2, cases)}
 
 
 @pytest.mark.slow
-def test_roundtrip_single_rank_every_arch():
-    cases = [(m, 1, 1, 1, {}) for m in DENSE + MOE]
-    cases.append(("qwen2", 1, 1, 1, {"tie_word_embeddings": True}))
-    cases.append(("qwen2", 1, 1, 1, {"dtype": torch.bfloat16}))
-    _check(cases, world_size=1)
+def test_roundtrip_single_rank_every_arch(tmp_path):
+    results = spawn_cases(1, _layout_cases(str(tmp_path), {"single": (1, 1, 1, SINGLE)}))
+    _check(results["single"], SINGLE, str(tmp_path))
 
 
 @pytest.mark.slow
-def test_roundtrip_tp2_every_arch():
-    cases = [(m, 2, 1, 1, {}) for m in DENSE + MOE] + [("qwen2", 2, 1, 1, {"tie_word_embeddings": True})]
-    _check(cases, world_size=2)
+def test_roundtrip_tp2_every_arch(world2):
+    _check(world2["tp2"], SHARDED, world2["root"])
 
 
 @pytest.mark.slow
-def test_roundtrip_pp2_every_arch():
-    cases = [(m, 1, 2, 1, {}) for m in DENSE + MOE] + [("qwen2", 1, 2, 1, {"tie_word_embeddings": True})]
-    _check(cases, world_size=2)
+def test_roundtrip_pp2_every_arch(world2):
+    _check(world2["pp2"], SHARDED, world2["root"])
 
 
 @pytest.mark.slow
-def test_roundtrip_ep2_moe():
-    _check([(m, 1, 1, 2, {}) for m in MOE], world_size=2)
+def test_roundtrip_ep2_moe(world2):
+    _check(world2["ep2"], LAYOUTS2["ep2"][3], world2["root"])
 
 
 def _save_grouped(model_type: str, directory: str) -> None:
@@ -130,13 +153,12 @@ def _save_grouped(model_type: str, directory: str) -> None:
     model.config.save_pretrained(directory)
 
 
-def _grouped_worker(rank: int, world_size: int, root: str, model_types: list[str]) -> dict:
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
-    from actorcore.mcore.cpu_runtime import CpuRuntime
+def _grouped_case(root: str, model_types: list[str]) -> dict:
     from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.testing.reference import reference_logprobs, right_padded
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -145,42 +167,45 @@ def _grouped_worker(rank: int, world_size: int, root: str, model_types: list[str
     out = {}
     sequences = [torch.arange(3, 3 + n) % 131 for n in (7, 12, 4)]
     batch = ac.pack(sequences)
-    with CpuRuntime():
-        for model_type in model_types:
-            directory = os.path.join(root, model_type)
-            parallel = McoreParallel(ep=2)
-            context = initialize_megatron(parallel)
-            chunks = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
-            load_hf_into_mcore(chunks, directory, context)
-            # The reference: the model's own forward (fp32, padded batch), not actorcore's HF route.
-            hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
-            with torch.no_grad():
-                ref = reference_logprobs(hf, *right_padded(sequences))[0]
-            got = compute_logprobs(chunks, batch, context).log_probs
-            out[model_type] = (gather_hf_state_dict(chunks, context), got, ref)
+    parallel = McoreParallel(ep=2)
+    initialize_megatron(parallel)
+    for model_type in model_types:
+        directory = os.path.join(root, model_type)
+        config = AutoConfig.from_pretrained(directory)
+        layout = checkpoint_expert_layout(directory, config)
+        model = build_gpt_model(config, parallel, expert_layout=layout)
+        load_hf_into_mcore(model, directory)
+        try:  # the same checkpoint under a model built for the other layout: refused, saying what to build
+            load_hf_into_mcore(build_gpt_model(config, parallel), directory)
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        # The reference: the model's own forward (fp32, padded batch), not actorcore's HF route.
+        hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+        with torch.no_grad():
+            ref = reference_logprobs(hf, *right_padded(sequences))[0]
+        got = compute_logprobs(model, batch).log_probs
+        out[model_type] = (gather_hf_state_dict(model), got, ref, layout, refused)
     return out
 
 
 @pytest.mark.slow
-def test_grouped_expert_checkpoints_ep2():
-    """Grouped-expert checkpoints load at EP=2 (each rank reads its rows), give the transformers forward's
-    log-probs and export back bit-exact in the same grouped layout."""
+def test_grouped_expert_checkpoints_ep2(world2):
+    """Grouped-expert checkpoints load at EP=2 (each rank reads its rows) into a model built for that layout, give
+    the transformers forward's log-probs and export back bit-exact in the same grouped layout; a model built for
+    per-expert tensors refuses them."""
     from safetensors.torch import load_file
 
     from actorcore.testing.tolerances import TOL
 
-    from actorcore.archs import get_spec
-
-    model_types = [m for m in MOE if get_spec(m).mcore.grouped_expert_rules]
-    with tempfile.TemporaryDirectory() as root:
-        for model_type in model_types:
-            _save_grouped(model_type, os.path.join(root, model_type))
-        results = run_distributed(_grouped_worker, 2, args=(root, model_types))
-        for model_type in model_types:
-            reference = load_file(os.path.join(root, model_type, "model.safetensors"))
-            for result in results:
-                state, got, ref = result[model_type]
-                assert sorted(state) == sorted(reference), set(state) ^ set(reference)
-                for name, tensor in reference.items():
-                    assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
-                torch.testing.assert_close(got, ref, atol=TOL["mcore_vs_hf_fp32"], rtol=0)
+    assert world2["grouped"]
+    for model_type in world2["grouped"]:
+        reference = load_file(os.path.join(world2["root"], "grouped", model_type, "model.safetensors"))
+        for result in world2["grouped_ep2"]:
+            state, got, ref, layout, refused = result[model_type]
+            assert layout == "grouped"
+            assert "expert_layout='grouped'" in refused, refused
+            assert sorted(state) == sorted(reference), set(state) ^ set(reference)
+            for name, tensor in reference.items():
+                assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+            torch.testing.assert_close(got, ref, atol=TOL["mcore_vs_hf_fp32"], rtol=0)

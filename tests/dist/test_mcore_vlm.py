@@ -68,20 +68,23 @@ def _worker(rank: int, world_size: int, directory: str) -> dict:
 
 def _worker_body(tp: int, directory: str) -> dict:
     import actorcore as ac
-    from actorcore.mcore.checkpoint import SafetensorsReader, load_hf_into_mcore
     from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.safetensors_reader import SafetensorsReader
     from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
 
     hf = _tiny_vlm()
     parallel = McoreParallel(tp=tp)
-    context = initialize_megatron(parallel)
-    chunks = build_gpt_model(hf.config, parallel)
-    load_hf_into_mcore(chunks, directory, context)
+    initialize_megatron(parallel)
+    model = build_gpt_model(hf.config, parallel)
+    assert model.vlm_config is hf.config and model.hf_config.model_type == hf.config.model_type
+    chunks = model.chunks
+    load_hf_into_mcore(model, directory)
 
-    exported = gather_hf_state_dict(chunks, context)
+    exported = gather_hf_state_dict(model)
     reader = SafetensorsReader(directory)
     assert set(exported) == reader.names()
     roundtrip_exact = all(torch.equal(exported[n], reader.read(n)) and exported[n].dtype == reader.dtype(n)
@@ -89,10 +92,10 @@ def _worker_body(tp: int, directory: str) -> dict:
     # The same weights stored under the in-memory names (transformers 4.52-4.57's save_pretrained) load the same.
     again = build_gpt_model(hf.config, parallel)
     with torch.no_grad():
-        for param in again[0].parameters():
+        for param in again.chunks[0].parameters():
             param.zero_()
-    load_hf_into_mcore(again, os.path.join(directory, "in_memory_names"), context)
-    ours = again[0].state_dict()
+    load_hf_into_mcore(again, os.path.join(directory, "in_memory_names"))
+    ours = again.chunks[0].state_dict()
     roundtrip_exact &= all(torch.equal(t, ours[k]) for k, t in chunks[0].state_dict().items()
                            if isinstance(t, torch.Tensor) and not k.endswith("_extra_state"))
 
@@ -101,7 +104,7 @@ def _worker_body(tp: int, directory: str) -> dict:
     assert batch.position_ids.shape == (3, batch.num_tokens)
     calls = []
     hook = chunks[0].vision_tower.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
-    got = compute_logprobs(chunks, batch, context)
+    got = compute_logprobs(model, batch)
     hook.remove()
     # One tower call for all the batch's images and one for its video, on every TP rank.
     tower_calls_ok = calls == [int(batch.multimodal["pixel_values"].shape[0]),
@@ -114,7 +117,7 @@ def _worker_body(tp: int, directory: str) -> dict:
     def loss_fn(out, _batch):
         return -(out.log_probs * weights).sum() + out.entropy.sum()
 
-    fb = compute_logprobs(chunks, batch, context, loss_fn=loss_fn)
+    fb = compute_logprobs(model, batch, loss_fn=loss_fn)
     hf.zero_grad()
     lps, ents = zip(*(reference_logprobs_vlm(hf, [s]) for s in samples))  # one sequence at a time
     ref_lp, ref_ent = torch.cat(lps), torch.cat(ents)

@@ -28,7 +28,7 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.forward import compute_logprobs, mtp_loss
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
@@ -36,13 +36,14 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
 
     parallel = McoreParallel(tp=tp, pp=pp)
     context = initialize_megatron(parallel)
-    chunks = build_gpt_model(AutoConfig.from_pretrained(mtp_dir), parallel, mtp=True)
-    load_hf_into_mcore(chunks, mtp_dir, context)
+    mcore_model = build_gpt_model(AutoConfig.from_pretrained(mtp_dir), parallel, mtp=True)
+    chunks = mcore_model.chunks
+    load_hf_into_mcore(mcore_model, mtp_dir)
     batch = ac.pack(_sequences())
-    out = compute_logprobs(chunks, batch, context, mtp_loss_scale=MTP_SCALE,
+    out = compute_logprobs(mcore_model, batch, mtp_loss_scale=MTP_SCALE,
                            loss_fn=lambda o, b: o.log_probs.sum() * 0.0)
     grads = [p.grad.cpu() for n, p in chunks[-1].named_parameters() if n.endswith("eh_proj.weight")]
-    return dict(state={k: v.cpu() for k, v in gather_hf_state_dict(chunks, context).items()},
+    return dict(state={k: v.cpu() for k, v in gather_hf_state_dict(mcore_model).items()},
                 log_probs=out.log_probs.cpu(), mtp=out.mtp_log_probs.cpu(), device=out.mtp_log_probs.device.type,
                 loss=mtp_loss(out.mtp_log_probs, batch.to(out.mtp_log_probs.device)).cpu(), grads=grads,
                 tp_rank=context.tp_rank)

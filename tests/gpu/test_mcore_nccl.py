@@ -49,7 +49,7 @@ def _run_nccl(fn, world_size: int, args: tuple) -> list:
 def _worker(rank: int, world_size: int, tp: int, pp: int, ep: int, hf_dir: str) -> dict:
     import actorcore as ac
     from actorcore.batch import pad_to_multiple
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
@@ -58,16 +58,17 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, ep: int, hf_dir: str) 
     from transformers import AutoConfig
 
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
-    context = initialize_megatron(parallel)
-    chunks = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel)
+    initialize_megatron(parallel)
+    mcore_model = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel)
+    chunks = mcore_model.chunks
     assert next(chunks[0].parameters()).is_cuda
-    load_hf_into_mcore(chunks, hf_dir, context)
-    exported = {k: v.cpu() for k, v in gather_hf_state_dict(chunks, context).items()}
+    load_hf_into_mcore(mcore_model, hf_dir)
+    exported = {k: v.cpu() for k, v in gather_hf_state_dict(mcore_model).items()}
     buckets = [[(n, t.cpu(), t.device.type) for n, t in bucket]  # several tensors a bucket, over NCCL
-               for bucket in mcore_weight_stream(chunks, context, bucket_bytes=BUCKET_BYTES)]
+               for bucket in mcore_weight_stream(mcore_model, bucket_bytes=BUCKET_BYTES)]
     batches = [ac.pack(s) for s in _sequences()]
     batches = [pad_to_multiple(b, PAD_TO) if b.num_tokens % PAD_TO else b for b in batches]
-    outputs = compute_logprobs(chunks, batches, context)
+    outputs = compute_logprobs(mcore_model, batches)
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
@@ -121,21 +122,22 @@ def _cp_worker(rank: int, world_size: int, hf_dir: str, cp_comm: str, dtype: tor
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(cp=2)
-    context = initialize_megatron(parallel)
-    chunks = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel, cp_comm_type=cp_comm, dtype=dtype)
-    load_hf_into_mcore(chunks, hf_dir, context)
+    initialize_megatron(parallel)
+    mcore_model = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel, cp_comm_type=cp_comm, dtype=dtype)
+    chunks = mcore_model.chunks
+    load_hf_into_mcore(mcore_model, hf_dir)
     trace: collections.Counter = collections.Counter()
     for layer in chunks[0].decoder.layers:
         layer.self_attention.core_attention.trace = trace
     batches = [ac.pack(s) for s in _sequences()]
-    outputs = compute_logprobs(chunks, batches, context, loss_fn=lambda out, batch: -out.log_probs.sum())
+    outputs = compute_logprobs(mcore_model, batches, loss_fn=lambda out, batch: -out.log_probs.sum())
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     params = list(chunks[0].parameters())
     for param in params:  # what Megatron's DDP does: average over the data x context parallel ranks
@@ -144,7 +146,7 @@ def _cp_worker(rank: int, world_size: int, hf_dir: str, cp_comm: str, dtype: tor
     weights = [p.data for p in params]
     for p in params:
         p.data = p.grad
-    grads = {k: v.float().cpu() for k, v in gather_hf_state_dict(chunks, context).items()}
+    grads = {k: v.float().cpu() for k, v in gather_hf_state_dict(mcore_model).items()}
     for p, w in zip(params, weights):
         p.data = w
     parallel_state.destroy_model_parallel()

@@ -33,7 +33,7 @@ from test_mcore_vlm import _samples, _tiny_vlm  # noqa: E402
 
 def _worker(rank: int, world_size: int, tp: int, pp: int, hf_dir: str) -> dict:
     import actorcore as ac
-    from actorcore.mcore.checkpoint import load_hf_into_mcore
+    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.forward import compute_logprobs
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
@@ -42,11 +42,12 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, hf_dir: str) -> dict:
 
     hf = _tiny_vlm()  # on the CPU: only its rope-index function is used, to pack
     parallel = McoreParallel(tp=tp, pp=pp)
-    context = initialize_megatron(parallel)
-    chunks = build_gpt_model(hf.config, parallel)
+    initialize_megatron(parallel)
+    mcore_model = build_gpt_model(hf.config, parallel)
+    chunks = mcore_model.chunks
     assert next(chunks[0].parameters()).is_cuda
-    load_hf_into_mcore(chunks, hf_dir, context)
-    exported = {k: v.cpu() for k, v in gather_hf_state_dict(chunks, context).items()}
+    load_hf_into_mcore(mcore_model, hf_dir)
+    exported = {k: v.cpu() for k, v in gather_hf_state_dict(mcore_model).items()}
     samples = _samples(hf)
     batch = ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples], model=hf)
     weights = 0.5 + torch.rand(batch.num_tokens, generator=torch.Generator().manual_seed(5))
@@ -54,7 +55,7 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, hf_dir: str) -> dict:
     def loss_fn(out, _batch):
         return -(out.log_probs * weights.to(out.log_probs.device)).sum() + out.entropy.sum()
 
-    out = compute_logprobs(chunks, batch, context, loss_fn=loss_fn)
+    out = compute_logprobs(mcore_model, batch, loss_fn=loss_fn)
     params = dict(chunks[0].named_parameters())
     layer = chunks[0].decoder.layers[0].layer_number - 1  # Megatron numbers layers globally, from 1
     grads = {hf_name.format(layer=layer): params[name].grad.cpu() for name, hf_name in GRAD_PAIRS.items()

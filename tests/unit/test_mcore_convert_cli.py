@@ -43,11 +43,9 @@ def _assert_same_checkpoint(a: str, b: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type,layout,overrides", [
-    ("qwen3", [], {}),
-    ("qwen2", ["--tp", "2"], {}),
+    # Two layouts: the CLI's own path (rank processes, dtype from the tensors, sharded output); every architecture
+    # at every layout is round-tripped in tests/dist/test_mcore_roundtrip.py.
     ("qwen2", ["--pp", "2"], {"tie_word_embeddings": True, "dtype": torch.bfloat16}),
-    ("qwen3_moe", ["--ep", "2"], {}),
-    ("mixtral", ["--pp", "2"], {}),
     ("deepseek_v3", ["--tp", "2", "--ep", "2"], {}),  # MoE at TP > 1: built with sequence parallelism
 ])
 def test_cli_roundtrip_is_bit_exact(tmp_path, model_type, layout, overrides, capsys):

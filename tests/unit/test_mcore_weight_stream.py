@@ -11,27 +11,20 @@ from actorcore.buckets import plan_buckets
 from actorcore.mcore.weight_stream import mcore_weight_stream
 
 
-class _Chunk:
-    actorcore_hf_config = None
-
-
 @pytest.mark.parametrize("kwargs,fragment", [
-    (dict(chunks=[]), "needs this rank's model chunks"),
-    (dict(chunks=_Chunk()), "needs this rank's model chunks"),
+    (dict(model=[]), "takes the McoreModel"),
+    (dict(model=[torch.nn.Linear(2, 2)]), "takes the McoreModel"),
     (dict(bucket_bytes=0), "bucket_bytes must be a positive int"),
     (dict(bucket_bytes=True), "bucket_bytes must be a positive int"),
     (dict(bucket_bytes=1.5e6), "bucket_bytes must be a positive int"),
     (dict(dtype=torch.int8), "dtype must be None or a floating torch.dtype"),
     (dict(dtype="bfloat16"), "dtype must be None or a floating torch.dtype"),
-    (dict(context=None), "context must be the ParallelContext"),
 ])
 def test_bad_arguments_are_refused_at_the_call(kwargs, fragment):
-    from actorcore.parallel.context import ParallelContext
-
-    args = {"chunks": [_Chunk()], "context": ParallelContext(), **kwargs}
-    chunks, context = args.pop("chunks"), args.pop("context")
+    args = {"model": None, **kwargs}
+    model = args.pop("model")
     with pytest.raises(ValueError, match=fragment):
-        mcore_weight_stream(chunks, context, **args)  # not iterated: the error comes at the call
+        mcore_weight_stream(model, **args)  # not iterated: the error comes at the call
 
 
 def test_plan_buckets_bound():

@@ -21,7 +21,6 @@ import contextlib
 import errno
 import os
 import signal
-import socket
 import sys
 import tempfile
 import traceback
@@ -30,6 +29,7 @@ from typing import Any, Iterator
 from actorcore.cli.output_dir import atomic_output, disk_full, nearly_full
 from actorcore.cli.processes import Interrupted, SignalGuard, run_ranks
 from actorcore.mcore import fault_points
+from actorcore.parallel.spawn import free_port
 
 USER_ERRORS = (ValueError, OSError, KeyError)
 EXIT_USER_ERROR = 2
@@ -81,38 +81,33 @@ def _megatron_runtime(rank: int, world_size: int, port: int) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _hf_to_mcore_rank(rank: int, world_size: int, port: int, src: str, out: str, sizes: tuple[int, int, int],
                       vocab_multiple: int, mtp: bool = False) -> None:
-    from actorcore.mcore.checkpoint import load_hf_into_mcore, safetensors_dtype
     from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
+    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.safetensors_reader import safetensors_dtype
 
     hf_config = _read_hf_config(src)
     dtype = safetensors_dtype(src)  # the tensors' own dtype, whatever config.json declares: no re-typing
     tp, pp, ep = sizes
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     with _megatron_runtime(rank, world_size, port):
-        context = initialize_megatron(parallel)
+        initialize_megatron(parallel)
         # No random initialisation: the load fills (and checks) every parameter; initialising an 8B-shaped model
         # on the CPU took most of a conversion's time (measured: 27 of 42 s for a 3.1 GB checkpoint).
-        chunks = build_gpt_model(hf_config, parallel, dtype, vocab_multiple=vocab_multiple, mtp=mtp,
-                                 perform_initialization=False)
+        model = build_gpt_model(hf_config, parallel, dtype, vocab_multiple=vocab_multiple, mtp=mtp,
+                                expert_layout=checkpoint_expert_layout(src, hf_config), perform_initialization=False)
         fault_points.reach("loading")
-        load_hf_into_mcore(chunks, src, context, progress=rank == 0)
-        save_mcore_checkpoint(chunks, out, src, vocab_multiple)
+        load_hf_into_mcore(model, src, progress=rank == 0)
+        save_mcore_checkpoint(model, out, src)
 
 
 def _read_hf_config(src: str) -> Any:
     from transformers import AutoConfig
 
-    from actorcore.mcore.checkpoint import CheckpointError
+    from actorcore.errors import CheckpointError
 
     try:
         return AutoConfig.from_pretrained(src)
@@ -187,10 +182,10 @@ def _hf_to_mcore(args: argparse.Namespace) -> None:
     with atomic_output(args.dst) as out:
         task = (src, out, (args.tp, args.pp, args.ep), args.vocab_multiple, args.mtp)
         if world == 1:
-            _hf_to_mcore_rank(0, 1, _free_port(), *task)
+            _hf_to_mcore_rank(0, 1, free_port(), *task)
             return
         with tempfile.TemporaryDirectory() as error_dir:
-            codes = run_ranks(_spawned_rank, world, (_free_port(), error_dir, task))
+            codes = run_ranks(_spawned_rank, world, (free_port(), error_dir, task))
             if any(codes):
                 messages = [open(os.path.join(error_dir, n)).read() for n in sorted(os.listdir(error_dir))]
                 user = [m[5:] for m in messages if m.startswith("user:")]
@@ -233,15 +228,15 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     if args.max_shard_size <= 0:
         raise ValueError(f"--max-shard-size must be a positive number of bytes, got {args.max_shard_size}")
     meta, hf_config, dtype = read_mcore_metadata(src)
-    with atomic_output(args.dst) as out, _megatron_runtime(0, 1, _free_port()):
-        context = initialize_megatron(McoreParallel())
-        chunks = build_gpt_model(hf_config, McoreParallel(), dtype, vocab_multiple=int(meta["vocab_multiple"]),
-                                 mtp=bool(meta.get("mtp_layers")), perform_initialization=False)  # the load fills all
+    with atomic_output(args.dst) as out, _megatron_runtime(0, 1, free_port()):
+        initialize_megatron(McoreParallel())
+        model = build_gpt_model(hf_config, McoreParallel(), dtype, vocab_multiple=int(meta["vocab_multiple"]),
+                                mtp=bool(meta.get("mtp_layers")), perform_initialization=False)  # the load fills all
         fault_points.reach("loading")
-        load_mcore_checkpoint(chunks, src)
+        load_mcore_checkpoint(model, src)
         copy_hf_side_files(os.path.join(src, HF_DIR), out)
         # One process holds the whole model; the shards are written as the buckets come (one shard in memory).
-        stream = mcore_weight_stream(chunks, context, bucket_bytes=min(args.max_shard_size, 512 * 1024**2))
+        stream = mcore_weight_stream(model, bucket_bytes=min(args.max_shard_size, 512 * 1024**2))
         _save_sharded(tqdm(_exporting(stream), desc="export Megatron -> HF", unit="bucket"), hf_config, out,
                       args.max_shard_size)
 

@@ -15,17 +15,14 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from actorcore.archs.spec import task_model
-from actorcore.buckets import plan_buckets
+from actorcore.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
 from actorcore.export.fp8 import (BlockwiseFP8, quantize_fp8_blockwise, quantized_model_names, quantized_nbytes,
                                   resolve_scheme, scale_name)
 from actorcore.export.lora import LORA_MODES, Entry, adapter_state, is_peft_model, merge_lora, merged_entries
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 NAME_KINDS = ("checkpoint", "model")
-
-Bucket = list[tuple[str, torch.Tensor]]
 
 
 def _tied_weight_patterns(model: torch.nn.Module) -> list[str]:

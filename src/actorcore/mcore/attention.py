@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -135,65 +136,80 @@ class PackedCoreAttention(MegatronModule):
         return out_LNH.reshape(out_LNH.shape[0], -1)
 
 
+@dataclass
+class CpLayoutCache:
+    """A batch's context-parallel layout, derived by the first attention layer and reused by the others (it
+    travels on the batch's ``BatchParams``, so it lives as long as the micro-batch). Each entry is keyed by
+    what it was derived under."""
+
+    layout: tuple | None = None
+    prefix_plan: tuple | None = None
+    runs: tuple | None = None
+    flash_calls: tuple | None = None
+
+
+def _cache_of(params: Any) -> CpLayoutCache:
+    """The batch's cache; a fresh one (nothing kept) for a plain ``PackedSeqParams`` of a caller's own forward."""
+    cache = getattr(params, "cp_cache", None)
+    return cache if isinstance(cache, CpLayoutCache) else CpLayoutCache()
+
+
 def _cp_layout(params: Any, cp_group: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
     """(gather order on the device; query positions, local and global segment offsets on the CPU) of a batch's
     CP layout.
 
-    The first layer computes them from ``cu_seqlens_q_padded`` and keeps them on the batch's ``params``, so the
+    The first layer computes them from ``cu_seqlens_q_padded`` and keeps them in the batch's cache, so the
     other layers neither rebuild the index tensors nor read offsets back from the GPU."""
     cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-    cached = getattr(params, "_actorcore_cp_layout", None)
-    if cached is None or cached[0] != (cp_size, cp_rank, device):
+    cache = _cache_of(params)
+    if cache.layout is None or cache.layout[0] != (cp_size, cp_rank, device):
         cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
         bounds = [int(b) for b in cu.tolist()]
         cu_cpu = torch.tensor(bounds, dtype=torch.int64)
-        cached = ((cp_size, cp_rank, device), cp_gather_order(bounds, cp_size).to(device),
-                  cp_local_positions(bounds, cp_size, cp_rank), cu_cpu // cp_size, cu_cpu)
-        params._actorcore_cp_layout = cached
-    return cached[1:]
+        cache.layout = ((cp_size, cp_rank, device), cp_gather_order(bounds, cp_size).to(device),
+                        cp_local_positions(bounds, cp_size, cp_rank), cu_cpu // cp_size, cu_cpu)
+    return cache.layout[1:]
 
 
 def _cp_prefix_plan(params: Any, positions: torch.Tensor, cu_local: torch.Tensor, cu: torch.Tensor,
                     window: int | None, device: torch.device):
-    """The all-gather path's varlen layout on ``device`` (built by the first layer, kept on ``params``)."""
+    """The all-gather path's varlen layout on ``device`` (built by the first layer, kept in the batch's cache)."""
     key = (window, device)
-    cached = getattr(params, "_actorcore_cp_prefix_plan", None)
-    if cached is None or cached[0] != key:
-        cached = (key, prefix_plan(cu_local, cu, positions, window).to(device))
-        params._actorcore_cp_prefix_plan = cached
-    return cached[1]
+    cache = _cache_of(params)
+    if cache.prefix_plan is None or cache.prefix_plan[0] != key:
+        cache.prefix_plan = (key, prefix_plan(cu_local, cu, positions, window).to(device))
+    return cache.prefix_plan[1]
 
 
 def _cp_runs(params: Any, cp_group: Any, max_run: int | None) -> list[block_attention.Runs]:
-    """Per CP rank, the runs of consecutive positions its tokens hold in every segment (cached on ``params``),
-    cut into tiles of ``max_run`` tokens (``None``: uncut)."""
+    """Per CP rank, the runs of consecutive positions its tokens hold in every segment (kept in the batch's
+    cache), cut into tiles of ``max_run`` tokens (``None``: uncut)."""
     cp_size = dist.get_world_size(cp_group)
-    cache = getattr(params, "_actorcore_cp_runs", None)
-    if cache is None or cache[0] != cp_size:
-        cache = (cp_size, {})
-        params._actorcore_cp_runs = cache
-    if max_run not in cache[1]:
+    cache = _cache_of(params)
+    if cache.runs is None or cache.runs[0] != cp_size:
+        cache.runs = (cp_size, {})
+    by_tile = cache.runs[1]
+    if max_run not in by_tile:
         cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
         bounds = [int(b) for b in cu.tolist()]
         cu_local = torch.tensor(bounds, dtype=torch.int64) // cp_size
-        cache[1][max_run] = [block_attention.position_runs(cu_local, cp_local_positions(bounds, cp_size, rank),
-                                                           max_run) for rank in range(cp_size)]
-    return cache[1][max_run]
+        by_tile[max_run] = [block_attention.position_runs(cu_local, cp_local_positions(bounds, cp_size, rank),
+                                                          max_run) for rank in range(cp_size)]
+    return by_tile[max_run]
 
 
 def _cp_flash_calls(params: Any, cp_group: Any, device: torch.device) -> list[list[VarlenCall]] | None:
-    """Per source CP rank, the flash calls of this rank's block against it (on ``device``; cached on ``params``),
-    or ``None`` where the layout does not line up for them."""
+    """Per source CP rank, the flash calls of this rank's block against it (on ``device``; kept in the batch's
+    cache), or ``None`` where the layout does not line up for them."""
     cp_rank = dist.get_rank(cp_group)
-    cached = getattr(params, "_actorcore_cp_flash_calls", None)
-    if cached is None or cached[0] != (cp_rank, device):
+    cache = _cache_of(params)
+    if cache.flash_calls is None or cache.flash_calls[0] != (cp_rank, device):
         runs = _cp_runs(params, cp_group, None)
         num_queries = sum(stop - start for segment in runs[cp_rank] for start, stop, _ in segment)
         plans = [flash_blocks.plan_flash_block(runs[cp_rank], source_runs, num_queries) for source_runs in runs]
         calls = None if any(plan is None for plan in plans) else [[c.to(device) for c in plan] for plan in plans]
-        cached = ((cp_rank, device), calls)
-        params._actorcore_cp_flash_calls = cached
-    return cached[1]
+        cache.flash_calls = ((cp_rank, device), calls)
+    return cache.flash_calls[1]
 
 
 class _RingBlocks:

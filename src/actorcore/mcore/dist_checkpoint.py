@@ -16,8 +16,9 @@ import os
 import shutil
 from typing import Any
 
+from actorcore.errors import CheckpointError, CheckpointMismatchError
 from actorcore.mcore import fault_points
-from actorcore.mcore.checkpoint import CheckpointError, CheckpointMismatchError
+from actorcore.mcore.handle import McoreModel, require_model
 
 META_FILE = "actorcore.json"
 HF_DIR = "hf"
@@ -88,18 +89,20 @@ def _in_process_save_strategy() -> Any:
     return _InProcessSaveStrategy("torch_dist", 1)
 
 
-def save_mcore_checkpoint(chunks: list[Any], directory: str, hf_dir: str, vocab_multiple: int) -> None:
-    """Collective: every rank calls it with its chunks; rank 0 also writes the HF side files and metadata."""
+def save_mcore_checkpoint(model: McoreModel, directory: str, hf_dir: str) -> None:
+    """Collective: every rank calls it with its model; rank 0 also writes the HF side files (from ``hf_dir``)
+    and the metadata (the vocabulary padding and MTP layers the model was built with)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    model = require_model(model, "save_mcore_checkpoint")
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(_sharded_state_dict(chunks), directory, sharded_strategy=_in_process_save_strategy())
+    dist_checkpointing.save(_sharded_state_dict(model.chunks), directory, sharded_strategy=_in_process_save_strategy())
     fault_points.reach("saving")
     if not dist.is_initialized() or dist.get_rank() == 0:
         copy_hf_side_files(hf_dir, os.path.join(directory, HF_DIR))
-        meta = {"format": "actorcore-mcore/1", "model_type": chunks[0].actorcore_hf_config.model_type,
-                "vocab_multiple": vocab_multiple, "mtp_layers": chunks[0].config.mtp_num_layers or 0}
+        meta = {"format": "actorcore-mcore/1", "model_type": model.hf_config.model_type,
+                "vocab_multiple": model.vocab_multiple, "mtp_layers": model.mtp_layers}
         with open(os.path.join(directory, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
 
@@ -140,8 +143,8 @@ def _tensors_only(sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
     return tensors
 
 
-def load_mcore_checkpoint(chunks: list[Any], directory: str) -> None:
-    """Fill this rank's chunks from a distributed checkpoint (any saved layout). Collective.
+def load_mcore_checkpoint(model: McoreModel, directory: str) -> None:
+    """Fill this rank's model from a distributed checkpoint (any saved layout). Collective.
 
     The checkpoint's pickled files are validated first (``safe_load``) and no pickled object is loaded.
     """
@@ -151,6 +154,7 @@ def load_mcore_checkpoint(chunks: list[Any], directory: str) -> None:
 
     from actorcore.mcore.safe_load import check_checkpoint_pickles
 
+    chunks = require_model(model, "load_mcore_checkpoint").chunks
     sharded = _tensors_only(_sharded_state_dict(chunks))
     _check_against_metadata(sharded, check_checkpoint_pickles(directory), directory)
     try:

@@ -30,47 +30,44 @@ from actorcore.batch import (IGNORE_INDEX, PackedBatch, next_token_labels, pad_t
 from actorcore.context_split import CpShard, split_for_cp
 from actorcore.kernels.logprob import check_options
 from actorcore.mcore.cpu_runtime import te_absent_fixes
+from actorcore.mcore.handle import McoreModel, require_model
 from actorcore.outputs import LogProbOutput
 from actorcore.parallel import collectives
 from actorcore.parallel.context import ParallelContext
 from actorcore.parallel.vocab_parallel import linear_logprob_entropy_vocab_parallel
 
 
-def packed_seq_params(batch: PackedBatch | CpShard, cp_group: Any = None):
-    """Megatron's THD parameters; for a CP shard, the padded layout of the whole batch (``cu_seqlens_*_padded``,
-    which Megatron's RoPE and ``PackedCoreAttention`` read)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+def packed_seq_params(batch: PackedBatch | CpShard, cp_group: Any = None, *, run_mtp: bool = False):
+    """Megatron's THD parameters for one micro-batch (our ``BatchParams``, which also carries the call's
+    ``run_mtp``); for a CP shard, the padded layout of the whole batch (``cu_seqlens_*_padded``, which
+    Megatron's RoPE and ``PackedCoreAttention`` read)."""
+    from actorcore.mcore.batch_params import BatchParams
 
     cu = batch.cu_seqlens.to(torch.int32)
     padded = cu if isinstance(batch, CpShard) else None
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
-                           cu_seqlens_kv_padded=padded, max_seqlen_q=int(batch.max_seqlen),
-                           max_seqlen_kv=int(batch.max_seqlen), cp_group=cp_group)
+    return BatchParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                       cu_seqlens_kv_padded=padded, max_seqlen_q=int(batch.max_seqlen),
+                       max_seqlen_kv=int(batch.max_seqlen), cp_group=cp_group, run_mtp=run_mtp)
 
 
-def _token_multiple(config: Any) -> int:
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
-
-
-def prepare_batch(batch: PackedBatch, chunk: Any) -> PackedBatch:
+def prepare_batch(batch: PackedBatch, model: McoreModel) -> PackedBatch:
     """Pad to the token multiple the layout needs (TP with sequence parallelism); move to the model device.
     Under context parallelism the split pads every sequence instead (``split_for_cp``)."""
-    config = chunk.config
-    if batch.position_ids.dim() != 1 and config.mrope_section is None:
+    if batch.position_ids.dim() != 1 and model.config.mrope_section is None:
         raise ValueError("the Megatron route takes text batches with 1-D position ids (M-RoPE positions only for "
                          "a vision-language model)")
-    if not batch.num_padding and config.context_parallel_size == 1:
-        batch = pad_to_multiple(batch, _token_multiple(config))
-    device = next(chunk.parameters()).device
-    return batch.to(device)
+    if not batch.num_padding and model.parallel.cp == 1:
+        batch = pad_to_multiple(batch, model.token_multiple)
+    return batch.to(model.device)
 
 
-def split_batches(batches: Sequence[PackedBatch], context: ParallelContext, config: Any) -> list[CpShard]:
+def split_batches(batches: Sequence[PackedBatch], model: McoreModel) -> list[CpShard]:
     """This CP rank's shard of every micro-batch, all padded to one token count (pipeline stages exchange
     fixed shapes)."""
     from actorcore.context_split import cp_padded_bounds
 
-    cp, multiple = context.cp_size, 2 * context.cp_size * _token_multiple(config)
+    context = model.context
+    cp, multiple = context.cp_size, model.token_multiple
     totals = [-(-cp_padded_bounds([int(x) for x in b.cu_seqlens.tolist()], cp)[-1] // multiple) * multiple
               for b in batches]
     if context.pp_size > 1:
@@ -114,12 +111,13 @@ def _merge_cp(local_L: torch.Tensor, shard: CpShard | None, context: ParallelCon
 
 
 def logprobs_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, context: ParallelContext, *,
-                         temperature: float, entropy: bool, shard: CpShard | None = None) -> LogProbOutput:
-    """The last stage's head: fused vocabulary-parallel log-prob/entropy, aligned to the scored token.
+                         vocab_size: int, temperature: float, entropy: bool,
+                         shard: CpShard | None = None) -> LogProbOutput:
+    """The last stage's head: fused vocabulary-parallel log-prob/entropy, aligned to the scored token
+    (``vocab_size``: the HF vocabulary, without Megatron's padding).
 
     With a CP ``shard``, ``hidden_TD`` holds this rank's tokens; the labels are the shard's (taken before the
     split) and the results are gathered over the CP group into the batch's order."""
-    vocab_size = chunk.actorcore_hf_config.vocab_size
     weight, start = _output_weight_shard(chunk, vocab_size, context)
     labels_T, valid_T = next_token_labels(batch)
     local_labels = labels_T if shard is None else shard.labels
@@ -172,12 +170,11 @@ def shift_to_scored_token_by(predicting_T: torch.Tensor, shift: int) -> torch.Te
 
 
 def mtp_logprobs_from_hidden(chunk: Any, mtp_hidden_TD: list[torch.Tensor], batch: PackedBatch,
-                             context: ParallelContext) -> torch.Tensor:
+                             context: ParallelContext, vocab_size: int) -> torch.Tensor:
     """Per-token log-probs of every MTP depth, ``[mtp, T]`` float32, each aligned to its scored token (0 where
     a depth scores nothing: a sequence's first ``1 + depth`` tokens). The MTP layers end in the shared head
     norm; the output weight is the main head's (Megatron shares it). Always at temperature 1: the MTP loss is
     the draft head's language-modelling loss, as in Megatron, whatever temperature the policy is scored at."""
-    vocab_size = chunk.actorcore_hf_config.vocab_size
     weight, start = _output_weight_shard(chunk, vocab_size, context)
     rows = []
     for depth, hidden_TD in enumerate(mtp_hidden_TD, start=1):
@@ -201,42 +198,39 @@ def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, 
     return unpad(_merge_cp(values.squeeze(-1), shard, context), batch)
 
 
-def _forward_step(batches: list[PackedBatch], shards: list[CpShard] | None, context: ParallelContext, head: Callable,
-                  data_iterator: Any, model: Any):
+def _forward_step(model: McoreModel, batches: list[PackedBatch], shards: list[CpShard] | None, head: Callable,
+                  run_mtp: bool, data_iterator: Any, chunk: Any):
     index = next(data_iterator)
     batch = batches[index]
     shard = None if shards is None else shards[index]
     local = batch if shard is None else shard
-    params = packed_seq_params(local, context.cp_group)
-    if getattr(model, "actorcore_vlm_config", None) is not None:  # the vision tower's features in the decoder input
+    params = packed_seq_params(local, model.context.cp_group, run_mtp=run_mtp)
+    if model.vlm_config is not None:  # the vision tower's features in the decoder input
         from actorcore.mcore.vlm import vlm_chunk_forward
 
-        output = vlm_chunk_forward(model, local, params)
+        output = vlm_chunk_forward(chunk, local, params, model.vlm_config)
     else:
-        output = model(local.input_ids.unsqueeze(0), local.position_ids.unsqueeze(0), None, packed_seq_params=params)
+        output = chunk(local.input_ids.unsqueeze(0), local.position_ids.unsqueeze(0), None, packed_seq_params=params)
 
     def loss_func(output_tensor: torch.Tensor):
-        return head(model, _hidden_TD(output_tensor), batch, shard)
+        return head(chunk, _hidden_TD(output_tensor), batch, shard)
 
     return output, loss_func
 
 
-def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], context: ParallelContext, head: Callable, *,
-                 forward_only: bool) -> list[Any]:
-    """One micro-batch per packed batch; ``head(model, hidden_TD, batch, shard) -> (loss, data)`` on the last
-    stage (``shard``: this rank's ``CpShard`` of the batch, None without CP). Returns the ``data`` of every
-    micro-batch on the last pipeline stage (empty elsewhere)."""
+def run_schedule(model: McoreModel, batches: Sequence[PackedBatch], head: Callable, *, forward_only: bool,
+                 run_mtp: bool = False) -> list[Any]:
+    """One micro-batch per packed batch; ``head(chunk, hidden_TD, batch, shard) -> (loss, data)`` on the last
+    stage (``shard``: this rank's ``CpShard`` of the batch, None without CP). ``run_mtp``: the MTP layers run in
+    this call's forwards. Returns the ``data`` of every micro-batch on the last pipeline stage (empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    config = chunks[0].config
-    if config.context_parallel_size != context.cp_size:
-        raise ValueError(f"the model was built for cp={config.context_parallel_size} but the context has "
-                         f"cp={context.cp_size}: pass the context initialize_megatron returned for its layout")
-    batches = [prepare_batch(b, chunks[0]) for b in batches]
-    shards = split_batches(batches, context, config) if context.cp_size > 1 else None
+    chunks, context = model.chunks, model.context
+    batches = [prepare_batch(b, model) for b in batches]
+    shards = split_batches(batches, model) if context.cp_size > 1 else None
     for chunk in chunks:
         chunk.train(not forward_only)
-    step = functools.partial(_forward_step, batches, shards, context, head)
+    step = functools.partial(_forward_step, model, batches, shards, head, run_mtp)
     iterators = [iter(range(len(batches))) for _ in chunks]
     max_tokens = max(b.num_tokens for b in (batches if shards is None else shards))
     if context.pp_size > 1 and shards is None and any(b.num_tokens != max_tokens for b in batches):
@@ -249,15 +243,16 @@ def run_schedule(chunks: list[Any], batches: Sequence[PackedBatch], context: Par
             micro_batch_size=1, forward_only=forward_only)
 
 
-def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int], context: ParallelContext,
-                           chunks: list[Any]) -> list[torch.Tensor]:
+def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int],
+                           model: McoreModel) -> list[torch.Tensor]:
     """Every rank gets the last stage's per-micro-batch ``[T]`` float32 tensors.
 
     The receive buffers live on the model's device: NCCL has no CPU tensors (a CPU buffer fails with "No
     backend type associated with device type cpu")."""
     out = []
+    context = model.context
     last = context.pp_size - 1
-    device = next(chunks[0].parameters()).device
+    device = model.device
     for tensor, length in zip(tensors, shapes):
         buffer = (tensor.detach().clone() if tensor is not None
                   else torch.empty(length, dtype=torch.float32, device=device))
@@ -265,11 +260,11 @@ def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int]
     return out
 
 
-def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatch], context: ParallelContext, *,
-                     temperature: float = 1.0, entropy: bool = True,
-                     loss_fn: Callable[[LogProbOutput, PackedBatch], torch.Tensor] | None = None,
+def compute_logprobs(model: McoreModel, batches: PackedBatch | Sequence[PackedBatch], temperature: float = 1.0,
+                     entropy: bool = True, *, loss_fn: Callable[[LogProbOutput, PackedBatch], torch.Tensor] | None = None,
                      mtp_loss_scale: float | None = None):
-    """Per-token float32 log-probs (and entropy) of each packed batch under the Megatron model.
+    """Per-token float32 log-probs (and entropy) of each packed batch under the Megatron ``model``
+    (``build_gpt_model``'s ``McoreModel``), aligned as ``actorcore.compute_logprobs``'s.
 
     Without ``loss_fn``: forward only, returns a ``LogProbOutput`` (a list for a list of batches) on every
     rank. With ``loss_fn(output, batch) -> scalar``: forward and backward through the pipeline schedule
@@ -278,23 +273,29 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
     each rank's gradients are its tokens' share times cp (Megatron's schedule scales the loss by cp), so
     averaging them over the data x context parallel ranks (Megatron's DDP) gives the whole batch's gradients.
 
-    ``mtp_loss_scale`` (a model built with ``mtp=True``): also run the multi-token-prediction layers; each output
-    carries ``mtp_log_probs`` ``[mtp, T]`` (depth ``d`` scores token ``t + 1 + d`` from position ``t``, aligned to
-    the scored token, 0 where nothing is scored; at temperature 1), and with ``loss_fn`` the loss becomes
-    ``loss_fn(output, batch) + mtp_loss_scale * mtp_loss(output.mtp_log_probs, batch)`` (its gradient reaches the
-    main model too, as in Megatron). The main head's log-probs are the same as without MTP.
+    ``mtp_loss_scale`` (a model built with ``mtp=True``): also run the multi-token-prediction layers in this
+    call; each output carries ``mtp_log_probs`` ``[mtp, T]`` (depth ``d`` scores token ``t + 1 + d`` from
+    position ``t``, aligned to the scored token, 0 where nothing is scored; at temperature 1), and with
+    ``loss_fn`` the loss becomes ``loss_fn(output, batch) + mtp_loss_scale * mtp_loss(output.mtp_log_probs,
+    batch)`` (its gradient reaches the main model too, as in Megatron). The main head's log-probs are the same
+    as without MTP.
     """
+    model = require_model(model, "compute_logprobs")
     single = isinstance(batches, PackedBatch)
     batch_list = [batches] if single else list(batches)
     check_options(temperature=temperature, entropy=entropy)
-    mtp_layers = _check_mtp(chunks, context, mtp_loss_scale)
+    mtp_layers = _check_mtp(model, mtp_loss_scale)
+    forward_only = loss_fn is None
+    if not forward_only:
+        _check_trainable(model.config)
+    context, vocab_size = model.context, model.hf_config.vocab_size
 
-    def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None):
+    def head(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None):
         pieces = hidden_TD.chunk(1 + mtp_layers, dim=0)  # main hidden states, then one block per MTP depth
-        out = logprobs_from_hidden(model, pieces[0], batch, context, temperature=temperature, entropy=entropy,
-                                   shard=shard)
+        out = logprobs_from_hidden(chunk, pieces[0], batch, context, vocab_size=vocab_size, temperature=temperature,
+                                   entropy=entropy, shard=shard)
         if mtp_layers:
-            out.mtp_log_probs = mtp_logprobs_from_hidden(model, list(pieces[1:]), batch, context)
+            out.mtp_log_probs = mtp_logprobs_from_hidden(chunk, list(pieces[1:]), batch, context, vocab_size)
         loss = loss_fn(out, batch) if loss_fn is not None else hidden_TD.sum() * 0.0
         if mtp_layers and loss_fn is not None:
             loss = loss + mtp_loss_scale * mtp_loss(out.mtp_log_probs, batch)
@@ -302,74 +303,75 @@ def compute_logprobs(chunks: list[Any], batches: PackedBatch | Sequence[PackedBa
                 "mtp": None if out.mtp_log_probs is None else out.mtp_log_probs.detach().flatten()}
         return loss, data
 
-    forward_only = loss_fn is None
-    config = chunks[0].config
-    if not forward_only and config.multi_latent_attention and config.tensor_model_parallel_size > 1 \
-            and not config.sequence_parallel:
-        raise ValueError("forward-backward of a multi-latent-attention model (DeepSeek-V3) at tp > 1 needs "
-                         "sequence parallelism (without it megatron-core's MLA drops part of the RoPE key's "
-                         "gradient, see actorcore/mcore/mla.py): build the model with sequence_parallel=True")
-    if not forward_only and config.num_moe_experts and config.tensor_model_parallel_size > 1 \
-            and not config.sequence_parallel:
-        raise ValueError("forward-backward of a MoE model at tp > 1 needs sequence parallelism (megatron-core "
-                         "refuses MoE training under tensor parallelism without it): do not pass "
-                         "sequence_parallel=False to build_gpt_model (it is the default for MoE at tp > 1)")
-    for chunk in chunks:
-        chunk.actorcore_run_mtp = bool(mtp_layers)
-    try:
-        with torch.set_grad_enabled(not forward_only):
-            data = run_schedule(chunks, batch_list, context, head, forward_only=forward_only)
-    finally:
-        for chunk in chunks:
-            chunk.actorcore_run_mtp = False
-    lengths = [b.num_real_tokens for b in batch_list]
-    log_probs = _share_from_last_stage([d["log_probs"] for d in data] or [None] * len(lengths), lengths, context,
-                                       chunks)
-    ent = None
-    if entropy:
-        ent = _share_from_last_stage([d["entropy"] for d in data] or [None] * len(lengths), lengths, context,
-                                     chunks)
-    outputs = [LogProbOutput(log_probs=lp, entropy=None if ent is None else ent[i]) for i, lp in enumerate(log_probs)]
-    if mtp_layers:
-        mtp = _share_from_last_stage([d["mtp"] for d in data] or [None] * len(lengths),
-                                     [mtp_layers * n for n in lengths], context, chunks)
-        for output, flat in zip(outputs, mtp):
-            output.mtp_log_probs = flat.view(mtp_layers, -1)
+    with torch.set_grad_enabled(not forward_only):
+        data = run_schedule(model, batch_list, head, forward_only=forward_only, run_mtp=bool(mtp_layers))
+    outputs = _gathered_outputs(model, data, batch_list, entropy, mtp_layers)
     return outputs[0] if single else outputs
 
 
-def _check_mtp(chunks: list[Any], context: ParallelContext, mtp_loss_scale: float | None) -> int:
+def _check_trainable(config: Any) -> None:
+    """Refuse a forward-backward that megatron-core would get wrong or refuse under TP without SP."""
+    if config.multi_latent_attention and config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
+        raise ValueError("forward-backward of a multi-latent-attention model (DeepSeek-V3) at tp > 1 needs "
+                         "sequence parallelism (without it megatron-core's MLA drops part of the RoPE key's "
+                         "gradient, see actorcore/mcore/mla.py): build the model with sequence_parallel=True")
+    if config.num_moe_experts and config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
+        raise ValueError("forward-backward of a MoE model at tp > 1 needs sequence parallelism (megatron-core "
+                         "refuses MoE training under tensor parallelism without it): do not pass "
+                         "sequence_parallel=False to build_gpt_model (it is the default for MoE at tp > 1)")
+
+
+def _gathered_outputs(model: McoreModel, data: list[dict], batch_list: list[PackedBatch], entropy: bool,
+                      mtp_layers: int) -> list[LogProbOutput]:
+    """Every rank's ``LogProbOutput``s from the last stage's per-micro-batch ``data``."""
+    lengths = [b.num_real_tokens for b in batch_list]
+
+    def shared(key: str, sizes: list[int]) -> list[torch.Tensor]:
+        return _share_from_last_stage([d[key] for d in data] or [None] * len(sizes), sizes, model)
+
+    log_probs = shared("log_probs", lengths)
+    ent = shared("entropy", lengths) if entropy else None
+    outputs = [LogProbOutput(log_probs=lp, entropy=None if ent is None else ent[i]) for i, lp in enumerate(log_probs)]
+    if mtp_layers:
+        for output, flat in zip(outputs, shared("mtp", [mtp_layers * n for n in lengths])):
+            output.mtp_log_probs = flat.view(mtp_layers, -1)
+    return outputs
+
+
+def _check_mtp(model: McoreModel, mtp_loss_scale: float | None) -> int:
     """How many MTP depths this call runs (0 without ``mtp_loss_scale``); refuses what cannot run them."""
     if mtp_loss_scale is None:
         return 0
     if isinstance(mtp_loss_scale, bool) or not isinstance(mtp_loss_scale, (int, float)) or mtp_loss_scale < 0:
         raise ValueError(f"mtp_loss_scale must be a non-negative number (or None for no MTP), got {mtp_loss_scale!r}")
-    config = chunks[0].config
-    if not config.mtp_num_layers:
+    if not model.mtp_layers:
         raise ValueError("mtp_loss_scale needs a model with multi-token-prediction layers: build it with "
                          "build_gpt_model(..., mtp=True)")
-    if context.cp_size > 1:
+    if model.parallel.cp > 1:
         raise ValueError("multi-token prediction under context parallelism is not supported: Megatron's MTP rolls "
                          "each sequence's token ids across CP ranks in its own layout, which actorcore's CP split "
                          "(padded per sequence) has not been checked against; run MTP at cp=1")
-    if config.pipeline_model_parallel_layout is not None:
+    if model.config.pipeline_model_parallel_layout is not None:
         raise ValueError("multi-token prediction with a custom pipeline layout is not supported (the MTP layers "
                          "must be on the last stage)")
-    return config.mtp_num_layers
+    return model.mtp_layers
 
 
-def compute_values(chunks: list[Any], batches: PackedBatch | Sequence[PackedBatch], context: ParallelContext):
+def compute_values(model: McoreModel, batches: PackedBatch | Sequence[PackedBatch]):
     """Per-token float32 values ``[T]`` from a critic built with ``build_gpt_model(..., value_head=True)``."""
+    model = require_model(model, "compute_values")
+    if not model.value_head:
+        raise ValueError("compute_values needs a critic: build the model with build_gpt_model(..., value_head=True)")
     single = isinstance(batches, PackedBatch)
     batch_list = [batches] if single else list(batches)
+    context = model.context
 
-    def head(model: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None):
-        values = values_from_hidden(model, hidden_TD, batch, context, shard)
+    def head(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None):
+        values = values_from_hidden(chunk, hidden_TD, batch, context, shard)
         return hidden_TD.sum() * 0.0, {"values": values.detach()}
 
     with torch.no_grad():
-        data = run_schedule(chunks, batch_list, context, head, forward_only=True)
+        data = run_schedule(model, batch_list, head, forward_only=True)
     lengths = [b.num_real_tokens for b in batch_list]
-    values = _share_from_last_stage([d["values"] for d in data] or [None] * len(lengths), lengths, context,
-                                    chunks)
+    values = _share_from_last_stage([d["values"] for d in data] or [None] * len(lengths), lengths, model)
     return values[0] if single else values

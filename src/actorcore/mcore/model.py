@@ -1,4 +1,5 @@
-"""Build Megatron-Core ``GPTModel`` chunks (one per pipeline stage, several with virtual stages) from an HF config.
+"""Build a Megatron-Core model from an HF config: an ``McoreModel`` holding this rank's ``GPTModel`` chunks (one
+per pipeline stage, several with virtual stages) and the facts of its HF side (``mcore/handle.py``).
 
 Layers come from Megatron's local spec with the core attention swapped for ``PackedCoreAttention`` (or
 TransformerEngine's when TE is installed), so packed THD batches run everywhere, and the local torch norm
@@ -24,9 +25,11 @@ from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore._megatron import require_megatron
 from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
+from actorcore.mcore.handle import EXPERT_LAYOUTS, GROUPED, PER_EXPERT, McoreModel
 from actorcore.mcore.mla import route_kv_down_projection_full_width
 from actorcore.mcore.norm import with_sequence_parallel_norms
-from actorcore.mcore.parallel import McoreParallel
+from actorcore.mcore.parallel import McoreParallel, context_from_megatron
+from actorcore.mcore.vlm import add_vision_tower, check_vlm_build, is_vlm_config, language_config
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +104,12 @@ def _postprocess(self: Any, hidden_states: Any, input_ids: Any, position_ids: An
                  packed_seq_params: Any = None, sequence_len_offset: Any = None, runtime_gather_output: Any = None,
                  extra_block_kwargs: Any = None, inference_context: Any = None) -> Any:
     """GPTModel's post-processing for a model with MTP layers (set per instance): runs Megatron's MTP block
-    when ``actorcore_run_mtp`` is set and returns the hidden states ``[B, (1 + mtp) * S, D]`` (main first).
+    when the call asks for it (``run_mtp`` of the batch's ``BatchParams``, which ``compute_logprobs(...,
+    mtp_loss_scale=...)`` sets for its micro-batches) and returns the hidden states ``[B, (1 + mtp) * S, D]``
+    (main first).
     Megatron's own version needs labels and turns the MTP outputs into a loss with its cross entropy and a
     one-token roll per depth; actorcore scores them with the fused vocabulary-parallel kernel instead."""
-    if mtp_in_postprocess and self.actorcore_run_mtp:
+    if mtp_in_postprocess and getattr(packed_seq_params, "run_mtp", False):
         hidden_states = self.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
                                  attention_mask=attention_mask, inference_params=inference_params,
                                  rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
@@ -138,8 +143,9 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype:
 
 def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype: torch.dtype | None = None, *,
                     value_head: bool = False, vocab_multiple: int = 128, mtp: bool = False,
-                    **config_overrides: Any) -> list[Any]:
-    """The model chunks this rank holds (``len == vp or 1``), after ``initialize_megatron``.
+                    expert_layout: str = PER_EXPERT, **config_overrides: Any) -> McoreModel:
+    """This rank's model (``McoreModel``: its chunks, ``len == vp or 1``, and their HF side), after
+    ``initialize_megatron`` with the same ``parallel`` layout.
 
     Each chunk is a ``GPTModel`` whose forward returns hidden states ``[B, S, D]`` on the last stage
     (``[B, S / tp, D]``, this rank's slice of the tokens, under sequence parallelism). Sequence parallelism
@@ -148,26 +154,54 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     ``dtype`` defaults to the checkpoint's (``checkpoint_dtype``), which keeps conversion bit-exact.
     ``mtp=True`` builds the ``num_nextn_predict_layers`` multi-token-prediction layers on the last stage
     (DeepSeek-V3); by default they are left out (a checkpoint's MTP tensors are then dropped on load).
+    ``expert_layout``: how the checkpoint to load stores a MoE model's experts (``"per_expert"``, or ``"grouped"``
+    for transformers 5's stacked ``experts.gate_up_proj``; ``checkpoint_expert_layout(hf_dir, config)`` reads it);
+    the export writes the same layout. A vision-language config builds its language model with the HF vision
+    tower in front of it (``mcore/vlm.py``).
     """
     require_megatron()
-    from actorcore.mcore.vlm import build_vlm_model, is_vlm_config
+    parallel = parallel or McoreParallel()
+    dtype = dtype or checkpoint_dtype(hf_config)
+    vlm_config = hf_config if is_vlm_config(hf_config) else None
+    if vlm_config is not None:
+        check_vlm_build(vlm_config, parallel, value_head=value_head, config_overrides=config_overrides)
+        hf_config = language_config(vlm_config)
+    spec = mcore_spec_for(hf_config)
+    _check_expert_layout(hf_config, spec, expert_layout)
+    context = context_from_megatron()  # refusals above need no parallel state
+    parallel.check_context(context)
+    chunks = _build_chunks(hf_config, parallel, dtype, value_head=value_head, vocab_multiple=vocab_multiple,
+                           mtp=mtp, config_overrides=config_overrides)
+    if vlm_config is not None:
+        add_vision_tower(chunks, vlm_config, dtype)
+    # MLA under TP + SP: the RoPE key's gradient summed over all ranks' heads (see mcore/mla.py).
+    patched = sum(route_kv_down_projection_full_width(chunk) for chunk in chunks)
+    return McoreModel(chunks=chunks, hf_config=hf_config, spec=spec, parallel=parallel, context=context,
+                      vocab_multiple=vocab_multiple, value_head=value_head, vlm_config=vlm_config,
+                      expert_layout=expert_layout, mla_full_width_projections=patched)
 
-    if is_vlm_config(hf_config):  # the language model (below) with the HF vision tower in front
-        return build_vlm_model(hf_config, parallel, dtype or checkpoint_dtype(hf_config), value_head=value_head,
-                               vocab_multiple=vocab_multiple, build_text_model=build_gpt_model, **config_overrides)
+
+def _check_expert_layout(hf_config: Any, spec: Any, expert_layout: str) -> None:
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    if expert_layout == GROUPED and not spec.grouped_expert_rules:
+        raise ValueError(f"expert_layout='grouped': {hf_config.model_type} declares no grouped expert rules (a "
+                         "dense model, or a MoE whose checkpoints store one tensor per expert): use 'per_expert'")
+
+
+def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *, value_head: bool,
+                  vocab_multiple: int, mtp: bool, config_overrides: dict[str, Any]) -> list[Any]:
+    """The ``GPTModel`` of every (virtual) pipeline stage of this rank, with our per-instance changes."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    mcore_spec_for(hf_config)
-    parallel = parallel or McoreParallel()
-    dtype = dtype or checkpoint_dtype(hf_config)
     if "mtp_num_layers" in config_overrides:
         raise ValueError("pass mtp=True (not mtp_num_layers) to build the multi-token-prediction layers")
     if mtp and value_head:
         raise ValueError("a critic (value_head=True) has no output head for multi-token prediction: drop mtp=True")
     # Multi-token-prediction layers: only on request (HF models have none; the log-probs never need them).
-    config_overrides["mtp_num_layers"] = mtp_layer_count(hf_config, mtp)
+    config_overrides = {**config_overrides, "mtp_num_layers": mtp_layer_count(hf_config, mtp)}
     config = hf_to_mcore_config(hf_config, parallel, dtype, **config_overrides)
     model_args = gpt_model_args(hf_config, vocab_multiple)
     if model_args["vocab_size"] % parallel.tp:
@@ -191,7 +225,6 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
                              mtp_block_spec=mtp_spec, **model_args)
         if model.mtp_process:
             model._postprocess = types.MethodType(_postprocess, model)
-        model.actorcore_run_mtp = False  # compute_logprobs(..., mtp_loss_scale=...) sets it for its schedule
         if post:
             if value_head:
                 model.output_layer = _ReturnHidden()
@@ -199,10 +232,6 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
             else:
                 # Per-instance: the fused kernel consumes hidden states and the output weight directly.
                 model.output_layer.forward = _return_hidden
-        # MLA under TP + SP: the RoPE key's gradient summed over all ranks' heads (see mcore/mla.py).
-        model.actorcore_mla_full_width_projections = route_kv_down_projection_full_width(model)
-        model.actorcore_hf_config = hf_config
-        model.actorcore_value_head = value_head
         # Megatron's local norms are created in float32; every parameter takes the model dtype (as Float16Module does).
         chunks.append(model.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=dtype))
     return chunks

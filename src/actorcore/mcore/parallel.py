@@ -38,6 +38,27 @@ class McoreParallel:
         """Smallest world that holds this layout (data parallel fills the rest)."""
         return self.pp * math.lcm(self.tp * self.cp, self.ep)
 
+    def check_world(self, world: int) -> None:
+        """Refuse a world this layout does not tile: tp x cp x pp must divide it, and ep the ranks of a stage."""
+        if world % (self.tp * self.cp * self.pp) or (world // self.pp) % self.ep:
+            raise ValueError(f"world size {world} does not fit tp={self.tp} x cp={self.cp} x pp={self.pp} "
+                             f"with ep={self.ep}")
+
+    def check_context(self, context: ParallelContext) -> None:
+        """Refuse a context whose groups have other sizes than this layout (a model built for one layout run
+        under another's groups would exchange wrong shapes or hang)."""
+        found = {"tp": context.tp_size, "pp": context.pp_size, "ep": context.ep_size, "cp": context.cp_size}
+        differ = [f"{k}={v} (the layout has {getattr(self, k)})" for k, v in found.items() if v != getattr(self, k)]
+        if differ:
+            raise ValueError(f"Megatron's parallel state does not match the layout: {', '.join(differ)}; call "
+                             "initialize_megatron with the McoreParallel the model is built for")
+
+    def token_multiple(self, sequence_parallel: bool) -> int:
+        """What a packed THD batch's token count must be a multiple of: tp under sequence parallelism (Megatron
+        splits the tokens over the TP ranks), times 2 x cp under context parallelism (the load-balanced split
+        cuts every sequence into 2 x cp chunks)."""
+        return (self.tp if sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
+
 
 def context_from_megatron() -> ParallelContext:
     """This rank's ``ParallelContext`` (dp, tp, pp, ep, cp groups) read from Megatron's ``parallel_state``.
@@ -91,10 +112,7 @@ def initialize_megatron(parallel: McoreParallel, seed: int = 0) -> ParallelConte
 
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
-    world = dist.get_world_size()
-    if world % (parallel.tp * parallel.cp * parallel.pp) or (world // parallel.pp) % parallel.ep:
-        raise ValueError(f"world size {world} does not fit tp={parallel.tp} x cp={parallel.cp} x pp={parallel.pp} "
-                         f"with ep={parallel.ep}")
+    parallel.check_world(dist.get_world_size())
     if ps.model_parallel_is_initialized():
         wanted = {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "cp": parallel.cp, "vp": parallel.vp,
                   "expert_tp": 1}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from actorcore.mcore.checkpoint import CheckpointError
+from actorcore.errors import CheckpointError
 from actorcore.errors import UnsafeCheckpointError  # noqa: F401 (re-exported)
 
 # Every global a DCP ``.metadata`` written by torch 2.x / megatron-core 0.16 refers to.

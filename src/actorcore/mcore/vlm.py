@@ -19,7 +19,7 @@ image features are merged in), and a value head.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -76,13 +76,9 @@ def vision_tower_class(vision_config: Any) -> type:
     return found[0]
 
 
-def build_vlm_model(hf_config: Any, parallel: McoreParallel | None, dtype: torch.dtype, *, value_head: bool,
-                    vocab_multiple: int, build_text_model: Callable[..., list[Any]],
-                    **config_overrides: Any) -> list[Any]:
-    """``build_gpt_model`` for a VLM config: the language model's chunks (built by ``build_text_model``, which is
-    ``build_gpt_model`` itself: passed in, so this module does not import the one that calls it), the first
-    stage's with ``vision_tower``."""
-    parallel = parallel or McoreParallel()
+def check_vlm_build(hf_config: Any, parallel: McoreParallel, *, value_head: bool,
+                    config_overrides: dict[str, Any]) -> None:
+    """Refuse what the Megatron VLM route cannot build (before anything is built)."""
     if value_head:
         raise ValueError(f"{hf_config.model_type}: a value head (critic) is not supported for vision-language "
                          "models on the Megatron route; use the HF route for a VLM critic")
@@ -94,17 +90,18 @@ def build_vlm_model(hf_config: Any, parallel: McoreParallel | None, dtype: torch
         raise ValueError(f"{hf_config.model_type}: sequence parallelism is not supported for vision-language "
                          "models on the Megatron route (the image features are merged into the full-sequence "
                          "embeddings); build without sequence_parallel=True")
-    text = language_config(hf_config)
-    chunks = build_text_model(text, parallel, dtype, vocab_multiple=vocab_multiple, **config_overrides)
+
+
+def add_vision_tower(chunks: list[Any], hf_config: Any, dtype: torch.dtype) -> None:
+    """The VLM step of ``build_gpt_model``: the first stage's chunk gets the HF ``vision_tower`` (the language
+    model's chunks are built from ``language_config``)."""
     if chunks[0].config.mrope_section is None:
         raise ValueError(f"{hf_config.model_type}: the text config has no rope_parameters.mrope_section; the "
                          "Megatron VLM route needs M-RoPE positions")
     for chunk in chunks:
-        chunk.actorcore_vlm_config = hf_config
         if chunk.pre_process:
             device = next(chunk.parameters()).device
             chunk.add_module(VISION_TOWER, build_vision_tower(hf_config.vision_config, dtype, device))
-    return chunks
 
 
 def _features(tower: torch.nn.Module, pixels: torch.Tensor, grid_I3: torch.Tensor) -> torch.Tensor:
@@ -113,9 +110,9 @@ def _features(tower: torch.nn.Module, pixels: torch.Tensor, grid_I3: torch.Tenso
     return out.pooler_output if hasattr(out, "pooler_output") else out
 
 
-def vlm_decoder_input(chunk: Any, batch: Any) -> torch.Tensor:
-    """``[T, 1, D]`` decoder input: word embeddings, with the tower's features at the placeholder tokens."""
-    config = chunk.actorcore_vlm_config
+def vlm_decoder_input(chunk: Any, batch: Any, config: Any) -> torch.Tensor:
+    """``[T, 1, D]`` decoder input: word embeddings, with the tower's features at the placeholder tokens
+    (``config``: the VLM's HF config)."""
     ids_T = batch.input_ids
     embeds = chunk.embedding(input_ids=ids_T.unsqueeze(0), position_ids=None)
     tower = getattr(chunk, VISION_TOWER)
@@ -139,11 +136,12 @@ def vlm_decoder_input(chunk: Any, batch: Any) -> torch.Tensor:
     return embeds
 
 
-def vlm_chunk_forward(chunk: Any, batch: Any, params: Any) -> torch.Tensor:
-    """One chunk's forward on a packed VLM batch (positions ``[3, T]``); what ``GPTModel.forward`` returns."""
+def vlm_chunk_forward(chunk: Any, batch: Any, params: Any, config: Any) -> torch.Tensor:
+    """One chunk's forward on a packed VLM batch (positions ``[3, T]``) of the VLM ``config``; what
+    ``GPTModel.forward`` returns."""
     if batch.position_ids.dim() != 2:
         raise ValueError("a VLM batch on the Megatron route needs its [3, T] M-RoPE position ids: pack it with "
                          "actorcore.pack(sequences, multimodal=..., model=hf_model)")
-    decoder_input = vlm_decoder_input(chunk, batch) if chunk.pre_process else None
+    decoder_input = vlm_decoder_input(chunk, batch, config) if chunk.pre_process else None
     return chunk(batch.input_ids.unsqueeze(0), batch.position_ids.unsqueeze(1), None, decoder_input=decoder_input,
                  packed_seq_params=params)

@@ -24,18 +24,16 @@ from typing import Any, Iterator
 import torch
 
 from actorcore.archs.megatron_rules import WeightRule
-from actorcore.buckets import plan_buckets
-from actorcore.mcore.checkpoint import (_EXPERT, _hf_part_shapes, _head_counts, _is_tied, _tensors,
-                                        global_mcore_name, model_spec, shared_copies)
+from actorcore.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
+from actorcore.mcore.handle import McoreModel, require_model
 from actorcore.mcore.transforms import split_parts, tp_dim
+from actorcore.mcore.weight_layout import (global_mcore_name, head_counts, hf_part_shapes, is_tied, local_expert_index,
+                                           mcore_tensors, shared_copies, with_local_expert)
 from actorcore.parallel import collectives
 from actorcore.parallel.context import ParallelContext
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
-
-Bucket = list[tuple[str, torch.Tensor]]  # the format of ``actorcore.export``'s buckets
 _Meta = tuple[str, tuple[int, ...], torch.dtype]  # (hf_name, full shape, dtype): what the PP ranks exchange
 
 
@@ -70,13 +68,12 @@ def _local_part(tensor: torch.Tensor, source: _Source, dtype: torch.dtype | None
     return part.to(_out_dtype(part.dtype, dtype)).contiguous()
 
 
-def _stage_sources(chunks: list[Any], context: ParallelContext,
-                   dtype: torch.dtype | None) -> tuple[list[_Meta], list[_Source]]:
+def _stage_sources(model: McoreModel, dtype: torch.dtype | None) -> tuple[list[_Meta], list[_Source]]:
     """This stage's HF tensors, in the chunks' state-dict order: the same list on every rank of the stage."""
-    hf_config = chunks[0].actorcore_hf_config
-    spec = model_spec(chunks[0])
+    hf_config, context = model.hf_config, model.context
+    spec = model.weight_rules  # in the expert layout the model was built for
     # MTP: the checkpoint stores the shared embedding / head again under the MTP layer's names.
-    copies = shared_copies(spec, chunks[0]) if chunks[0].config.mtp_num_layers else {}
+    copies = shared_copies(spec, model.config, hf_config) if model.mtp_layers else {}
     metas: list[_Meta] = []
     sources: list[_Source] = []
 
@@ -86,16 +83,16 @@ def _stage_sources(chunks: list[Any], context: ParallelContext,
                 metas.append((name, tuple(shape), out))
                 sources.append(_Source(part=part, copy=name != hf_name, **source))
 
-    for chunk in chunks:
-        counts = _head_counts(chunk.config, context.tp_size)
-        local = dict(_tensors(chunk))
+    for chunk in model.chunks:
+        counts = head_counts(chunk.config, context.tp_size)
+        local = dict(mcore_tensors(chunk))
         for local_name, tensor in local.items():
             if local_name.startswith("embedding.") and not chunk.pre_process:
                 continue  # the MTP stage's replica of the first stage's embedding
             rule, indices = spec.rule_for_mcore(global_mcore_name(chunk, local_name, context))
-            if _is_tied(rule, hf_config):
+            if is_tied(rule, hf_config):
                 continue  # HF stores the tied lm_head only as the embedding
-            shapes = _hf_part_shapes(rule, tensor.shape, chunk.config, context.tp_size, hf_config.vocab_size)
+            shapes = hf_part_shapes(rule, tensor.shape, chunk.config, context.tp_size, hf_config.vocab_size)
             out = _out_dtype(tensor.dtype, dtype)
             common = {"rule": rule, "counts": counts}
             if rule.parallel != "expert":
@@ -103,11 +100,10 @@ def _stage_sources(chunks: list[Any], context: ParallelContext,
                 continue
             num_experts = chunk.config.num_moe_experts
             per_rank = num_experts // context.ep_size
-            local_index = int(_EXPERT.search(local_name).group(1))
+            local_index = local_expert_index(local_name)
             if rule.grouped:
                 if local_index == 0:  # one [E, ...] tensor per layer, made from all local experts at once
-                    siblings = [local[_EXPERT.sub(f".local_experts.{j}.", local_name, count=1)]
-                                for j in range(per_rank)]
+                    siblings = [local[with_local_expert(local_name, j)] for j in range(per_rank)]
                     add(rule.hf_names_for(indices), [(num_experts, *s) for s in shapes], out, kind="grouped",
                         tensors=siblings, **common)
                 continue
@@ -140,16 +136,16 @@ def _make(source: _Source, meta: _Meta, context: ParallelContext, dtype: torch.d
     return part
 
 
-def mcore_weight_stream(chunks: list[Any], context: ParallelContext, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def mcore_weight_stream(model: McoreModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                         dtype: torch.dtype | None = None) -> Iterator[Bucket]:
-    """Yield this rank's model chunks (built by ``build_gpt_model``) as buckets of ``(hf_name, full_tensor)``.
+    """Yield this rank's model (``build_gpt_model``'s ``McoreModel``) as buckets of ``(hf_name, full_tensor)``.
 
-    - Collective over every rank of the model: each rank passes its own chunks and iterates the WHOLE stream, in
+    - Collective over every rank of the model: each rank passes its own model and iterates the WHOLE stream, in
       step; every rank gets every tensor of the model (all stages, all experts). A rank that does not need the
       weights iterates and drops them (e.g. ``save_sharded_safetensors(..., write=False)``).
     - Names and layout are the HF checkpoint's, from the architecture's weight rules: QKV and gate/up split into
       their HF tensors, per-expert names (``...experts.{e}.gate_proj.weight``) where the checkpoint uses them, a
-      grouped ``experts.gate_up_proj`` ``[E, 2I, D]`` when the model was loaded from such a checkpoint, no
+      grouped ``experts.gate_up_proj`` ``[E, 2I, D]`` when the model was built with ``expert_layout="grouped"``, no
       ``lm_head.weight`` when the embeddings are tied, the vocabulary without Megatron's padding.
     - Memory: a bucket's tensors add up to at most ``bucket_bytes`` (of the output dtype), unless one tensor alone
       is larger: it is then alone in its bucket. Only one bucket is made at a time (plus, while a TP-split tensor
@@ -164,20 +160,13 @@ def mcore_weight_stream(chunks: list[Any], context: ParallelContext, *, bucket_b
         raise ValueError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be None or a floating torch.dtype (it applies to floating tensors), got {dtype}")
-    if not isinstance(chunks, (list, tuple)) or not chunks or not hasattr(chunks[0], "actorcore_hf_config"):
-        raise ValueError("mcore_weight_stream needs this rank's model chunks: the list build_gpt_model returned, "
-                         f"got {type(chunks).__name__}")
-    if not hasattr(context, "pp_group"):
-        raise ValueError("context must be the ParallelContext initialize_megatron returned, got "
-                         f"{type(context).__name__}")
-    return _stream(list(chunks), context, bucket_bytes, dtype)
+    return _stream(require_model(model, "mcore_weight_stream"), bucket_bytes, dtype)
 
 
-def _stream(chunks: list[Any], context: ParallelContext, bucket_bytes: int,
-            dtype: torch.dtype | None) -> Iterator[Bucket]:
-    hf_vocab = chunks[0].actorcore_hf_config.vocab_size
-    device = next(p.device for chunk in chunks for p in chunk.parameters())
-    metas, sources = _stage_sources(chunks, context, dtype)
+def _stream(model: McoreModel, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[Bucket]:
+    context, hf_vocab = model.context, model.hf_config.vocab_size
+    device = next(p.device for chunk in model.chunks for p in chunk.parameters())
+    metas, sources = _stage_sources(model, dtype)
     stages = collectives.all_gather_object(metas, context.pp_group)
     plan = [(stage, index) for stage, stage_metas in enumerate(stages) for index in range(len(stage_metas))]
     names = [stages[s][i][0] for s, i in plan]
@@ -215,14 +204,13 @@ def _make_bucket(entries: list[tuple[int, int]], stages: list[list[_Meta]], sour
     return bucket
 
 
-def export_mcore_to_hf(chunks: list[Any], context: ParallelContext, *,
-                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_mcore_to_hf(model: McoreModel, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole model's full HF-named tensors, one at a time, on every rank (all stages, gathered over TP / EP /
     PP): ``mcore_weight_stream`` with one tensor per bucket. Collective: every rank iterates it to the end."""
-    for bucket in mcore_weight_stream(chunks, context, bucket_bytes=1, dtype=dtype):
+    for bucket in mcore_weight_stream(model, bucket_bytes=1, dtype=dtype):
         yield from bucket
 
 
-def gather_hf_state_dict(chunks: list[Any], context: ParallelContext) -> dict[str, torch.Tensor]:
+def gather_hf_state_dict(model: McoreModel) -> dict[str, torch.Tensor]:
     """The whole model as HF-named tensors on every rank (gathered over TP, EP and pipeline stages)."""
-    return dict(export_mcore_to_hf(chunks, context))
+    return dict(export_mcore_to_hf(model))

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a ``MASTER_PORT``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -51,7 +52,7 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict[s
     raises ``RuntimeError`` with that rank's traceback.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
+        port = free_port()
         ctx = mp.spawn(_worker, args=(world_size, port, out_dir, fn, args, env or {}), nprocs=world_size,
                        join=False)
         errors = []

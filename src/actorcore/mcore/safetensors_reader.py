@@ -1,0 +1,105 @@
+"""Reading an HF checkpoint directory: lazy, sliced access to its safetensors tensors (single file or sharded
+index), so each rank reads only its slice of each tensor (``safe_open(...).get_slice``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from actorcore.errors import CheckpointError
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class SafetensorsReader:
+    """Lazy, sliced access to the tensors of an HF checkpoint directory (single file or sharded index)."""
+
+    def __init__(self, directory: str) -> None:
+        from safetensors import safe_open
+
+        self.directory = directory
+        index_path = os.path.join(directory, "model.safetensors.index.json")
+        single = os.path.join(directory, "model.safetensors")
+        self._files: dict[str, Any] = {}
+        self.file_of: dict[str, str] = {}
+        if os.path.exists(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from None
+            files = sorted(set(weight_map.values()))
+        elif os.path.exists(single):
+            files, weight_map = ["model.safetensors"], None
+        else:
+            raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+        for name in files:
+            path = os.path.join(directory, name)
+            try:
+                handle = safe_open(path, framework="pt")
+                keys = list(handle.keys())
+            except Exception as exc:  # noqa: BLE001 - safetensors raises several types for damaged files
+                raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+            self._files[name] = handle
+            for key in keys:
+                if weight_map is not None and weight_map.get(key) != name:
+                    continue
+                self.file_of[key] = name
+        if weight_map is not None:
+            absent = sorted(k for k, v in weight_map.items() if self.file_of.get(k) != v)
+            if absent:
+                raise CheckpointError(f"{directory}: tensors listed in the index are not in their files: "
+                                      f"{', '.join(absent[:10])}")
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def _slice(self, name: str):
+        return self._files[self.file_of[name]].get_slice(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype stored in the file's header (nothing is read)."""
+        code = self._slice(name).get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{self.directory}: tensor {name} has dtype {code}, which Megatron weights "
+                                  "cannot hold")
+        return _SAFETENSORS_DTYPES[code]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tensor, or rows/columns ``[start, stop)`` of ``dim`` (only that part is read)."""
+        try:
+            part = self._slice(name)
+            if dim is None:
+                return part[:]
+            index = (slice(None),) * dim + (slice(start, stop),)
+            return part[index]
+        except Exception as exc:  # noqa: BLE001 - truncated data surfaces here
+            raise CheckpointError(f"{os.path.join(self.directory, self.file_of[name])}: cannot read {name} ({exc})") from None
+
+
+def safetensors_dtype(hf_dir: str) -> torch.dtype:
+    """The one dtype of an HF checkpoint's tensors, from the safetensors headers.
+
+    Conversion builds the Megatron model in this dtype, not in the one ``config.json`` declares: a model
+    saved in float32 with a config saying bfloat16 must come back float32, bit for bit.
+    """
+    reader = SafetensorsReader(hf_dir)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in sorted(reader.names()):
+        by_dtype.setdefault(reader.dtype(name), []).append(name)
+    if len(by_dtype) > 1:
+        found = ", ".join(f"{len(names)} in {dtype} (e.g. {names[0]})" for dtype, names in by_dtype.items())
+        raise CheckpointError(f"{hf_dir}: the tensors have several dtypes ({found}); a Megatron model holds one: "
+                              "cast the checkpoint to one dtype first")
+    if not by_dtype:
+        raise CheckpointError(f"{hf_dir}: the checkpoint holds no tensors")
+    return next(iter(by_dtype))
