@@ -21,5 +21,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# The unit tier (tests/unit: one CPU process, no spawns); tests/conftest.py marks the tiers by folder.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m unit tests
+
 clean:
 	rm -rf $(VENV)

@@ -2,7 +2,6 @@
 log-probs are bitwise the untiled FSDP2 model's, accumulated gradients equal the untiled ones and one
 process's, and the tiled path demonstrably ran (recompute reads the parameters FSDP unsharded)."""
 
-import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
@@ -86,7 +85,6 @@ def _worker(rank, world_size, model_type):
             "expected_calls": len(micro) * tiled.config.num_hidden_layers, "grads": grads}
 
 
-@pytest.mark.dist
 def test_tiled_mlp_under_fsdp2_with_gradient_accumulation():
     from actorcore.testing.tiny_configs import build_tiny_model
 
