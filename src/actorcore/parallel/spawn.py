@@ -68,7 +68,8 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict[s
                                  nprocs=world_size, join=False, start_method="forkserver")
         errors = []
         try:
-            ctx.join()
+            while not ctx.join():  # join() returns once any one process ends: wait for all of them
+                pass
         except Exception as exc:  # noqa: BLE001 - collect per-rank tracebacks below
             errors.append(str(exc))
         results = []
