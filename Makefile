@@ -21,5 +21,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# The unit tier: tests/unit, one CPU process (the folder is the tier: tests/conftest.py marks it `unit`).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
 clean:
 	rm -rf $(VENV)

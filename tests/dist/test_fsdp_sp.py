@@ -6,7 +6,6 @@ that cast rebuilds every dataclass in each layer's kwargs, so the SP context mus
 
 from collections import Counter
 
-import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
@@ -68,7 +67,6 @@ def _worker(rank, world_size, model_type):
             "layers": model.config.num_hidden_layers, "diffs": diffs}
 
 
-@pytest.mark.dist
 def test_fsdp2_dp2_sp2_step_equals_one_process():
     results = run_distributed(_worker, 4, args=("qwen2",))
     assert sorted(r["ctx"] for r in results) == [(2, 0, 2, 0), (2, 0, 2, 1), (2, 1, 2, 0), (2, 1, 2, 1)]

@@ -12,7 +12,6 @@ model.
 
 from collections import Counter
 
-import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
@@ -124,7 +123,6 @@ def _assert_results(results, sp_size, archs):
             assert rel <= TOL["grad_sp_vs_single_fp32_rel"], f"rank {rank} FSDP2 {name}: relative grad diff {rel:.2e}"
 
 
-@pytest.mark.dist
 def test_hybrid_sp2_matches_one_process():
     archs = (("qwen3_5_text", {}), ("qwen3_next", {}), ("qwen3_next", dict(linear_num_key_heads=1)))
     _assert_results(run_distributed(_worker, 2, args=(archs,)), 2, archs)

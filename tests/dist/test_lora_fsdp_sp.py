@@ -54,7 +54,6 @@ def _worker(rank, world_size):
                          for n, w in want.items() if n in got}}
 
 
-@pytest.mark.dist
 def test_lora_under_fsdp2_and_ulysses_sp2():
     pytest.importorskip("peft")
     for r in run_distributed(_worker, 2):

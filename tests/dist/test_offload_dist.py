@@ -5,7 +5,6 @@ inputs). The same with recomputed norms added (``recompute_norms=True``) on both
 
 from collections import Counter
 
-import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
@@ -78,7 +77,6 @@ def _worker(rank, world_size):
     return {"sp": sp, "fsdp": fsdp, "layers": model.config.num_hidden_layers}
 
 
-@pytest.mark.dist
 def test_offload_and_recomputed_norms_with_sequence_parallel_tiled_mlp_and_fsdp2():
     for rank, r in enumerate(run_distributed(_worker, 2)):
         layers = r["layers"]

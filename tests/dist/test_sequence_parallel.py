@@ -9,7 +9,6 @@ checks several things at once to keep process start-up (the dominant cost) low.
 
 from collections import Counter
 
-import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
@@ -145,12 +144,10 @@ def _assert_results(results, sp_size, archs):
         assert res["unpatched"] and "patch_model" in res["unpatched"], res["unpatched"]
 
 
-@pytest.mark.dist
 def test_ulysses_sp2_matches_one_process():
     _assert_results(run_distributed(_sp_worker, 2, args=(SP2_ARCHS,)), sp_size=2, archs=SP2_ARCHS)
 
 
-@pytest.mark.dist
 def test_ulysses_sp4_replicated_kv_heads_matches_one_process():
     _assert_results(run_distributed(_sp_worker, 4, args=(ARCHS,)), sp_size=4, archs=ARCHS)
 

@@ -4,7 +4,6 @@ process's, and the tiled path demonstrably ran (recompute reads the parameters F
 
 from collections import Counter
 
-import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
@@ -88,7 +87,6 @@ def _worker(rank, world_size, model_type):
             "expected_calls": len(micro) * tiled.config.num_hidden_layers, "grads": grads}
 
 
-@pytest.mark.dist
 def test_tiled_mlp_under_fsdp2_with_gradient_accumulation():
     from actorcore.testing.tiny_configs import build_tiny_model
 

@@ -2,7 +2,6 @@
 in place (``logits_rmpad = output.logits.squeeze(0); logits_rmpad.div_(temperature)``); the gradients must equal
 the out-of-place division's and one process's (FSDP2 registers its pre-backward hook on the returned tensor)."""
 
-import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
@@ -48,7 +47,6 @@ def _worker(rank, world_size):
     return grads
 
 
-@pytest.mark.dist
 def test_in_place_division_of_the_logits_under_fsdp2_keeps_the_gradients():
     from actorcore.compat.verl import apply_monkey_patch
     from actorcore.testing.tiny_configs import build_tiny_model

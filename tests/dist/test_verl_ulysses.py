@@ -14,7 +14,6 @@ Lengths 6 + 1 + 13 + 5 = 25 tokens: verl pads one token, and the slice edge (13)
 import sys
 import types
 
-import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
@@ -190,7 +189,6 @@ def _worker(rank, world_size):
     return result
 
 
-@pytest.mark.dist
 def test_verl_ulysses_slices_in_slices_out_match_one_process():
     assert sum(LENGTHS) % 2 == 1 and 6 + 1 < (sum(LENGTHS) + 1) // 2 < 6 + 1 + 13  # a pad; an edge inside seq 3
     tol, grad_tol = TOL["sp_vs_single_fp32"], TOL["grad_sp_vs_single_fp32_rel"]

@@ -10,7 +10,6 @@ start-up, the dominant cost, low.
 
 from collections import Counter
 
-import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
@@ -98,7 +97,6 @@ def _worker(rank, world_size, archs):
     return {arch: _check_arch(arch, ctx) for arch in archs}
 
 
-@pytest.mark.dist
 def test_vlm_sp2_matches_one_process():
     results = run_distributed(_worker, SP, args=(ARCHS,))
     tol, grad_tol = TOL["sp_vs_single_fp32"], TOL["grad_sp_vs_single_fp32_rel"]

@@ -16,7 +16,7 @@ from actorcore.hf.features.batch_invariant import LINEAR_TRACE_KEY
 from actorcore.testing.tiny_configs import tiny_config
 from actorcore.testing.tolerances import TOL
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 VOCAB = 32000  # 125 vocabulary tiles: the Triton forward merges several splits
 

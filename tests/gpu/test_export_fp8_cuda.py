@@ -14,7 +14,7 @@ import torch
 from actorcore.export import dequantize_fp8_blockwise, hf_weight_stream, iter_tensors, quantize_fp8_blockwise
 from actorcore.testing.tiny_configs import build_tiny_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("shape, dtype", [((4096, 4096), torch.bfloat16), ((12288, 4096), torch.bfloat16),

@@ -18,10 +18,7 @@ from actorcore.kernels.logprob import (
 from actorcore.parallel.vocab_parallel import linear_logprob_entropy_vocab_parallel
 from actorcore.testing.tolerances import TOL
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 ATOL_BF16 = TOL["fused_head_bf16_vs_fp32_logits"]
 KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL = TOL["kernel_triton_grad_vs_reference_bf16_rel"]

@@ -11,7 +11,7 @@ import torch
 
 from actorcore.kernels.logprob import linear_logprob_loss
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 LOSSES = {
     "detached": (lambda lp, ent, adv: lp.detach() * adv, "does not depend on the log-probs or entropies"),

@@ -23,7 +23,7 @@ from actorcore.hf.features.offload import (
     POOL,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 LAYERS, HIDDEN, TOKENS = 16, 1024, 32768
 SEGMENT = 4096  # the deterministic tests' sequence length: SDPA's math kernel holds [heads, L, L] scores

@@ -20,7 +20,7 @@ from actorcore.archs import (
 )
 from actorcore.archs.megatron_rules import DENSE_RULES, McoreSpec
 from actorcore.archs.spec import HEAD_CONFIG_FIELDS
-from actorcore.testing.tiny_configs import TINY_CONFIGS, build_tiny_model, tiny_config
+from actorcore.testing.tiny_configs import REPRESENTATIVE_ARCHS, TINY_CONFIGS, build_tiny_model, tiny_config
 from actorcore.testing.tiny_vlm import TINY_VLM_CONFIGS, tiny_vlm_config
 from actorcore.testing.tolerances import TOL
 
@@ -34,7 +34,7 @@ def _tiny(model_type):
 def test_every_registered_architecture_has_a_tiny_config():
     missing = [m for m in registered_model_types()
                if m not in REFUSED_ONLY and m not in TINY_CONFIGS and m not in TINY_VLM_CONFIGS]
-    assert not missing
+    assert not missing, f"architectures without a tiny config in actorcore.testing.tiny_configs / tiny_vlm: {missing}"
 
 
 @pytest.mark.parametrize("model_type", sorted(set(registered_model_types()) - REFUSED_ONLY))
@@ -49,6 +49,26 @@ def test_tiny_configs_exercise_every_head_transform(model_type):
             value = getattr(config, field_name)
             assert not HeadTransform(op, field_name).is_neutral(value), \
                 f"{model_type}: its config has {field_name} but the tiny config leaves it {value!r}"
+
+
+def _partial_rope(config):
+    rope = getattr(config, "rope_parameters", None) or {}
+    return rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) < 1.0
+
+
+def test_representative_archs_cover_what_varies():
+    """The set that architecture-independent features run over has each variation the text architectures have."""
+    text = [m for m in registered_model_types() if get_spec(m).vision is None]
+    reps = sorted(REPRESENTATIVE_ARCHS)
+    assert set(reps) <= set(text) and set(reps) <= set(TINY_CONFIGS)
+    specs, configs = {m: get_spec(m) for m in text}, {m: tiny_config(m) for m in text}
+    assert {t.op for m in text for t in specs[m].head} <= {t.op for m in reps for t in specs[m].head}
+    for name, has in {"tied head": lambda m: configs[m].tie_word_embeddings,
+                      "MoE": lambda m: specs[m].mlp_kind == "moe",
+                      "hybrid (linear attention)": lambda m: specs[m].linear_attention is not None,
+                      "partial RoPE": lambda m: _partial_rope(configs[m])}.items():
+        assert any(has(m) for m in text), name
+        assert any(has(m) for m in reps), f"no representative architecture has a {name}"
 
 
 def test_specs_state_their_megatron_part():

@@ -271,66 +271,7 @@ def test_bad_input_raises_clear_error(case, match):
 
 
 # ----------------------------------------------------------------------------- vocab parallel
-
-
-def _split_bounds(vocab, world):
-    per = -(-vocab // world)
-    return [(r * per, min(vocab, (r + 1) * per)) for r in range(world)]
-
-
-_VP_CASES = ((0.7, None), (1.0, 3.0))  # (temperature, softcap); one spawn runs both (spawning is slow)
-
-
-def _vocab_parallel_worker(rank, world_size):
-    import torch.distributed as dist
-
-    out = []
-    for temperature, softcap in _VP_CASES:
-        hidden_TD, weight_VD, labels_T = _inputs(37, 48, 1001, seed=21)
-        g = torch.Generator().manual_seed(4)
-        g_lp_T, g_ent_T = torch.randn(37, generator=g), torch.randn(37, generator=g)
-        lo, hi = _split_bounds(weight_VD.shape[0], world_size)[rank]
-        h = hidden_TD.clone().requires_grad_()
-        w = weight_VD[lo:hi].clone().requires_grad_()
-        lp, ent = linear_logprob_entropy_vocab_parallel(
-            h,
-            w,
-            labels_T,
-            vocab_start=lo,
-            tp_group=dist.group.WORLD,
-            temperature=temperature,
-            softcap=softcap,
-            backend="auto",
-            chunk_size=10,
-        )
-        ((lp * g_lp_T).sum() + (ent * g_ent_T).sum()).backward()
-        out.append({"lp": lp.detach(), "ent": ent.detach(), "grad_h": h.grad, "grad_w": w.grad, "lo": lo, "hi": hi})
-    return out
-
-
-@pytest.mark.dist
-def test_vocab_parallel_gloo_matches_unsharded_reference():
-    from actorcore.testing.distributed import run_distributed
-
-    per_rank = run_distributed(_vocab_parallel_worker, world_size=2)
-    for case, (temperature, softcap) in enumerate(_VP_CASES):
-        results = [r[case] for r in per_rank]
-        hidden_TD, weight_VD, labels_T = _inputs(37, 48, 1001, seed=21)
-        g = torch.Generator().manual_seed(4)
-        g_lp_T, g_ent_T = torch.randn(37, generator=g), torch.randn(37, generator=g)
-        h = hidden_TD.clone().requires_grad_()
-        w = weight_VD.clone().requires_grad_()
-        lp_ref, ent_ref = linear_logprob_entropy_reference(h, w, labels_T, temperature=temperature, softcap=softcap)
-        ((lp_ref * g_lp_T).sum() + (ent_ref * g_ent_T).sum()).backward()
-        for res in results:  # every rank holds the full per-token outputs
-            torch.testing.assert_close(res["lp"], lp_ref.detach(), atol=ATOL_FP32, rtol=0)
-            torch.testing.assert_close(res["ent"], ent_ref.detach(), atol=ATOL_FP32, rtol=0)
-            _assert_rel_close(
-                res["grad_w"], w.grad[res["lo"] : res["hi"]], KERNEL_CHUNKED_GRAD_VS_REFERENCE_FP32_REL
-            )
-        # partial grad_hidden per rank: the caller's all-reduce (a sum) gives the full gradient
-        _assert_rel_close(sum(r["grad_h"] for r in results), h.grad, KERNEL_CHUNKED_GRAD_VS_REFERENCE_FP32_REL)
-        assert (results[0]["grad_h"] - h.grad).abs().max() > 1e-3  # a rank alone holds only a part
+# (the gloo run of two vocabulary shards is tests/dist/test_vocab_parallel_gloo.py)
 
 
 def test_vocab_parallel_without_group_equals_unsharded():

@@ -2,9 +2,9 @@
 registered vision-language architecture; packing; DeepStack; clear errors.
 
 The batch mixes a one-image sequence, a text-only one, a two-image one (different grids), a video one and a
-short text-only one. GLM-4V's HF forward cannot take images and videos in one batch, so for GLM the HF
-reference runs the video sequences as a second padded batch (``reference_groups``); actorcore packs them all
-together.
+short text-only one. The reference (``actorcore.testing.reference_vlm``) runs each sample alone through the
+model's own forward on its own processor-style inputs, sharing no code with the packing under test; actorcore
+packs them all together.
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ import torch
 
 import actorcore as ac
 from actorcore.archs import UnsupportedArchitectureError, get_spec, registered_model_types
-from actorcore.testing.reference_vlm import reference_groups, reference_logprobs_vlm
+from actorcore.testing.reference_vlm import reference_logprobs_vlm, sample_inputs
 from actorcore.testing.tiny_vlm import (
     IMAGE_TOKEN,
     TINY_VLM_CONFIGS,
@@ -123,16 +123,13 @@ def test_positions_are_the_models_mrope_per_sequence(model_type):
     samples = mixed_samples(model)
     batch = _pack(model, samples)
     bounds = batch.cu_seqlens.tolist()
-    for i, group in enumerate(reference_groups(model, samples)):
-        b = padded_processor_batch(group)
+    for k, sample in enumerate(samples):  # the model's own position ids for this sample alone
+        b = sample_inputs(sample)
         extra = {"second_per_grid_ts": b["second_per_grid_ts"]} if "second_per_grid_ts" in b else {}
         want_3BS, _ = model.model.get_rope_index(
             b["input_ids"], mm_token_type_ids=b["mm_token_type_ids"], image_grid_thw=b.get("image_grid_thw"),
-            video_grid_thw=b.get("video_grid_thw"), attention_mask=b["attention_mask"], **extra)
-        for row, s in enumerate(group):
-            k = samples.index(s)
-            n = s.input_ids.numel()
-            assert torch.equal(batch.position_ids[:, bounds[k]:bounds[k + 1]], want_3BS[:, row, :n])
+            video_grid_thw=b.get("video_grid_thw"), attention_mask=torch.ones_like(b["input_ids"]), **extra)
+        assert torch.equal(batch.position_ids[:, bounds[k]:bounds[k + 1]], want_3BS[:, 0])
     # Image tokens really get 2-D positions (rows differ), and every sequence restarts at 0.
     image = batch.multimodal["mm_token_type_ids"] == 1
     assert not torch.equal(batch.position_ids[1][image], batch.position_ids[2][image])

@@ -111,7 +111,6 @@ def _critic_worst(world_size):
     return worst
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_verl_dp_actor_and_critic_forward_micro_batch_match_plain_hf(world_size):
     for rank, res in enumerate(run_distributed(_worker, world_size)):

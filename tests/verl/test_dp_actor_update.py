@@ -191,7 +191,6 @@ def _as_list(value):
     return value if isinstance(value, list) else [value]
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("mode,world_size", [("single", 1), ("dp", 2), ("sp", 2)])
 def test_verl_update_policy_and_compute_log_prob_match_plain_transformers(mode, world_size):
     for rank, res in enumerate(run_distributed(_worker, world_size, (mode,))):

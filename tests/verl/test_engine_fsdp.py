@@ -182,7 +182,6 @@ def _worker(rank, world_size, path):
     return result
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_verl_fsdp_engine_on_actorcore_patch_matches_plain_transformers_and_verls_patch(world_size, tmp_path):
     from actorcore.testing.tiny_configs import build_tiny_model

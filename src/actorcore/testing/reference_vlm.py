@@ -1,5 +1,11 @@
-"""Plain Hugging Face references for VLMs: the unpatched padded forward with the processor-style batch, so
-the model does its own feature merging, M-RoPE position ids and masking."""
+"""Plain Hugging Face reference for VLMs: the model's own unpatched forward, one sample at a time, on that
+sample's own processor-style inputs (``input_ids [1, L]``, its pixel rows and grids, ``mm_token_type_ids
+[1, L]``), so the model does its own feature merging, M-RoPE positions and masking.
+
+It shares no code with the product's packing: nothing is padded, concatenated or split again, no spec is looked
+up, and the log-probs are a plain ``log_softmax`` here. A sample whose placeholders disagree with its grids is
+refused by the model's own forward, so a wrong input builder cannot pass either.
+"""
 
 from __future__ import annotations
 
@@ -7,35 +13,35 @@ from typing import Any
 
 import torch
 
-from actorcore.hf.reference import logprobs_from_logits
-from actorcore.testing.tiny_vlm import SyntheticSample, padded_processor_batch
+from actorcore.testing.tiny_vlm import SyntheticSample
 
 
-def reference_groups(model: Any, samples: list[SyntheticSample]) -> list[list[SyntheticSample]]:
-    """Samples split into batches the HF forward can take.
+def sample_inputs(sample: SyntheticSample) -> dict[str, torch.Tensor]:
+    """What a processor returns for a batch of this one sample: per-token inputs get a batch axis of 1."""
+    per_token = {"mm_token_type_ids"}
+    inputs = {k: (v[None] if k in per_token else v) for k, v in sample.multimodal.items()}
+    return {"input_ids": sample.input_ids[None], **inputs}
 
-    GLM-4V's HF forward cannot take images and videos in one batch (its video frames use the image token and
-    its placeholder mask counts them as images), so its video samples form a second batch.
-    """
-    from actorcore.archs import spec_for_model
 
-    vision = spec_for_model(model).vision
-    if vision.video_token_field != vision.image_token_field:
-        return [samples]
-    with_video = [s for s in samples if "pixel_values_videos" in s.multimodal]
-    without = [s for s in samples if all(s is not v for v in with_video)]
-    return [g for g in (without, with_video) if g]
+def _next_token_logprobs(logits_LV: torch.Tensor, ids_L: torch.Tensor, temperature: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[L]`` log-prob of each token under the previous position's distribution and that distribution's entropy;
+    0 at the first token."""
+    logp = torch.log_softmax(logits_LV[:-1].float() / temperature, dim=-1)
+    zero = logp.new_zeros(1)
+    scored = logp.gather(-1, ids_L[1:, None])[:, 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.cat([zero, scored]), torch.cat([zero, entropy])
 
 
 def reference_logprobs_vlm(model: Any, samples: list[SyntheticSample],
                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed-order ``[T]`` log-probs and entropy from unpatched right-padded HF forwards."""
-    per_sample: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for group in reference_groups(model, samples):
-        inputs = {k: v.to(model.device) for k, v in padded_processor_batch(group).items()}
-        logits = model(**inputs, use_cache=False).logits
-        lp, ent = logprobs_from_logits(logits, inputs["input_ids"], inputs["attention_mask"], temperature)
-        for row, s in enumerate(group):
-            n = s.input_ids.numel()
-            per_sample[id(s)] = (lp[row, :n], ent[row, :n])
-    return (torch.cat([per_sample[id(s)][0] for s in samples]), torch.cat([per_sample[id(s)][1] for s in samples]))
+    """Packed-order ``[T]`` log-probs and entropies: each sample through the model's own forward, alone."""
+    log_probs, entropies = [], []
+    for sample in samples:
+        inputs = {k: v.to(model.device) for k, v in sample_inputs(sample).items()}
+        logits = model(**inputs, use_cache=False).logits[0]
+        lp, ent = _next_token_logprobs(logits, inputs["input_ids"][0], temperature)
+        log_probs.append(lp)
+        entropies.append(ent)
+    return torch.cat(log_probs), torch.cat(entropies)

@@ -72,6 +72,21 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# What a feature that does not depend on the architecture (the loss-fused head, the critic head, packing
+# isolation, ...) runs over: one architecture for each thing that changes what such a feature sees. Tests about
+# an architecture itself (verify, the spec contract, packed vs the model's own forward) still sweep every one.
+REPRESENTATIVE_ARCHS: dict[str, str] = {
+    "llama": "the baseline: untied head, dense SwiGLU, full RoPE, plain attention",
+    "gemma2": "head transform (final-logit softcap), tied head, attention softcap, sliding window, GeGLU",
+    "granite": "head transform (logits scaling), embedding / residual / attention multipliers",
+    "qwen3_moe": "MoE MLP (tokens batched per expert) beside a dense layer",
+    "glm4_moe": "partial RoPE, MoE with a shared expert and grouped routing",
+    "gpt_oss": "attention sinks (the segment kernel), alternating sliding / full layers",
+    "deepseek_v3": "multi-head latent attention (query and key head dims unlike the value's)",
+    "qwen3_5_text": "hybrid: Gated DeltaNet linear attention (packed recurrent state) beside full attention",
+}
+
+
 def tiny_config(model_type: str, **overrides: Any):
     """A fresh config object (never shared between models: attention settings live on it)."""
     from transformers import AutoConfig
