@@ -42,6 +42,7 @@ from actorcore.hf.batch_invariant import LINEAR_TRACE_KEY, batch_invariant_decod
 from actorcore.hf.linear_attention import LINEAR_TRACE_KEYS, is_installed, packed_linear_attention, split_layers
 from actorcore.hf.offload import OFFLOAD_KEPT, OFFLOAD_LAYERS, OFFLOAD_TENSORS, offloaded_layers
 from actorcore.hf.patch import PatchNotAppliedError, patch_state, require_sequence_parallel_patch
+from actorcore.hf.speed_features import TRACE_KEYS as SPEED_TRACE_KEYS, StepFeatures
 from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION
 from actorcore.kernels.trace import check_trace
 from actorcore.parallel import sp_size
@@ -165,19 +166,25 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
         kwargs.update(vlm_decoder_inputs(model, spec, work, parallel))
     if "inputs_embeds" in kwargs:
         kwargs.pop("input_ids")
+    speed = StepFeatures.for_call(model, patch_state(model), list(layers), int(input_ids.numel()), batch_invariant)
+    kwargs.update(speed.kwargs())
     before = sum(trace[k] for k in ATTENTION_TRACE_KEYS)
     before_linear = sum(trace[k] for k in LINEAR_TRACE_KEYS)
-    offload = _offload_layers(model)
+    before_speed = {k: trace[k] for k in SPEED_TRACE_KEYS}
+    checkpointed = speed.checkpointed
+    offload = min(_offload_layers(model), len(checkpointed))
     before_offload = (trace[OFFLOAD_LAYERS], trace[OFFLOAD_KEPT], trace[OFFLOAD_TENSORS])
     before_invariant = trace[LINEAR_TRACE_KEY]
-    # Offload wraps the layers' checkpoint functions first, so the attention switch (which wraps them too, for
-    # the recomputation) runs inside it.
-    offloading = (offloaded_layers(list(layers), trace, type(model).__name__, offload) if offload
+    # The call's checkpointing is set first; offload wraps the layers' checkpoint functions next, so the attention
+    # switch (which wraps them too, for the recomputation) runs inside it.
+    offloading = (offloaded_layers(checkpointed, trace, type(model).__name__, offload) if offload
                   else contextlib.nullcontext())
-    with offloading, switch, invariant, finite_checks(model.get_input_embeddings(), layers, check_finite):
+    with speed.context(trace), offloading, switch, invariant, finite_checks(model.get_input_embeddings(), layers,
+                                                                            check_finite):
         out = decoder(**kwargs)
+    speed.check(trace, before_speed)
     if offload:
-        _check_offload_ran(model, len(layers), offload, trace[OFFLOAD_LAYERS] - before_offload[0],
+        _check_offload_ran(model, len(checkpointed), offload, trace[OFFLOAD_LAYERS] - before_offload[0],
                            trace[OFFLOAD_KEPT] - before_offload[1], trace[OFFLOAD_TENSORS] - before_offload[2])
     if batch_invariant:
         check_ran(trace, before_invariant, len(layers))

@@ -41,6 +41,7 @@ class RecomputedNormForward:
         self.calls = 0  # forwards asked for (the decoder's self-check)
         self.runs = 0  # the norm's forward computed: calls, plus recomputations in backward
 
+    @torch.compiler.disable  # inside a fused (compiled) layer the recomputed norm runs as it is
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls += 1
         if not (torch.is_grad_enabled() and (hidden_states.requires_grad or

@@ -16,6 +16,11 @@ What a patch changes, all on this model instance only:
 - Activation offload (``offload_activations``): nothing is installed; the layer count in ``PatchState`` makes
   every decoder call move the inputs that gradient checkpointing keeps (of all layers, or of the first K) to
   pinned CPU memory (``hf.offload``). Reverting also frees the offload's idle host memory.
+- Fused decoder (``fused_decoder``, on CUDA for 16-bit models by default): each attention decoder layer gets an
+  instance ``forward`` (``hf.fused_decoder.FusedLayerForward``) that runs the layer's compiled forward in
+  actorcore's calls; the decoder's trace proves it ran in every such layer.
+- Checkpointing (``checkpointing``, ``memory_budget_gib``): nothing is installed; the plan in ``PatchState`` sets
+  each layer's checkpointing for every training call (``hf.checkpointing``).
 - ``model._actorcore_patch`` records the patch (a ``PatchState``).
 Everything the patch installs refers to modules through attributes, never closures, so ``copy.deepcopy`` and
 pickling give a copy that computes with its own weights. ``handle.revert()`` restores exactly what was replaced
@@ -33,6 +38,8 @@ import torch
 from actorcore.archs import spec_for_model, submodule, text_config
 from actorcore.hf.attention import attention_configs, current_implementations, register_attention, swap_attention_implementation
 from actorcore.hf.linear_attention import check_linear_heads, install_linear_forwards, is_installed, split_layers
+from actorcore.hf.checkpointing import CheckpointPlan, check_checkpointing
+from actorcore.hf.fused_decoder import check_fused_request, install_fused_layers
 from actorcore.hf.instance_forwards import install_forwards, wrapped_forward
 from actorcore.hf.norm_recompute import decoder_norms, install_recomputed_norms
 from actorcore.hf.offload import check_checkpointed, check_offload_layers, release_offload_buffers
@@ -57,6 +64,8 @@ class PatchState:
     tiled_mlp_shards: int | None
     offload_layers: int = 0  # the leading decoder layers whose checkpointed input is offloaded (0: no offload)
     recompute_norms: bool = False
+    fused_layers: tuple[int, ...] = ()  # indices of the decoder layers that run the fused (compiled) forward
+    checkpointing: CheckpointPlan | None = None  # None: the model's own checkpointing setting
 
 
 class TiledMLPForward:
@@ -72,6 +81,7 @@ class TiledMLPForward:
         self.previous = previous  # an instance forward that was there before, else None (the class's)
         self.calls = 0
 
+    @torch.compiler.disable  # inside a fused (compiled) layer the tiled MLP runs as it is
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         plain = wrapped_forward(self.mlp, self.previous)
@@ -192,7 +202,9 @@ def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None) -> No
 
 
 def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: int | None = None,
-                offload_activations: bool | int = False, recompute_norms: bool = False) -> PatchHandle:
+                offload_activations: bool | int = False, recompute_norms: bool = False,
+                fused_decoder: bool | str = "auto", checkpointing: str | None = None,
+                memory_budget_gib: float | None = None) -> PatchHandle:
     """Patch this model instance for Ulysses SP (``parallel.sp_size > 1``), tiled MLP, activation offload and/or
     recomputed norms.
 
@@ -205,6 +217,17 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     (transformers' RMSNorm otherwise keeps an fp32 copy of its input and its normalised values: 16 GiB per norm
     at 512K tokens of an 8B model); bitwise the same results.
 
+    ``fused_decoder``: the attention decoder layers run their forward compiled by ``torch.compile`` in actorcore's
+    calls (``hf.fused_decoder``: the elementwise work between the matmuls fused; within bf16 rounding of eager).
+    ``"auto"`` (default): on a CUDA model with 16-bit weights and Triton, else eager; ``True`` refuses where it
+    cannot run; ``False`` keeps the eager forward.
+
+    ``checkpointing``: ``None`` (default) keeps the model's own setting; ``"full"`` checkpoints every layer;
+    ``"selective"`` keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the
+    gradients of ``"full"``; a fused layer is not checkpointed, its compiled backward recomputes the fused
+    pointwise work); ``"auto"`` with ``memory_budget_gib`` runs as many of the last layers selectively as the
+    budget fits (estimated per call from the config and the token count), the others fully checkpointed.
+
     Raises ``ValueError`` for an instance already patched, a model whose heads cannot split over the SP size
     (naming the valid sizes), tiled MLP on an MoE model, offload without non-reentrant gradient checkpointing,
     or a config object shared with another patched model.
@@ -216,10 +239,12 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     _check_request(spec, parallel, tiled_mlp_shards)
     if not isinstance(recompute_norms, bool):
         raise ValueError(f"recompute_norms must be True or False, got {recompute_norms!r}")
+    checkpoint_plan = check_checkpointing(checkpointing, memory_budget_gib)
+    fuse = check_fused_request(model, fused_decoder)
     decoder = submodule(model, spec.decoder)
     layers = list(submodule(decoder, spec.layers))
     offload_layers = check_offload_layers(offload_activations, len(layers), type(model).__name__)
-    if offload_layers:
+    if offload_layers and checkpoint_plan is None:  # with a plan, each call sets the layers' checkpointing
         check_checkpointed(layers, type(model).__name__)
     handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards)
     try:
@@ -233,8 +258,10 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
             _patch_mlps(handle, decoder, [submodule(layer, spec.mlp) for layer in layers], tiled_mlp_shards)
         if recompute_norms:
             _patch_norms(handle, decoder)
+        fused_layers = _patch_fused(handle, model, layers, spec) if fuse else ()
         model.__dict__[PATCH_ATTR] = PatchState(sp_size=handle.sp_size, tiled_mlp_shards=tiled_mlp_shards,
-                                                offload_layers=offload_layers, recompute_norms=recompute_norms)
+                                                offload_layers=offload_layers, recompute_norms=recompute_norms,
+                                                fused_layers=fused_layers, checkpointing=checkpoint_plan)
         handle._undo.append(lambda: model.__dict__.pop(PATCH_ATTR, None))
         if offload_layers:
             handle._undo.append(release_offload_buffers)
@@ -242,8 +269,9 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
         while handle._undo:
             handle._undo.pop()()
         raise
-    logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d recompute_norms=%s",
-                type(model).__name__, handle.sp_size, tiled_mlp_shards, offload_layers, len(layers), recompute_norms)
+    logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d recompute_norms=%s fused_layers=%d "
+                "checkpointing=%s", type(model).__name__, handle.sp_size, tiled_mlp_shards, offload_layers, len(layers),
+                recompute_norms, len(fused_layers), checkpointing)
     return handle
 
 
@@ -283,3 +311,14 @@ def _patch_norms(handle: PatchHandle, decoder: torch.nn.Module) -> None:
     forwards, restore = install_recomputed_norms(norms)
     handle._undo.append(restore)
     ForwardsRanCheck(forwards, type(handle.model).__name__, "recomputed norms").install(handle, decoder)
+
+
+def _patch_fused(handle: PatchHandle, model: torch.nn.Module, layers: list[torch.nn.Module], spec: Any
+                 ) -> tuple[int, ...]:
+    """Fused forwards on the attention layers (a hybrid model's linear-attention layers stay eager)."""
+    attention_layers, _ = split_layers(text_config(model.config), layers, spec)
+    ids = {id(layer) for layer in attention_layers}
+    fused = [i for i, layer in enumerate(layers) if id(layer) in ids]
+    _, restore = install_fused_layers([layers[i] for i in fused])
+    handle._undo.append(restore)
+    return tuple(fused)
