@@ -16,7 +16,7 @@ What a patch changes, all on this model instance only:
 - Activation offload (``offload_activations``): nothing is installed; the layer count in ``PatchState`` makes
   every decoder call move the inputs that gradient checkpointing keeps (of all layers, or of the first K) to
   pinned CPU memory (``hf.offload``). Reverting also frees the offload's idle host memory.
-- Fused decoder (``fused_decoder``, on CUDA for 16-bit models by default): each attention decoder layer gets an
+- Fused decoder (``fused_decoder``, CUDA and 16-bit models only): each attention decoder layer gets an
   instance ``forward`` (``hf.fused_decoder.FusedLayerForward``) that runs the layer's compiled forward in
   actorcore's calls; the decoder's trace proves it ran in every such layer.
 - Checkpointing (``checkpointing``, ``memory_budget_gib``): nothing is installed; the plan in ``PatchState`` sets
@@ -203,7 +203,7 @@ def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None) -> No
 
 def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: int | None = None,
                 offload_activations: bool | int = False, recompute_norms: bool = False,
-                fused_decoder: bool | str = "auto", checkpointing: str | None = None,
+                fused_decoder: bool | str = False, checkpointing: str | None = None,
                 memory_budget_gib: float | None = None) -> PatchHandle:
     """Patch this model instance for Ulysses SP (``parallel.sp_size > 1``), tiled MLP, activation offload and/or
     recomputed norms.
@@ -219,8 +219,8 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
 
     ``fused_decoder``: the attention decoder layers run their forward compiled by ``torch.compile`` in actorcore's
     calls (``hf.fused_decoder``: the elementwise work between the matmuls fused; within bf16 rounding of eager).
-    ``"auto"`` (default): on a CUDA model with 16-bit weights and Triton, else eager; ``True`` refuses where it
-    cannot run; ``False`` keeps the eager forward.
+    ``"auto"``: on a CUDA model with 16-bit weights and Triton, else eager; ``True`` refuses where it cannot run;
+    ``False`` (default, until the shipped path is measured on the GPU) keeps the eager forward.
 
     ``checkpointing``: ``None`` (default) keeps the model's own setting; ``"full"`` checkpoints every layer;
     ``"selective"`` keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the
