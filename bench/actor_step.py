@@ -20,12 +20,13 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_route import QWEN25_15B, TINY  # noqa: E402
-from step_profile import format_breakdown, kernel_breakdown, mfu, pack_greedy, sync  # noqa: E402
+from step_profile import format_breakdown, kernel_breakdown, mfu, pack_greedy, sync, write_json  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -81,13 +82,17 @@ def actorcore_step(model, packs, advs, device):
     batches = [ac.pack(p).to(device) for p in packs]
     args = [torch.cat(pa).to(device) for pa in advs]  # the scored-token layout: row t scores token t
 
+    trace = Counter()
+
     def step():
         out = []
+        trace.clear()
         for b, a in zip(batches, args):
-            res = ac.compute_loss(model, b, lambda lp, ent, adv: -(lp * adv), (a,), entropy=False)
+            res = ac.compute_loss(model, b, lambda lp, ent, adv: -(lp * adv), (a,), entropy=False, trace=trace)
             res.loss.backward()
             out.append(res.logprob.detach().float().cpu())
         return out
+    step.trace = trace  # the last step's kernels, fused layers and checkpointing modes
     return step
 
 
@@ -134,9 +139,11 @@ def transformers_step(model, sequences, advs, device, micro, packed):
 
 def run_path(name, model, step, tokens, active, profile, repeats, first_timeout):
     row = {"path": name}
+    cuda = torch.cuda.is_available()
     try:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         model.zero_grad(set_to_none=True)
         lp = step()
@@ -150,7 +157,7 @@ def run_path(name, model, step, tokens, active, profile, repeats, first_timeout)
             sync()
             times.append(time.perf_counter() - start)
         row["seconds"] = sorted(times)[len(times) // 2] if times else row["first_call_s"]
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         row["tokens_per_s"] = tokens / row["seconds"]
         row["mfu"] = mfu(active, tokens, row["seconds"])
         if profile:
@@ -163,7 +170,8 @@ def run_path(name, model, step, tokens, active, profile, repeats, first_timeout)
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     model.zero_grad(set_to_none=True)
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     print(f"[row] {json.dumps({k: v for k, v in row.items() if k not in ('top', '_lp')})}", flush=True)
     return row
 
@@ -183,7 +191,7 @@ def main() -> None:
     parser.add_argument("--profile", default="actorcore before,actorcore fused", help="paths to profile")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    device = "cuda"
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to check the script (--model tiny)
     model_type, shape = MODELS[args.model]
     tiny = args.model == "tiny"
     sequences, advs = batch_sequences(shape["vocab_size"], tiny)
@@ -202,9 +210,9 @@ def main() -> None:
                for a, b in zip(ac.pack(pack).cu_seqlens[:-1], ac.pack(pack).cu_seqlens[1:])]
     del reference
     gc.collect()
-    torch.cuda.empty_cache()
 
-    model = build(model_type, shape, torch.bfloat16, device, args.layers).train()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build(model_type, shape, dtype, device, args.layers).train()
     active = active_parameters(model)
     rows = []
     wanted = args.paths.split(",")
@@ -214,7 +222,7 @@ def main() -> None:
         if name.startswith("actorcore"):
             fused = name != "actorcore before"
             ckpt = "full" if name == "actorcore before" else ("selective" if "no-ckpt" in name else "auto")
-            handle = ac.patch_model(model, fused_decoder=fused, checkpointing=ckpt,
+            handle = ac.patch_model(model, fused_decoder="auto" if fused else False, checkpointing=ckpt,
                                     memory_budget_gib=args.budget_gib if ckpt == "auto" else None)
             step = actorcore_step(model, packs, pack_advs, device)
         else:
@@ -234,15 +242,13 @@ def main() -> None:
             else:
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_seq))
         if handle is not None:
+            row["trace"] = {k: v for k, v in step.trace.items() if k.split(":")[0] in ("fused_decoder", "checkpoint")}
             handle.revert()
         rows.append(row)
     meta = {"model": args.model, "layers": model.config.num_hidden_layers, "tokens": tokens, "packs": len(packs),
             "active_parameters": active, "budget_gib": args.budget_gib, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"actor_step_{args.model}.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_json(args.out, f"actor_step_{args.model}.json", {"meta": meta, "rows": rows})
     print(json.dumps(meta))
     print(f"{'path':<28} {'s/step':>8} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'max|Δlp| fp32':>14}")
     for r in rows:

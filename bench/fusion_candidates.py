@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_route import QWEN25_15B, TINY, model_and_sequences  # noqa: E402
-from step_profile import format_breakdown, kernel_breakdown, mfu, pack_greedy, timed  # noqa: E402
+from step_profile import format_breakdown, kernel_breakdown, mfu, pack_greedy, timed, write_json  # noqa: E402
 
 QWEN3_MOE_30B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -224,10 +224,7 @@ def main() -> None:
             run_moe(args, device, rows)
         except Exception as error:
             rows.append({"variant": "moe", "error": f"{type(error).__name__}: {str(error)[:300]}"})
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fusion_candidates.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.out, "fusion_candidates.json", rows)
     print(f"dense: {tokens} tokens, {params / 1e9:.2f}B parameters")
     for row in rows:
         if "error" in row:

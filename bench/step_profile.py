@@ -8,6 +8,8 @@ copies), ``elementwise`` (everything else: pointwise, reductions, Inductor's and
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import time
 from collections import Counter
@@ -69,7 +71,7 @@ def timed(fn, repeats: int = 3, warmup: int = 1) -> dict:
         times.append(time.perf_counter() - start)
         if torch.cuda.is_available():
             peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
-    return {"seconds": sorted(times)[len(times) // 2], "peak_gib": peak, "first_call_s": first}
+    return {"seconds": sorted(times)[len(times) // 2], "peak_gib": peak, "warmup_s": first}
 
 
 def kernel_breakdown(fn) -> tuple[dict, list]:
@@ -100,3 +102,14 @@ def format_breakdown(per_category: dict) -> str:
     total = sum(per_category.values()) or 1.0
     order = ("matmul", "attention", "elementwise", "copies", "head")
     return " ".join(f"{k} {per_category.get(k, 0):.0f}ms ({100 * per_category.get(k, 0) / total:.0f}%)" for k in order)
+
+
+def write_json(out_dir: str | None, name: str, obj) -> None:
+    """``obj`` as ``out_dir/name`` (nothing without ``out_dir``), written under a temporary name and renamed."""
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
