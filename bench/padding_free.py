@@ -64,8 +64,7 @@ def _scored(pred_T: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 def _paths(model, batch, padded, lengths):
     """name -> fn(train) returning ``(log_probs [T], entropy [T])`` in actorcore's scored alignment."""
     import actorcore as ac
-    from actorcore.archs import spec_for_model
-    from actorcore.hf.decoder import run_decoder
+    from actorcore.hf.decoder import decoder_call, run_decoder
 
     cu = batch.cu_seqlens
 
@@ -119,7 +118,7 @@ def _paths(model, batch, padded, lengths):
         model.set_attn_implementation("sdpa")
         model.train(train)
         with torch.set_grad_enabled(train):
-            hidden_TD, _ = run_decoder(model, spec_for_model(model), batch)
+            hidden_TD = run_decoder(decoder_call(model, batch))
             lp, ent = verl_fused_linear_for_ppo(hidden_TD, model.get_output_embeddings().weight,
                                                 torch.roll(batch.input_ids, -1))
             return finish(_scored(lp, cu), _scored(ent, cu), train)

@@ -60,5 +60,13 @@ class BatchInvariantNotAppliedError(FastPathNotRunError):
     """The batch-invariant forwards did not run where they should have (e.g. a module bypassed them)."""
 
 
+class FiniteCheckNotRunError(FastPathNotRunError):
+    """``check_finite=True`` was asked for but the per-layer checks did not run in every decoder layer."""
+
+
+class VisionInputsNotAppliedError(FastPathNotRunError):
+    """A vision-language model's decoder did not run on the embeddings with the visual features merged in."""
+
+
 class TransportError(RuntimeError):
     """The other side stopped (its error, an interrupt, its process died) or did not answer in time."""

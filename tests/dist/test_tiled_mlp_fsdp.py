@@ -2,6 +2,8 @@
 log-probs are bitwise the untiled FSDP2 model's, accumulated gradients equal the untiled ones and one
 process's, and the tiled path demonstrably ran (recompute reads the parameters FSDP unsharded)."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -17,10 +19,10 @@ def _micro_batches():
     return [[torch.randint(3, 131, (n,), generator=g) for n in lens] for lens in MICRO_BATCHES]
 
 
-def _loss(model, seqs):
+def _loss(model, seqs, trace=None):
     import actorcore as ac
 
-    out = ac.compute_logprobs(model, ac.pack(seqs))
+    out = ac.compute_logprobs(model, ac.pack(seqs), trace=trace)
     return -(out.log_probs.sum() + 0.1 * out.entropy.sum()), out.log_probs.detach()
 
 
@@ -69,19 +71,19 @@ def _worker(rank, world_size, model_type):
     tiled = _fsdp(tiled)
     # Each rank gets its own micro-batch order; FSDP averages the accumulated gradients over ranks.
     micro = _micro_batches() if rank == 0 else _micro_batches()[::-1]
-    bitwise = []
+    bitwise, trace = [], Counter()
     for i, seqs in enumerate(micro):
         last = i == len(micro) - 1
         for model in (plain, tiled):
             model.set_requires_gradient_sync(last)
         loss_plain, lp_plain = _loss(plain, seqs)
-        loss_tiled, lp_tiled = _loss(tiled, seqs)
+        loss_tiled, lp_tiled = _loss(tiled, seqs, trace)
         bitwise.append(torch.equal(lp_plain, lp_tiled))
         loss_plain.backward()
         loss_tiled.backward()
     grads = {n: (p.grad.full_tensor(), q.grad.full_tensor())
              for (n, p), (_, q) in zip(plain.named_parameters(), tiled.named_parameters())}
-    tiled_calls = sum(layer.mlp.forward.calls for layer in tiled.model.layers)
+    tiled_calls = trace["tiled_mlp:forward"]
     return {"bf16": _bf16_mixed_precision(rank), "bitwise": bitwise, "tiled_calls": tiled_calls,
             "expected_calls": len(micro) * tiled.config.num_hidden_layers, "grads": grads}
 

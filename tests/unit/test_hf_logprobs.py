@@ -115,7 +115,7 @@ def test_packed_attention_ran_and_plain_forward_is_unchanged():
 def test_bypassed_packed_attention_is_an_error(monkeypatch):
     model = build_tiny_model("llama")
     # Simulate a transformers version that ignores the registered implementation.
-    monkeypatch.setattr("actorcore.hf.decoder.packed_attention",
+    monkeypatch.setattr("actorcore.hf.packed_attention.packed_attention",
                         lambda decoder, configs, name: __import__("contextlib").nullcontext())
     with pytest.raises(PackingNotAppliedError, match="bypassed"):
         ac.compute_logprobs(model, ac.pack(_sequences()))
@@ -278,7 +278,7 @@ def test_misspelt_keywords_are_refused():
 
 
 def test_check_finite_names_the_first_non_finite_layer():
-    from actorcore.hf.decoder import NonFiniteError
+    from actorcore.errors import NonFiniteError
 
     model = build_tiny_model("llama")
     batch = ac.pack(_sequences())

@@ -322,7 +322,7 @@ def _bypassing(modules, spec):
 
 def test_bypassed_linear_attention_is_an_error(monkeypatch):
     """A transformers version that bypasses actorcore's linear attention: the trace self-check fires."""
-    monkeypatch.setattr("actorcore.hf.decoder.packed_linear_attention", _bypassing)
+    monkeypatch.setattr("actorcore.hf.linear_attention.packed_linear_attention", _bypassing)
     with pytest.raises(PackingNotAppliedError, match="linear attention ran 0 times for 1 linear-attention layers"):
         ac.compute_logprobs(build_tiny_model("qwen3_5_text"), ac.pack(_sequences()))
 

@@ -3,6 +3,7 @@ configurations it cannot honour with clear errors, and does nothing on import.""
 
 import subprocess
 import sys
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import actorcore as ac
 from actorcore.hf.patch import PatchNotAppliedError, require_sequence_parallel_patch
+from actorcore.hf.tiled_mlp import TILED_MLP_KEY
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 
@@ -61,8 +63,9 @@ def test_two_instances_patched_differently():
     actor, reference = build_tiny_model("llama", seed=1), build_tiny_model("llama", seed=1)
     ac.patch_model(actor, tiled_mlp_shards=2)
     ref = ac.compute_logprobs(reference, batch)
-    out = ac.compute_logprobs(actor, batch)
-    assert [layer.mlp.forward.calls for layer in actor.model.layers] == [1] * actor.config.num_hidden_layers
+    trace = Counter()
+    out = ac.compute_logprobs(actor, batch, trace=trace)
+    assert trace[TILED_MLP_KEY] == actor.config.num_hidden_layers
     assert (out.log_probs - ref.log_probs).abs().max().item() <= TOL["packed_vs_hf_fp32"]
     assert (out.entropy - ref.entropy).abs().max().item() <= TOL["packed_vs_hf_fp32"]
     assert "forward" not in reference.model.layers[0].mlp.__dict__
@@ -146,11 +149,13 @@ def test_copy_of_a_patched_model_computes_with_its_own_weights(how):
     ac.patch_model(actor, tiled_mlp_shards=2)
     clone = copy_model(actor, how)
     expected = scale_weights_of_copy_and_twin(clone, lambda: build_tiny_model("llama", seed=2))
-    out = ac.compute_logprobs(clone, batch)
+    trace = Counter()
+    out = ac.compute_logprobs(clone, batch, trace=trace)
     want = ac.compute_logprobs(expected, batch)
     assert (out.log_probs - want.log_probs).abs().max().item() <= TOL["packed_vs_hf_fp32"]
-    assert [layer.mlp.forward.calls for layer in clone.model.layers] == [1, 1], "the copy runs its tiled MLP"
-    assert [layer.mlp.forward.calls for layer in actor.model.layers] == [0, 0], "the original did not run"
+    assert trace[TILED_MLP_KEY] == 2, "the copy runs its tiled MLP"
+    assert all(layer.mlp.forward.mlp is layer.mlp for layer in clone.model.layers), "the copy's forwards hold its MLPs"
+    assert clone.model.layers[0].mlp.forward.trace is not actor.model.layers[0].mlp.forward.trace
     out.log_probs.sum().backward()
     assert all(p.grad is None for p in actor.parameters()), "gradient reached the original's weights"
     assert all(p.grad is not None for p in clone.model.layers[0].mlp.parameters())

@@ -14,7 +14,7 @@ import torch
 from test_offload import _assert_bitwise, _batch, _train_step, checkpointed
 
 import actorcore as ac
-from actorcore.hf.norm_recompute import RecomputedNormForward, decoder_norms
+from actorcore.hf.norm_recompute import NORM_FORWARD_KEY, NORM_RUN_KEY, RecomputedNormForward, decoder_norms
 from actorcore.hf.patch import PatchNotAppliedError
 from actorcore.testing.tiny_configs import build_tiny_model
 
@@ -38,13 +38,19 @@ def _saved_bytes(model, batch) -> int:
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "qwen3_5_text"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_bitwise_the_same_and_the_norms_ran(model_type, checkpointing, monkeypatch):
-    in_backward = Counter()  # per norm forward object: its runs inside an autograd backward (recomputations)
-    run = RecomputedNormForward._run
+    calls, runs, in_backward = Counter(), Counter(), Counter()  # per norm forward object (id)
+    call, run = RecomputedNormForward.__call__, RecomputedNormForward._run
+
+    def counting_call(self, *args, **kwargs):
+        calls[id(self)] += 1
+        return call(self, *args, **kwargs)
 
     def counting_run(self, *args, **kwargs):
+        runs[id(self)] += 1
         in_backward[id(self)] += torch._C._current_graph_task_id() != -1
         return run(self, *args, **kwargs)
 
+    monkeypatch.setattr(RecomputedNormForward, "__call__", counting_call)
     monkeypatch.setattr(RecomputedNormForward, "_run", counting_run)
     model = build_tiny_model(model_type, seed=3, dtype=torch.bfloat16)
     model = checkpointed(model) if checkpointing else model.train()
@@ -54,16 +60,19 @@ def test_bitwise_the_same_and_the_norms_ran(model_type, checkpointing, monkeypat
     handle = ac.patch_model(model, recompute_norms=True)
     forwards = [norm.forward for norm in decoder_norms(model.model)]
     assert forwards and all(isinstance(f, RecomputedNormForward) for f in forwards)
-    patched = _train_step(model, batch, Counter())
+    trace = Counter()
+    patched = _train_step(model, batch, trace)
     _assert_bitwise(plain, patched)
     # Every norm ran in the forward and again inside backward, recomputed from its kept input. In a checkpointed
     # layer the layer's own recomputation (inside backward too) runs it once more, unless that recomputation
     # stops early, at the norm's kept input, when the norm ends the layer (gemma3's post-feedforward norm).
-    counts = [(f.calls, f.runs, in_backward[id(f)]) for f in forwards]
+    counts = [(calls[id(f)], runs[id(f)], in_backward[id(f)]) for f in forwards]
     if checkpointing:
-        assert all(f.runs >= 2 and in_backward[id(f)] == f.runs - 1 for f in forwards), counts
+        assert all(runs[id(f)] >= 2 and in_backward[id(f)] == runs[id(f)] - 1 for f in forwards), counts
     else:
-        assert all(f.calls == 1 and f.runs == 2 and in_backward[id(f)] == 1 for f in forwards), counts
+        assert all(c == (1, 2, 1) for c in counts), counts
+    # The call's trace counts the same: every forward asked for, every computation (recomputations included).
+    assert (trace[NORM_FORWARD_KEY], trace[NORM_RUN_KEY]) == (sum(calls.values()), sum(runs.values())), counts
     handle.revert()
     assert not any("forward" in norm.__dict__ for norm in decoder_norms(model.model))
 

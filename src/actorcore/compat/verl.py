@@ -329,11 +329,10 @@ def _packed_logits(model: torch.nn.Module, batch: PackedBatch, ctx: Any) -> torc
     by the temperature, and an in-place change through a view would drop the backward hooks FSDP registered
     on the returned tensor.
     """
-    from actorcore.archs import spec_for_model
-    from actorcore.hf.decoder import run_decoder
+    from actorcore.hf.decoder import decoder_call, run_decoder
     from actorcore.hf.head import head_params
 
-    spec = spec_for_model(model)
-    hidden_TD, _ = run_decoder(model, spec, batch, ctx)  # this rank's slice under SP (verl pre-padded it)
+    call = decoder_call(model, batch, ctx)
+    hidden_TD = run_decoder(call)  # this rank's slice under SP (verl pre-padded it)
     logits_1TV = model.get_output_embeddings()(hidden_TD.unsqueeze(0))
-    return head_params(model, spec).apply(logits_1TV)
+    return head_params(model, call.spec).apply(logits_1TV)

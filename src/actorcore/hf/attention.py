@@ -16,52 +16,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from actorcore.kernels.varlen_attention import varlen_causal_attention
 from actorcore.errors import PackingNotAppliedError  # noqa: F401 (re-exported)
+from actorcore.hf.call import PARALLEL_KWARG, TRACE_KWARG, ParallelRef, TraceRef, parallel_from_kwargs  # noqa: F401
+from actorcore.hf.decoder_feature import switched_for_call
+from actorcore.kernels.varlen_attention import varlen_causal_attention
 
 logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "actorcore_packed"
 
-# Per-call keyword arguments the decoder carries down to our attention functions (transformers passes the
-# decoder's extra kwargs to the attention interface): the call's ``ParallelContext`` and its trace, a
-# ``collections.Counter`` in which each attention call counts itself under ``"attention:<name>"`` (the
-# self-check that packing ran, and how tests prove which path ran).
-PARALLEL_KWARG = "actorcore_parallel"
-TRACE_KWARG = "actorcore_trace"
-
-
 def trace_key(implementation: str) -> str:
     return f"attention:{implementation}"
-
-
-class TraceRef:
-    """The call's trace ``Counter`` as the decoder kwargs carry it: an opaque object, because pytree maps over
-    a forward's kwargs (FSDP2 casts and moves them) would rebuild a ``Counter`` as a new plain dict and the
-    counts would go to a copy."""
-
-    __slots__ = ("counts",)
-
-    def __init__(self, counts: Any) -> None:
-        self.counts = counts
-
-
-class ParallelRef:
-    """The call's ``ParallelContext`` as the decoder kwargs carry it: an opaque object, because FSDP2's
-    forward-input cast (``MixedPrecisionPolicy(cast_forward_inputs=True)``, verl's default) rebuilds every
-    dataclass in a forward's kwargs with ``dataclasses.replace``, which a ``ParallelContext`` (fields set in
-    ``__post_init__``) refuses."""
-
-    __slots__ = ("context",)
-
-    def __init__(self, context: Any) -> None:
-        self.context = context
-
-
-def parallel_from_kwargs(kwargs: dict[str, Any]) -> Any:
-    """The ``ParallelContext`` (or None) the decoder passed down to this layer's attention."""
-    ref = kwargs.get(PARALLEL_KWARG)
-    return None if ref is None else ref.context
 
 
 def record_call(kwargs: dict[str, Any], implementation: str) -> None:
@@ -221,48 +186,3 @@ def packed_attention(decoder: torch.nn.Module, configs: list[Any], name: str) ->
     """Switch ``configs`` to ``name`` for one forward, including the recomputation in backward
     (``switched_for_call``)."""
     return switched_for_call(decoder, functools.partial(attention_implementation, configs, name))
-
-
-@contextlib.contextmanager
-def switched_for_call(decoder: torch.nn.Module, switch: Callable[[], Any]) -> Iterator[None]:
-    """Enter ``switch()`` (a context manager factory) for one forward, including the recomputation in backward.
-
-    With activation checkpointing, layers are re-run during backward, after this context has exited. The
-    checkpoint functions (Hugging Face's per-layer ``_gradient_checkpointing_func``, and torch's
-    ``checkpoint_wrapper``'s ``checkpoint_fn``) are wrapped, per instance and for this forward, so that the
-    recomputation runs under the same switch and sees the same attention as the original forward.
-    """
-    wrapped = []
-    for module in decoder.modules():
-        for attr in _checkpoint_function_attrs(module):
-            original = module.__dict__[attr]
-            setattr(module, attr, _recompute_under(original, switch))
-            wrapped.append((module, attr, original))
-    try:
-        with switch():
-            yield
-    finally:
-        for module, attr, original in wrapped:
-            setattr(module, attr, original)
-
-
-def _checkpoint_function_attrs(module: torch.nn.Module) -> list[str]:
-    """Instance attributes holding the function that (re)runs a checkpointed layer."""
-    attrs = []
-    if module.__dict__.get("_gradient_checkpointing_func") is not None and getattr(module, "gradient_checkpointing",
-                                                                                   False):
-        attrs.append("_gradient_checkpointing_func")
-    if "checkpoint_fn" in module.__dict__ and hasattr(module, "_checkpoint_wrapped_module"):
-        attrs.append("checkpoint_fn")
-    return attrs
-
-
-def _recompute_under(checkpoint_fn: Any, switch: Callable[[], Any]) -> Any:
-    def checkpoint_with_switch(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        def switched(*a: Any, **k: Any) -> Any:
-            with switch():
-                return fn(*a, **k)
-
-        return checkpoint_fn(switched, *args, **kwargs)
-
-    return checkpoint_with_switch

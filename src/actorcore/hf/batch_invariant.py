@@ -15,7 +15,7 @@ MoE blocks (routing and per-expert matmuls whose row counts depend on the batch)
 vision towers are refused.
 
 The forwards are installed per call and removed after it (also around activation checkpointing's
-recomputation: ``hf.attention.switched_for_call``); they are objects holding their module, not closures. Each
+recomputation: ``hf.decoder_feature.switched_for_call``); they are objects holding their module, not closures. Each
 counts itself in the call's trace (``batch_invariant:linear``, ``batch_invariant:norm``).
 """
 
@@ -29,10 +29,11 @@ from typing import Any, Iterator
 import torch
 
 from actorcore.archs import ArchSpec
-from actorcore.hf.attention import switched_for_call
+from actorcore.errors import BatchInvariantNotAppliedError  # noqa: F401 (re-exported)
+from actorcore.hf.call import DecoderCall
+from actorcore.hf.decoder_feature import DecoderFeature, switched_for_call
 from actorcore.hf.norm_recompute import RecomputedNormForward, is_norm
 from actorcore.kernels.batch_invariant import NORM_TILE_ROWS, tiled_linear, tiled_rows
-from actorcore.errors import BatchInvariantNotAppliedError  # noqa: F401 (re-exported)
 
 LINEAR_TRACE_KEY = "batch_invariant:linear"
 NORM_TRACE_KEY = "batch_invariant:norm"
@@ -131,10 +132,21 @@ def batch_invariant_decoder(decoder: torch.nn.Module, spec: ArchSpec, trace: Cou
     return switched_for_call(decoder, functools.partial(_installed, linears, norms, tile_rows, norm_tile_rows, trace))
 
 
-def check_ran(trace: Counter, before: int, layers: int) -> None:
-    """At least one invariant linear per decoder layer must have run, else something bypassed the mode."""
-    ran = trace[LINEAR_TRACE_KEY] - before
-    if ran < layers:
-        raise BatchInvariantNotAppliedError(
-            f"batch-invariant linears ran {ran} times for {layers} decoder layers: the installed transformers "
-            "bypassed the modules' forward; refusing to return results that are not batch-invariant")
+class BatchInvariant(DecoderFeature):
+    """``batch_invariant=True``: the invariant forwards for the call; ``check`` requires at least one invariant
+    linear per decoder layer, else something bypassed the modules' forward."""
+
+    name = "batch_invariant"
+
+    def active(self, call: DecoderCall) -> bool:
+        return call.batch_invariant
+
+    def enter(self, call: DecoderCall) -> Any:
+        return batch_invariant_decoder(call.parts.decoder, call.spec, call.trace)
+
+    def check(self, call: DecoderCall) -> None:
+        ran, layers = call.ran(LINEAR_TRACE_KEY), len(call.parts.layers)
+        if ran < layers:
+            raise BatchInvariantNotAppliedError(
+                f"batch-invariant linears ran {ran} times for {layers} decoder layers: the installed transformers "
+                "bypassed the modules' forward; refusing to return results that are not batch-invariant")

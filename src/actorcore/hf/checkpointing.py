@@ -10,9 +10,12 @@ Modes (``None`` leaves the model's own setting, the behaviour before this option
   token count and the memory already allocated) run as in ``"selective"``, the others as in ``"full"``. The last
   ones, because backward reaches them first and activation offload (``hf.offload``) moves the first ones.
 
-For each training call the layers' ``gradient_checkpointing`` / ``_gradient_checkpointing_func`` are set for the
-call and restored afterwards (the functions travel with the autograd graph into backward). The trace counts the
-layers per mode, and ``SELECTIVE_TRACE_KEY`` each selective checkpoint that ran: the self-check.
+The ``Checkpointing`` decoder feature sets, for each training call, the layers' ``gradient_checkpointing`` /
+``_gradient_checkpointing_func`` and restores them afterwards (the functions travel with the autograd graph into
+backward); it records the plan in ``call.checkpoint_modes`` (activation offload reads which layers are
+checkpointed). Trace keys: ``checkpoint:full_layers``, ``checkpoint:selective_layers``,
+``checkpoint:fused_layers_kept`` (layers per mode in the call) and ``checkpoint:selective`` (each selective
+checkpoint that ran: the self-check).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from typing import Any, Iterator
 import torch
 import torch.utils.checkpoint
 
+from actorcore.archs import text_config
 from actorcore.errors import PatchNotAppliedError
+from actorcore.hf.call import DecoderCall
+from actorcore.hf.decoder_feature import DecoderFeature
 from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY, layers_to_keep, selective_checkpoint_function
 
 CHECKPOINT_MODES = ("full", "selective", "auto")
@@ -125,11 +131,35 @@ def _non_reentrant(fn: Any) -> bool:
             and fn.keywords.get("use_reentrant") is False and "context_fn" not in fn.keywords)
 
 
-def check_selective_ran(trace: Counter, before: int, selective_layers: int, model_name: str) -> None:
-    """Every selective layer must have entered its selective checkpoint in this forward."""
-    ran = trace[SELECTIVE_TRACE_KEY] - before
+def check_selective_ran(ran: int, selective_layers: int, model_name: str) -> None:
+    """Every selective layer must have entered its selective checkpoint in this forward (``ran`` of them did)."""
     if ran < selective_layers:
         raise PatchNotAppliedError(
             f"selective checkpointing ran in {ran} of {selective_layers} decoder layers of {model_name}: the installed "
             "transformers bypassed the layers' _gradient_checkpointing_func (it checkpoints only in training mode: "
             "call model.train()); refusing to continue without the checkpointing that was asked for")
+
+
+class Checkpointing(DecoderFeature):
+    """``patch_model(checkpointing=..., memory_budget_gib=...)``: the layers' checkpointing of each training call,
+    planned per call; ``check`` requires every selective layer to have entered its selective checkpoint. Entered
+    before the activation offload, which wraps the checkpoint functions set here."""
+
+    name = "checkpointing"
+
+    def active(self, call: DecoderCall) -> bool:
+        return (call.patch is not None and call.patch.checkpointing is not None and call.model.training
+                and torch.is_grad_enabled())
+
+    def enter(self, call: DecoderCall) -> Any:
+        param = next(call.model.parameters())
+        allocated = torch.cuda.memory_allocated(param.device) if param.is_cuda else 0
+        fused = set(call.patch.fused_layers) if not call.batch_invariant else set()
+        tokens = call.batch.num_tokens // call.sp_size  # this rank's shard
+        config = text_config(call.model.config)
+        call.checkpoint_modes = plan_layer_modes(call.patch.checkpointing, [i in fused for i in range(len(
+            call.parts.layers))], tokens, config, param.element_size(), allocated)
+        return checkpointing_for_call(call.parts.layers, call.checkpoint_modes, call.trace)
+
+    def check(self, call: DecoderCall) -> None:
+        check_selective_ran(call.ran(SELECTIVE_TRACE_KEY), call.checkpoint_modes.count("selective"), call.model_name)

@@ -20,12 +20,15 @@ eager one, unchanged. Within bf16 rounding of the eager layer, not bitwise (Indu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
 import torch
 
-from actorcore.hf.attention import TRACE_KWARG
+from actorcore.errors import PatchNotAppliedError
+from actorcore.hf.call import TRACE_KWARG, DecoderCall
+from actorcore.hf.decoder_feature import DecoderFeature
 from actorcore.hf.instance_forwards import install_forwards
 
 FUSED_KWARG = "actorcore_fused"
@@ -131,3 +134,40 @@ def install_fused_layers(layers: list[torch.nn.Module]) -> tuple[list[FusedLayer
         return FusedLayerForward(layer)
 
     return install_forwards(layers, make)
+
+
+class FusedDecoder(DecoderFeature):
+    """``patch_model(fused_decoder=...)``: the fused forwards for the patch's lifetime (on the layers listed in the
+    patch state); every call but a batch-invariant one passes ``FUSED_KWARG``, and ``check`` requires each fused
+    layer to have run compiled."""
+
+    name = "fused_decoder"
+
+    def install(self, handle: Any) -> None:
+        fused = handle.state.fused_layers
+        if fused:
+            _, restore = install_fused_layers([handle.parts.layers[i] for i in fused])
+            handle.add_undo(restore)
+
+    def active(self, call: DecoderCall) -> bool:
+        return call.patch is not None and bool(call.patch.fused_layers) and not call.batch_invariant
+
+    def enter(self, call: DecoderCall) -> Any:
+        call.kwargs[FUSED_KWARG] = True
+        return contextlib.nullcontext()
+
+    def check(self, call: DecoderCall) -> None:
+        ran, layers = call.ran(FUSED_TRACE_KEY), len(call.patch.fused_layers)
+        if ran < layers:
+            raise PatchNotAppliedError(
+                f"the fused decoder ran in {ran} of {layers} decoder layers of {call.model_name}: the installed "
+                "transformers bypassed the layers' instance forward; refusing to continue unfused")
+
+
+def fused_layer_indices(model: torch.nn.Module, parts: Any, fused: Any) -> tuple[int, ...]:
+    """The decoder layers to fuse for ``patch_model(fused_decoder=fused)``: the attention layers (a hybrid model's
+    linear-attention layers stay eager), or none."""
+    if not check_fused_request(model, fused):
+        return ()
+    ids = {id(layer) for layer in parts.attention_layers}
+    return tuple(i for i, layer in enumerate(parts.layers) if id(layer) in ids)

@@ -19,7 +19,7 @@ import torch
 
 from actorcore.archs import ArchSpec, UnsupportedArchitectureError, text_config
 from actorcore.batch import PackedBatch, shift_to_scored_token, unpad
-from actorcore.hf.decoder import call_as_forward
+from actorcore.hf.as_forward import call_as_forward
 from actorcore.kernels.logprob import LossOutput, check_options, linear_logprob_entropy, linear_logprob_loss
 
 

@@ -25,14 +25,17 @@ is exchanged back and the gated norm and output projection run on the rank's own
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from actorcore.archs import LinearAttentionSpec, submodule
-from actorcore.hf.attention import TRACE_KWARG, PackingNotAppliedError, parallel_from_kwargs
+from actorcore.archs import LinearAttentionSpec
+from actorcore.errors import PackingNotAppliedError
+from actorcore.hf.call import DecoderCall, parallel_from_kwargs, trace_from_kwargs
+from actorcore.hf.decoder_feature import DecoderFeature, switched_for_call
 from actorcore.hf.instance_forwards import install_forwards
 from actorcore.kernels.linear_attention import causal_conv1d_packed, gated_delta_rule_packed
 from actorcore.parallel.ulysses import (
@@ -52,25 +55,6 @@ def linear_trace_key(implementation: str) -> str:
 
 
 LINEAR_TRACE_KEYS = (linear_trace_key(PACKED_LINEAR), linear_trace_key(ULYSSES_LINEAR))
-
-
-def split_layers(config: Any, layers: Any, spec: Any) -> tuple[list[Any], list[torch.nn.Module]]:
-    """``(full-attention layers, linear-attention modules)`` of a decoder, from the config's layer types."""
-    linear: LinearAttentionSpec | None = spec.linear_attention
-    if linear is None:
-        return list(layers), []
-    types = getattr(config, linear.layer_types_field, None)
-    if types is None or len(types) < len(layers):
-        raise ValueError(f"{spec.model_type}: config.{linear.layer_types_field}={types!r} does not name the kind of "
-                         f"each of the {len(layers)} decoder layers; actorcore's spec reads it to find the "
-                         "linear-attention layers")
-    attention_layers, modules = [], []
-    for layer, kind in zip(layers, types):
-        if kind == linear.layer_type:
-            modules.append(submodule(layer, linear.module))
-        else:
-            attention_layers.append(layer)
-    return attention_layers, modules
 
 
 def check_linear_heads(modules: list[torch.nn.Module], sp_size: int) -> None:
@@ -145,8 +129,7 @@ class GatedDeltaNetForward:
                              f"{hidden_states.shape[0]}")
         ctx = parallel_from_kwargs(kwargs)
         sp = 1 if ctx is None else int(ctx.sp_size)
-        ref = kwargs.get(TRACE_KWARG)
-        trace = None if ref is None else ref.counts
+        trace = trace_from_kwargs(kwargs)
         if trace is not None:
             trace[linear_trace_key(ULYSSES_LINEAR if sp > 1 else PACKED_LINEAR)] += 1
         L = hidden_states.shape[1]
@@ -225,3 +208,38 @@ def packed_linear_attention(modules: list[torch.nn.Module], spec: LinearAttentio
         yield
     finally:
         restore()
+
+
+class LinearAttention(DecoderFeature):
+    """Hybrid models' Gated DeltaNet layers: actorcore's packed forward for the call (one process) or for the
+    patch's lifetime (Ulysses SP); ``check`` requires one trace count per linear-attention layer."""
+
+    name = "linear_attention"
+
+    def install(self, handle: Any) -> None:
+        modules = handle.parts.linear_modules
+        if handle.state.sp_size == 1 or not modules:
+            return
+        check_linear_heads(modules, handle.state.sp_size)
+        if any(is_installed(m) for m in modules):
+            raise ValueError("this model's linear-attention modules already run actorcore's packed forward although "
+                             "the model is not patched; revert the other patch (or build a fresh model) first")
+        handle.add_undo(install_linear_forwards(modules, handle.spec.linear_attention))
+
+    def active(self, call: DecoderCall) -> bool:
+        return bool(call.parts.linear_modules)
+
+    def enter(self, call: DecoderCall) -> contextlib.AbstractContextManager:
+        modules = call.parts.linear_modules
+        if all(is_installed(m) for m in modules):
+            return contextlib.nullcontext()
+        return switched_for_call(call.parts.decoder, functools.partial(packed_linear_attention, modules,
+                                                                      call.spec.linear_attention))
+
+    def check(self, call: DecoderCall) -> None:
+        ran, layers = call.ran(*LINEAR_TRACE_KEYS), len(call.parts.linear_modules)
+        if ran < layers:
+            raise PackingNotAppliedError(
+                f"packed linear attention ran {ran} times for {layers} linear-attention layers: the installed "
+                "transformers bypassed actorcore's linear attention (its conv and delta-rule state would run across "
+                "sequences); refusing to return unpacked results")

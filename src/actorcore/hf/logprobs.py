@@ -21,11 +21,13 @@ import torch
 
 from actorcore.archs import spec_for_model
 from actorcore.batch import PackedBatch, next_token_labels, shard_for_sp, unpad
-from actorcore.hf.batch_invariant import check_batch_invariant_support
-from actorcore.hf.decoder import call_as_forward, check_batch, run_decoder, sp_size
+from actorcore.hf.as_forward import call_as_forward
+from actorcore.hf.call import DecoderCall
+from actorcore.hf.decoder import decoder_call, run_decoder
 from actorcore.hf.head import check_head_options, to_scored_tokens, token_logprobs
 from actorcore.kernels.precision import without_autocast
 from actorcore.outputs import LogProbOutput
+from actorcore.parallel import sp_size
 
 
 def gather_sp(local_T: torch.Tensor, parallel: Any) -> torch.Tensor:
@@ -51,26 +53,26 @@ def compute_logprobs(model: Any, batch: PackedBatch, temperature: float = 1.0, e
     speed: fixed-size row tiles). Dense text models only: MoE, hybrid and VLM models are refused.
     """
     temperature = check_head_options(temperature, entropy, trace, batch_invariant)
-    spec = spec_for_model(model)
-    if batch_invariant:
-        check_batch_invariant_support(spec)
-    batch = check_batch(model, batch)
-    return call_as_forward(model, lambda: logprobs_inside_forward(
-        model, batch, temperature=temperature, entropy=entropy, parallel=parallel, trace=trace, check_finite=check_finite,
-        batch_invariant=batch_invariant))
+    call = decoder_call(model, batch, parallel, trace, check_finite=check_finite, batch_invariant=batch_invariant)
+    return call_as_forward(model, lambda: _logprobs_of(call, temperature, entropy))
 
 
 def logprobs_inside_forward(model: Any, batch: PackedBatch, temperature: float = 1.0, entropy: bool = True,
                             parallel: Any = None, trace: Counter | None = None,
                             check_finite: bool = False, batch_invariant: bool = False) -> LogProbOutput:
     """``compute_logprobs`` for callers already inside the model's forward (e.g. a patched forward)."""
-    spec = spec_for_model(model)
-    hidden_TD, work = run_decoder(model, spec, batch, parallel, trace, check_finite, batch_invariant)
+    call = decoder_call(model, batch, parallel, trace, check_finite=check_finite, batch_invariant=batch_invariant)
+    return _logprobs_of(call, temperature, entropy)
+
+
+def _logprobs_of(call: DecoderCall, temperature: float, entropy: bool) -> LogProbOutput:
+    hidden_TD = run_decoder(call)
+    work, parallel = call.batch, call.parallel
     labels_T, valid_T = next_token_labels(work)
     if sp_size(parallel) > 1:
         labels_T = shard_for_sp(labels_T, int(parallel.sp_rank), sp_size(parallel))
-    logprob_T, entropy_T = token_logprobs(model, spec, hidden_TD, labels_T, temperature=temperature,
-                                          entropy=entropy, trace=trace, batch_invariant=batch_invariant)
+    logprob_T, entropy_T = token_logprobs(call.model, call.spec, hidden_TD, labels_T, temperature=temperature,
+                                          entropy=entropy, trace=call.trace, batch_invariant=call.batch_invariant)
     logprob_T = to_scored_tokens(gather_sp(logprob_T, parallel), valid_T, work)
     if entropy_T is not None:
         entropy_T = to_scored_tokens(gather_sp(entropy_T, parallel), valid_T, work)
@@ -85,22 +87,26 @@ def compute_values(model: Any, batch: PackedBatch, parallel: Any = None, trace: 
     head runs in float32 (also inside a caller's ``torch.autocast`` region).
     """
     spec = spec_for_model(model)
-    batch = check_batch(model, batch)
     head = getattr(model, spec.value_head, None)
     if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
         raise ValueError(
             f"compute_values needs a critic with a 1-output '{spec.value_head}' head (e.g. "
             f"AutoModelForTokenClassification with num_labels=1); {type(model).__name__} has {head!r}"
         )
-    return call_as_forward(model, lambda: values_inside_forward(model, batch, parallel, trace, check_finite))
+    call = decoder_call(model, batch, parallel, trace, check_finite=check_finite, spec=spec)
+    return call_as_forward(model, lambda: _values_of(call))
 
 
 def values_inside_forward(model: Any, batch: PackedBatch, parallel: Any = None, trace: Counter | None = None,
                           check_finite: bool = False) -> torch.Tensor:
     """``compute_values`` for callers already inside the model's forward (e.g. a patched forward)."""
-    spec = spec_for_model(model)
-    head = getattr(model, spec.value_head)
-    hidden_TD, work = run_decoder(model, spec, batch, parallel, trace, check_finite)
+    return _values_of(decoder_call(model, batch, parallel, trace, check_finite=check_finite))
+
+
+def _values_of(call: DecoderCall) -> torch.Tensor:
+    model = call.model
+    head = getattr(model, call.spec.value_head)
+    hidden_TD = run_decoder(call)
     dropout = getattr(model, "dropout", None)
     if isinstance(dropout, torch.nn.Module):
         hidden_TD = dropout(hidden_TD)
@@ -110,7 +116,7 @@ def values_inside_forward(model: Any, batch: PackedBatch, parallel: Any = None, 
         params = (head.weight,) if head.bias is None else (head.weight, head.bias)
         return without_autocast(_fp32_values, hidden_TD, *params)[0]
 
-    return unpad(gather_sp(call_as_forward(head, value_head), parallel), work)
+    return unpad(gather_sp(call_as_forward(head, value_head), call.parallel), call.batch)
 
 
 def _fp32_values(hidden_TD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -21,13 +21,14 @@ from typing import Any, Sequence
 
 import torch
 
-from actorcore.archs import spec_for_model
 from actorcore.batch import PackedBatch, next_token_labels
-from actorcore.hf.batch_invariant import check_batch_invariant_support
-from actorcore.hf.decoder import call_as_forward, check_batch, run_decoder, sp_size
+from actorcore.hf.as_forward import call_as_forward
+from actorcore.hf.call import DecoderCall
+from actorcore.hf.decoder import decoder_call, run_decoder
 from actorcore.hf.head import check_head_options, to_scored_tokens, token_loss
 from actorcore.kernels.logprob import LossOutput
 from actorcore.kernels.logprob.fused_loss import TokenLoss, check_loss_fn, check_token_args
+from actorcore.parallel import sp_size
 
 
 def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args: Sequence[torch.Tensor] = (),
@@ -45,18 +46,15 @@ def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args:
     """
     temperature = check_head_options(temperature, entropy, trace, batch_invariant)
     check_loss_fn(loss_fn)
-    spec = spec_for_model(model)
-    if batch_invariant:
-        check_batch_invariant_support(spec)
     if sp_size(parallel) > 1:
         raise ValueError(
             "compute_loss does not run under sequence parallelism (sp_size > 1) yet; use compute_logprobs "
             "(full [T] outputs on every rank) and compute the loss on its outputs"
         )
-    batch = check_batch(model, batch)
-    token_args = tuple(a.to(batch.device) for a in check_token_args(token_args, batch.num_real_tokens, None))
-    return call_as_forward(model, lambda: _loss_inside_forward(
-        model, batch, loss_fn, token_args, temperature, entropy, trace, check_finite, batch_invariant))
+    call = decoder_call(model, batch, None, trace, check_finite=check_finite, batch_invariant=batch_invariant)
+    token_args = tuple(a.to(call.batch.device) for a in check_token_args(token_args, call.batch.num_real_tokens,
+                                                                          None))
+    return call_as_forward(model, lambda: _loss_of(call, loss_fn, token_args, temperature, entropy))
 
 
 def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
@@ -67,10 +65,9 @@ def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, out, torch.zeros_like(out))
 
 
-def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy, trace,
-                         check_finite, batch_invariant) -> LossOutput:
-    spec = spec_for_model(model)
-    hidden_TD, work = run_decoder(model, spec, batch, None, trace, check_finite, batch_invariant)
+def _loss_of(call: DecoderCall, loss_fn: TokenLoss, token_args: tuple, temperature: float,
+             entropy: bool) -> LossOutput:
+    hidden_TD, work = run_decoder(call), call.batch
     labels_T, valid_T = next_token_labels(work)
 
     def scored_only(logprob_C, entropy_C, keep_C, *args_C):
@@ -79,8 +76,8 @@ def _loss_inside_forward(model, batch, loss_fn, token_args, temperature, entropy
             return loss_C  # not per-token: linear_logprob_loss says what was wrong
         return torch.where(keep_C, loss_C, torch.zeros_like(loss_C))
 
-    out = token_loss(model, spec, hidden_TD, labels_T, scored_only,
+    out = token_loss(call.model, call.spec, hidden_TD, labels_T, scored_only,
                      (valid_T, *(_to_predicting(a, valid_T) for a in token_args)),
-                     temperature=temperature, entropy=entropy, trace=trace, batch_invariant=batch_invariant)
+                     temperature=temperature, entropy=entropy, trace=call.trace, batch_invariant=call.batch_invariant)
     entropy_T = None if out.entropy is None else to_scored_tokens(out.entropy, valid_T, work)
     return LossOutput(out.loss, to_scored_tokens(out.logprob, valid_T, work), entropy_T)

@@ -9,18 +9,28 @@ bytes per element) and runs again in backward: bitwise the same outputs and grad
 memory-bound pass per norm.
 
 A ``RecomputedNormForward`` is the norm's instance ``forward``: an object holding its module (so a deep copy of
-the model recomputes the copy's norm), counting its calls for the decoder's self-check. Outside autograd (no
-gradient wanted) it is the plain forward.
+the model recomputes the copy's norm) and the patch's trace slot. In actorcore's calls it counts
+``recompute_norms:forward`` per forward asked for and ``recompute_norms:run`` per computation (the forward, and
+its recomputation in backward); the ``RecomputedNorms`` feature requires one forward per norm of the decoder.
+Outside autograd (no gradient wanted) it is the plain forward.
 """
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint
 
+from actorcore.errors import PatchNotAppliedError
+from actorcore.hf.call import DecoderCall, TraceRef
+from actorcore.hf.decoder_feature import DecoderFeature, patch_trace_bound
 from actorcore.hf.instance_forwards import install_forwards, wrapped_forward
+
+NORM_FORWARD_KEY = "recompute_norms:forward"
+NORM_RUN_KEY = "recompute_norms:run"
 
 _NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
@@ -35,23 +45,26 @@ def is_norm(module: torch.nn.Module) -> bool:
 class RecomputedNormForward:
     """The instance ``forward`` of a norm: its forward under a non-reentrant checkpoint when gradients flow."""
 
-    def __init__(self, norm: torch.nn.Module, previous: Callable | None) -> None:
+    def __init__(self, norm: torch.nn.Module, previous: Callable | None, trace: TraceRef) -> None:
         self.norm = norm
         self.previous = previous  # an instance forward that was there before, else None (the class's)
-        self.calls = 0  # forwards asked for (the decoder's self-check)
-        self.runs = 0  # the norm's forward computed: calls, plus recomputations in backward
+        self.trace = trace  # the patch's trace slot: the call's trace inside actorcore's calls, else None
 
     @torch.compiler.disable  # inside a fused (compiled) layer the recomputed norm runs as it is
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.calls += 1
+        counts = self.trace.counts
+        if counts is not None:
+            counts[NORM_FORWARD_KEY] += 1
+        run = functools.partial(self._run, counts)  # the recomputation in backward counts in the same trace
         if not (torch.is_grad_enabled() and (hidden_states.requires_grad or
                                              any(p.requires_grad for p in self.norm.parameters()))):
-            return self._run(hidden_states, *args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(self._run, hidden_states, *args, use_reentrant=False,
+            return run(hidden_states, *args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(run, hidden_states, *args, use_reentrant=False,
                                                  preserve_rng_state=False, **kwargs)  # a norm draws nothing
 
-    def _run(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.runs += 1
+    def _run(self, counts: Counter | None, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if counts is not None:
+            counts[NORM_RUN_KEY] += 1
         return wrapped_forward(self.norm, self.previous)(hidden_states, *args, **kwargs)
 
 
@@ -60,13 +73,43 @@ def decoder_norms(decoder: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in decoder.modules() if is_norm(module)]
 
 
-def install_recomputed_norms(norms: list[torch.nn.Module]) -> tuple[list[RecomputedNormForward], Callable[[], None]]:
+def install_recomputed_norms(norms: list[torch.nn.Module], trace: TraceRef
+                             ) -> tuple[list[RecomputedNormForward], Callable[[], None]]:
     """Install a ``RecomputedNormForward`` on each norm; returns them and the function that restores the norms."""
 
     def make(norm: torch.nn.Module, previous: Callable | None) -> RecomputedNormForward:
         if isinstance(previous, RecomputedNormForward):
             raise ValueError(f"{type(norm).__name__} already recomputes in backward (another actorcore patch); "
                              "revert it first")
-        return RecomputedNormForward(norm, previous)
+        return RecomputedNormForward(norm, previous, trace)
 
     return install_forwards(norms, make)
+
+
+class RecomputedNorms(DecoderFeature):
+    """``patch_model(recompute_norms=True)``: the norms' forwards for the patch's lifetime; ``check`` requires one
+    forward per norm of the decoder in every call."""
+
+    name = "recompute_norms"
+
+    def install(self, handle: Any) -> None:
+        if not handle.state.recompute_norms:
+            return
+        norms = decoder_norms(handle.parts.decoder)
+        if not norms:
+            raise ValueError(f"recompute_norms=True: found no norm module in {type(handle.model).__name__}'s decoder "
+                             "(none named ...RMSNorm / ...LayerNorm); pass recompute_norms=False")
+        handle.add_undo(install_recomputed_norms(norms, handle.state.trace)[1])
+
+    def active(self, call: DecoderCall) -> bool:
+        return call.patch is not None and call.patch.recompute_norms
+
+    def enter(self, call: DecoderCall) -> Any:
+        return patch_trace_bound(call)
+
+    def check(self, call: DecoderCall) -> None:
+        ran, norms = call.ran(NORM_FORWARD_KEY), len(decoder_norms(call.parts.decoder))
+        if ran < norms:
+            raise PatchNotAppliedError(
+                f"actorcore patch did not take effect in {call.model_name}: recomputed norms ran {ran} times for "
+                f"{norms} modules. The installed transformers bypassed them; refusing to continue unpatched")

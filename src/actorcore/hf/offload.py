@@ -45,6 +45,10 @@ from typing import Any, Iterator
 import torch
 import torch.utils.checkpoint
 
+from actorcore.errors import PatchNotAppliedError
+from actorcore.hf.call import DecoderCall
+from actorcore.hf.decoder_feature import DecoderFeature
+
 logger = logging.getLogger(__name__)
 
 # Trace keys, counted per call: layers run under the offload hooks whose input moved, layers whose input stayed
@@ -394,3 +398,42 @@ def offloaded_layers(layers: Any, trace: Counter, model_name: str,
     finally:
         for layer, original in zip(layers, originals):
             layer.__dict__["_gradient_checkpointing_func"] = original
+
+
+class ActivationOffload(DecoderFeature):
+    """``patch_model(offload_activations=...)``: every training call (gradients recorded, else nothing is
+    checkpointed) runs the checkpointed layers under the offload hooks; ``check`` requires every layer to have run
+    under them and every offloaded layer to have moved its input. Entered before the attention features, whose
+    wrappers of the checkpoint functions (for the recomputation) then run inside the offload's."""
+
+    name = "activation_offload"
+
+    def install(self, handle: Any) -> None:
+        if handle.state.offload_layers:
+            if handle.state.checkpointing is None:  # with a checkpointing plan, each call sets the layers'
+                check_checkpointed(handle.parts.layers, type(handle.model).__name__)
+            handle.add_undo(release_offload_buffers)
+
+    def active(self, call: DecoderCall) -> bool:
+        return call.patch is not None and call.patch.offload_layers > 0 and torch.is_grad_enabled()
+
+    def enter(self, call: DecoderCall) -> contextlib.AbstractContextManager:
+        # Only the layers checkpointed in this call (the planned checkpointing may leave the last ones out).
+        layers = call.checkpointed_layers
+        return offloaded_layers(layers, call.trace, call.model_name, min(call.patch.offload_layers, len(layers)))
+
+    def check(self, call: DecoderCall) -> None:
+        layers = len(call.checkpointed_layers)
+        offload = min(call.patch.offload_layers, layers)
+        ran, kept, tensors = call.ran(OFFLOAD_LAYERS), call.ran(OFFLOAD_KEPT), call.ran(OFFLOAD_TENSORS)
+        if ran < offload or ran + kept < layers:
+            raise PatchNotAppliedError(
+                f"activation offload ran in {ran + kept} of {layers} decoder layers of {call.model_name} ({ran} of "
+                f"the {offload} to offload): their checkpoint did not run (transformers checkpoints only in training "
+                f"mode: call model.train(); model.training={call.model.training}) or the installed transformers "
+                "bypassed the layers' _gradient_checkpointing_func; refusing to continue without the offload that "
+                "was asked for")
+        if tensors < offload:
+            raise PatchNotAppliedError(
+                f"activation offload moved {tensors} tensors for {offload} offloaded layers: the installed torch "
+                "checkpoint saved its inputs without the saved-tensor hooks in force; actorcore must be updated")

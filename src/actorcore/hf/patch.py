@@ -6,22 +6,25 @@ What a patch changes, all on this model instance only:
   instance ``forward`` (``hf.linear_attention.GatedDeltaNetForward``), which splits their heads over the SP group.
   The SP group itself is not stored: it arrives with every call
   (``compute_logprobs(..., parallel=ctx)``), through the decoder's keyword arguments.
-- Tiled MLP (``tiled_mlp_shards``): each decoder layer's MLP gets an instance ``forward`` (a ``TiledMLPForward``
-  object that holds its module) running the original forward shard by shard (``kernels.tiled_mlp``); decoder
-  hooks check after every forward that it ran in every layer, so a transformers version that bypasses it raises
-  ``PatchNotAppliedError`` instead of training unpatched.
+- Tiled MLP (``tiled_mlp_shards``): each decoder layer's MLP gets an instance ``forward`` (a
+  ``hf.tiled_mlp.TiledMLPForward`` object that holds its module) running the original forward shard by shard
+  (``kernels.tiled_mlp``); every actorcore call checks, from its trace, that it ran in every layer, so a
+  transformers version that bypasses it raises ``PatchNotAppliedError`` instead of training unpatched.
 - Recomputed norms (``recompute_norms``): every norm of the decoder gets an instance ``forward`` (a
   ``hf.norm_recompute.RecomputedNormForward``) that keeps only its input for backward and runs again there;
-  the same decoder hooks check that they ran.
+  every call checks that they ran.
 - Activation offload (``offload_activations``): nothing is installed; the layer count in ``PatchState`` makes
   every decoder call move the inputs that gradient checkpointing keeps (of all layers, or of the first K) to
   pinned CPU memory (``hf.offload``). Reverting also frees the offload's idle host memory.
-- Fused decoder (``fused_decoder``, CUDA and 16-bit models only): each attention decoder layer gets an
-  instance ``forward`` (``hf.fused_decoder.FusedLayerForward``) that runs the layer's compiled forward in
-  actorcore's calls; the decoder's trace proves it ran in every such layer.
+- Fused decoder (``fused_decoder``, CUDA and 16-bit models only): each attention decoder layer gets an instance
+  ``forward`` (``hf.fused_decoder.FusedLayerForward``) that runs the layer's compiled forward in actorcore's calls;
+  every call checks that it ran in each such layer.
 - Checkpointing (``checkpointing``, ``memory_budget_gib``): nothing is installed; the plan in ``PatchState`` sets
   each layer's checkpointing for every training call (``hf.checkpointing``).
-- ``model._actorcore_patch`` records the patch (a ``PatchState``).
+- ``model._actorcore_patch`` records the patch (a ``PatchState``), with the trace slot the installed forwards
+  count into during actorcore's calls.
+Each of these is installed by its decoder feature (``install`` of the objects in ``hf.features``), which also
+checks in every call that it ran.
 Everything the patch installs refers to modules through attributes, never closures, so ``copy.deepcopy`` and
 pickling give a copy that computes with its own weights. ``handle.revert()`` restores exactly what was replaced
 on the original. Nothing happens on import.
@@ -35,92 +38,21 @@ from typing import Any, Callable
 
 import torch
 
-from actorcore.archs import spec_for_model, submodule, text_config
-from actorcore.hf.attention import attention_configs, current_implementations, register_attention, swap_attention_implementation
-from actorcore.hf.linear_attention import check_linear_heads, install_linear_forwards, is_installed, split_layers
-from actorcore.hf.checkpointing import CheckpointPlan, check_checkpointing
-from actorcore.hf.fused_decoder import check_fused_request, install_fused_layers
-from actorcore.hf.instance_forwards import install_forwards, wrapped_forward
-from actorcore.hf.norm_recompute import decoder_norms, install_recomputed_norms
-from actorcore.hf.offload import check_checkpointed, check_offload_layers, release_offload_buffers
-from actorcore.hf.ulysses_attention import ULYSSES_ATTENTION, PatchNotAppliedError, ulysses_attention_forward
-from actorcore.kernels.tiled_mlp import tiled_mlp
+from actorcore.archs import ArchSpec, spec_for_model
+from actorcore.errors import PatchNotAppliedError  # noqa: F401 (re-exported)
+from actorcore.hf.call import PATCH_ATTR, DecoderParts, PatchState, patch_state
+from actorcore.hf.checkpointing import check_checkpointing
+from actorcore.hf.features import DECODER_FEATURES
+from actorcore.hf.fused_decoder import fused_layer_indices
+from actorcore.hf.offload import check_offload_layers
+from actorcore.hf.packed_attention import require_sequence_parallel_patch  # noqa: F401 (re-exported)
+from actorcore.hf.tiled_mlp import TiledMLPForward  # noqa: F401 (re-exported)
 from actorcore.parallel import sp_size
-from actorcore.parallel.ulysses import check_heads
 
 logger = logging.getLogger(__name__)
 
-PATCH_ATTR = "_actorcore_patch"
-
 __all__ = ["PatchHandle", "PatchNotAppliedError", "PatchState", "TiledMLPForward", "is_patched", "patch_model",
            "require_sequence_parallel_patch"]
-
-
-@dataclass(frozen=True)
-class PatchState:
-    """What is patched on a model instance; kept on the instance, so copies of the model carry it."""
-
-    sp_size: int
-    tiled_mlp_shards: int | None
-    offload_layers: int = 0  # the leading decoder layers whose checkpointed input is offloaded (0: no offload)
-    recompute_norms: bool = False
-    fused_layers: tuple[int, ...] = ()  # indices of the decoder layers that run the fused (compiled) forward
-    checkpointing: CheckpointPlan | None = None  # None: the model's own checkpointing setting
-
-
-class TiledMLPForward:
-    """The instance ``forward`` of a tiled MLP: its original forward over token shards.
-
-    An object holding its module (not a closure over it), so a deep copy of the model runs the copy's MLP.
-    ``calls`` counts forwards, for the decoder's self-check.
-    """
-
-    def __init__(self, mlp: torch.nn.Module, shards: int, previous: Callable | None) -> None:
-        self.mlp = mlp
-        self.shards = shards
-        self.previous = previous  # an instance forward that was there before, else None (the class's)
-        self.calls = 0
-
-    @torch.compiler.disable  # inside a fused (compiled) layer the tiled MLP runs as it is
-    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        plain = wrapped_forward(self.mlp, self.previous)
-        # Parameters as registered now: under FSDP2, the unsharded ones its pre-forward hook installed.
-        params = [p for p in self.mlp.parameters() if p.requires_grad]
-        return tiled_mlp(plain, hidden_states, self.shards, params)
-
-
-class ForwardsRanCheck:
-    """Decoder hooks: after each forward, the instance forwards a patch installed must have run (at least as
-    many calls as there are of them), else the installed transformers bypassed them."""
-
-    def __init__(self, forwards: list, model_name: str, what: str) -> None:
-        self.forwards = forwards
-        self.model_name = model_name
-        self.what = what
-        self.before: int | None = None
-
-    def calls(self) -> int:
-        return sum(f.calls for f in self.forwards)
-
-    def pre(self, module: Any, args: Any) -> None:
-        self.before = self.calls()
-
-    def post(self, module: Any, args: Any, output: Any) -> None:
-        if self.before is None:
-            return
-        ran, self.before = self.calls() - self.before, None
-        if ran < len(self.forwards):
-            raise PatchNotAppliedError(
-                f"actorcore patch did not take effect in {self.model_name}: {self.what} ran {ran} times for "
-                f"{len(self.forwards)} modules. The installed transformers bypassed it; refusing to continue unpatched"
-            )
-
-    def install(self, handle: "PatchHandle", decoder: torch.nn.Module) -> None:
-        pre = decoder.register_forward_pre_hook(self.pre)
-        post = decoder.register_forward_hook(self.post)
-        handle._undo.append(post.remove)
-        handle._undo.append(pre.remove)
 
 
 @dataclass
@@ -130,6 +62,9 @@ class PatchHandle:
     model: torch.nn.Module
     parallel: Any
     tiled_mlp_shards: int | None
+    spec: ArchSpec | None = field(default=None, repr=False)
+    parts: DecoderParts | None = field(default=None, repr=False)
+    state: PatchState | None = field(default=None, repr=False)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
     reverted: bool = False
 
@@ -138,7 +73,8 @@ class PatchHandle:
         return sp_size(self.parallel)
 
     def add_undo(self, undo: Callable[[], None]) -> None:
-        """Register one more restore step (for wrappers such as ``compat.verl`` that change more)."""
+        """Register one more restore step (for features and for wrappers such as ``compat.verl`` that change
+        more)."""
         if self.reverted:
             raise ValueError("this patch was already reverted")
         self._undo.append(undo)
@@ -153,42 +89,11 @@ class PatchHandle:
         logger.info("reverted actorcore patch on %s", type(self.model).__name__)
 
 
-def patch_state(model: torch.nn.Module) -> PatchState | None:
-    return model.__dict__.get(PATCH_ATTR)
-
-
 def is_patched(model: torch.nn.Module) -> bool:
     return patch_state(model) is not None
 
 
-def require_sequence_parallel_patch(model: torch.nn.Module, parallel: Any) -> None:
-    """Refuse an SP call on a model not patched for that SP size (its attention would be wrong silently)."""
-    state = patch_state(model)
-    if state is None or state.sp_size == 1:
-        raise ValueError(
-            f"parallel has sp_size={parallel.sp_size} but {type(model).__name__} is not patched for sequence "
-            "parallelism; call actorcore.patch_model(model, parallel=ctx) once after building the model"
-        )
-    if state.sp_size != parallel.sp_size:
-        raise ValueError(f"the model was patched for sp_size={state.sp_size} but parallel= has sp_size="
-                         f"{parallel.sp_size}; pass a ParallelContext of the size given to patch_model")
-
-
-def _head_counts(attention_modules: list[torch.nn.Module]) -> tuple[int, int]:
-    counts = set()
-    for attn in attention_modules:
-        config = attn.config
-        heads = getattr(config, "num_attention_heads", None)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if heads is None:
-            raise ValueError(f"{type(attn).__name__}.config has no num_attention_heads; cannot plan Ulysses SP")
-        counts.add((int(heads), int(kv_heads)))
-    if len(counts) != 1:
-        raise ValueError(f"layers have different head counts {sorted(counts)}; Ulysses SP needs one layout")
-    return counts.pop()
-
-
-def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None) -> None:
+def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None, recompute_norms: Any) -> None:
     sp_size(parallel)
     if tiled_mlp_shards is not None:
         if isinstance(tiled_mlp_shards, bool) or not isinstance(tiled_mlp_shards, int) or tiled_mlp_shards < 1:
@@ -199,6 +104,8 @@ def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None) -> No
                 "whose blocks route tokens to experts (and may return router outputs), which tiled recompute does "
                 "not cover; pass tiled_mlp_shards=None (Ulysses SP alone works for MoE models)"
             )
+    if not isinstance(recompute_norms, bool):
+        raise ValueError(f"recompute_norms must be True or False, got {recompute_norms!r}")
 
 
 def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: int | None = None,
@@ -236,89 +143,25 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     if is_patched(model):
         raise ValueError(f"{type(model).__name__} is already patched by actorcore (patching twice would stack); "
                          "call handle.revert() first to patch it differently")
-    _check_request(spec, parallel, tiled_mlp_shards)
-    if not isinstance(recompute_norms, bool):
-        raise ValueError(f"recompute_norms must be True or False, got {recompute_norms!r}")
-    checkpoint_plan = check_checkpointing(checkpointing, memory_budget_gib)
-    fuse = check_fused_request(model, fused_decoder)
-    decoder = submodule(model, spec.decoder)
-    layers = list(submodule(decoder, spec.layers))
-    offload_layers = check_offload_layers(offload_activations, len(layers), type(model).__name__)
-    if offload_layers and checkpoint_plan is None:  # with a plan, each call sets the layers' checkpointing
-        check_checkpointed(layers, type(model).__name__)
-    handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards)
+    _check_request(spec, parallel, tiled_mlp_shards, recompute_norms)
+    parts = DecoderParts.of(model, spec)
+    offload_layers = check_offload_layers(offload_activations, len(parts.layers), type(model).__name__)
+    plan = check_checkpointing(checkpointing, memory_budget_gib)
+    state = PatchState(sp_size=sp_size(parallel), tiled_mlp_shards=tiled_mlp_shards, offload_layers=offload_layers,
+                       recompute_norms=recompute_norms, fused_layers=fused_layer_indices(model, parts, fused_decoder),
+                       checkpointing=plan)
+    handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards, spec=spec, parts=parts,
+                         state=state)
     try:
-        if handle.sp_size > 1:
-            attention_layers, linear_modules = split_layers(text_config(model.config), layers, spec)
-            if attention_layers:
-                _patch_attention(handle, attention_layers, spec.attention)
-            if linear_modules:
-                _patch_linear_attention(handle, linear_modules, spec.linear_attention)
-        if tiled_mlp_shards is not None:
-            _patch_mlps(handle, decoder, [submodule(layer, spec.mlp) for layer in layers], tiled_mlp_shards)
-        if recompute_norms:
-            _patch_norms(handle, decoder)
-        fused_layers = _patch_fused(handle, model, layers, spec) if fuse else ()
-        model.__dict__[PATCH_ATTR] = PatchState(sp_size=handle.sp_size, tiled_mlp_shards=tiled_mlp_shards,
-                                                offload_layers=offload_layers, recompute_norms=recompute_norms,
-                                                fused_layers=fused_layers, checkpointing=checkpoint_plan)
-        handle._undo.append(lambda: model.__dict__.pop(PATCH_ATTR, None))
-        if offload_layers:
-            handle._undo.append(release_offload_buffers)
+        for feature in DECODER_FEATURES:
+            feature.install(handle)
+        model.__dict__[PATCH_ATTR] = state
+        handle.add_undo(lambda: model.__dict__.pop(PATCH_ATTR, None))
     except BaseException:
         while handle._undo:
             handle._undo.pop()()
         raise
-    logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d recompute_norms=%s fused_layers=%d "
-                "checkpointing=%s", type(model).__name__, handle.sp_size, tiled_mlp_shards, offload_layers, len(layers),
-                recompute_norms, len(fused_layers), checkpointing)
+    logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d recompute_norms=%s "
+                "fused_layers=%d checkpointing=%s", type(model).__name__, handle.sp_size, tiled_mlp_shards,
+                offload_layers, len(parts.layers), recompute_norms, len(state.fused_layers), checkpointing)
     return handle
-
-
-def _patch_attention(handle: PatchHandle, layers: list[torch.nn.Module], attention_attr: str) -> None:
-    attention_modules = [submodule(layer, attention_attr) for layer in layers]
-    heads, kv_heads = _head_counts(attention_modules)
-    check_heads(heads, kv_heads, handle.sp_size)
-    configs = attention_configs(layers, attention_attr)
-    if ULYSSES_ATTENTION in current_implementations(configs):
-        raise ValueError("this model's attention already runs actorcore's Ulysses attention although the model is "
-                         "not patched: it shares its config object with another patched model, so patching one "
-                         "switches both; build each model from its own config (copy.deepcopy(config))")
-    name = register_attention(ULYSSES_ATTENTION, ulysses_attention_forward)
-    handle._undo.append(swap_attention_implementation(configs, name))
-
-
-def _patch_linear_attention(handle: PatchHandle, modules: list[torch.nn.Module], linear_spec: Any) -> None:
-    """Ulysses SP for Gated DeltaNet layers: their packed forward, for good (it reads the SP context per call)."""
-    check_linear_heads(modules, handle.sp_size)
-    if any(is_installed(m) for m in modules):
-        raise ValueError("this model's linear-attention modules already run actorcore's packed forward although the "
-                         "model is not patched; revert the other patch (or build a fresh model) first")
-    handle._undo.append(install_linear_forwards(modules, linear_spec))
-
-
-def _patch_mlps(handle: PatchHandle, decoder: torch.nn.Module, mlps: list[torch.nn.Module], shards: int) -> None:
-    forwards, restore = install_forwards(mlps, lambda mlp, previous: TiledMLPForward(mlp, shards, previous))
-    handle._undo.append(restore)
-    ForwardsRanCheck(forwards, type(handle.model).__name__, "tiled MLP").install(handle, decoder)
-
-
-def _patch_norms(handle: PatchHandle, decoder: torch.nn.Module) -> None:
-    norms = decoder_norms(decoder)
-    if not norms:
-        raise ValueError(f"recompute_norms=True: found no norm module in {type(handle.model).__name__}'s decoder "
-                         "(none named ...RMSNorm / ...LayerNorm); pass recompute_norms=False")
-    forwards, restore = install_recomputed_norms(norms)
-    handle._undo.append(restore)
-    ForwardsRanCheck(forwards, type(handle.model).__name__, "recomputed norms").install(handle, decoder)
-
-
-def _patch_fused(handle: PatchHandle, model: torch.nn.Module, layers: list[torch.nn.Module], spec: Any
-                 ) -> tuple[int, ...]:
-    """Fused forwards on the attention layers (a hybrid model's linear-attention layers stay eager)."""
-    attention_layers, _ = split_layers(text_config(model.config), layers, spec)
-    ids = {id(layer) for layer in attention_layers}
-    fused = [i for i, layer in enumerate(layers) if id(layer) in ids]
-    _, restore = install_fused_layers([layers[i] for i in fused])
-    handle._undo.append(restore)
-    return tuple(fused)

@@ -107,7 +107,7 @@ def verify(model: Any, batch: PackedBatch, *, temperature: float = 1.0, toleranc
     """
     import actorcore as ac
     from actorcore.archs import spec_for_model
-    from actorcore.hf.decoder import check_batch
+    from actorcore.hf.inputs import check_batch
     from actorcore.hf.head import check_head_options
     from actorcore.hf.reference import reference_logprobs_per_sequence
 

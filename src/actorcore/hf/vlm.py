@@ -1,4 +1,4 @@
-"""Decoder inputs for vision-language models on packed batches (called by ``run_decoder``).
+"""Decoder inputs for vision-language models on packed batches (the ``VisionInputs`` decoder feature).
 
 Legend: ``T`` tokens of the packed batch as run (padding for SP included), ``D`` text hidden size, ``N``
 visual tokens (image and video placeholders) of the batch.
@@ -14,24 +14,32 @@ Order of work, the same on every rank of an SP group:
    packed order, which is sequence order, which is the order of the processor outputs);
 3. only then the embeddings, and Qwen3-VL's DeepStack inputs (visual-position mask and per-layer visual
    features), are cut to this rank's contiguous token shard. Position ids were computed per sequence at
-   packing time (``actorcore.hf.vlm_packing``) and ``run_decoder`` shards them.
+   packing time (``actorcore.hf.vlm_packing``) and the packed pass shards them.
 
 Gradients: each rank's shard of the embeddings back-propagates into the shared vision-tower output, so the
 vision tower's parameter gradients, summed (or averaged, under the SP gradient contract) over the group, are
 the single-process gradients, like every decoder parameter's.
+
+The feature counts ``vlm:inputs_embeds`` when it hands the decoder the merged embeddings, and the decoder's own
+use of its input embedding inside the forward (``vlm:decoder_embedded_ids``); ``check`` requires the first and
+refuses the second (the decoder would have embedded token ids without the visual features).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from actorcore.archs import ArchSpec, submodule
 from actorcore.archs._vision import VisionSpec
 from actorcore.batch import PackedBatch, shard_bounds
+from actorcore.errors import VisionInputsNotAppliedError
+from actorcore.hf.call import DecoderCall
+from actorcore.hf.decoder_feature import DecoderFeature
 from actorcore.hf.vlm_packing import (
     IMAGE,
     TOKEN_TYPES_KEY,
@@ -45,6 +53,9 @@ from actorcore.hf.vlm_packing import (
 )
 
 logger = logging.getLogger(__name__)
+
+INPUTS_EMBEDS_KEY = "vlm:inputs_embeds"
+EMBEDDED_IDS_KEY = "vlm:decoder_embedded_ids"
 
 
 @dataclass
@@ -215,3 +226,35 @@ def vlm_decoder_inputs(model: Any, spec: ArchSpec, work: PackedBatch, parallel: 
         kwargs["visual_pos_masks"] = visual_T.unsqueeze(0)
         kwargs["deepstack_visual_embeds"] = deepstack_ND
     return kwargs
+
+
+class VisionInputs(DecoderFeature):
+    """A VLM's decoder runs on ``inputs_embeds`` with the vision tower's features merged in (and DeepStack's)."""
+
+    name = "vision_inputs"
+
+    def active(self, call: DecoderCall) -> bool:
+        return call.spec.vision is not None
+
+    @contextlib.contextmanager
+    def enter(self, call: DecoderCall) -> Iterator[None]:
+        call.kwargs.update(vlm_decoder_inputs(call.model, call.spec, call.batch, call.parallel))
+        if "inputs_embeds" in call.kwargs:
+            call.kwargs.pop("input_ids", None)
+            call.trace[INPUTS_EMBEDS_KEY] += 1
+
+        def embedded_ids(module: Any, args: Any, output: Any) -> None:
+            call.trace[EMBEDDED_IDS_KEY] += 1
+
+        hook = call.model.get_input_embeddings().register_forward_hook(embedded_ids)
+        try:
+            yield
+        finally:
+            hook.remove()
+
+    def check(self, call: DecoderCall) -> None:
+        if call.ran(INPUTS_EMBEDS_KEY) < 1 or call.ran(EMBEDDED_IDS_KEY):
+            raise VisionInputsNotAppliedError(
+                f"{call.model_name}'s decoder did not run on the embeddings with the visual features merged in "
+                f"({INPUTS_EMBEDS_KEY}={call.ran(INPUTS_EMBEDS_KEY)}, the decoder embedded token ids "
+                f"{call.ran(EMBEDDED_IDS_KEY)} times itself); refusing to return results that ignore the images")

@@ -1,0 +1,120 @@
+"""The protocol of a decoder feature: one object that enters a packed decoder call and checks afterwards that it ran.
+
+A feature is what the packed pass does besides running the Hugging Face decoder (packed attention, linear
+attention, activation offload, batch-invariant tiles, VLM inputs, finite checks, tiled MLP, recomputed norms,
+...). The pass (``hf.decoder.run_decoder``) runs, for one ``DecoderCall`` (``hf.call``):
+
+    active = [f for f in DECODER_FEATURES if f.active(call)]
+    with every f.enter(call), in list order:    # outermost first
+        call.hidden = decoder(**call.kwargs)
+    for f in active: f.check(call)              # raises a FastPathNotRunError subclass if f did not run
+
+and ``patch_model`` calls ``f.install(handle)`` of every feature once, for what lives as long as the patch.
+
+How to add a feature:
+1. Write a ``DecoderFeature`` subclass next to the code it drives, with a ``name`` and the trace keys it counts
+   (``"<area>:<what>"``; document them in its module).
+2. ``active(call)``: whether it runs in this call (a call option, ``call.patch``, ``call.spec``).
+3. ``enter(call)``: a context manager around the decoder forward. It may add decoder keyword arguments
+   (``call.kwargs``), install per-instance forwards on modules for this call (``switched_for_call`` keeps them
+   in force for activation checkpointing's recomputation in backward), or wrap the forward in any context.
+4. ``install(handle)`` (optional): per-instance forwards for the patch's lifetime, with their undo added to the
+   handle (``handle.add_undo``); read the request from ``handle.state``. Such forwards are called with the
+   hidden states only, so they count into the patch's trace slot (``handle.state.trace.counts``, None outside
+   actorcore's calls); the feature's ``enter`` returns ``patch_trace_bound(call)``, which points the slot at
+   the call's trace for the forward and its recomputation.
+5. ``check(call)``: after the forward, compare ``call.ran(key)`` with what must have run (e.g. one count per
+   layer) and raise the feature's ``actorcore.errors.FastPathNotRunError`` subclass with what ran, what was
+   expected, and the likely cause.
+6. Add the object to ``hf.features.DECODER_FEATURES`` (the order is the order of entry), and test it per token
+   against an independent reference, with a negative control: a bypassed feature raises its error.
+Features hold no per-call state: everything of a call lives on the ``DecoderCall``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+
+from actorcore.hf.call import DecoderCall, TraceRef
+
+
+class DecoderFeature:
+    """One feature of the packed decoder pass (see the module docstring). The defaults do nothing."""
+
+    name = "feature"
+
+    def install(self, handle: Any) -> None:
+        """At ``patch_model``: install what lives as long as the patch (``handle.add_undo`` for its undo)."""
+
+    def active(self, call: DecoderCall) -> bool:
+        return False
+
+    def enter(self, call: DecoderCall) -> contextlib.AbstractContextManager:
+        """The context the decoder forward runs in (entered in ``DECODER_FEATURES`` order)."""
+        return contextlib.nullcontext()
+
+    def check(self, call: DecoderCall) -> None:
+        """After the forward: raise a ``FastPathNotRunError`` subclass unless the trace shows the feature ran."""
+
+
+@contextlib.contextmanager
+def switched_for_call(decoder: torch.nn.Module, switch: Callable[[], Any]) -> Iterator[None]:
+    """Enter ``switch()`` (a context manager factory) for one forward, including the recomputation in backward.
+
+    With activation checkpointing, layers are re-run during backward, after this context has exited. The
+    checkpoint functions (Hugging Face's per-layer ``_gradient_checkpointing_func``, and torch's
+    ``checkpoint_wrapper``'s ``checkpoint_fn``) are wrapped, per instance and for this forward, so that the
+    recomputation runs under the same switch and sees the same modules as the original forward.
+    """
+    wrapped = []
+    for module in decoder.modules():
+        for attr in _checkpoint_function_attrs(module):
+            original = module.__dict__[attr]
+            setattr(module, attr, _recompute_under(original, switch))
+            wrapped.append((module, attr, original))
+    try:
+        with switch():
+            yield
+    finally:
+        for module, attr, original in wrapped:
+            setattr(module, attr, original)
+
+
+def _checkpoint_function_attrs(module: torch.nn.Module) -> list[str]:
+    """Instance attributes holding the function that (re)runs a checkpointed layer."""
+    attrs = []
+    if module.__dict__.get("_gradient_checkpointing_func") is not None and getattr(module, "gradient_checkpointing",
+                                                                                   False):
+        attrs.append("_gradient_checkpointing_func")
+    if "checkpoint_fn" in module.__dict__ and hasattr(module, "_checkpoint_wrapped_module"):
+        attrs.append("checkpoint_fn")
+    return attrs
+
+
+def _recompute_under(checkpoint_fn: Any, switch: Callable[[], Any]) -> Any:
+    def checkpoint_with_switch(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        def switched(*a: Any, **k: Any) -> Any:
+            with switch():
+                return fn(*a, **k)
+
+        return checkpoint_fn(switched, *args, **kwargs)
+
+    return checkpoint_with_switch
+
+
+@contextlib.contextmanager
+def _bound(slot: TraceRef, counts: Any) -> Iterator[None]:
+    previous, slot.counts = slot.counts, counts
+    try:
+        yield
+    finally:
+        slot.counts = previous
+
+
+def patch_trace_bound(call: DecoderCall) -> Any:
+    """The patch's trace slot pointed at the call's trace, for the forward and its recomputation."""
+    return switched_for_call(call.parts.decoder, functools.partial(_bound, call.patch.trace, call.trace))

@@ -1,0 +1,145 @@
+"""The decoder-feature protocol: every feature checks after the call that it ran, and a bypassed one raises its
+``FastPathNotRunError`` subclass (negative controls for the features whose bypass no other test covers: packed
+and linear attention, offload, tiled MLP and recomputed norms have theirs next to their tests); a new feature is
+one object in one list, entered around the forward, installed by ``patch_model`` and checked after every call."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+
+import actorcore as ac
+from actorcore.errors import (
+    BatchInvariantNotAppliedError,
+    FastPathNotRunError,
+    FiniteCheckNotRunError,
+    VisionInputsNotAppliedError,
+)
+from actorcore.hf.call import DecoderCall
+from actorcore.hf.decoder_feature import DecoderFeature, patch_trace_bound
+from actorcore.hf.features import DECODER_FEATURES
+from actorcore.hf.instance_forwards import install_forwards, wrapped_forward
+from actorcore.testing.reference import reference_logprobs, right_padded
+from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tolerances import TOL
+
+
+def _sequences():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 131, (n,), generator=g) for n in (7, 12, 3)]
+
+
+def _batch():
+    return ac.pack(_sequences())
+
+
+def _nothing(*args, **kwargs):
+    return contextlib.nullcontext()
+
+
+def test_every_error_of_the_family_is_a_fast_path_error():
+    for error in (BatchInvariantNotAppliedError, FiniteCheckNotRunError, VisionInputsNotAppliedError):
+        assert issubclass(error, FastPathNotRunError)
+
+
+def test_bypassed_batch_invariant_forwards_are_an_error(monkeypatch):
+    model = build_tiny_model("llama")
+    ac.compute_logprobs(model, _batch(), batch_invariant=True)  # runs when nothing bypasses it
+    monkeypatch.setattr("actorcore.hf.batch_invariant.batch_invariant_decoder", _nothing)
+    with pytest.raises(BatchInvariantNotAppliedError, match="batch-invariant linears ran 0 times for 2"):
+        ac.compute_logprobs(model, _batch(), batch_invariant=True)
+
+
+def test_bypassed_finite_checks_are_an_error(monkeypatch):
+    model = build_tiny_model("llama")
+    trace = Counter()
+    ac.compute_logprobs(model, _batch(), check_finite=True, trace=trace)
+    assert trace["finite:checked"] == 1 + model.config.num_hidden_layers  # the embedding and every layer
+    monkeypatch.setattr("actorcore.hf.finite.finite_checks", _nothing)
+    with pytest.raises(FiniteCheckNotRunError, match="finite checks ran 0 times for 2 decoder layers"):
+        ac.compute_logprobs(model, _batch(), check_finite=True)
+
+
+def test_vlm_decoder_that_ignores_the_merged_embeddings_is_an_error(monkeypatch):
+    import actorcore.hf.vlm as vlm
+    from actorcore.hf.vlm_packing import pack_multimodal
+    from actorcore.testing.tiny_vlm import build_tiny_vlm, synthetic_sample
+
+    model = build_tiny_vlm("qwen2_vl")
+    g = torch.Generator().manual_seed(0)
+    samples = [synthetic_sample(model, images=[(4, 4)], text_lengths=(6, 9), generator=g)]
+    batch = pack_multimodal(model, [s.input_ids for s in samples], [s.multimodal for s in samples])
+    trace = Counter()
+    with torch.no_grad():
+        ac.compute_logprobs(model, batch, trace=trace)
+    assert (trace[vlm.INPUTS_EMBEDS_KEY], trace[vlm.EMBEDDED_IDS_KEY]) == (1, 0)
+    monkeypatch.setattr(vlm, "vlm_decoder_inputs", lambda *args: {})  # the decoder embeds the token ids itself
+    with pytest.raises(VisionInputsNotAppliedError, match="did not run on the embeddings with the visual features"):
+        with torch.no_grad():
+            ac.compute_logprobs(model, batch)
+
+
+class _ScaledFinalNorm:
+    """An instance forward of the decoder's final norm, for the patch's lifetime: the norm's output times 1."""
+
+    def __init__(self, norm, previous, trace):
+        self.norm, self.previous, self.trace = norm, previous, trace
+
+    def __call__(self, hidden_states):
+        if self.trace.counts is not None:
+            self.trace.counts["example:final_norm"] += 1
+        return wrapped_forward(self.norm, self.previous)(hidden_states) * 1.0
+
+
+class _ExampleFeature(DecoderFeature):
+    """What a new feature is: install for the patch's lifetime, enter the call, check its trace key."""
+
+    name = "example"
+
+    def __init__(self):
+        self.entered = 0
+
+    def install(self, handle):
+        norm = handle.parts.decoder.norm
+        handle.add_undo(install_forwards([norm], lambda m, prev: _ScaledFinalNorm(m, prev, handle.state.trace))[1])
+
+    def active(self, call: DecoderCall) -> bool:
+        return call.patch is not None
+
+    @contextlib.contextmanager
+    def enter(self, call: DecoderCall):
+        self.entered += 1
+        with patch_trace_bound(call):
+            yield
+
+    def check(self, call: DecoderCall) -> None:
+        if call.ran("example:final_norm") != 1:
+            raise FastPathNotRunError(f"the example feature ran {call.ran('example:final_norm')} times, not once")
+
+
+def test_a_new_feature_is_one_object_in_one_list(monkeypatch):
+    feature = _ExampleFeature()
+    features = (*DECODER_FEATURES, feature)
+    monkeypatch.setattr("actorcore.hf.decoder.DECODER_FEATURES", features)
+    monkeypatch.setattr("actorcore.hf.patch.DECODER_FEATURES", features)
+    model = build_tiny_model("llama", seed=1)
+    batch = _batch()
+    with torch.no_grad():
+        want_lp, _ = reference_logprobs(build_tiny_model("llama", seed=1), *right_padded(_sequences()))
+    handle = ac.patch_model(model, tiled_mlp_shards=2)
+    assert isinstance(model.model.norm.forward, _ScaledFinalNorm)
+    trace = Counter()
+    out = ac.compute_logprobs(model, batch, trace=trace)
+    assert feature.entered == 1 and trace["example:final_norm"] == 1 and trace["tiled_mlp:forward"] == 2
+    assert (out.log_probs - want_lp).abs().max().item() <= TOL["packed_vs_hf_fp32"]
+    with torch.no_grad():
+        model(input_ids=batch.input_ids[None])  # a plain forward: the patch's slot is unbound, nothing counts
+    assert trace["example:final_norm"] == 1 and model.model.norm.forward.trace.counts is None
+    del model.model.norm.__dict__["forward"]  # as if transformers bypassed it
+    with pytest.raises(FastPathNotRunError, match="the example feature ran 0 times"):
+        ac.compute_logprobs(model, batch)
+    handle.revert()
+    assert "forward" not in model.model.norm.__dict__
