@@ -3,7 +3,7 @@ fp32 (the product enables it only on CUDA for 16-bit models; this test lifts tha
 gradient element against the eager packed path, with layer checkpointing (transformers >= 5.24 checkpoints inside
 the class's forward, which the instance forward takes over) and with ``checkpointing="selective"`` (fused layers
 not checkpointed); the trace proves the compiled layers ran; a pack of another length compiles nothing new; the
-model's own forward stays eager; a deep copy runs its own layers; ``revert`` restores the layers."""
+model's own forward stays eager; a deep copy runs its own layers; ``revert`` restores the layers; bypassed layers raise."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from test_offload import _batch, _train_step, checkpointed
 import actorcore as ac
 import actorcore.hf.fused_decoder as fused_decoder
 from actorcore.hf.checkpointing import UNCHECKPOINTED_LAYERS
+from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.fused_decoder import FUSED_TRACE_KEY, FusedLayerForward
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
@@ -75,4 +76,19 @@ def test_fused_layers_on_the_cpu(monkeypatch):
     trace = Counter()
     _close(eager, _train_step(model, batch, trace))
     assert trace[UNCHECKPOINTED_LAYERS] == layers and trace[FUSED_TRACE_KEY] == layers  # no recompute
+    handle.revert()
+
+
+def test_bypassed_fused_layers_are_an_error(monkeypatch):
+    """Negative control: layers that run their plain forward (as a transformers that bypassed the instance forward
+    would) make the call raise instead of returning unfused results."""
+    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    model = build_tiny_model("llama", seed=4).train()
+    handle = ac.patch_model(model, fused_decoder=True)
+    for layer in model.model.layers:
+        plain = fused_decoder.original_forward(type(layer)).__get__(layer)
+        layer.__dict__["forward"] = lambda *args, _plain=plain, **kwargs: _plain(
+            *args, **{k: v for k, v in kwargs.items() if k != fused_decoder.FUSED_KWARG})
+    with pytest.raises(PatchNotAppliedError, match="fused decoder ran in 0 of"):
+        ac.compute_logprobs(model, _batch())
     handle.revert()
