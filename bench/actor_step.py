@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_route import QWEN25_15B, TINY  # noqa: E402
-from step_profile import format_breakdown, kernel_breakdown, mfu, pack_greedy, sync, write_json  # noqa: E402
+from step_profile import kernel_breakdown, mfu, pack_greedy, print_rows, sync, write_json  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -251,15 +251,8 @@ def main() -> None:
     write_json(args.out, f"actor_step_{args.model}.json", {"meta": meta, "rows": rows})
     print(json.dumps(meta))
     print(f"{'path':<28} {'s/step':>8} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'max|Δlp| fp32':>14}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['path']:<28} {r['error']}")
-            continue
-        print(f"{r['path']:<28} {r['seconds']:8.3f} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
-              f"{r['peak_gib']:9.1f} {r.get('max_dlp_vs_fp32', float('nan')):14.3e}  first {r['first_call_s']:.1f}s")
-        if r.get("breakdown"):
-            print(f"    {format_breakdown(r['breakdown'])}")
-
+    print_rows(rows, "path", lambda r: f"{r['seconds']:8.3f} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
+               f"{r['peak_gib']:9.1f} {r.get('max_dlp_vs_fp32', float('nan')):14.3e}  first {r['first_call_s']:.1f}s")
 
 if __name__ == "__main__":
     main()

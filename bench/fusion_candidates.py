@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_route import QWEN25_15B, TINY, model_and_sequences  # noqa: E402
-from step_profile import format_breakdown, kernel_breakdown, mfu, pack_greedy, timed, write_json  # noqa: E402
+from step_profile import kernel_breakdown, mfu, pack_greedy, print_rows, timed, write_json  # noqa: E402
 
 QWEN3_MOE_30B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -226,16 +226,10 @@ def main() -> None:
             rows.append({"variant": "moe", "error": f"{type(error).__name__}: {str(error)[:300]}"})
     write_json(args.out, "fusion_candidates.json", rows)
     print(f"dense: {tokens} tokens, {params / 1e9:.2f}B parameters")
-    for row in rows:
-        if "error" in row:
-            print(f"{row['variant']:<20} {row['error']}")
-            continue
-        print(f"{row['variant']:<20} {row['seconds'] * 1e3:8.1f}ms {row['tokens_per_s']:9.0f} tok/s "
-              f"mfu {row.get('mfu', 0):.3f} peak {row['peak_gib']:6.1f}GiB first {row['first_call_s']:6.1f}s "
-              f"graphs {row.get('graphs', '-')}/{row.get('graphs_after_other_pack', '-')} "
-              f"dlp {row.get('max_dlp', 0):.2e} dgrad {row.get('max_dgrad_rel', 0):.2e}")
-        if row.get("breakdown"):
-            print(f"    {format_breakdown(row['breakdown'])}")
+    print_rows(rows, "variant", lambda row: (
+        f"{row['seconds'] * 1e3:8.1f}ms {row['tokens_per_s']:9.0f} tok/s mfu {row.get('mfu', 0):.3f} "
+        f"peak {row['peak_gib']:6.1f}GiB graphs {row.get('graphs', '-')}/{row.get('graphs_after_other_pack', '-')} "
+        f"dlp {row.get('max_dlp', 0):.2e} dgrad {row.get('max_dgrad_rel', 0):.2e}"))
     for row in rows:
         for name, ms in row.get("top", [])[:8]:
             print(f"  [{row['variant']}] {ms:8.1f}ms {name}")

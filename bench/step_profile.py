@@ -113,3 +113,14 @@ def write_json(out_dir: str | None, name: str, obj) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def print_rows(rows: list, name_key: str, line) -> None:
+    """One line per row (``line(row)``; an ``error`` row shows its error), then its kernel-time breakdown."""
+    for row in rows:
+        if "error" in row:
+            print(f"{row[name_key]:<28} {row['error']}")
+            continue
+        print(f"{row[name_key]:<28} {line(row)}")
+        if row.get("breakdown"):
+            print(f"    {format_breakdown(row['breakdown'])}")
