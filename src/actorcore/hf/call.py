@@ -82,6 +82,8 @@ class PatchState:
     tiled_mlp_shards: int | None
     offload_layers: int = 0  # the leading decoder layers whose checkpointed input is offloaded (0: no offload)
     recompute_norms: bool = False
+    fused_layers: tuple[int, ...] = ()  # decoder layers that run the fused (compiled) forward (hf.features.fused_decoder)
+    checkpointing: Any = None  # an hf.features.checkpointing.CheckpointPlan, or None: the model's own checkpointing
     trace: TraceRef = field(default_factory=lambda: TraceRef(None), compare=False, repr=False)
 
 
@@ -140,6 +142,7 @@ class DecoderCall:
     batch_invariant: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)  # the decoder's keyword arguments (features may add)
     hidden: torch.Tensor | None = None  # the decoder's output ``[1, T, D]``, once it ran
+    checkpoint_modes: list[str] | None = None  # per layer, set by hf.features.checkpointing for a training call
     start: Counter = field(default_factory=Counter)  # the trace as the call found it
 
     def __post_init__(self) -> None:
@@ -152,6 +155,13 @@ class DecoderCall:
     @property
     def sp_size(self) -> int:
         return 1 if self.parallel is None else int(self.parallel.sp_size)
+
+    @property
+    def checkpointed_layers(self) -> list[torch.nn.Module]:
+        """The layers checkpointed in this call: all, unless the call's checkpointing leaves some out."""
+        if self.checkpoint_modes is None:
+            return self.parts.layers
+        return [layer for layer, mode in zip(self.parts.layers, self.checkpoint_modes) if mode != "none"]
 
     def ran(self, *keys: str) -> int:
         """How often these trace keys were counted since the call began."""

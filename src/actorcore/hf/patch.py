@@ -16,6 +16,11 @@ What a patch changes, all on this model instance only:
 - Activation offload (``offload_activations``): nothing is installed; the layer count in ``PatchState`` makes
   every decoder call move the inputs that gradient checkpointing keeps (of all layers, or of the first K) to
   pinned CPU memory (``hf.features.offload``). Reverting also frees the offload's idle host memory.
+- Fused decoder (``fused_decoder``, CUDA and 16-bit models only): each attention decoder layer gets an instance
+  ``forward`` (``hf.features.fused_decoder.FusedLayerForward``) that runs the layer's compiled forward in actorcore's calls;
+  every call checks that it ran in each such layer.
+- Checkpointing (``checkpointing``, ``memory_budget_gib``): nothing is installed; the plan in ``PatchState`` sets
+  each layer's checkpointing for every training call (``hf.features.checkpointing``).
 - ``model._actorcore_patch`` records the patch (a ``PatchState``), with the trace slot the installed forwards
   count into during actorcore's calls.
 Each of these is installed by its decoder feature (``install`` of the objects in ``hf.features``), which also
@@ -37,7 +42,9 @@ from actorcore.archs.support import tiled_mlp_refusal
 from actorcore.archs import ArchSpec, spec_for_model
 from actorcore.errors import PatchNotAppliedError  # noqa: F401 (re-exported)
 from actorcore.hf.call import PATCH_ATTR, DecoderParts, PatchState, patch_state
+from actorcore.hf.features.checkpointing import check_checkpointing
 from actorcore.hf.features import DECODER_FEATURES
+from actorcore.hf.features.fused_decoder import fused_layer_indices
 from actorcore.hf.features.offload import check_offload_layers
 from actorcore.hf.features.packed_attention import require_sequence_parallel_patch  # noqa: F401 (re-exported)
 from actorcore.hf.features.tiled_mlp import TiledMLPForward  # noqa: F401 (re-exported)
@@ -101,7 +108,9 @@ def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None, recom
 
 
 def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: int | None = None,
-                offload_activations: bool | int = False, recompute_norms: bool = False) -> PatchHandle:
+                offload_activations: bool | int = False, recompute_norms: bool = False,
+                fused_decoder: bool | str = False, checkpointing: str | None = None,
+                memory_budget_gib: float | None = None) -> PatchHandle:
     """Patch this model instance for Ulysses SP (``parallel.sp_size > 1``), tiled MLP, activation offload and/or
     recomputed norms.
 
@@ -114,6 +123,17 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     (transformers' RMSNorm otherwise keeps an fp32 copy of its input and its normalised values: 16 GiB per norm
     at 512K tokens of an 8B model); bitwise the same results.
 
+    ``fused_decoder``: the attention decoder layers run their forward compiled by ``torch.compile`` in actorcore's
+    calls (``hf.features.fused_decoder``: the elementwise work between the matmuls fused; within bf16 rounding of eager).
+    ``"auto"``: on a CUDA model with 16-bit weights and Triton, else eager; ``True`` refuses where it cannot run;
+    ``False`` (default, until the shipped path is measured on the GPU) keeps the eager forward.
+
+    ``checkpointing``: ``None`` (default) keeps the model's own setting; ``"full"`` checkpoints every layer;
+    ``"selective"`` keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the
+    gradients of ``"full"``; a fused layer is not checkpointed, its compiled backward recomputes the fused
+    pointwise work); ``"auto"`` with ``memory_budget_gib`` runs as many of the last layers selectively as the
+    budget fits (estimated per call from the config and the token count), the others fully checkpointed.
+
     Raises ``ValueError`` for an instance already patched, a model whose heads cannot split over the SP size
     (naming the valid sizes), tiled MLP on an MoE model, offload without non-reentrant gradient checkpointing,
     or a config object shared with another patched model.
@@ -125,8 +145,10 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     _check_request(spec, parallel, tiled_mlp_shards, recompute_norms)
     parts = DecoderParts.of(model, spec)
     offload_layers = check_offload_layers(offload_activations, len(parts.layers), type(model).__name__)
+    plan = check_checkpointing(checkpointing, memory_budget_gib)
     state = PatchState(sp_size=sp_size(parallel), tiled_mlp_shards=tiled_mlp_shards, offload_layers=offload_layers,
-                       recompute_norms=recompute_norms)
+                       recompute_norms=recompute_norms, fused_layers=fused_layer_indices(model, parts, fused_decoder),
+                       checkpointing=plan)
     handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards, spec=spec, parts=parts,
                          state=state)
     try:
@@ -138,7 +160,7 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
         while handle._undo:
             handle._undo.pop()()
         raise
-    logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d recompute_norms=%s",
-                type(model).__name__, handle.sp_size, tiled_mlp_shards, offload_layers, len(parts.layers),
-                recompute_norms)
+    logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d recompute_norms=%s "
+                "fused_layers=%d checkpointing=%s", type(model).__name__, handle.sp_size, tiled_mlp_shards,
+                offload_layers, len(parts.layers), recompute_norms, len(state.fused_layers), checkpointing)
     return handle

@@ -8,9 +8,11 @@ enters it in every call where it is ``active`` and checks it after the forward, 
 The modules: ``base`` (the protocol), ``attention`` / ``ulysses_attention`` (actorcore's attention functions
 registered with transformers) and ``packed_attention`` (their feature), ``linear_attention`` (hybrid models'
 Gated DeltaNet), ``offload``, ``batch_invariant``, ``vision_inputs``, ``tiled_mlp``, ``norm_recompute``,
-``finite``, and ``instance_forwards`` (how features install per-instance forwards and undo them).
+``finite``, ``checkpointing`` (full / selective / budgeted activation checkpointing), ``fused_decoder``
+(compiled decoder layers on CUDA), and ``instance_forwards`` (how features install per-instance forwards and undo them).
 
-Order: the VLM inputs are built before anything else is in force (as the plain model builds them); the offload
+Order: the VLM inputs are built before anything else is in force (as the plain model builds them); the call's
+checkpointing sets the layers' checkpoint functions before the offload wraps them; the offload
 wraps the layers' checkpoint functions before the attention features wrap them again for the recomputation, so
 the recomputation runs inside the offload's hooks; the finite checks see the layers' outputs last.
 """
@@ -18,7 +20,9 @@ the recomputation runs inside the offload's hooks; the finite checks see the lay
 from __future__ import annotations
 
 from actorcore.hf.features.batch_invariant import BatchInvariant
+from actorcore.hf.features.checkpointing import Checkpointing
 from actorcore.hf.features.finite import FiniteChecks
+from actorcore.hf.features.fused_decoder import FusedDecoder
 from actorcore.hf.features.linear_attention import LinearAttention
 from actorcore.hf.features.norm_recompute import RecomputedNorms
 from actorcore.hf.features.offload import ActivationOffload
@@ -28,11 +32,13 @@ from actorcore.hf.features.vision_inputs import VisionInputs
 
 DECODER_FEATURES = (
     VisionInputs(),
+    Checkpointing(),
     ActivationOffload(),
     PackedAttention(),
     LinearAttention(),
     BatchInvariant(),
     TiledMLP(),
     RecomputedNorms(),
+    FusedDecoder(),
     FiniteChecks(),
 )

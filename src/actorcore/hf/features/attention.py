@@ -119,7 +119,9 @@ def register_attention(name: str = PACKED_ATTENTION, fn: Any = packed_attention_
     check_transformers_version(transformers.__version__)
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(name, fn)
+    # Left out of a compiled graph (the fused decoder, a user's torch.compile): it reads per-call kwargs and counts
+    # itself in the call's trace; outside compilation the wrapper only calls it.
+    AttentionInterface.register(name, torch.compiler.disable(fn))
     AttentionMaskInterface.register(name, _no_mask)
     return name
 

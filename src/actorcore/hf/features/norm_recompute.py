@@ -50,6 +50,7 @@ class RecomputedNormForward:
         self.previous = previous  # an instance forward that was there before, else None (the class's)
         self.trace = trace  # the patch's trace slot: the call's trace inside actorcore's calls, else None
 
+    @torch.compiler.disable  # inside a fused (compiled) layer the recomputed norm runs as it is
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         counts = self.trace.counts
         if counts is not None:

@@ -410,17 +410,21 @@ class ActivationOffload(DecoderFeature):
 
     def install(self, handle: Any) -> None:
         if handle.state.offload_layers:
-            check_checkpointed(handle.parts.layers, type(handle.model).__name__)
+            if handle.state.checkpointing is None:  # with a checkpointing plan, each call sets the layers'
+                check_checkpointed(handle.parts.layers, type(handle.model).__name__)
             handle.add_undo(release_offload_buffers)
 
     def active(self, call: DecoderCall) -> bool:
         return call.patch is not None and call.patch.offload_layers > 0 and torch.is_grad_enabled()
 
     def enter(self, call: DecoderCall) -> contextlib.AbstractContextManager:
-        return offloaded_layers(call.parts.layers, call.trace, call.model_name, call.patch.offload_layers)
+        # Only the layers checkpointed in this call (the planned checkpointing may leave the last ones out).
+        layers = call.checkpointed_layers
+        return offloaded_layers(layers, call.trace, call.model_name, min(call.patch.offload_layers, len(layers)))
 
     def check(self, call: DecoderCall) -> None:
-        layers, offload = len(call.parts.layers), call.patch.offload_layers
+        layers = len(call.checkpointed_layers)
+        offload = min(call.patch.offload_layers, layers)
         ran, kept, tensors = call.ran(OFFLOAD_LAYERS), call.ran(OFFLOAD_KEPT), call.ran(OFFLOAD_TENSORS)
         if ran < offload or ran + kept < layers:
             raise PatchNotAppliedError(

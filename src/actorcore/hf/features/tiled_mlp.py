@@ -32,6 +32,7 @@ class TiledMLPForward:
         self.previous = previous  # an instance forward that was there before, else None (the class's)
         self.trace = trace  # the patch's trace slot: the call's trace inside actorcore's calls, else None
 
+    @torch.compiler.disable  # inside a fused (compiled) layer the tiled MLP runs as it is
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.trace.counts is not None:
             self.trace.counts[TILED_MLP_KEY] += 1

@@ -1,0 +1,258 @@
+"""The actor step side by side: actorcore (before: eager decoder + full checkpointing; after: fused decoder +
+budgeted checkpointing) against plain transformers (padded micro-batches; its own packing) and transformers with
+Liger-Kernel's patches, on one GPU, in one run.
+
+The step: forward+backward of a token-wise policy loss (-log p x advantage) over the RL batch (32 sequences of
+256-6144 tokens, seed 1: 91,213 tokens), actorcore in packs of at most 32K tokens (``ac.compute_loss``),
+transformers in padded micro-batches (its logits, log-softmax in fp32). Per path: tokens/s, MFU (6 x active
+parameters x tokens / 790 TFLOP/s), peak memory, max |Δ log-prob| against the eager fp32 model (the same
+weights), and the kernel-time breakdown by category (``step_profile``). Random weights of a real shape.
+
+    PYTHONPATH=src:/tmp/site python3 bench/actor_step.py --model qwen2.5-1.5b [--layers N] [--paths a,b]
+        [--budget-gib 40] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_route import QWEN25_15B, TINY  # noqa: E402
+from step_profile import kernel_breakdown, mfu, pack_greedy, print_rows, sync, write_json  # noqa: E402
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                tie_word_embeddings=False, rope_theta=1e6)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+                     tie_word_embeddings=False, rope_theta=1e6)
+MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B),
+          "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B), "tiny": ("qwen2", TINY)}
+PATHS = ("actorcore before", "actorcore fused", "actorcore fused no-ckpt", "transformers padded",
+         "transformers packed", "transformers+liger padded")
+
+
+def build(model_type, shape, dtype, device, layers):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **dict(shape, **({"num_hidden_layers": layers} if layers else {})))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model
+
+
+def active_parameters(model) -> float:
+    total = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    if getattr(cfg, "num_experts", None):
+        expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        total -= expert * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+    return float(total)
+
+
+def batch_sequences(vocab, tiny):
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(256, (600 if tiny else 6144) + 1, (32,), generator=g).tolist()
+    sequences = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    advantages = [torch.randn(n, generator=g) for n in lengths]
+    return sequences, advantages
+
+
+def per_token_reference(model, packs, device):
+    """Eager fp32 log-probs per pack (actorcore's exact packed path, unfused: the fp32 model is not patched)."""
+    import actorcore as ac
+
+    with torch.no_grad():
+        return [ac.compute_logprobs(model, ac.pack(p).to(device), entropy=False).log_probs.cpu() for p in packs]
+
+
+def actorcore_step(model, packs, advs, device):
+    import actorcore as ac
+
+    batches = [ac.pack(p).to(device) for p in packs]
+    args = [torch.cat(pa).to(device) for pa in advs]  # the scored-token layout: row t scores token t
+
+    trace = Counter()
+
+    def step():
+        out = []
+        trace.clear()
+        for b, a in zip(batches, args):
+            res = ac.compute_loss(model, b, lambda lp, ent, adv: -(lp * adv), (a,), entropy=False, trace=trace)
+            res.loss.backward()
+            out.append(res.logprob.detach().float().cpu())
+        return out
+    step.trace = trace  # the last step's kernels, fused layers and checkpointing modes
+    return step
+
+
+def transformers_step(model, sequences, advs, device, micro, packed):
+    """Plain transformers: padded micro-batches (right padding), or its own packing from position ids (one row per
+    pack, ``use_cache=False``)."""
+
+    def padded_call(seqs, ads):
+        width = max(s.numel() for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        adv = torch.zeros(len(seqs), width)
+        for i, (s, a) in enumerate(zip(seqs, ads)):
+            ids[i, : s.numel()], mask[i, : s.numel()], adv[i, : s.numel()] = s, 1, a
+        ids, mask, adv = ids.to(device), mask.to(device), adv.to(device)
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
+        (-(logp * adv[:, 1:])).sum().backward()
+        return [logp[i, : s.numel() - 1].detach().cpu() for i, s in enumerate(seqs)]
+
+    def packed_call(seqs, ads):
+        ids = torch.cat(seqs).to(device)[None]
+        pos = torch.cat([torch.arange(s.numel()) for s in seqs]).to(device)[None]
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        logp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        adv = torch.cat(ads).to(device)[1:]
+        keep = (pos[0, 1:] != 0).float()
+        (-(logp * adv * keep)).sum().backward()
+        bounds, out, start = [s.numel() for s in seqs], [], 0
+        for n in bounds:
+            out.append(logp[start: start + n - 1].detach().cpu())
+            start += n
+        return out
+
+    groups = packed if packed else [list(range(i, min(i + micro, len(sequences)))) for i in range(0, len(sequences), micro)]
+
+    def step():
+        out = []
+        for g in groups:
+            out.extend((packed_call if packed else padded_call)([sequences[i] for i in g], [advs[i] for i in g]))
+        return out
+    return step
+
+
+def run_path(name, model, step, tokens, active, profile, repeats, first_timeout):
+    row = {"path": name}
+    cuda = torch.cuda.is_available()
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        lp = step()
+        sync()
+        row["first_call_s"] = time.perf_counter() - start
+        times = []
+        for _ in range(repeats if row["first_call_s"] < first_timeout else 0):
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            lp = step()
+            sync()
+            times.append(time.perf_counter() - start)
+        row["seconds"] = sorted(times)[len(times) // 2] if times else row["first_call_s"]
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        row["tokens_per_s"] = tokens / row["seconds"]
+        row["mfu"] = mfu(active, tokens, row["seconds"])
+        if profile:
+            model.zero_grad(set_to_none=True)
+            row["breakdown"], row["top"] = kernel_breakdown(step)
+        row["_lp"] = lp
+    except torch.OutOfMemoryError:
+        row["error"] = "OOM"
+    except Exception as error:
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    print(f"[row] {json.dumps({k: v for k, v in row.items() if k not in ('top', '_lp')})}", flush=True)
+    return row
+
+
+def main() -> None:
+    import actorcore as ac
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--budget-gib", type=float, default=40.0)
+    parser.add_argument("--pack-tokens", type=int, default=32768)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--first-timeout", type=float, default=120.0, help="one timed call if the first is slower")
+    parser.add_argument("--profile", default="actorcore before,actorcore fused", help="paths to profile")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to check the script (--model tiny)
+    model_type, shape = MODELS[args.model]
+    tiny = args.model == "tiny"
+    sequences, advs = batch_sequences(shape["vocab_size"], tiny)
+    packs_idx = pack_greedy([torch.arange(s.numel()) for s in sequences], args.pack_tokens)
+    order, packs, pack_advs, start = [], [], [], 0
+    for p in packs_idx:
+        packs.append(sequences[start: start + len(p)])
+        pack_advs.append(advs[start: start + len(p)])
+        order.append(list(range(start, start + len(p))))
+        start += len(p)
+    tokens = sum(s.numel() for s in sequences)
+
+    reference = build(model_type, shape, torch.float32, device, args.layers)
+    ref_packed = per_token_reference(reference, packs, device)
+    ref_seq = [lp[int(a) + 1: int(b)] for pack, lp in zip(packs, ref_packed)
+               for a, b in zip(ac.pack(pack).cu_seqlens[:-1], ac.pack(pack).cu_seqlens[1:])]
+    del reference
+    gc.collect()
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build(model_type, shape, dtype, device, args.layers).train()
+    active = active_parameters(model)
+    rows = []
+    wanted = args.paths.split(",")
+    for name in [p for p in PATHS if p in wanted]:
+        profile = name in args.profile.split(",")
+        handle = None
+        if name.startswith("actorcore"):
+            fused = name != "actorcore before"
+            ckpt = "full" if name == "actorcore before" else ("selective" if "no-ckpt" in name else "auto")
+            handle = ac.patch_model(model, fused_decoder="auto" if fused else False, checkpointing=ckpt,
+                                    memory_budget_gib=args.budget_gib if ckpt == "auto" else None)
+            step = actorcore_step(model, packs, pack_advs, device)
+        else:
+            if "liger" in name:
+                from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+                _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False,
+                                                cross_entropy=False)  # decoder patches; process-wide: run last
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            packed = order if name == "transformers packed" else None
+            step = transformers_step(model, sequences, advs, device, args.micro_batch, packed)
+        row = run_path(name, model, step, tokens, active, profile, args.repeats, args.first_timeout)
+        if "_lp" in row:
+            lp = row.pop("_lp")
+            if name.startswith("actorcore"):
+                row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_packed))
+            else:
+                row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_seq))
+        if handle is not None:
+            row["trace"] = {k: v for k, v in step.trace.items() if k.split(":")[0] in ("fused_decoder", "checkpoint")}
+            handle.revert()
+        rows.append(row)
+    meta = {"model": args.model, "layers": model.config.num_hidden_layers, "tokens": tokens, "packs": len(packs),
+            "active_parameters": active, "budget_gib": args.budget_gib, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    write_json(args.out, f"actor_step_{args.model}.json", {"meta": meta, "rows": rows})
+    print(json.dumps(meta))
+    print(f"{'path':<28} {'s/step':>8} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'max|Δlp| fp32':>14}")
+    print_rows(rows, "path", lambda r: f"{r['seconds']:8.3f} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
+               f"{r['peak_gib']:9.1f} {r.get('max_dlp_vs_fp32', float('nan')):14.3e}  first {r['first_call_s']:.1f}s")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Shared pieces of the actor-step benchmarks: the RL batch split into packs, the timed step, MFU, and the
+kernel-time breakdown by category from torch.profiler.
+
+Categories (by kernel name): ``matmul`` (cuBLAS / CUTLASS / nvjet GEMMs, grouped GEMMs), ``attention`` (flash
+kernels), ``head`` (actorcore's fused log-prob kernels), ``copies`` (copies, memsets, concatenation, index
+copies), ``elementwise`` (everything else: pointwise, reductions, Inductor's and Liger's fused kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections import Counter
+
+import torch
+
+PEAK_TFLOPS = 790.0  # bf16 dense matmul rate measured on the H200 (NOTES.md)
+
+_CATEGORIES = (
+    ("attention", re.compile(r"flash|fmha|attn_fwd|attn_bwd|_attn", re.I)),
+    ("head", re.compile(r"fwd_stats_kernel|bwd_grad_logits_kernel|rows_stats_kernel|rows_grad_inplace_kernel")),
+    ("matmul", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|wgmma|grouped_mm|_mm_|matmul|s16816|splitK", re.I)),
+    ("copies", re.compile(r"copy|memset|memcpy|CatArray|cat_|index_put|scatter|gather|Memcpy|Memset|fill", re.I)),
+)
+
+
+def category(kernel_name: str) -> str:
+    for name, pattern in _CATEGORIES:
+        if pattern.search(kernel_name):
+            return name
+    return "elementwise"
+
+
+def pack_greedy(sequences: list[torch.Tensor], max_tokens: int) -> list[list[torch.Tensor]]:
+    """Sequences in order into packs of at most ``max_tokens`` tokens (a longer sequence gets a pack of its own)."""
+    packs, current, size = [], [], 0
+    for seq in sequences:
+        if current and size + seq.numel() > max_tokens:
+            packs.append(current)
+            current, size = [], 0
+        current.append(seq)
+        size += seq.numel()
+    if current:
+        packs.append(current)
+    return packs
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int = 3, warmup: int = 1) -> dict:
+    """Median seconds and peak GiB (allocated, from the call's start) over ``repeats`` calls after warm-up."""
+    first = None
+    for i in range(warmup):
+        start = time.perf_counter()
+        fn()
+        sync()
+        if i == 0:
+            first = time.perf_counter() - start
+    times, peak = [], 0.0
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+        if torch.cuda.is_available():
+            peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
+    return {"seconds": sorted(times)[len(times) // 2], "peak_gib": peak, "warmup_s": first}
+
+
+def kernel_breakdown(fn) -> tuple[dict, list]:
+    """Kernel milliseconds per category for one call of ``fn``, and the 15 kernels with the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return {}, []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    per_kernel = Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.device_time / 1e3
+    per_category = Counter()
+    for name, ms in per_kernel.items():
+        per_category[category(name)] += ms
+    return dict(per_category), [(name[:90], round(ms, 1)) for name, ms in per_kernel.most_common(15)]
+
+
+def mfu(params_active: float, tokens: int, seconds: float) -> float:
+    """6 x (active) parameters x tokens against the bf16 matmul rate (attention FLOPs not counted)."""
+    return 6 * params_active * tokens / seconds / (PEAK_TFLOPS * 1e12)
+
+
+def format_breakdown(per_category: dict) -> str:
+    total = sum(per_category.values()) or 1.0
+    order = ("matmul", "attention", "elementwise", "copies", "head")
+    return " ".join(f"{k} {per_category.get(k, 0):.0f}ms ({100 * per_category.get(k, 0) / total:.0f}%)" for k in order)
+
+
+def write_json(out_dir: str | None, name: str, obj) -> None:
+    """``obj`` as ``out_dir/name`` (nothing without ``out_dir``), written under a temporary name and renamed."""
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def print_rows(rows: list, name_key: str, line) -> None:
+    """One line per row (``line(row)``; an ``error`` row shows its error), then its kernel-time breakdown."""
+    for row in rows:
+        if "error" in row:
+            print(f"{row[name_key]:<28} {row['error']}")
+            continue
+        print(f"{row[name_key]:<28} {line(row)}")
+        if row.get("breakdown"):
+            print(f"    {format_breakdown(row['breakdown'])}")

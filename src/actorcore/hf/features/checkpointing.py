@@ -1,0 +1,165 @@
+"""Per-call activation checkpointing of the decoder layers (``patch_model(checkpointing=..., memory_budget_gib=...)``).
+
+Modes (``None`` leaves the model's own setting, the behaviour before this option existed):
+- ``"full"``: every layer under torch's non-reentrant checkpoint (its forward runs again in backward).
+- ``"selective"``: every layer keeps its matmul and attention outputs and recomputes the rest
+  (``kernels.selective_checkpoint``; bitwise the gradients of ``"full"``). A fused layer (``hf.features.fused_decoder``)
+  is not checkpointed at all instead: its compiled graph already keeps the matmul outputs and recomputes the
+  fused pointwise work in its backward.
+- ``"auto"``: as many of the LAST layers as fit ``memory_budget_gib`` (an estimate from the config, the call's
+  token count and the memory already allocated) run as in ``"selective"``, the others as in ``"full"``. The last
+  ones, because backward reaches them first and activation offload (``hf.features.offload``) moves the first ones.
+
+The ``Checkpointing`` decoder feature sets, for each training call, the layers' ``gradient_checkpointing`` /
+``_gradient_checkpointing_func`` and restores them afterwards (the functions travel with the autograd graph into
+backward); it records the plan in ``call.checkpoint_modes`` (activation offload reads which layers are
+checkpointed). Trace keys: ``checkpoint:full_layers``, ``checkpoint:selective_layers``,
+``checkpoint:fused_layers_kept`` (layers per mode in the call) and ``checkpoint:selective`` (each selective
+checkpoint that ran: the self-check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.utils.checkpoint
+
+from actorcore.archs import text_config
+from actorcore.errors import PatchNotAppliedError
+from actorcore.hf.call import DecoderCall
+from actorcore.hf.features.base import DecoderFeature
+from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY, layers_to_keep, selective_checkpoint_function
+
+CHECKPOINT_MODES = ("full", "selective", "auto")
+FULL_LAYERS = "checkpoint:full_layers"
+SELECTIVE_LAYERS = "checkpoint:selective_layers"
+UNCHECKPOINTED_LAYERS = "checkpoint:fused_layers_kept"
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What the patch asked for: a mode and, for ``"auto"``, the budget in bytes."""
+
+    mode: str
+    budget_bytes: float | None = None
+
+
+def check_checkpointing(mode: Any, memory_budget_gib: Any) -> CheckpointPlan | None:
+    if mode is None:
+        if memory_budget_gib is not None:
+            raise ValueError("memory_budget_gib is the budget of checkpointing='auto'; pass checkpointing='auto'")
+        return None
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpointing must be None, 'full', 'selective' or 'auto', got {mode!r}")
+    if mode != "auto":
+        if memory_budget_gib is not None:
+            raise ValueError(f"memory_budget_gib is only used by checkpointing='auto', not {mode!r}")
+        return CheckpointPlan(mode)
+    if isinstance(memory_budget_gib, bool) or not isinstance(memory_budget_gib, (int, float)) or not (
+            math.isfinite(memory_budget_gib) and memory_budget_gib > 0):
+        raise ValueError(f"checkpointing='auto' needs memory_budget_gib, a positive number of GiB, got "
+                         f"{memory_budget_gib!r}")
+    return CheckpointPlan(mode, float(memory_budget_gib) * 2**30)
+
+
+def layer_bytes_per_token(config: Any, element_bytes: int, fused: bool) -> tuple[float, float]:
+    """Estimated activation bytes per token of one decoder layer: (kept beyond a checkpointed layer, the
+    checkpointed layer's own input). From the config's widths; an MoE layer counts its routed copies."""
+    d = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    q, kv = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    experts = getattr(config, "num_experts_per_tok", None) or 0
+    if experts and getattr(config, "moe_intermediate_size", None):
+        inner = experts * config.moe_intermediate_size + getattr(config, "shared_expert_intermediate_size", 0)
+        routed = 2 * experts * d  # tokens permuted to their experts and the experts' outputs
+    else:
+        inner, routed = config.intermediate_size, 0
+    # Fused: the compiled graph's saved tensors (matmul inputs and outputs); selective: the matmul / attention outputs.
+    widths = (6 * d + 2 * q + 2 * kv + 3 * inner + routed) if fused else (3 * d + 2 * q + 2 * kv + 2 * inner + routed)
+    return float(widths * element_bytes + 4 * heads), float(d * element_bytes)
+
+
+def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], tokens: int, config: Any, element_bytes: int,
+                     allocated_bytes: float) -> list[str]:
+    """Each layer's mode for one call: ``"full"``, ``"selective"`` or ``"none"`` (a fused layer, not checkpointed)."""
+    kept = ["none" if f else "selective" for f in fused]
+    if plan.mode == "full":
+        return ["full"] * len(fused)
+    if plan.mode == "selective":
+        return kept
+    per_layer = [layer_bytes_per_token(config, element_bytes, f) for f in fused]
+    ckpt_input = sum(inp for _, inp in per_layer) * tokens
+    # A fully checkpointed step: the layers' inputs, one layer recomputed with its gradients, and 1 GiB of slack.
+    base = allocated_bytes + ckpt_input + 3 * max(k for k, _ in per_layer) * tokens + 2**30
+    keep = layers_to_keep(plan.budget_bytes, base, max(k for k, _ in per_layer) * tokens, len(fused))
+    return ["full"] * (len(fused) - keep) + kept[len(fused) - keep:]
+
+
+@contextlib.contextmanager
+def checkpointing_for_call(layers: list[torch.nn.Module], modes: list[str], trace: Counter) -> Iterator[None]:
+    """Set each layer's checkpointing for one call (``modes`` from ``plan_layer_modes``) and restore it after."""
+    saved = [(layer, {k: layer.__dict__[k] for k in ("gradient_checkpointing", "_gradient_checkpointing_func")
+                      if k in layer.__dict__}) for layer in layers]
+    try:
+        for layer, mode in zip(layers, modes):
+            layer.gradient_checkpointing = mode != "none"
+            if mode == "selective":
+                layer._gradient_checkpointing_func = selective_checkpoint_function(trace)
+            elif mode == "full" and not _non_reentrant(layer.__dict__.get("_gradient_checkpointing_func")):
+                layer._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                       use_reentrant=False)
+        trace[FULL_LAYERS] += modes.count("full")
+        trace[SELECTIVE_LAYERS] += modes.count("selective")
+        trace[UNCHECKPOINTED_LAYERS] += modes.count("none")
+        yield
+    finally:
+        for layer, attrs in saved:
+            for key in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+                layer.__dict__.pop(key, None)
+            layer.__dict__.update(attrs)
+
+
+def _non_reentrant(fn: Any) -> bool:
+    return (isinstance(fn, functools.partial) and fn.func is torch.utils.checkpoint.checkpoint
+            and fn.keywords.get("use_reentrant") is False and "context_fn" not in fn.keywords)
+
+
+def check_selective_ran(ran: int, selective_layers: int, model_name: str) -> None:
+    """Every selective layer must have entered its selective checkpoint in this forward (``ran`` of them did)."""
+    if ran < selective_layers:
+        raise PatchNotAppliedError(
+            f"selective checkpointing ran in {ran} of {selective_layers} decoder layers of {model_name}: the installed "
+            "transformers bypassed the layers' _gradient_checkpointing_func (it checkpoints only in training mode: "
+            "call model.train()); refusing to continue without the checkpointing that was asked for")
+
+
+class Checkpointing(DecoderFeature):
+    """``patch_model(checkpointing=..., memory_budget_gib=...)``: the layers' checkpointing of each training call,
+    planned per call; ``check`` requires every selective layer to have entered its selective checkpoint. Entered
+    before the activation offload, which wraps the checkpoint functions set here."""
+
+    name = "checkpointing"
+
+    def active(self, call: DecoderCall) -> bool:
+        return (call.patch is not None and call.patch.checkpointing is not None and call.model.training
+                and torch.is_grad_enabled())
+
+    def enter(self, call: DecoderCall) -> Any:
+        param = next(call.model.parameters())
+        allocated = torch.cuda.memory_allocated(param.device) if param.is_cuda else 0
+        fused = set(call.patch.fused_layers) if not call.batch_invariant else set()
+        tokens = call.batch.num_tokens // call.sp_size  # this rank's shard
+        config = text_config(call.model.config)
+        call.checkpoint_modes = plan_layer_modes(call.patch.checkpointing, [i in fused for i in range(len(
+            call.parts.layers))], tokens, config, param.element_size(), allocated)
+        return checkpointing_for_call(call.parts.layers, call.checkpoint_modes, call.trace)
+
+    def check(self, call: DecoderCall) -> None:
+        check_selective_ran(call.ran(SELECTIVE_TRACE_KEY), call.checkpoint_modes.count("selective"), call.model_name)

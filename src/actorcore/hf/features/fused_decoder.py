@@ -1,0 +1,173 @@
+"""The fused decoder: each decoder layer's forward compiled by ``torch.compile`` (``patch_model(fused_decoder=...)``).
+
+Why: between the matmuls a decoder layer runs a dozen memory-bound kernels (RMSNorm in fp32 and its casts, the
+residual adds, SwiGLU / GeGLU, RoPE, q/k norms, MoE routing and its copies); on the H200 they were 34% of the
+actor step's kernel time (Qwen2.5-1.5B shape). Compiling the layer's own forward lets Inductor fuse them into a
+few kernels, for every architecture, from the model's own code (no copied forward per family). Chosen by
+measurement (``bench/fusion_candidates.py``) over Liger-Kernel's RMSNorm + SwiGLU and eager.
+
+How: each decoder layer gets an instance ``forward`` (a ``FusedLayerForward`` holding its layer) that runs one
+``torch.compile(..., dynamic=True)`` of the layer class's original forward, shared by the layers of a class (one
+compilation, symbolic token count: no recompilation per pack length). Attention functions registered by
+actorcore are left out of the graph (``torch.compiler.disable``), as are instance forwards other patches install
+in a layer (tiled MLP, recomputed norms). A layer runs compiled only in actorcore's own decoder calls, which
+pass ``FUSED_KWARG``; any other call (the model's own forward, ``verify``'s reference, batch-invariant calls)
+runs the original eager forward. Each compiled layer call counts under ``FUSED_TRACE_KEY`` in the call's trace.
+
+Where: CUDA, 16-bit weights, Triton present; elsewhere (CPU, fp32) nothing is installed and the path is the
+eager one, unchanged. Within bf16 rounding of the eager layer, not bitwise (Inductor reduces in another order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable
+
+import torch
+
+from actorcore.errors import PatchNotAppliedError
+from actorcore.hf.call import TRACE_KWARG, DecoderCall
+from actorcore.hf.features.base import DecoderFeature
+from actorcore.hf.features.instance_forwards import install_forwards
+
+FUSED_KWARG = "actorcore_fused"
+FUSED_TRACE_KEY = "fused_decoder:layers"
+FUSED_CHOICES = (True, False, "auto")
+
+
+def fusion_refusal(model: torch.nn.Module) -> str | None:
+    """Why this model cannot run the fused decoder here (None: it can)."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return "the model is not on a CUDA device (the fused decoder compiles Triton kernels)"
+    if param.dtype not in (torch.bfloat16, torch.float16):
+        return f"the model's weights are {param.dtype}; the fused decoder is for bf16 / fp16 models (fp32 stays eager)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def check_fused_request(model: torch.nn.Module, fused: Any) -> bool:
+    """Whether to install the fused decoder: ``True`` (refuse where it cannot run), ``False``, or ``"auto"``."""
+    if fused not in FUSED_CHOICES or isinstance(fused, int) and not isinstance(fused, bool):
+        raise ValueError(f"fused_decoder must be True, False or 'auto', got {fused!r}")
+    if fused is False:
+        return False
+    refusal = fusion_refusal(model)
+    if refusal is not None and fused is True:
+        raise ValueError(f"fused_decoder=True: {refusal}; pass fused_decoder='auto' (eager where it cannot run) "
+                         "or False")
+    return refusal is None
+
+
+@functools.cache
+def _checkpoint_wrapper_code() -> Any:
+    """The code object of transformers' checkpointing ``forward`` wrapper (transformers >= 5.24 checkpoints inside
+    ``forward``; older ones inside ``__call__``: None)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if "__call__" in GradientCheckpointingLayer.__dict__:
+        return None
+
+    class _Probe(GradientCheckpointingLayer):
+        def forward(self) -> None:
+            return None
+
+    return _Probe.forward.__code__
+
+
+def original_forward(layer_class: type) -> Callable:
+    """The layer class's forward without transformers' checkpointing wrapper."""
+    forward, wrapper = layer_class.forward, _checkpoint_wrapper_code()
+    while wrapper is not None and getattr(forward, "__code__", None) is wrapper:
+        forward = forward.__wrapped__
+    return forward
+
+
+@functools.cache
+def compiled_forward(forward: Callable) -> Callable:
+    """One compilation per layer class's forward, shared by all its layers (they are its first argument)."""
+    return torch.compile(forward, dynamic=True)
+
+
+class FusedLayerForward:
+    """The instance ``forward`` of a decoder layer: its compiled forward in actorcore's calls, else the eager one.
+
+    Holds its layer (not a closure), so a deep copy of the model runs the copy's layer. Under transformers >= 5.24
+    (checkpointing inside the class's ``forward``, which this instance forward replaces) it checkpoints as that
+    wrapper would.
+    """
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer = layer
+        self.forward = original_forward(type(layer))
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fused = bool(kwargs.pop(FUSED_KWARG, False))
+        layer = self.layer
+        if (_checkpoint_wrapper_code() is not None and layer.gradient_checkpointing and layer.training
+                and torch.is_grad_enabled()):
+            return layer._gradient_checkpointing_func(functools.partial(self._run, fused, **kwargs), *args)
+        return self._run(fused, *args, **kwargs)
+
+    def _run(self, fused: bool, *args: Any, **kwargs: Any) -> Any:
+        if not fused:
+            return self.forward(self.layer, *args, **kwargs)
+        self.calls += 1
+        ref = kwargs.get(TRACE_KWARG)
+        if ref is not None:
+            ref.counts[FUSED_TRACE_KEY] += 1
+        return compiled_forward(self.forward)(self.layer, *args, **kwargs)
+
+
+def install_fused_layers(layers: list[torch.nn.Module]) -> tuple[list[FusedLayerForward], Callable[[], None]]:
+    """Install a ``FusedLayerForward`` on each layer; returns them and the undo."""
+
+    def make(layer: torch.nn.Module, previous: Callable | None) -> FusedLayerForward:
+        if previous is not None:
+            raise ValueError(f"{type(layer).__name__} already has an instance forward ({previous!r}); the fused "
+                             "decoder compiles the class's own forward: revert the other patch first")
+        return FusedLayerForward(layer)
+
+    return install_forwards(layers, make)
+
+
+class FusedDecoder(DecoderFeature):
+    """``patch_model(fused_decoder=...)``: the fused forwards for the patch's lifetime (on the layers listed in the
+    patch state); every call but a batch-invariant one passes ``FUSED_KWARG``, and ``check`` requires each fused
+    layer to have run compiled."""
+
+    name = "fused_decoder"
+
+    def install(self, handle: Any) -> None:
+        fused = handle.state.fused_layers
+        if fused:
+            _, restore = install_fused_layers([handle.parts.layers[i] for i in fused])
+            handle.add_undo(restore)
+
+    def active(self, call: DecoderCall) -> bool:
+        return call.patch is not None and bool(call.patch.fused_layers) and not call.batch_invariant
+
+    def enter(self, call: DecoderCall) -> Any:
+        call.kwargs[FUSED_KWARG] = True
+        return contextlib.nullcontext()
+
+    def check(self, call: DecoderCall) -> None:
+        ran, layers = call.ran(FUSED_TRACE_KEY), len(call.patch.fused_layers)
+        if ran < layers:
+            raise PatchNotAppliedError(
+                f"the fused decoder ran in {ran} of {layers} decoder layers of {call.model_name}: the installed "
+                "transformers bypassed the layers' instance forward; refusing to continue unfused")
+
+
+def fused_layer_indices(model: torch.nn.Module, parts: Any, fused: Any) -> tuple[int, ...]:
+    """The decoder layers to fuse for ``patch_model(fused_decoder=fused)``: the attention layers (a hybrid model's
+    linear-attention layers stay eager), or none."""
+    if not check_fused_request(model, fused):
+        return ()
+    ids = {id(layer) for layer in parts.attention_layers}
+    return tuple(i for i, layer in enumerate(parts.layers) if id(layer) in ids)

@@ -1,0 +1,75 @@
+"""Selective activation checkpointing: keep what is expensive to recompute, recompute what is cheap.
+
+Why: full layer checkpointing runs every decoder layer's forward twice (about a quarter of an actor step on
+the H200); without checkpointing the step needs every activation at once (88 GiB at 31K tokens of a 1.5B
+model). A selective checkpoint keeps the outputs of the matmuls and attention kernels (the FLOPs) and
+recomputes the pointwise ops and norms in backward (the bytes), using PyTorch's own policy mechanism
+(``torch.utils.checkpoint.create_selective_checkpoint_contexts``). The recomputed ops see the same inputs
+(kept outputs are reused as they were), so the gradients are bitwise those of full checkpointing wherever
+the recomputed kernels are deterministic.
+
+``layers_to_keep`` is the pure budget planner: how many layers may keep their activations (selective or not
+checkpointed at all) in a given memory budget, the others stay fully checkpointed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+SELECTIVE_TRACE_KEY = "checkpoint:selective"  # selective checkpoint contexts created (one per checkpointed forward)
+
+_MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm")
+# Attention kernels, by the name of their op: torch's varlen and SDPA flash / efficient / cuDNN kernels, flash-attn.
+_ATTENTION_NAMES = ("varlen_attn", "flash_attention", "efficient_attention", "cudnn_attention", "flash_attn",
+                    "_scaled_dot_product")
+
+
+@functools.cache
+def _kept_ops() -> frozenset:
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, name).default for name in _MATMUL_OPS if hasattr(aten, name))
+
+
+def is_expensive(op: Any) -> bool:
+    """A matmul or an attention kernel: its output is kept instead of recomputed."""
+    if op in _kept_ops():
+        return True
+    name = str(op)
+    return any(key in name for key in _ATTENTION_NAMES) and "backward" not in name
+
+
+def keep_expensive_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective-checkpoint policy: matmul and attention outputs saved, everything else recomputed."""
+    return CheckpointPolicy.MUST_SAVE if is_expensive(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectiveContexts:
+    """``context_fn`` of a selective checkpoint; counts in the call's trace each time it is used (forward and
+    recompute), which is how a call proves the selective checkpoint ran."""
+
+    def __init__(self, trace: Counter | None) -> None:
+        self.trace = trace
+
+    def __call__(self) -> Any:
+        if self.trace is not None:
+            self.trace[SELECTIVE_TRACE_KEY] += 1
+        return create_selective_checkpoint_contexts(keep_expensive_policy)
+
+
+def selective_checkpoint_function(trace: Counter | None = None) -> Callable:
+    """A drop-in for a layer's checkpoint function (``checkpoint(fn, *args)``), non-reentrant and selective."""
+    return functools.partial(checkpoint, use_reentrant=False, context_fn=SelectiveContexts(trace))
+
+
+def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: float, layers: int) -> int:
+    """How many of ``layers`` may keep their activations (``kept_layer_bytes`` each beyond a checkpointed
+    layer) when a fully checkpointed step needs ``base_bytes``: ``0 <= keep <= layers``."""
+    if kept_layer_bytes <= 0:
+        return layers
+    room = budget_bytes - base_bytes
+    return max(0, min(layers, int(room // kept_layer_bytes)))

@@ -1,0 +1,94 @@
+"""The fused decoder's mechanics (``patch_model(fused_decoder=True)``), run on the CPU with Inductor's C++ kernels in
+fp32 (the product enables it only on CUDA for 16-bit models; this test lifts that refusal): per token and per
+gradient element against the eager packed path, with layer checkpointing (transformers >= 5.24 checkpoints inside
+the class's forward, which the instance forward takes over) and with ``checkpointing="selective"`` (fused layers
+not checkpointed); the trace proves the compiled layers ran; a pack of another length compiles nothing new; the
+model's own forward stays eager; a deep copy runs its own layers; ``revert`` restores the layers; bypassed layers raise."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from test_offload import _batch, _train_step, checkpointed
+
+import actorcore as ac
+import actorcore.hf.features.fused_decoder as fused_decoder
+from actorcore.hf.features.checkpointing import UNCHECKPOINTED_LAYERS
+from actorcore.errors import PatchNotAppliedError
+from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY, FusedLayerForward
+from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tolerances import TOL
+
+
+def _close(eager, fused):
+    (lp_e, ent_e, g_e), (lp_f, ent_f, g_f) = eager, fused
+    tol = TOL["fused_decoder_vs_eager_fp32"]
+    assert (lp_e - lp_f).abs().max().item() < tol and (ent_e - ent_f).abs().max().item() < tol
+    assert g_e.keys() == g_f.keys()
+    for name in g_e:
+        scale = g_e[name].abs().max().item()
+        assert (g_e[name] - g_f[name]).abs().max().item() <= TOL["grad_fused_decoder_vs_eager_fp32_rel"] * scale, name
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.slow
+def test_fused_layers_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    model = checkpointed(build_tiny_model("llama", seed=3))
+    layers = model.config.num_hidden_layers
+    batch = _batch()
+    handle = ac.patch_model(model)
+    eager = _train_step(model, batch, Counter())
+    handle.revert()
+    model.zero_grad(set_to_none=True)
+
+    handle = ac.patch_model(model, fused_decoder=True)
+    forwards = [layer.forward for layer in model.model.layers]
+    assert all(isinstance(f, FusedLayerForward) for f in forwards)
+    trace = Counter()
+    fused = _train_step(model, batch, trace)
+    _close(eager, fused)
+    assert trace[FUSED_TRACE_KEY] == 2 * layers  # each layer's forward and its recompute in backward
+    graphs = _graphs()
+    g = torch.Generator().manual_seed(9)
+    model.zero_grad(set_to_none=True)
+    _train_step(model, ac.pack([torch.randint(3, 131, (n,), generator=g) for n in (5, 40, 12)]), Counter())
+    assert _graphs() == graphs, "a pack of another length compiled again"
+    calls = sum(f.calls for f in forwards)
+    with torch.no_grad():
+        model(input_ids=batch.input_ids[None])  # the model's own forward: eager
+    assert sum(f.calls for f in forwards) == calls
+    twin = copy.deepcopy(model)
+    assert all(layer.forward.layer is layer for layer in twin.model.layers)
+    handle.revert()
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+
+    model.zero_grad(set_to_none=True)
+    handle = ac.patch_model(model, fused_decoder=True, checkpointing="selective")
+    trace = Counter()
+    _close(eager, _train_step(model, batch, trace))
+    assert trace[UNCHECKPOINTED_LAYERS] == layers and trace[FUSED_TRACE_KEY] == layers  # no recompute
+    handle.revert()
+
+
+def test_bypassed_fused_layers_are_an_error(monkeypatch):
+    """Negative control: layers that run their plain forward (as a transformers that bypassed the instance forward
+    would) make the call raise instead of returning unfused results."""
+    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    model = build_tiny_model("llama", seed=4).train()
+    handle = ac.patch_model(model, fused_decoder=True)
+    for layer in model.model.layers:
+        plain = fused_decoder.original_forward(type(layer)).__get__(layer)
+        layer.__dict__["forward"] = lambda *args, _plain=plain, **kwargs: _plain(
+            *args, **{k: v for k, v in kwargs.items() if k != fused_decoder.FUSED_KWARG})
+    with pytest.raises(PatchNotAppliedError, match="fused decoder ran in 0 of"):
+        ac.compute_logprobs(model, _batch())
+    handle.revert()

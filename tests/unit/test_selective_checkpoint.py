@@ -1,0 +1,116 @@
+"""``patch_model(checkpointing=...)``: selective checkpointing keeps matmul / attention outputs and recomputes the
+rest; against full layer checkpointing of the same model: bitwise the same log-probs, entropies and every
+gradient (bf16 and fp32, dense, MoE, hybrid and q/k-norm families), alone and composed with tiled MLP and
+activation offload; ``"auto"`` fits a budget per layer; the self-check proves the selective checkpoints ran; bad options are refused; the fused decoder stays off on the CPU."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from test_offload import _assert_bitwise, _batch, _train_step, checkpointed
+
+import actorcore as ac
+from actorcore.hf.features.checkpointing import (
+    FULL_LAYERS,
+    SELECTIVE_LAYERS,
+    CheckpointPlan,
+    layer_bytes_per_token,
+    plan_layer_modes,
+)
+from actorcore.hf.features.fused_decoder import original_forward
+from actorcore.hf.patch import PatchNotAppliedError, patch_state
+from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY, is_expensive, layers_to_keep
+from actorcore.testing.tiny_configs import build_tiny_model
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+
+def _full_then(model, batch, composed=None, **patch):
+    """(the step under checkpointing='full', the step under ``patch``, the second step's trace); both with the
+    ``composed`` patch options."""
+    composed = composed or {}
+    handle = ac.patch_model(model, checkpointing="full", **composed)
+    full = _train_step(model, batch, Counter())
+    handle.revert()
+    model.zero_grad(set_to_none=True)
+    handle = ac.patch_model(model, **patch, **composed)
+    trace = Counter()
+    other = _train_step(model, batch, trace)
+    handle.revert()
+    return full, other, trace
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "qwen3_5_text"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_is_bitwise_full_checkpointing(model_type, dtype):
+    model = build_tiny_model(model_type, seed=3, dtype=dtype).train()
+    layers = model.config.num_hidden_layers
+    full, selective, trace = _full_then(model, _batch(), checkpointing="selective")
+    _assert_bitwise(full, selective)
+    assert trace[SELECTIVE_LAYERS] == layers and trace[FULL_LAYERS] == 0
+    assert trace[SELECTIVE_TRACE_KEY] == layers  # one selective checkpoint per layer (its contexts serve forward and recompute)
+
+
+def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
+    model = build_tiny_model("qwen3", seed=4, dtype=torch.bfloat16).train()
+    batch = _batch()
+    config, layers = model.config, model.config.num_hidden_layers
+    kept, _ = layer_bytes_per_token(config, 2, fused=False)
+    base = plan_layer_modes(CheckpointPlan("auto", 0.0), [False] * layers, batch.num_tokens, config, 2, 0)
+    assert base == ["full"] * layers  # no room: all fully checkpointed
+    # Room for exactly one kept layer above a fully checkpointed step: the last layer runs selectively.
+    ckpt_inputs = layers * config.hidden_size * 2 * batch.num_tokens
+    budget = ckpt_inputs + 4 * kept * batch.num_tokens + 2**30 + 1
+    modes = plan_layer_modes(CheckpointPlan("auto", budget), [False] * layers, batch.num_tokens, config, 2, 0)
+    assert modes == ["full"] * (layers - 1) + ["selective"]
+    full, auto, trace = _full_then(model, batch, checkpointing="auto", memory_budget_gib=budget / 2**30)
+    _assert_bitwise(full, auto)
+    assert trace[SELECTIVE_LAYERS] == 1 and trace[FULL_LAYERS] == layers - 1
+    roomy = plan_layer_modes(CheckpointPlan("auto", 1e15), [False] * layers, batch.num_tokens, config, 2, 0)
+    assert roomy == ["selective"] * layers
+    fused = plan_layer_modes(CheckpointPlan("auto", 1e15), [True] * layers, batch.num_tokens, config, 2, 0)
+    assert fused == ["none"] * layers  # a fused layer keeps its compiled graph's tensors instead
+
+
+def test_layers_to_keep_and_the_policy():
+    assert layers_to_keep(10.0, 4.0, 2.0, 8) == 3
+    assert layers_to_keep(10.0, 12.0, 2.0, 8) == 0
+    assert layers_to_keep(1e9, 0.0, 2.0, 8) == 8
+    assert is_expensive(torch.ops.aten.mm.default) and is_expensive(torch.ops.aten.addmm.default)
+    assert not is_expensive(torch.ops.aten.mul.Tensor) and not is_expensive(torch.ops.aten._softmax.default)
+
+
+def test_composes_with_tiled_mlp_and_offload():
+    model = checkpointed(build_tiny_model("qwen3", seed=5, dtype=torch.bfloat16))
+    batch = _batch()
+    composed = {"tiled_mlp_shards": 3, "offload_activations": True}
+    full, selective, trace = _full_then(model, batch, composed, checkpointing="selective")
+    _assert_bitwise(full, selective)
+    assert trace["offload:layers"] == model.config.num_hidden_layers
+    assert trace[SELECTIVE_LAYERS] == model.config.num_hidden_layers
+
+
+def test_refusals_and_the_self_check(monkeypatch):
+    model = build_tiny_model("llama", seed=7).train()
+    for kwargs, match in (({"checkpointing": "some"}, "checkpointing must be"),
+                          ({"checkpointing": "auto"}, "memory_budget_gib"),
+                          ({"checkpointing": "auto", "memory_budget_gib": -1}, "memory_budget_gib"),
+                          ({"memory_budget_gib": 4}, "checkpointing='auto'"),
+                          ({"checkpointing": "full", "memory_budget_gib": 4}, "only used by"),
+                          ({"fused_decoder": True}, "not on a CUDA device"),
+                          ({"fused_decoder": "yes"}, "fused_decoder must be")):
+        with pytest.raises(ValueError, match=match):
+            ac.patch_model(model, **kwargs)
+    handle = ac.patch_model(model, checkpointing="selective")
+    assert patch_state(model).fused_layers == ()  # "auto" on the CPU: eager, unchanged
+    layer_class = type(model.model.layers[0])
+    # As a transformers that ignored the layers' checkpoint function would: the class's plain forward and call.
+    monkeypatch.setattr(layer_class, "forward", original_forward(layer_class))
+    if "__call__" in GradientCheckpointingLayer.__dict__:
+        monkeypatch.setattr(layer_class, "__call__", torch.nn.Module.__call__)
+    with pytest.raises(PatchNotAppliedError, match="selective checkpointing ran in"):
+        _train_step(model, _batch(), Counter())
+    monkeypatch.undo()
+    handle.revert()
+
