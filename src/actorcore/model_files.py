@@ -93,8 +93,7 @@ def check_model_dir(model_dir: str) -> None:
     every safetensors file it holds or its index names is readable; raises ``CheckpointError`` (or its
     ``CheckpointPathError``) naming the first file that is not, ``FileNotFoundError`` without the directory."""
     if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"{model_dir}: no such model directory (give the path of a local Hugging Face "
-                                "model directory; nothing is downloaded)")
+        raise FileNotFoundError(f"{model_dir}: no such model directory")  # local only: nothing is downloaded
     roots = allowed_roots(model_dir)
     weights = set()
     for name in sorted(os.listdir(model_dir)):

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from actorcore.export import hf_weight_stream, load_into, save_sharded_safetensors
-from actorcore.lifecycle import Interrupted
 from actorcore.testing.tiny_configs import build_tiny_model
 
 
@@ -64,6 +63,8 @@ def _leftovers(parent):
 
 
 def test_a_signal_removes_the_temporary_and_reaches_the_callers_handler(tmp_path):
+    from actorcore.lifecycle import Interrupted
+
     calls = []
 
     def callers_handler(signum, frame):

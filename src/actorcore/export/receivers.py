@@ -31,6 +31,9 @@ def load_into(model: torch.nn.Module, stream: Iterable[Bucket]) -> list[str]:
     duplicate the stream leaves out is filled through its tie. Tensors are copied as they arrive: after an error the
     model holds a partial update, so reload it.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"load_into needs the receiving torch model (an nn.Module), got {type(model).__name__}; "
+                         "for vLLM use load_into_vllm, for SGLang load_into_sglang")
     targets = model.state_dict(keep_vars=True)  # parameters and persistent buffers, tied ones under every name
     expected = exported_names(model, targets)
     tied: dict[int, list[str]] = {}

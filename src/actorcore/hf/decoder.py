@@ -91,6 +91,9 @@ def check_batch(model: Any, batch: PackedBatch) -> PackedBatch:
         raise ValueError(f"batch must be an actorcore.PackedBatch (use ac.pack / ac.pack_padded), got "
                          f"{type(batch).__name__}")
     embeddings = model.get_input_embeddings()
+    if embeddings.weight.is_meta:
+        raise ValueError(f"{type(model).__name__}'s weights are on the meta device (never loaded): load them "
+                         "(from_pretrained, or to_empty(device=...) and load_state_dict) before computing")
     vocab = getattr(embeddings, "num_embeddings", None)
     if vocab is not None and not batch.input_ids.is_cuda:
         low, high = int(batch.input_ids.min()), int(batch.input_ids.max())
@@ -146,6 +149,7 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     """
     decoder = submodule(model, spec.decoder)
     layers = submodule(decoder, spec.layers)
+    _check_layer_count(model, layers)
     attention_layers, linear_modules = split_layers(text_config(model.config), layers, spec)
     configs = attention_configs(attention_layers, spec.attention)
     work, input_ids, position_ids = _decoder_inputs(batch, parallel)
@@ -198,6 +202,16 @@ def run_decoder(model: Any, spec: ArchSpec, batch: PackedBatch, parallel: Any = 
     if check_finite and not bool(torch.isfinite(hidden).all()):
         raise NonFiniteError("the decoder's final norm produced non-finite values (NaN or inf)")
     return hidden[0], work
+
+
+def _check_layer_count(model: Any, layers: Any) -> None:
+    """The model's forward runs ``config.num_hidden_layers`` layers: a count edited after the model was built
+    would leave layers unrun (and the packed-attention check blaming transformers), so it is named here."""
+    count = getattr(text_config(model.config), "num_hidden_layers", None)
+    if isinstance(count, int) and count != len(layers):
+        raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers but its config says "
+                         f"num_hidden_layers={count}: the config was changed after the model was built; set it "
+                         f"back to {len(layers)}, or build the model from the edited config")
 
 
 def _offload_layers(model: Any) -> int:
