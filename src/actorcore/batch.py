@@ -80,6 +80,10 @@ def check_packed(batch: PackedBatch) -> None:
     for name, tensor in (("input_ids", ids), ("cu_seqlens", cu), ("position_ids", pos)):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"PackedBatch.{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.is_meta:
+            raise ValueError(f"PackedBatch.{name} is on the meta device (a shape without values): pack real token "
+                             "ids (ac.pack / ac.pack_padded) and move the batch to the model's device with "
+                             "batch.to(device)")
     _check_ids(ids, "PackedBatch.input_ids")
     if ids.dim() != 1:
         raise ValueError(f"PackedBatch.input_ids must be 1-D [T], got shape {tuple(ids.shape)}")

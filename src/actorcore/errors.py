@@ -23,6 +23,10 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint's tensors do not match the model: names the missing, extra and mis-shaped tensors."""
 
 
+class CheckpointPathError(CheckpointError):
+    """A file the checkpoint names (an index entry, a link) lies outside the checkpoint's directory."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A pickled file of the checkpoint refers to something a checkpoint never contains."""
 

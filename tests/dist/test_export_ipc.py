@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from actorcore.export import TransportError, hf_weight_stream, ipc_receive, ipc_send
+from actorcore.export.ipc import PROTOCOL_VERSION
 from actorcore.export.ipc_buffers import shm_dir
 from actorcore.testing.receiving import module_of
 
@@ -245,7 +246,7 @@ def test_malformed_messages_are_refused_and_the_sender_told(bad, match):
     try:
         fields = dict(buffer=real.description, tensors=[["w", "float32", [2], 0]], slot=0)
         fields.update(bad)
-        channel = _Scripted([json.dumps(dict(op="hello", version=1)),
+        channel = _Scripted([json.dumps(dict(op="hello", version=PROTOCOL_VERSION)),
                              _bucket_message(fields["buffer"], fields["tensors"], slot=fields["slot"])])
         with pytest.raises(ValueError, match=match):
             next(iter(ipc_receive(channel)))
@@ -255,18 +256,18 @@ def test_malformed_messages_are_refused_and_the_sender_told(bad, match):
 
 
 def test_protocol_mismatches_and_pickles_are_refused():
-    with pytest.raises(ValueError, match="protocol version 1"):
-        next(iter(ipc_receive(_Scripted([json.dumps(dict(op="hello", version=2))]))))
+    with pytest.raises(ValueError, match=f"protocol version {PROTOCOL_VERSION}"):
+        next(iter(ipc_receive(_Scripted([json.dumps(dict(op="hello", version=PROTOCOL_VERSION + 1))]))))
     with pytest.raises(ValueError, match="not JSON"):
         next(iter(ipc_receive(_Scripted([b"\x80\x04\x95pickled"]))))
-    with pytest.raises(ValueError, match="protocol version 1"):
+    with pytest.raises(ValueError, match=f"protocol version {PROTOCOL_VERSION}"):
         ipc_send([[("w", torch.zeros(2))]], _Scripted([json.dumps(dict(op="ready", version=0))]))
     with pytest.raises(ValueError, match="send_bytes/recv_bytes"):
         ipc_send([], object())
     with pytest.raises(TransportError, match="no the receiver's ready from the other side within"):
         here, _there = multiprocessing.Pipe()
         ipc_send([], here, timeout=0.05)
-    receiver = ipc_receive(_Scripted([json.dumps(dict(op="hello", version=1)), json.dumps(dict(op="end",
+    receiver = ipc_receive(_Scripted([json.dumps(dict(op="hello", version=PROTOCOL_VERSION)), json.dumps(dict(op="end",
                                                                                               buckets=0))]))
     assert list(receiver) == []
     with pytest.raises(ValueError, match="iterated once"):
@@ -302,7 +303,7 @@ def test_an_interrupted_receiver_tells_the_sender():
     real = SendBuffer("shm", 64, torch.device("cpu"))
     try:
         real.tensor[:8].view(torch.float32).copy_(torch.tensor([1.5, -2.0]))
-        channel = _Scripted([json.dumps(dict(op="hello", version=1)),
+        channel = _Scripted([json.dumps(dict(op="hello", version=PROTOCOL_VERSION)),
                              _bucket_message(real.description, [["w", "float32", [2], 0]])])
         with pytest.raises(KeyboardInterrupt):
             with ipc_receive(channel) as stream:

@@ -140,7 +140,38 @@ def submodule(root: Any, path: str) -> Any:
     try:
         return root.get_submodule(path)
     except AttributeError as err:
-        raise AttributeError(
-            f"{type(root).__name__} has no submodule {path!r} (a path from actorcore's arch spec): {err}. The "
-            "installed transformers lays this model out differently: update the spec in actorcore/archs/"
-        ) from None
+        raise _missing_submodule(root, path, err) from None
+
+
+def _missing_submodule(root: Any, path: str, err: AttributeError) -> Exception:
+    """The error for a spec path the model does not have, by what is most likely wrong: a base model given where
+    the task model is needed, a layer count edited after the model was built, or (only then) a layout change."""
+    from actorcore.errors import UnsupportedArchitectureError
+
+    name = type(root).__name__
+    prefix = getattr(root, "base_model_prefix", None)
+    if prefix and path.split(".")[0] == prefix and getattr(root, "base_model", None) is root:
+        return UnsupportedArchitectureError(
+            f"{name} is a base model without the task head (no {prefix!r} inside it): actorcore needs the "
+            f"...ForCausalLM (AutoModelForCausalLM.from_pretrained(...)) or, for values, the "
+            "...ForTokenClassification critic")
+    module, walked = root, []
+    for part in path.split("."):
+        if part.isdigit() and hasattr(module, "__len__"):
+            if int(part) >= len(module):
+                config = getattr(root, "config", None)
+                text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+                return ValueError(
+                    f"{name}.{'.'.join(walked)} has {len(module)} entries but actorcore looked for entry {part} "
+                    f"(the config says num_hidden_layers={getattr(text, 'num_hidden_layers', None)}): the config "
+                    "was changed after the model was built; build the model from the edited config (or restore "
+                    "the field)")
+            module = module[int(part)]
+        elif getattr(module, part, None) is not None:
+            module = getattr(module, part)
+        else:
+            break
+        walked.append(part)
+    return AttributeError(
+        f"{name} has no submodule {path!r} (a path from actorcore's arch spec): {err}. The installed transformers "
+        "lays this model out differently than the spec says: report it (the spec lives in actorcore/archs/)")

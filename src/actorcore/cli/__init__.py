@@ -1,4 +1,5 @@
-"""``actorcore`` command line: ``demo``, ``verify``, ``convert``, ``models``. Only the CLI package prints.
+"""``actorcore`` command line: ``demo``, ``verify``, ``convert``, ``models``. Only the CLI package prints. Every sub-command
+exits 0 OK, 1 FAIL, 2 bad input (one line on stderr, see ``cli/errors.py``); ``convert`` also 128+N on signal N.
 
 Benchmarks are scripts under ``bench/`` of a source checkout (``python bench/logprob.py --help``); a wheel does
 not ship them, so the CLI does not offer them."""
@@ -10,6 +11,7 @@ import logging
 import sys
 
 from actorcore import __version__
+from actorcore.cli.errors import OneLineParser, run_command
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -38,7 +40,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="actorcore", description="Exact per-token log-probs for RL on packed batches: the demo on the embedded "
                                       "model, a check of a local model against its own forward, checkpoint "
                                       "conversion, the supported models. Benchmarks: python bench/<name>.py in a source checkout.")
@@ -46,11 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"actorcore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="packed vs padded log-probs on a tiny model (or --model PATH)")
+    demo = sub.add_parser("demo", help="packed vs padded log-probs on a tiny model (or --model PATH)",
+                          description="Packed log-probs against the plain padded HF path. Exit 0 OK, 1 FAIL, "
+                                      "2 bad input.")
     demo.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded tiny model)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--sp", type=int, default=2, help="sequence-parallel size for the SP rows (0 to skip)")
-    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    demo.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda if available")
     demo.set_defaults(func=_demo)
 
     verify = sub.add_parser("verify", help="check a local model directory: actorcore vs the model's own forward",
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(convert_main(rest[1:]) or 0)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return int(args.func(args) or 0)
+    return run_command(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -26,17 +26,17 @@ import tempfile
 import traceback
 from typing import Any, Iterator
 
+from actorcore.cli.errors import EXIT_USER_ERROR, OneLineParser, first_line, is_user_error
 from actorcore.cli.output_dir import atomic_output, disk_full, nearly_full
 from actorcore.cli.processes import Interrupted, SignalGuard, run_ranks
 from actorcore.mcore import fault_points
 from actorcore.parallel.spawn import free_port
 
-USER_ERRORS = (ValueError, OSError, KeyError)
-EXIT_USER_ERROR = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="actorcore convert", description="HF <-> Megatron-Core checkpoints")
+    parser = OneLineParser(prog="actorcore convert", description="HF <-> Megatron-Core checkpoints. Exit 0 OK, 2 bad "
+                                                                 "input, 128+N on signal N.")
     sub = parser.add_subparsers(dest="direction", required=True)
     to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors directory -> Megatron distributed checkpoint")
     to_mcore.add_argument("src", help="HF model directory (config.json + safetensors)")
@@ -112,7 +112,7 @@ def _read_hf_config(src: str) -> Any:
     try:
         return AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{src}: cannot read the HF config ({_first_line(exc)})") from None
+        raise CheckpointError(f"{src}: cannot read the HF config ({first_line(exc)})") from None
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, error_dir: str, args: tuple) -> None:
@@ -127,17 +127,12 @@ def _spawned_rank(rank: int, world_size: int, port: int, error_dir: str, args: t
         raise SystemExit(1) from None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _user_message(exc: BaseException) -> str | None:
     """The one line to show for an error the user can act on; None for a bug (shown with its traceback)."""
     if disk_full(exc):
         return "no space left on the device of the output directory: free some space or choose another DST"
-    if isinstance(exc, USER_ERRORS + (ImportError,)):
-        return _first_line(exc)
+    if is_user_error(exc):
+        return first_line(exc)
     return None
 
 
@@ -175,8 +170,11 @@ def _check_layout(args: argparse.Namespace, hf_config: Any) -> None:
 def _hf_to_mcore(args: argparse.Namespace) -> None:
     from actorcore.mcore.parallel import McoreParallel
 
+    from actorcore.model_files import check_model_dir
+
     src = os.path.abspath(args.src)
     _check_source_dir(src, "a local Hugging Face model directory (config.json + *.safetensors)")
+    check_model_dir(src)  # every file it names stays inside it, every safetensors file is readable
     _check_layout(args, _read_hf_config(src))
     world = McoreParallel(tp=args.tp, pp=args.pp, ep=args.ep).world_size
     with atomic_output(args.dst) as out:

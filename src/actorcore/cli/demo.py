@@ -10,6 +10,7 @@ when a path disagrees with its reference beyond ``actorcore.hf.verify.VERIFY_TOL
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -63,17 +64,35 @@ def _embedded_model(seed: int) -> tuple[Any, Callable[[str], list[int]]]:
     return build_text_model(seed=seed), _train_tokenizer(TEXT_MODEL["vocab_size"])
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
 def _local_model(path: str) -> tuple[Any, Callable[[str], list[int]] | None]:
+    """The model of a local directory (checked by ``check_model_dir``: nothing outside it, nothing damaged, never
+    the hub) and its tokenizer; a directory without tokenizer files (``save_pretrained`` of a model alone) is
+    scored on seeded random token ids, said in one log line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+    from actorcore.errors import CheckpointError
+    from actorcore.model_files import check_model_dir
+
+    check_model_dir(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
-    except (OSError, ValueError):
-        logger.warning("no tokenizer in %s: using random token ids", path)
-        encode = None
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+    except Exception as exc:  # noqa: BLE001 - transformers' loading errors of a local directory are its content's
+        raise CheckpointError(f"{path}: transformers could not load a causal LM from it ({type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from exc
+    encode = None
+    if any(os.path.exists(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
+        except (OSError, ValueError) as exc:
+            logger.warning("the tokenizer of %s does not load (%s): using random token ids", path, exc)
+    else:
+        logger.warning("no tokenizer files in %s: scoring seeded random token ids", path)
     return model.eval(), encode
 
 
@@ -85,9 +104,8 @@ def rl_batch(encode: Callable[[str], list[int]] | None, vocab: int, seed: int, g
         prompt = PROMPTS[g % len(PROMPTS)]
         for _ in range(3):
             response = " ".join(rng.sample(RESPONSES, k=rng.randint(1, 4)))
-            if encode is not None:
-                ids = encode(prompt + " " + response)
-            else:
+            ids = encode(prompt + " " + response) if encode is not None else []
+            if len(ids) < 2:  # no tokenizer, or one that gives (almost) nothing: random ids, seeded
                 ids = [rng.randrange(vocab) for _ in range(rng.randint(8, 200))]
             sequences.append(torch.tensor(ids, dtype=torch.long) % vocab)
     return sequences
@@ -99,6 +117,10 @@ def run_demo(model_path: str | None = None, seed: int = 0, sp_size: int = 2, dev
     from actorcore.hf.verify import VERIFY_TOLERANCE
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here; use --device cpu")
+    if sp_size < 0:
+        raise ValueError(f"--sp must be 0 (skip the SP rows) or a positive size, got {sp_size}")
     model, encode = _local_model(model_path) if model_path else _embedded_model(seed)
     model = model.to(device)
     vocab = model.get_input_embeddings().num_embeddings

@@ -10,12 +10,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import shutil
 import sys
 from typing import Iterator
 
-from actorcore.cli.processes import Interrupted, pid_alive, signals_blocked
+from actorcore.lifecycle import Interrupted, make_temp_dir, signals_blocked, sweep_stale_temps
 from actorcore.mcore import fault_points
 
 _NEARLY_FULL_BYTES = 1 << 20
@@ -46,33 +45,22 @@ def nearly_full(directory: str) -> bool:
     return stat.f_bavail * stat.f_frsize < _NEARLY_FULL_BYTES
 
 
-def _temp_name(dst: str) -> str:
-    return f".{os.path.basename(dst)}.tmp-"
-
-
 def _sweep_stale_temps(dst: str) -> None:
-    """Remove temporary directories of ``dst`` left by runs that were killed (SIGKILL, power loss): their
-    names carry the pid of the run, which is gone. Others are reported, not touched."""
-    parent, prefix = os.path.dirname(dst), _temp_name(dst)
-    for name in sorted(os.listdir(parent)):
-        if not name.startswith(prefix):
-            continue
-        path = os.path.join(parent, name)
-        pid = name[len(prefix):].split("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            print(f"removed {path}, left by an interrupted conversion (pid {pid} no longer runs)", file=sys.stderr)
-        else:
-            print(f"note: {path} belongs to another conversion (running, or of an older actorcore); remove it "
-                  "if none is running", file=sys.stderr)
+    """Remove temporary directories of ``dst`` left by killed runs (``actorcore.lifecycle``); report the others."""
+    removed, others = sweep_stale_temps(dst)
+    for path in removed:
+        print(f"removed {path}, left by an interrupted conversion (its process no longer runs)", file=sys.stderr)
+    for path in others:
+        print(f"note: {path} belongs to another conversion (running, or of an older actorcore); remove it "
+              "if none is running", file=sys.stderr)
 
 
 @contextlib.contextmanager
 def atomic_output(dst: str) -> Iterator[str]:
     """A temporary directory next to ``dst``, renamed to ``dst`` on success and removed on failure.
 
-    Made with ``os.mkdir`` so that its mode follows the umask like any directory the user creates; named
-    ``.DST.tmp-<pid>-<random>`` so that a later run can tell whether the run that made it still lives.
+    ``actorcore.lifecycle.make_temp_dir``: its mode follows the umask; named ``.DST.tmp-<pid>-<random>`` so that a
+    later run can tell whether the run that made it still lives.
     """
     dst = os.path.abspath(dst)
     if os.path.exists(dst):
@@ -80,13 +68,7 @@ def atomic_output(dst: str) -> Iterator[str]:
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     _sweep_stale_temps(dst)
-    while True:
-        tmp = os.path.join(parent, f"{_temp_name(dst)}{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            os.mkdir(tmp)
-            break
-        except FileExistsError:
-            continue
+    tmp = make_temp_dir(dst)
     try:
         yield tmp
         fault_points.reach("renaming")

@@ -1,9 +1,8 @@
 """Signals and rank processes of a CLI command, so that no interruption leaves a process or a file behind.
 
-- ``SignalGuard``: while a command runs, SIGINT and SIGTERM raise ``Interrupted`` in the main thread (the
-  default SIGTERM kills Python without running any ``finally``); the previous handlers come back after.
-- ``signals_blocked``: cleanup (stopping ranks, removing a temporary directory) is not cut short by a second
-  signal; a signal that arrives meanwhile is delivered when the block ends.
+- ``SignalGuard``, ``signals_blocked``, ``pid_alive`` (from ``actorcore.lifecycle``, shared with the library's
+  writers): SIGINT / SIGTERM raise ``Interrupted`` while a command runs; cleanup is not cut short by a second
+  signal.
 - ``run_ranks``: one spawned process per rank, each killed by the kernel if the parent dies (Linux
   ``PR_SET_PDEATHSIG``, a polling thread elsewhere) and ignoring SIGINT (a terminal's Ctrl-C reaches the
   whole process group; the parent decides). The parent polls their liveness, never waits for ever, and stops
@@ -12,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.connection
@@ -21,63 +19,11 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from actorcore.lifecycle import HANDLED_SIGNALS, Interrupted, SignalGuard, pid_alive, signals_blocked  # noqa: F401
+
 _PR_SET_PDEATHSIG = 1
-
-
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM arrived (a BaseException, like KeyboardInterrupt, so that ``except Exception`` in
-    library code does not swallow it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-class SignalGuard:
-    """Context manager: SIGINT / SIGTERM raise ``Interrupted``; ``signum`` records the first one (libraries
-    that wrap exceptions, like torch's checkpoint code, may hide the ``Interrupted`` itself)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is None:
-            self.signum = signum
-        raise Interrupted(signum)
-
-    def __enter__(self) -> "SignalGuard":
-        if threading.current_thread() is threading.main_thread():  # Python delivers signals only there
-            self._previous = {s: signal.signal(s, self._handle) for s in HANDLED_SIGNALS}
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
-
-
-@contextlib.contextmanager
-def signals_blocked() -> Iterator[None]:
-    """SIGINT / SIGTERM held back (delivered after the block) so that cleanup runs to its end."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -9,9 +9,12 @@ a text-only batch.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
+
+from actorcore.cli.errors import EXIT_FAIL, EXIT_OK, EXIT_USER_ERROR, first_line, is_user_error
+from actorcore.errors import CheckpointError
+from actorcore.model_files import check_model_dir
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -41,14 +44,17 @@ def _load(model_dir: str, dtype_name: str, device: str) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    if not os.path.isdir(model_dir):
-        raise ValueError(f"{model_dir}: no such model directory")
+    check_model_dir(model_dir)  # inside the directory, readable: a damaged file is one line, not a traceback
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{model_dir}: cannot read a Hugging Face config ({_first_line(exc)})") from None
+        raise ValueError(f"{model_dir}: cannot read a Hugging Face config ({first_line(exc)})") from None
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    model = auto.from_pretrained(model_dir, local_files_only=True, dtype=getattr(torch, dtype_name))
+    try:
+        model = auto.from_pretrained(model_dir, local_files_only=True, dtype=getattr(torch, dtype_name))
+    except Exception as exc:  # noqa: BLE001 - transformers' loading errors of a local directory are its content's
+        raise CheckpointError(f"{model_dir}: transformers could not load the model ({type(exc).__name__}: "
+                              f"{first_line(exc)})") from exc
     return model.to(device).eval()
 
 
@@ -70,11 +76,6 @@ def _batch(model: Any, lens: list[int], seed: int, device: str) -> Any:
     return ac.pack([s.to(device) for s in sequences], model=model)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def run_verify(args: argparse.Namespace) -> int:
     import torch
 
@@ -90,9 +91,11 @@ def run_verify(args: argparse.Namespace) -> int:
         model = _load(args.model_dir, args.dtype, device)
         report = ac.verify(model, _batch(model, lens, args.seed, device), temperature=args.temperature,
                            tolerance=args.tolerance)
-    except (ValueError, OSError) as exc:
-        print(f"error: {_first_line(exc)}", file=sys.stderr)
-        return 2
+    except BaseException as exc:  # noqa: BLE001 - bad input is one line and exit 2; bugs keep their traceback
+        if not is_user_error(exc):
+            raise
+        print(f"error: {first_line(exc)}", file=sys.stderr)
+        return EXIT_USER_ERROR
     where = "at (sequence, position)"
     rows = [
         ("model", f"{args.model_dir} ({report.model_type}, {report.dtype}, {device})"),
@@ -107,4 +110,4 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"  {name:<17} {value}")
     print("OK" if report.ok else "FAIL: actorcore differs from the model's own forward beyond the tolerance; "
           "the arch spec may miss a head transform or config field of this model")
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_FAIL

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actorcore.kernels.precision import autocast_disabled
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 BLOCK_SIZE = (128, 128)
@@ -155,9 +157,10 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block_size: tuple[int, int] = B
         raise ValueError(f"{name}: blockwise FP8 needs a floating tensor of at least 2 dims, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     flat = weight.reshape(-1, *weight.shape[-2:])
-    parts = [_quantize_2d(w, block_size) for w in flat]  # one [out, in] at a time: fp32 temporaries stay small
-    q = torch.stack([p[0] for p in parts]).reshape(weight.shape)
-    s = torch.stack([p[1] for p in parts]).reshape(_scale_shape(weight.shape, block_size))
+    with autocast_disabled(weight.device):  # autocast would change the bytes, and its stack refuses FP8 inputs
+        parts = [_quantize_2d(w, block_size) for w in flat]  # one [out, in] at a time: fp32 temporaries stay small
+        q = torch.stack([p[0] for p in parts]).reshape(weight.shape)
+        s = torch.stack([p[1] for p in parts]).reshape(_scale_shape(weight.shape, block_size))
     if not torch.isfinite(s).all():  # amax propagates inf and NaN: checking the scales checks every element
         raise ValueError(f"{name} holds inf or NaN, which FP8 cannot scale: fix the weights (or export without "
                          "quantize)")
@@ -172,6 +175,7 @@ def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, dtyp
         raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)}, but a {tuple(weight.shape)} weight in "
                          f"{block_size} blocks needs {_scale_shape(weight.shape, block_size)}")
     rows, cols = weight.shape[-2:]
-    scale = scale_inv.float().repeat_interleave(block_size[0], dim=-2)[..., :rows, :]
-    scale = scale.repeat_interleave(block_size[1], dim=-1)[..., :cols]
-    return (weight.float() * scale).to(dtype)
+    with autocast_disabled(weight.device):
+        scale = scale_inv.float().repeat_interleave(block_size[0], dim=-2)[..., :rows, :]
+        scale = scale.repeat_interleave(block_size[1], dim=-1)[..., :cols]
+        return (weight.float() * scale).to(dtype)

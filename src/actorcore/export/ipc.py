@@ -6,36 +6,51 @@ buffer and acknowledges a bucket once its consumer asks for the next one. Double
 bucket k from one buffer, the sender gathers and packs bucket k+1 into the other; a buffer is written again only
 after its acknowledgement. Extra memory on the sending side: two buffers plus one bucket of the stream.
 
+Lifetime of a received tensor: as long as the consumer holds it (or any view or alias of it). Nothing is copied:
+each bucket's tensors are views of a storage of that bucket's own over the buffer (``ReceiveBuffer.bucket_view``),
+so when the consumer asks for the next bucket the receiver can tell whether it still holds any of them. If it
+does not (``load_into``, vLLM's and SGLang's loaders copy and let go), the acknowledgement frees the buffer for
+the sender's next bucket, as before. If it does (a disk writer holding a shard's tensors), the acknowledgement says
+``held``: the sender never writes that buffer again and ships the next bucket in a new one; the held memory is
+freed when the consumer drops the last tensor (memory, not copies: what it holds, it holds in place).
+
 The channel is the caller's: a ``multiprocessing.connection.Connection`` (``send_bytes`` / ``recv_bytes``), or any
 object with ``send`` / ``recv`` of strings. Every message is JSON (names, shapes, dtype strings, offsets and the
 buffers' handle fields), so nothing received is unpickled or can run code, and every field is checked.
 
-Messages, sender -> receiver: ``hello``; ``bucket`` (slot, a new buffer description when the slot's buffer is new,
-the tensors' ``[name, dtype, shape, offset]``); ``end`` (counts); ``abort`` (reason). Receiver -> sender: ``ready``;
-``ack`` (slot, sequence number); ``closed`` (after ``end``: it has let go of the buffers, which the sender then
-frees at once rather than leaving CUDA IPC blocks to torch's limbo); ``abort`` (reason). Either side that fails
-sends ``abort`` (best effort) and the other raises ``TransportError`` with that reason; a peer whose process died
-closes the channel, which the other side reports the same way.
+Messages, sender -> receiver: ``hello`` (version, pid); ``bucket`` (slot, a new buffer description when the slot's
+buffer is new, the tensors' ``[name, dtype, shape, offset]``); ``end`` (counts); ``abort`` (reason). Receiver ->
+sender: ``ready`` (version, pid); ``ack`` (slot, sequence number, ``held``); ``closed`` (after ``end``: it has let
+go of the buffers, which the sender then frees at once rather than leaving CUDA IPC blocks to torch's limbo);
+``abort`` (reason). Either side that fails sends ``abort`` (best effort) and the other raises ``TransportError``
+with that reason. A peer whose process died is noticed without any timeout: by the channel closing, or, where its
+end of the channel stays open in another process, by its pid (from hello / ready) no longer running, checked every
+``PEER_CHECK_S`` while waiting. SIGINT / SIGTERM in ``ipc_send`` free the buffers (no file is left in
+``/dev/shm``) before the caller's handler, or the default action, takes the signal.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from actorcore.export.ipc_buffers import ALIGN, ReceiveBuffer, SendBuffer
 from actorcore.export.stream import DEFAULT_BUCKET_BYTES, Bucket
 from actorcore.errors import TransportError  # noqa: F401 (re-exported)
+from actorcore.lifecycle import pid_alive, process_identity, signals_forwarded
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+PEER_CHECK_S = 0.5  # while waiting for a message: how often the other side's process is checked
 _DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool",
                 "uint16", "uint32", "uint64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
                 "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -57,6 +72,31 @@ class _Channel:
         self._channel = channel
         self._timeout = timeout
         self._side = side
+        self._peer: tuple[int, str | None] | None = None  # (pid, start time) once the other side said hello
+
+    def set_peer(self, message: dict) -> None:
+        """Watch the process that sent ``message`` (hello / ready): a peer that dies is noticed while waiting,
+        also when its end of the channel stays open in another process (a parent that did not close the child's
+        end of a ``Pipe``). Only where both sides see the same process ids (same pid namespace)."""
+        pid, identity, namespace = message.get("pid"), message.get("identity"), message.get("pid_namespace")
+        if type(pid) is int and pid > 0 and namespace == _pid_namespace() and pid != os.getpid():
+            self._peer = (pid, identity if isinstance(identity, str) else None)
+
+    def _wait(self, waiting_for: str) -> None:
+        """Until a message is there: raise ``TransportError`` if the peer's process ended or ``timeout`` passed."""
+        poll = getattr(self._channel, "poll", None)
+        if not callable(poll) or (self._timeout is None and self._peer is None):
+            return  # nothing to watch with: recv blocks (a closed channel still ends it)
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        while True:
+            step = PEER_CHECK_S if deadline is None else max(0.0, min(PEER_CHECK_S, deadline - time.monotonic()))
+            if poll(step):
+                return
+            if self._peer is not None and not pid_alive(*self._peer):
+                raise TransportError(f"{self._side}: the other side's process (pid {self._peer[0]}) ended while "
+                                     f"this side waited for {waiting_for}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TransportError(f"{self._side}: no {waiting_for} from the other side within {self._timeout} s")
 
     def send(self, message: dict) -> None:
         data = json.dumps(message)
@@ -87,9 +127,7 @@ class _Channel:
                 pass
 
     def recv(self, waiting_for: str) -> dict:
-        poll = getattr(self._channel, "poll", None)
-        if self._timeout is not None and callable(poll) and not poll(self._timeout):
-            raise TransportError(f"{self._side}: no {waiting_for} from the other side within {self._timeout} s")
+        self._wait(waiting_for)
         try:
             raw = self._channel.recv_bytes() if self._bytes else self._channel.recv()
         except (EOFError, ConnectionError, OSError) as exc:
@@ -106,6 +144,19 @@ class _Channel:
         return message
 
 
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _introduction(op: str) -> dict:
+    """hello / ready: the protocol version and who is speaking (so that the other side can watch this process)."""
+    return dict(op=op, version=PROTOCOL_VERSION, pid=os.getpid(), identity=process_identity(os.getpid()),
+                pid_namespace=_pid_namespace())
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -117,13 +168,15 @@ def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
 @dataclass
 class IpcSendStats:
     """What ``ipc_send`` moved: buffers shipped, tensors, payload bytes, the buffers' capacity, how many buffers
-    were packed while the other one was still being read (the double buffering at work), seconds."""
+    were packed while the other one was still being read (the double buffering at work), how many buffers were
+    retired because the receiver's consumer still held their tensors (each replaced by a new one), seconds."""
 
     buckets: int = 0
     tensors: int = 0
     bytes: int = 0
     buffer_bytes: int = 0
     overlapped: int = 0
+    retired: int = 0
     seconds: float = 0.0
 
 
@@ -144,10 +197,15 @@ class _Sender:
     def _wait_ack(self) -> None:
         slot, seq = self.in_flight[0]
         message = self.channel.recv(f"the acknowledgement of bucket {seq}")
-        if message.get("op") != "ack" or message.get("slot") != slot or message.get("seq") != seq:
+        if (message.get("op") != "ack" or message.get("slot") != slot or message.get("seq") != seq
+                or type(message.get("held")) is not bool):
             raise ValueError(f"sender: expected the acknowledgement of bucket {seq} (slot {slot}), got {message}")
         self.in_flight.popleft()
         self.buffers[slot].mark_mapped()
+        if message["held"]:  # the consumer keeps tensors of it: never written again, the next one is new
+            self.buffers[slot].release()
+            self.buffers[slot] = None
+            self.stats.retired += 1
 
     def _acquire(self, slot: int, need: int) -> SendBuffer:
         """The slot's buffer, free (acknowledged) and at least ``need`` bytes (reallocated, once free, if not)."""
@@ -158,6 +216,8 @@ class _Sender:
             if buffer is not None:
                 buffer.release()
                 logger.info("ipc_send: a bucket of %d bytes is larger than the buffer: growing buffer %d", need, slot)
+            if self.kind == "cuda" and self.stats.retired:
+                torch.cuda.ipc_collect()  # frees retired buffers whose tensors the receiver has let go of since
             self.buffers[slot] = buffer = SendBuffer(self.kind, _aligned(max(need, self.capacity, ALIGN)),
                                                      self.device)
             self.announced[slot] = False
@@ -242,8 +302,11 @@ def ipc_send(stream: Iterable[Bucket], channel: Any, *, buffer_bytes: int = DEFA
     next gathered bucket is the second buffer: the gathering still overlaps the receiver's load, the packing waits
     for it; extra memory one buffer plus one gathered bucket (a sharded model with the memory bound of 2 buckets).
     ``device``: where the buffers live, by default the first tensor's device: CUDA -> CUDA IPC (the receiver must
-    be on the same GPU), CPU -> shared memory. Returns after the receiver acknowledged the last bucket. ``timeout``: seconds to wait for any one answer (where the
-    channel can poll), ``None`` waits for ever. With an FSDP2 stream, every rank iterates its own stream; only the
+    be on the same GPU), CPU -> shared memory. Returns after the receiver acknowledged the last bucket.
+    ``timeout``: seconds to wait for any one answer (where the channel can poll); ``None`` waits as long as the
+    receiver's process runs (its death is noticed within ``PEER_CHECK_S``, also while another process still holds
+    its end of the channel). A buffer whose tensors the receiver's consumer still holds is retired, and the next
+    bucket goes into a new one (``IpcSendStats.retired``). With an FSDP2 stream, every rank iterates its own stream; only the
     rank that holds the channel calls ``ipc_send`` (if it fails, the other ranks are left inside a gather: end
     the job, as after any failed collective).
     Raises ``TransportError`` when the receiver stops (its reason is in the message) or its process dies; on any
@@ -256,22 +319,25 @@ def ipc_send(stream: Iterable[Bucket], channel: Any, *, buffer_bytes: int = DEFA
     start = time.perf_counter()
     link = _Channel(channel, timeout, "ipc_send")
     sender = _Sender(link, _aligned(buffer_bytes), buffers, device)
-    try:
-        link.send(dict(op="hello", version=PROTOCOL_VERSION))
-        ready = link.recv("the receiver's ready")
-        if ready.get("op") != "ready" or ready.get("version") != PROTOCOL_VERSION:
-            raise ValueError(f"ipc_send: the receiver answered {ready} to protocol version {PROTOCOL_VERSION}")
-        for bucket in stream:
-            sender.add(bucket)
-            del bucket
-        sender.finish()
-    except TransportError:
-        raise  # the receiver stopped or vanished: nothing to tell it
-    except BaseException as exc:
-        link.try_send(dict(op="abort", reason=f"ipc_send failed: {type(exc).__name__}: {exc}"))
-        raise
-    finally:
-        sender.release()
+    with signals_forwarded():  # SIGTERM too runs the cleanup below (no buffer left in /dev/shm), then goes on
+        try:
+            link.send(_introduction("hello"))
+            ready = link.recv("the receiver's ready")
+            if ready.get("op") != "ready" or ready.get("version") != PROTOCOL_VERSION:
+                raise ValueError(f"ipc_send: the receiver answered {ready} to protocol version {PROTOCOL_VERSION} "
+                                 "(both sides must run the same actorcore version)")
+            link.set_peer(ready)
+            for bucket in stream:
+                sender.add(bucket)
+                del bucket
+            sender.finish()
+        except TransportError:
+            raise  # the receiver stopped or vanished: nothing to tell it
+        except BaseException as exc:
+            link.try_send(dict(op="abort", reason=f"ipc_send failed: {type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            sender.release()
     sender.stats.seconds = time.perf_counter() - start
     logger.info("ipc_send: %d tensors, %d bytes in %d buffers in %.3f s", sender.stats.tensors, sender.stats.bytes,
                 sender.stats.buckets, sender.stats.seconds)
@@ -301,7 +367,8 @@ def _check_layout(tensors: Any, nbytes: int) -> list[tuple[str, torch.dtype, tup
 
 class IpcReceiver:
     """The receiving side: iterate it for buckets of ``(name, tensor)``; tensors are views of the shared buffer,
-    valid until the next bucket is asked for (copy them or load them: ``load_into``, the vLLM / SGLang adapters).
+    valid for as long as the consumer holds them (see the module docstring: a held bucket's buffer is retired, not
+    rewritten; nothing is copied).
 
     Use it as a context manager so an error of the consumer (``load_into`` refusing a name) reaches the sender as
     its ``TransportError`` message instead of a time-out::
@@ -332,8 +399,10 @@ class IpcReceiver:
         try:
             hello = self._channel.recv("the sender's hello")
             if hello.get("op") != "hello" or hello.get("version") != PROTOCOL_VERSION:
-                raise ValueError(f"ipc_receive: expected hello of protocol version {PROTOCOL_VERSION}, got {hello}")
-            self._channel.send(dict(op="ready", version=PROTOCOL_VERSION))
+                raise ValueError(f"ipc_receive: expected hello of protocol version {PROTOCOL_VERSION}, got "
+                                 f"{str(hello)[:200]} (both sides must run the same actorcore version)")
+            self._channel.set_peer(hello)
+            self._channel.send(_introduction("ready"))
             seq = 0
             while True:
                 message = self._channel.recv(f"bucket {seq}")
@@ -356,12 +425,19 @@ class IpcReceiver:
                     raise ValueError(f"ipc_receive: bucket {seq} uses slot {slot}, which no buffer was sent for")
                 layout = _check_layout(message.get("tensors"), buffer.nbytes)
                 buffer.wait_written()
-                bucket = [(name, buffer.tensor[offset:offset + _nbytes(shape, dtype)].view(dtype).view(shape))
+                whole = buffer.bucket_view()  # a storage of this bucket's own: is it still held when we ack?
+                watch = StorageWeakRef(whole.untyped_storage())
+                bucket = [(name, whole[offset:offset + _nbytes(shape, dtype)].view(dtype).view(shape))
                           for name, dtype, shape, offset in layout]
+                del whole
                 yield bucket
                 del bucket
                 buffer.done_reading()
-                self._channel.send(dict(op="ack", slot=slot, seq=seq))
+                held = not watch.expired()
+                if held:  # the consumer keeps some of its tensors: the sender retires the buffer, sends a new one
+                    self._buffers[slot] = None
+                    logger.debug("ipc_receive: bucket %d is still held by the consumer: its buffer is retired", seq)
+                self._channel.send(dict(op="ack", slot=slot, seq=seq, held=held))
                 seq += 1
         except TransportError:
             self._stopped = True
@@ -399,9 +475,11 @@ def ipc_receive(channel: Any, *, timeout: float | None = None) -> IpcReceiver:
     """The receiving end of ``ipc_send`` over ``channel``: iterate it (once) for buckets of ``(name, tensor)``.
 
     Same GPU as the sender for CUDA buffers (rebuilt from CUDA IPC handles with torch's ``rebuild_cuda_tensor``),
-    or the same machine for shared memory. Each bucket's tensors are views of a shared buffer, valid until the next
-    bucket is asked for: the bucket is acknowledged then (after this process's current CUDA stream has finished
-    reading it), and the sender may overwrite it. Raises ``TransportError`` when the sender stops or dies, and
-    ``ValueError`` on a malformed message.
+    or the same machine for shared memory. Each bucket's tensors are views of a shared buffer, without a copy, and
+    stay valid for as long as the consumer holds them: when the next bucket is asked for, the bucket is acknowledged
+    (after this process's current CUDA stream has finished reading it); a buffer whose tensors are still held is
+    never rewritten (the sender uses a new one), a released one is reused. Holding every bucket holds the whole
+    stream's memory. Raises ``TransportError`` when the sender stops or dies, and ``ValueError`` on a malformed
+    message.
     """
     return IpcReceiver(channel, timeout)

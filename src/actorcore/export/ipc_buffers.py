@@ -6,8 +6,12 @@ Two kinds, one interface (``allocate`` on the sending side, ``open_buffer`` on t
   rebuilt with torch's own ``rebuild_cuda_tensor``), plus an inter-process CUDA event the sender records after
   writing a bucket and the receiver's stream waits on before reading it (so the GPU never reads a half-written
   buffer, without the sender's CPU waiting for its GPU).
-- ``"shm"``: a file in ``/dev/shm`` mapped shared by both processes (``torch.from_file(shared=True)``); the name
-  travels, never a file descriptor or a pickled object. The sender unlinks it once the receiver has mapped it.
+- ``"shm"``: a file in ``/dev/shm`` mapped shared by both processes (``torch.from_file(shared=True)`` on the sending
+  side, ``mmap`` on the receiving side); the name travels, never a file descriptor or a pickled object. The sender
+  unlinks it once the receiver has mapped it.
+
+The receiving side hands out each bucket as views of ``bucket_view()``, a tensor with a storage of its own over the
+buffer's memory, so the protocol can tell when the consumer has let go of a bucket (see ``ipc``).
 
 The description of a buffer is a dict of ``str``/``int``/``bool`` (byte handles as hex strings), so it can travel
 as JSON; the receiving side checks every field before using it (a path outside the shared-memory directory, a
@@ -17,6 +21,7 @@ size that disagrees with the file, an unknown kind is refused).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
 import tempfile
@@ -109,13 +114,25 @@ class ReceiveBuffer:
         self.kind = description["kind"]
         self.nbytes = nbytes
         self._ready = None
+        self._mapping: mmap.mmap | None = None
+        self.tensor: torch.Tensor | None = None
         if self.kind == "shm":
-            self.tensor = self._open_shm(description, nbytes)
+            self._mapping = self._open_shm(description, nbytes)
         else:
             self.tensor = self._open_cuda(description, nbytes)
 
+    def bucket_view(self) -> torch.Tensor:
+        """The whole buffer as a ``uint8`` tensor with a storage of its own (no copy): the tensors of one bucket
+        are views of it, so ``StorageWeakRef`` of its storage tells whether the consumer still holds any of them
+        (a view, a detached alias, ...), whatever else it holds of other buckets."""
+        if self.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        if self._mapping is not None:
+            return torch.frombuffer(self._mapping, dtype=torch.uint8, count=self.nbytes)
+        return torch.as_tensor(_CudaView(self.tensor))
+
     @staticmethod
-    def _open_shm(description: dict, nbytes: int) -> torch.Tensor:
+    def _open_shm(description: dict, nbytes: int) -> mmap.mmap:
         name = description.get("name")
         if not isinstance(name, str) or not _SHM_NAME.match(name):
             raise ValueError(f"a shared-memory buffer name must look like actorcore-ipc-<pid>-<hex>, got {name!r}")
@@ -127,7 +144,11 @@ class ReceiveBuffer:
                              "another machine or in another container)") from exc
         if size != max(nbytes, 1):
             raise ValueError(f"the shared-memory buffer {path} has {size} bytes, the description says {nbytes}")
-        return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)[:nbytes]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            return mmap.mmap(fd, max(nbytes, 1))  # the mapping outlives the file's name and this descriptor
+        finally:
+            os.close(fd)
 
     def _open_cuda(self, description: dict, nbytes: int) -> torch.Tensor:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -165,5 +186,16 @@ class ReceiveBuffer:
             torch.cuda.current_stream(self.tensor.device).synchronize()
 
     def release(self) -> None:
-        self.tensor = None
+        self.tensor = None  # the bucket views the consumer still holds keep their memory mapped
+        self._mapping = None
         self._ready = None
+
+
+class _CudaView:
+    """A CUDA tensor's bytes through ``__cuda_array_interface__``: ``torch.as_tensor`` of it is a tensor with a
+    new storage over the same memory, which keeps this object (and so the rebuilt IPC tensor) alive."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+        self.__cuda_array_interface__ = dict(shape=(tensor.numel(),), typestr="|u1", version=2,
+                                             data=(tensor.data_ptr(), False), strides=None)

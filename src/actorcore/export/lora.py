@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from actorcore.archs.spec import task_model
+from actorcore.kernels.precision import autocast_disabled
 
 LORA_MODES = ("merged", "adapters")
 _UNSUPPORTED_WRAPPERS = (".modules_to_save.", ".original_module.", ".trainable_tokens_delta", ".token_adapter.")
@@ -105,10 +106,11 @@ def merge_lora(weight: torch.Tensor, updates: list[tuple[torch.Tensor, torch.Ten
     """``W + sum scaling * (B @ A)`` in float32, cast back to ``W``'s dtype (a new tensor; ``weight`` is untouched)."""
     if not updates:
         return weight
-    merged = weight.float()
-    for a, b, scaling in updates:
-        merged = merged + (b.float() @ a.float()) * scaling
-    return merged.to(weight.dtype)
+    with autocast_disabled(weight.device):  # under a caller's autocast, B @ A would run in bf16
+        merged = weight.float()
+        for a, b, scaling in updates:
+            merged = merged + (b.float() @ a.float()) * scaling
+        return merged.to(weight.dtype)
 
 
 def adapter_state(model: Any) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -203,6 +203,21 @@ def _reverter(model: torch.nn.Module, state: dict[str, torch.Tensor]):
         return list(out.items())
 
     return revert
+
+
+def for_each_bucket(stream: Iterable[Bucket], load: Callable[[Bucket], Any]) -> int:
+    """``load(bucket)`` for every bucket, holding no reference to one when the next is asked for (a ``for`` loop's
+    variable would): a transport that lends its memory (``ipc_receive``) then reuses a released bucket's buffer
+    instead of retiring it. Returns the number of buckets."""
+    iterator = iter(stream)
+    count = 0
+    while True:
+        bucket = next(iterator, None)
+        if bucket is None:
+            return count
+        load(bucket)
+        del bucket
+        count += 1
 
 
 def iter_tensors(stream: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:

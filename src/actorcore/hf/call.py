@@ -123,8 +123,19 @@ class DecoderParts:
     def of(model: Any, spec: ArchSpec) -> "DecoderParts":
         decoder = submodule(model, spec.decoder)
         layers = list(submodule(decoder, spec.layers))
+        _check_layer_count(model, layers)
         attention_layers, linear_modules = split_layers(text_config(model.config), layers, spec)
         return DecoderParts(decoder, layers, attention_layers, linear_modules)
+
+
+def _check_layer_count(model: Any, layers: Any) -> None:
+    """The model's forward runs ``config.num_hidden_layers`` layers: a count edited after the model was built
+    would leave layers unrun (and the packed-attention check blaming transformers), so it is named here."""
+    count = getattr(text_config(model.config), "num_hidden_layers", None)
+    if isinstance(count, int) and count != len(layers):
+        raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers but its config says "
+                         f"num_hidden_layers={count}: the config was changed after the model was built; set it "
+                         f"back to {len(layers)}, or build the model from the edited config")
 
 
 @dataclass

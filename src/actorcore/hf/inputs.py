@@ -13,6 +13,9 @@ def check_batch(model: Any, batch: PackedBatch) -> PackedBatch:
         raise ValueError(f"batch must be an actorcore.PackedBatch (use ac.pack / ac.pack_padded), got "
                          f"{type(batch).__name__}")
     embeddings = model.get_input_embeddings()
+    if embeddings.weight.is_meta:
+        raise ValueError(f"{type(model).__name__}'s weights are on the meta device (never loaded): load them "
+                         "(from_pretrained, or to_empty(device=...) and load_state_dict) before computing")
     vocab = getattr(embeddings, "num_embeddings", None)
     if vocab is not None and not batch.input_ids.is_cuda:
         low, high = int(batch.input_ids.min()), int(batch.input_ids.max())

@@ -26,35 +26,22 @@ HF_DIR = "hf"
 _HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
-def _link_roots(src: str) -> list[str]:
-    """Where a side file of ``src`` may resolve to: inside ``src`` itself, and for a Hugging Face cache
-    snapshot (``models--org--name/snapshots/<revision>/``, whose files link to ``../../blobs/<hash>``) the
-    ``blobs/`` directory of that same repository cache."""
-    real = os.path.realpath(src)
-    roots = [real]
-    snapshots, repo = os.path.dirname(real), os.path.dirname(os.path.dirname(real))
-    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith(("models--", "datasets--")):
-        roots.append(os.path.join(repo, "blobs"))
-    return roots
-
-
 def copy_hf_side_files(src: str, dst: str) -> None:
     """Config, generation config, tokenizer, chat template... (not the weights).
 
-    A symbolic link is followed only if it resolves inside ``src`` (or, for a Hugging Face cache snapshot,
-    inside its repository's ``blobs/``); one pointing elsewhere is refused, never copied.
+    Every name goes through ``actorcore.model_files.model_file`` (the rule for every file of a model directory):
+    a link resolving outside ``src`` (or a Hugging Face cache snapshot's repository folder) is refused, never
+    copied.
     """
+    from actorcore.model_files import allowed_roots, model_file
+
     os.makedirs(dst, exist_ok=True)
-    roots = _link_roots(src)
+    roots = allowed_roots(src)
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
         if not os.path.isfile(path) or name.endswith(_HF_WEIGHT_SUFFIXES):
             continue
-        target = os.path.realpath(path)
-        if not any(os.path.commonpath([target, root]) == root for root in roots):
-            raise CheckpointError(f"{path} is a link to {target}, outside the model directory: copy the file into "
-                                  f"{src} (or remove the link) if it belongs to the model")
-        shutil.copyfile(target, os.path.join(dst, name))
+        shutil.copyfile(os.path.realpath(model_file(src, name, roots)), os.path.join(dst, name))
 
 
 def _sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:

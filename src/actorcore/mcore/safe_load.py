@@ -59,11 +59,17 @@ def read_dcp_metadata(path: str) -> Any:
 
 
 def check_checkpoint_pickles(directory: str) -> Any:
-    """Validate every pickled file the library reader will open; returns the ``.metadata`` content."""
+    """Validate every pickled file the library reader will open, and that every data file the metadata names
+    stays inside ``directory`` (``actorcore.model_files``); returns the ``.metadata`` content."""
     for name in sorted(os.listdir(directory)):
         if name.endswith(".metadata") and name != ".metadata":  # per-rank metadata of other torch versions
             read_dcp_metadata(os.path.join(directory, name))
     metadata = read_dcp_metadata(os.path.join(directory, ".metadata"))
+    from actorcore.model_files import allowed_roots, model_file
+
+    roots = allowed_roots(directory)
+    for info in (getattr(metadata, "storage_data", None) or {}).values():  # the data files the reader opens
+        model_file(directory, str(getattr(info, "relative_path", "")), roots)
     common = os.path.join(directory, "common.pt")
     if os.path.exists(common):
         try:

@@ -20,24 +20,23 @@ class SafetensorsReader:
     def __init__(self, directory: str) -> None:
         from safetensors import safe_open
 
+        from actorcore.model_files import index_files, model_file
+
         self.directory = directory
         index_path = os.path.join(directory, "model.safetensors.index.json")
         single = os.path.join(directory, "model.safetensors")
         self._files: dict[str, Any] = {}
         self.file_of: dict[str, str] = {}
-        if os.path.exists(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError) as exc:
-                raise CheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from None
-            files = sorted(set(weight_map.values()))
-        elif os.path.exists(single):
+        if os.path.lexists(index_path):
+            files = index_files(directory, "model.safetensors.index.json")  # every name checked: inside directory
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.lexists(single):
             files, weight_map = ["model.safetensors"], None
         else:
             raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
         for name in files:
-            path = os.path.join(directory, name)
+            path = model_file(directory, name)
             try:
                 handle = safe_open(path, framework="pt")
                 keys = list(handle.keys())
