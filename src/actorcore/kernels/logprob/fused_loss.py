@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -217,12 +216,14 @@ class _FusedLossFunction(torch.autograd.Function):
                 trace):
         need_h = token_loss.want_grads and ctx.needs_input_grad[0]
         need_w = token_loss.want_grads and ctx.needs_input_grad[1]
-        run = getattr(engine, "fused_loss_forward", None) or partial(_loss_forward_by_chunks, engine)
+        run = getattr(engine, "fused_loss_forward", None)
+        kw = dict(temperature=temperature, softcap=softcap, entropy=entropy, chunk_size=chunk_size,
+                  need_hidden=need_h, need_weight=need_w, trace=trace)
         with autocast_disabled(hidden_TD.device):  # fp32 logits (and loss_fn) also inside a caller's autocast
-            logprob_T, ent_T, grad_h, grad_w = run(
-                hidden_TD, weight_VD, labels_T, token_loss, temperature=temperature, softcap=softcap,
-                entropy=entropy, chunk_size=chunk_size, need_hidden=need_h, need_weight=need_w, trace=trace,
-            )
+            out = NotImplemented if run is None else run(hidden_TD, weight_VD, labels_T, token_loss, **kw)
+            if out is NotImplemented:  # the engine has no fused path for these inputs
+                out = _loss_forward_by_chunks(engine, hidden_TD, weight_VD, labels_T, token_loss, **kw)
+        logprob_T, ent_T, grad_h, grad_w = out
         if token_loss.want_grads and token_loss.total is not None and not token_loss.has_grad_path:
             _raise_no_grad_path()
         ctx.grads = (grad_h, grad_w)

@@ -20,7 +20,10 @@ def _tanh(x):
 @triton.jit
 def _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
                    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr):
-    """Fold one [BLOCK_T, BLOCK_V] tile of raw fp32 logits into the per-token running statistics."""
+    """Fold one [BLOCK_T, BLOCK_V] tile of raw fp32 logits into the per-token running statistics.
+
+    Also returns the tile's ``z - m_new`` (the loss-fused kernel stores it; other callers drop it).
+    """
     if HAS_SOFTCAP:
         acc = _tanh(acc * inv_softcap) * softcap
     col_ok = offs_v < V
@@ -34,7 +37,7 @@ def _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_s
     if ENTROPY:
         a = alpha * (a + (m - m_new) * s) + tl.sum(e * zc, axis=1)
     s = s * alpha + tl.sum(e, axis=1)
-    return m_new, s, a, zy
+    return m_new, s, a, zy, zc
 
 
 @triton.jit
@@ -46,10 +49,16 @@ def _grad_logits(x, hit, lse, ent, glp, gent, inv_temp, softcap, inv_softcap,
     [BLOCK_T, 1] columns, row kernels pass scalars). Unused per-token values may be anything.
     """
     if HAS_SOFTCAP:
-        t = _tanh(x * inv_softcap)
-        z = t * softcap * inv_temp
+        z = _tanh(x * inv_softcap) * softcap * inv_temp
     else:
         z = x * inv_temp
+    return _grad_of_z(z, hit, lse, ent, glp, gent, inv_temp, softcap, HAS_SOFTCAP, HAS_GLP, HAS_GENT)
+
+
+@triton.jit
+def _grad_of_z(z, hit, lse, ent, glp, gent, inv_temp, softcap,
+               HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr):
+    """``_grad_logits`` from the scaled (capped) logits z: with a softcap, tanh(x / cap) = z * T / cap."""
     logp = z - lse
     p = tl.exp(logp)
     if HAS_GENT:
@@ -63,6 +72,7 @@ def _grad_logits(x, hit, lse, ent, glp, gent, inv_temp, softcap, inv_softcap,
         g += tl.where(hit, glp, 0.0)
     g = g * inv_temp
     if HAS_SOFTCAP:
+        t = z * (1.0 / (softcap * inv_temp))
         g = g * (1.0 - t * t)
     return g
 
@@ -150,8 +160,8 @@ def fwd_stats_kernel(
         offs_v = v_lo + i * BLOCK_V + tl.arange(0, BLOCK_V)
         w_base = w_ptr + (offs_v % V).to(tl.int64)[None, :] * stride_wv
         acc = _logits_tile(h_base, w_base, D, stride_hd, stride_wd, BLOCK_T, BLOCK_V, BLOCK_K, EVEN_K)
-        m, s, a, zy = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
-                                     HAS_SOFTCAP, ENTROPY)
+        m, s, a, zy, _ = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
+                                        HAS_SOFTCAP, ENTROPY)
     _store_split_stats(m_ptr, s_ptr, a_ptr, zy_ptr, pid_s * T, offs_t, T, m, s, a, zy, ENTROPY)
 
 
@@ -180,8 +190,8 @@ def fwd_stats_kernel_tma(
             x = h_desc.load([off_t, k])
             y = w_desc.load([off_v, k])
             acc = tl.dot(x, y.T, acc)
-        m, s, a, zy = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
-                                     HAS_SOFTCAP, ENTROPY)
+        m, s, a, zy, _ = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
+                                        HAS_SOFTCAP, ENTROPY)
     _store_split_stats(m_ptr, s_ptr, a_ptr, zy_ptr, pid_s * T, offs_t, T, m, s, a, zy, ENTROPY)
 
 
