@@ -33,7 +33,8 @@ class Config:
     ``persistent``: one program per SM looping over the tiles (the backward's recompute kernel);
     ``tma_store``: tiles written through the TMA engine (asynchronous, overlapping the next tile);
     ``flatten``: Triton flattens the tile and K loops into one pipelined loop (next tile's loads during
-    this tile's epilogue).
+    this tile's epilogue); ``subtile``: the epilogue works on two half-width tiles in turn (fewer live
+    registers).
     """
 
     block_t: int
@@ -45,6 +46,7 @@ class Config:
     persistent: bool = False
     tma_store: bool = False
     flatten: bool = False
+    subtile: bool = False
 
 
 # Forward 626 TFLOP/s with TMA loads.

@@ -98,7 +98,8 @@ class TritonEngine:
             add(trace, "logprob:triton_forward_tma")
             kernels.fwd_stats_kernel_tma[grid](
                 _desc(hidden_TD, [cfg.block_t, cfg.block_k]), _desc(weight_VD, [cfg.block_v, cfg.block_k]),
-                labels_T, *outs, n_tok, vocab, dim, num_splits, *_scalars(temperature, softcap), **common,
+                labels_T, *outs, n_tok, vocab, dim, num_splits, *_scalars(temperature, softcap), FLATTEN=cfg.flatten,
+                **common,
             )
         else:
             kernels.fwd_stats_kernel[grid](
@@ -184,10 +185,10 @@ class TritonEngine:
             programs = min(cdiv(n_c, cfg.block_t) * cdiv(n_v, cfg.block_v), _sm_count(h_CD))
             fused_kernels.bwd_grad_logits_persistent_kernel[(programs,)](
                 _desc(h_CD, [cfg.block_t, cfg.block_k]), _desc(w_BD, [cfg.block_v, cfg.block_k]),
-                _desc(g_CB, [cfg.block_t, cfg.block_v]), g_CB, *per_tok,
+                _desc(g_CB, [cfg.block_t, cfg.block_v // (2 if cfg.subtile else 1)]), g_CB, *per_tok,
                 n_c, n_v, dim, v_start, g_CB.stride(0), programs, *scalars, **flags,
                 BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
-                TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten, WARP_SPECIALIZE=False,
+                TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten, WARP_SPECIALIZE=False, SUBTILE=cfg.subtile,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
             return
@@ -231,7 +232,7 @@ class TritonEngine:
         dev = hidden_TD.device
         z_CV = torch.empty(rows, padded_row(vocab), dtype=torch.float16, device=dev)
         g_CV = z_CV.view(hidden_TD.dtype)  # grad_logits of each element land on its own two bytes
-        shift_CN = torch.empty(rows, cdiv(vocab, self.loss.block_v), dtype=torch.float32, device=dev)
+        shift_CN = torch.empty(rows, cdiv(vocab, self._shift_cols()), dtype=torch.float32, device=dev)
         labels_T = labels_T.contiguous()
         logprob_T = torch.empty(n_tok, dtype=torch.float32, device=dev)
         ent_T = torch.empty(n_tok, dtype=torch.float32, device=dev) if entropy else None
@@ -278,14 +279,18 @@ class TritonEngine:
         a_SC = torch.empty_like(m_SC) if entropy else None
         fused_kernels.fwd_stats_store_kernel[(t_tiles * num_splits,)](
             _desc(h_CD, [cfg.block_t, cfg.block_k]), _desc(weight_VD, [cfg.block_v, cfg.block_k]),
-            _desc(z_CV, [cfg.block_t, cfg.block_v]), z_CV, labels_C, m_SC, s_SC, a_SC if entropy else m_SC, zy_SC,
+            _desc(z_CV, [cfg.block_t, self._shift_cols()]), z_CV, labels_C, m_SC, s_SC, a_SC if entropy else m_SC, zy_SC,
             shift_CN, n_c, vocab, dim, num_splits, z_CV.stride(0), shift_CN.stride(0),
             *_scalars(temperature, softcap), HAS_SOFTCAP=softcap is not None, ENTROPY=entropy,
             TILES_PER_SPLIT=tiles_per_split, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
-            GROUP=cfg.group, TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten,
+            GROUP=cfg.group, TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten, SUBTILE=cfg.subtile,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return merge_partial_stats(m_SC, s_SC, a_SC, zy_SC)
+
+    def _shift_cols(self) -> int:
+        """Columns that share one stored maximum m in the loss-fused kernel (its epilogue's tile width)."""
+        return self.loss.block_v // (2 if self.loss.subtile else 1)
 
     def _shifted_to_grad(self, z_CV, g_CV, shift_CN, labels_C, lse_C, ent_C, glp_C, gent_C, temperature, softcap):
         """The fp16 z - m of a chunk -> its 16-bit grad_logits ``g_CV`` (a view of the same bytes), in place."""
@@ -299,7 +304,7 @@ class TritonEngine:
             lse_C if gent_C is None else gent_C.contiguous(),
             vocab, z_CV.stride(0), shift_CN.stride(0), inv_temp, cap,
             HAS_SOFTCAP=softcap is not None, HAS_GLP=glp_C is not None, HAS_GENT=gent_C is not None,
-            BLOCK=block, BLOCK_V=self.loss.block_v, num_warps=4,
+            BLOCK=block, BLOCK_V=self._shift_cols(), num_warps=4,
         )
 
     def _loss_without_grads(self, hidden_TD, weight_VD, labels_T, token_grads, *, temperature, softcap, entropy,

@@ -36,34 +36,55 @@ def fwd_stats_store_kernel(
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    TMA_STORE: tl.constexpr, FLATTEN: tl.constexpr,
+    TMA_STORE: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
 ):
-    """``fwd_stats_kernel_tma`` that also writes fp16 z - m tiles into [T, V] and m into [T, num_vtiles]."""
+    """``fwd_stats_kernel_tma`` that also writes fp16 z - m tiles into [T, V] and m into [T, num_vtiles]:
+    one m per BLOCK_V columns, or per BLOCK_V / 2 with ``SUBTILE`` (the epilogue on the two halves in turn)."""
     pid_t, pid_s = _tile_ids(tl.program_id(0), tl.cdiv(T, BLOCK_T), num_splits, GROUP)
     off_t = pid_t * BLOCK_T
     offs_t = off_t + tl.arange(0, BLOCK_T)
-    rows_t = (offs_t % T).to(tl.int64)
-    labels = tl.load(lab_ptr + rows_t).to(tl.int64)
-    row_ok = offs_t < T
+    labels = tl.load(lab_ptr + (offs_t % T).to(tl.int64)).to(tl.int64)
     v_lo = pid_s * (TILES_PER_SPLIT * BLOCK_V)
     m, s, a, zy = _empty_stats(BLOCK_T)
     for i in tl.range(0, TILES_PER_SPLIT, flatten=FLATTEN):
         off_v = v_lo + i * BLOCK_V
-        offs_v = off_v + tl.arange(0, BLOCK_V)
         acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
         for k in range(0, D, BLOCK_K):
             acc = tl.dot(h_desc.load([off_t, k]), w_desc.load([off_v, k]).T, acc)
-        m, s, a, zy, zc = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
-                                         HAS_SOFTCAP, ENTROPY)
-        zq = tl.maximum(zc, _FP16_FLOOR).to(tl.float16)
-        if TMA_STORE:
-            z_desc.store([off_t, off_v], zq)  # out-of-bounds rows and columns are clipped
-        else:
-            ok = row_ok[:, None] & (offs_v[None, :] < V)
-            tl.store(z_ptr + offs_t.to(tl.int64)[:, None] * stride_z + offs_v[None, :], zq, mask=ok)
         vt = pid_s * TILES_PER_SPLIT + i
-        tl.store(mt_ptr + offs_t.to(tl.int64) * num_vtiles + vt, m, mask=row_ok & (vt < num_vtiles))
+        if SUBTILE:
+            halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_T, 2, BLOCK_V // 2)), (0, 2, 1)))
+            m, s, a, zy = _fold_and_store(halves[0], off_t, off_v, 2 * vt, labels, m, s, a, zy, z_desc, z_ptr, mt_ptr,
+                                          T, V, stride_z, num_vtiles, inv_temp, softcap, inv_softcap, HAS_SOFTCAP,
+                                          ENTROPY, BLOCK_T, BLOCK_V // 2, TMA_STORE)
+            m, s, a, zy = _fold_and_store(halves[1], off_t, off_v + BLOCK_V // 2, 2 * vt + 1, labels, m, s, a, zy,
+                                          z_desc, z_ptr, mt_ptr, T, V, stride_z, num_vtiles, inv_temp, softcap,
+                                          inv_softcap, HAS_SOFTCAP, ENTROPY, BLOCK_T, BLOCK_V // 2, TMA_STORE)
+        else:
+            m, s, a, zy = _fold_and_store(acc, off_t, off_v, vt, labels, m, s, a, zy, z_desc, z_ptr, mt_ptr,
+                                          T, V, stride_z, num_vtiles, inv_temp, softcap, inv_softcap, HAS_SOFTCAP,
+                                          ENTROPY, BLOCK_T, BLOCK_V, TMA_STORE)
     _store_split_stats(m_ptr, s_ptr, a_ptr, zy_ptr, pid_s * T, offs_t, T, m, s, a, zy, ENTROPY)
+
+
+@triton.jit
+def _fold_and_store(acc, off_t, off_v, vt, labels, m, s, a, zy, z_desc, z_ptr, mt_ptr, T, V, stride_z, num_vtiles,
+                    inv_temp, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, TMA_STORE: tl.constexpr):
+    """Fold the logits ``acc`` at (off_t, off_v) into the running statistics; store its fp16 z - m and m."""
+    offs_t = off_t + tl.arange(0, BLOCK_T)
+    offs_v = off_v + tl.arange(0, BLOCK_V)
+    row_ok = offs_t < T
+    m, s, a, zy, zc = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
+                                     HAS_SOFTCAP, ENTROPY)
+    zq = tl.maximum(zc, _FP16_FLOOR).to(tl.float16)
+    if TMA_STORE:
+        z_desc.store([off_t, off_v], zq)  # out-of-bounds rows and columns are clipped
+    else:
+        ok = row_ok[:, None] & (offs_v[None, :] < V)
+        tl.store(z_ptr + offs_t.to(tl.int64)[:, None] * stride_z + offs_v[None, :], zq, mask=ok)
+    tl.store(mt_ptr + offs_t.to(tl.int64) * num_vtiles + vt, m, mask=row_ok & (vt < num_vtiles))
+    return m, s, a, zy
 
 
 @triton.jit
@@ -99,10 +120,12 @@ def bwd_grad_logits_persistent_kernel(
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    TMA_STORE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    TMA_STORE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SUBTILE: tl.constexpr,
 ):
     """``bwd_grad_logits_kernel`` over all [BLOCK_T, BLOCK_V] tiles of a block, ``num_programs`` programs each
-    taking every ``num_programs``-th tile (grouped order, as the non-persistent launch)."""
+    taking every ``num_programs``-th tile (grouped order, as the non-persistent launch). ``SUBTILE``: the
+    epilogue runs on the two [BLOCK_T, BLOCK_V / 2] halves in turn (fewer live registers; ``g_desc``'s
+    block is then the half)."""
     num_t = tl.cdiv(C, BLOCK_T)
     num_v = tl.cdiv(V, BLOCK_V)
     tile_out = tl.program_id(0) - num_programs  # a separate counter for the epilogue (pipeliner-friendly)
@@ -116,13 +139,32 @@ def bwd_grad_logits_persistent_kernel(
             acc = tl.dot(h_desc.load([off_t, k]), w_desc.load([off_v, k]).T, acc)
         tile_out += num_programs
         pid_t, pid_v = _tile_ids(tile_out, num_t, num_v, GROUP)
-        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        rows_t = (offs_t % C).to(tl.int64)
-        g = _grad_tile(acc, offs_v, rows_t, v_start, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp,
-                       softcap, inv_softcap, HAS_SOFTCAP, HAS_GLP, HAS_GENT).to(g_ptr.dtype.element_ty)
-        if TMA_STORE:
-            g_desc.store([pid_t * BLOCK_T, pid_v * BLOCK_V], g)
+        if SUBTILE:
+            halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_T, 2, BLOCK_V // 2)), (0, 2, 1)))
+            _grad_store(halves[0], pid_t * BLOCK_T, pid_v * BLOCK_V, g_desc, g_ptr, lab_ptr, lse_ptr, ent_ptr,
+                        glp_ptr, gent_ptr, C, V, v_start, stride_gc, inv_temp, softcap, inv_softcap,
+                        HAS_SOFTCAP, HAS_GLP, HAS_GENT, BLOCK_T, BLOCK_V // 2, TMA_STORE)
+            _grad_store(halves[1], pid_t * BLOCK_T, pid_v * BLOCK_V + BLOCK_V // 2, g_desc, g_ptr, lab_ptr, lse_ptr,
+                        ent_ptr, glp_ptr, gent_ptr, C, V, v_start, stride_gc, inv_temp, softcap, inv_softcap,
+                        HAS_SOFTCAP, HAS_GLP, HAS_GENT, BLOCK_T, BLOCK_V // 2, TMA_STORE)
         else:
-            ok = (offs_t[:, None] < C) & (offs_v[None, :] < V)
-            tl.store(g_ptr + offs_t.to(tl.int64)[:, None] * stride_gc + offs_v[None, :], g, mask=ok)
+            _grad_store(acc, pid_t * BLOCK_T, pid_v * BLOCK_V, g_desc, g_ptr, lab_ptr, lse_ptr, ent_ptr, glp_ptr,
+                        gent_ptr, C, V, v_start, stride_gc, inv_temp, softcap, inv_softcap,
+                        HAS_SOFTCAP, HAS_GLP, HAS_GENT, BLOCK_T, BLOCK_V, TMA_STORE)
+
+
+@triton.jit
+def _grad_store(acc, off_t, off_v, g_desc, g_ptr, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, C, V, v_start,
+                stride_gc, inv_temp, softcap, inv_softcap, HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr,
+                HAS_GENT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, TMA_STORE: tl.constexpr):
+    """grad_logits of the [BLOCK_T, BLOCK_V] logits ``acc`` at (off_t, off_v), stored in g's dtype."""
+    offs_t = off_t + tl.arange(0, BLOCK_T)
+    offs_v = off_v + tl.arange(0, BLOCK_V)
+    rows_t = (offs_t % C).to(tl.int64)
+    g = _grad_tile(acc, offs_v, rows_t, v_start, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp,
+                   softcap, inv_softcap, HAS_SOFTCAP, HAS_GLP, HAS_GENT).to(g_ptr.dtype.element_ty)
+    if TMA_STORE:
+        g_desc.store([off_t, off_v], g)
+    else:
+        ok = (offs_t[:, None] < C) & (offs_v[None, :] < V)
+        tl.store(g_ptr + offs_t.to(tl.int64)[:, None] * stride_gc + offs_v[None, :], g, mask=ok)
