@@ -6,9 +6,10 @@
 Correctness first (fresh random inputs, N=2048 at the same H and V): log-prob / entropy against the fp32
 reference and both gradients against fp32 autograd (relative to their largest magnitude), for every
 variant. Then the median of CUDA-event timed forward+backward runs at N tokens; TFLOP/s at 6NHV.
-Variants: the loss-fused path (``linear_logprob_loss``'s engine) with the previous cuBLAS-logits design
-and the fused Triton kernel's options; the per-token path with the previous one-tile-per-program
-recompute kernel and the persistent one's options; the parts of the loss-fused chunk alone; Liger.
+Variants: the loss-fused path (``linear_logprob_loss``'s engine) with the fused Triton kernel's options;
+the per-token path with the one-tile-per-program recompute kernel and the persistent one's options; the
+parts of the loss-fused chunk alone (cuBLAS rates for its gradient products); Liger's fused linear
+cross-entropy with reduction="sum" and "none".
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ def _engines():
 
     lc = dict(tma_store=True, flatten=True)
     loss = {
-        "loss: cublas logits + row kernels (previous)": TritonEngine(loss_logits="cublas"),
         "loss: fused kernel, TMA store, flatten": TritonEngine(loss=replace(LOSS_CONFIG, **lc, subtile=False)),
         "loss: ... + subtile": TritonEngine(loss=replace(LOSS_CONFIG, **lc, subtile=True)),
         "loss: ... + subtile, 4 stages": TritonEngine(loss=replace(LOSS_CONFIG, **lc, subtile=True, num_stages=4)),
