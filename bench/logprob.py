@@ -14,7 +14,7 @@ Implementations, side by side, all bf16 inputs:
           per-token upstream gradients, logits recomputed in backward (8NHV)
   triton_loss  actorcore linear_logprob_loss on the Triton backend: the same sum of log-probs and
           entropies as a token-wise loss, gradient formed in the forward (6NHV); forward-only cells run
-          its no-grad path (cuBLAS fp32 logits + Triton row statistics)
+          its no-grad path (the forward statistics kernel, then the loss chunk by chunk)
   liger   Liger-Kernel fused linear cross-entropy, reduction="sum" for fwd+bwd: the gradient is computed
           in the forward, which only a scalar loss allows (no entropy; temperature folded into hidden)
   liger_tok  the same with reduction="none": per-token losses and upstream grads, recompute in backward
@@ -248,6 +248,21 @@ def accuracy(fn, h, w, y, temperature, ref):
 # ----------------------------------------------------------------------------- sweep
 
 
+def median_ms(f, reps=5):
+    """Median CUDA-event time of ``f()`` over ``reps`` runs, after one warm-up run."""
+    f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        f()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
 def sweep(n=16384, d=4096, v=151936):
     """Time the Triton kernels' blockings and chunks against the cuBLAS matmul floor."""
     from actorcore.kernels.logprob.triton_engine import TritonEngine
@@ -258,17 +273,7 @@ def sweep(n=16384, d=4096, v=151936):
 
     def bench(label, f, flops=flop):
         try:
-            f()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                f()
-                b.record()
-                torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b))
-            ms = statistics.median(ts)
+            ms = median_ms(f)
             line = f"{label:70s} {ms:8.2f} ms {flops / ms / 1e9:7.1f} TFLOP/s"
         except Exception as err:  # noqa: BLE001 - a config that fails to compile is reported
             line = f"{label:70s} FAILED {type(err).__name__}: {str(err)[:200]}"

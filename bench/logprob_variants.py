@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -121,21 +120,14 @@ def check(fn, engine, d, v, ref_inputs, ref):
 
 
 def time_it(f, reps=5):
-    f()
-    if DEV != "cuda":
+    if DEV != "cuda":  # the dry run: one timed call
+        f()
         t = time.perf_counter()
         f()
         return (time.perf_counter() - t) * 1e3
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    from logprob import median_ms  # bench/logprob.py, beside this script
+
+    return median_ms(f, reps)
 
 
 def peak_extra(f):

@@ -22,8 +22,6 @@ STAGES = (  # (stage, substrings of kernel names), first match wins
     ("loss-fused: fp16 -> grad_logits in place (Triton)", ("shifted_to_grad_kernel",)),
     ("forward: fused matmul + online statistics (Triton)", ("fwd_stats_kernel",)),
     ("backward: recompute logits + grad_logits (Triton)", ("bwd_grad_logits",)),
-    ("row statistics over fp32 logits (Triton)", ("rows_stats_kernel",)),
-    ("grad_logits over fp32 logits (Triton)", ("rows_grad",)),
     ("matmuls (cuBLAS)", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas")),
 )
 

@@ -6,10 +6,12 @@ Why: ``linear_logprob_entropy`` returns per-token outputs, so their upstream gra
 backward and the logits must be computed twice (8NHV of matmul work). RL losses are sums of per-token
 terms (PPO/GRPO/DAPO clipped objectives, KL penalties, entropy bonus, any per-token weights and
 normalisers), so each token's gradient w.r.t. its log-prob and entropy is known as soon as that
-token's statistics are. The Triton path then forms grad_hidden and grad_weight from one set of fp32
-logits per chunk: 6NHV, the work of Liger's scalar-loss kernel, with entropy, temperature and exact
-fp32 logits. Other backends evaluate the loss chunk by chunk the same way, with their forward and
-backward per chunk (8NHV); ``backend="reference"`` is plain autograd through the fp32 reference.
+token's statistics are. The Triton path then computes each chunk's logits once (fp32 statistics, the
+logits kept as fp16 z - max until the gradients are known) and forms grad_hidden and grad_weight from
+them: 6NHV, the work of Liger's scalar-loss kernel, with entropy, temperature and fp32 statistics.
+Layouts the Triton path cannot load with TMA, and other backends, evaluate the loss chunk by chunk the
+same way, with their forward and backward per chunk (8NHV); ``backend="reference"`` is plain autograd
+through the fp32 reference.
 
 The loss must be token-wise: token t's loss may depend on logprob[t], entropy[t] and row t of each
 ``token_args`` tensor only. Sequence-level terms are token-wise once written with per-token weights

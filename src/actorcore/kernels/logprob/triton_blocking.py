@@ -22,7 +22,7 @@ BACKWARD_VOCAB_BLOCK = 8192
 # Bytes of the loss-fused forward's chunk buffer: 16-bit [C, padded V] (fp16 shifted logits, then grad_logits
 # in place), 2048 tokens at V=151936: the fp32 buffer of 1024 tokens that the cuBLAS-logits design needed.
 FUSED_LOSS_WORKSPACE_BYTES = 640 << 20
-# Rows of 16-bit grad_logits and of fp32 logits buffers are padded to this many columns (16-byte rows).
+# Rows of 16-bit grad_logits and fp16 logits buffers are padded to this many columns (16-byte rows).
 ROW_ALIGN = 64
 
 

@@ -46,7 +46,7 @@ def _grad_logits(x, hit, lse, ent, glp, gent, inv_temp, softcap, inv_softcap,
     """grad of (glp * logprob + gent * entropy) w.r.t. raw fp32 logits ``x``.
 
     ``hit`` marks the label's column; the per-token values broadcast against ``x`` (tiles pass
-    [BLOCK_T, 1] columns, row kernels pass scalars). Unused per-token values may be anything.
+    [BLOCK_T, 1] columns). Unused per-token values may be anything.
     """
     if HAS_SOFTCAP:
         z = _tanh(x * inv_softcap) * softcap * inv_temp
@@ -208,7 +208,8 @@ def bwd_grad_logits_kernel(
 ):
     """grad_logits of one [BLOCK_T, BLOCK_V] tile of a backward block, its logits recomputed by tl.dot.
 
-    Pointer loads: a TMA variant measured slower here (docs/benchmarks.md), so there is none.
+    Pointer loads, one tile per program: the engine runs it where TMA cannot load the layout (elsewhere
+    ``bwd_grad_logits_persistent_kernel``, measured faster: docs/bench_head.md).
     """
     pid_t, pid_v = _tile_ids(tl.program_id(0), tl.cdiv(C, BLOCK_T), tl.cdiv(V, BLOCK_V), GROUP)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
