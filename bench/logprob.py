@@ -2,7 +2,10 @@
 
 Shape suffixes: T tokens (N in the tables), D hidden (H), V vocab.
 
-    PYTHONPATH=src python bench/logprob.py [--quick] [--sweep] [--json out.json] [--md out.md]
+    PYTHONPATH=src python bench/logprob.py [--quick] [--sweep] [--head-sweep] [--json out.json] [--md out.md]
+
+``--head-sweep``: forward+backward at T=1.0 of the Triton paths against Liger's three heads over the
+RL shapes (8K-64K tokens, H=3584-4096, V=152K-262K).
 
 Implementations, side by side, all bf16 inputs:
   naive   bf16 matmul -> [N, V] logits (rounded to bf16), fp32 log_softmax + entropy
@@ -11,10 +14,12 @@ Implementations, side by side, all bf16 inputs:
           per-token upstream gradients, logits recomputed in backward (8NHV)
   triton_loss  actorcore linear_logprob_loss on the Triton backend: the same sum of log-probs and
           entropies as a token-wise loss, gradient formed in the forward (6NHV); forward-only cells run
-          its no-grad path (cuBLAS fp32 logits + Triton row statistics)
+          its no-grad path (the forward statistics kernel, then the loss chunk by chunk)
   liger   Liger-Kernel fused linear cross-entropy, reduction="sum" for fwd+bwd: the gradient is computed
           in the forward, which only a scalar loss allows (no entropy; temperature folded into hidden)
   liger_tok  the same with reduction="none": per-token losses and upstream grads, recompute in backward
+  liger_rl  Liger's RL-shaped head (LigerFusedLinearScaledCrossEntropyFunction: per-token NLL and entropy,
+          temperature; CuTe DSL kernels on SM90): n/a where its CuTe runtime does not import
   cce     cut-cross-entropy linear_cross_entropy (no entropy; temperature folded into hidden)
 
 Time: median of CUDA-event timed runs after a warm-up. TFLOP/s counts 2NHV (forward) or 6NHV
@@ -43,8 +48,18 @@ SHAPES = [
     (16384, 3584, 152064),
     (16384, 4096, 262144),
 ]
+HEAD_SWEEP_SHAPES = [
+    (8192, 4096, 151936),
+    (32768, 4096, 151936),
+    (65536, 4096, 151936),
+    (16384, 3584, 152064),
+    (32768, 3584, 152064),
+    (16384, 4096, 262144),
+    (32768, 4096, 262144),
+]
+HEAD_SWEEP_IMPLS = ("triton", "triton_loss", "liger", "liger_tok", "liger_rl")
 TEMPERATURES = (1.0, 0.7)
-IMPLS = ("naive", "torch", "triton", "triton_loss", "liger", "cce")
+IMPLS = ("naive", "torch", "triton", "triton_loss", "liger", "liger_tok", "liger_rl", "cce")
 NO_ENTROPY = {"liger", "liger_tok", "cce"}
 
 
@@ -99,6 +114,14 @@ def _liger_per_token(h, w, y, temperature, loss_reduction):
     return _liger(h, w, y, temperature, "none")
 
 
+def _liger_rl(h, w, y, temperature, loss_reduction):
+    """Liger's RL head: per-token NLL and entropy with per-token upstream gradients, temperature inside."""
+    from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+
+    nll, ent = LigerFusedLinearScaledCrossEntropyFunction.apply(h, w, y, temperature, -100, 1, True)
+    return -nll, ent
+
+
 def _cce(h, w, y, temperature, loss_reduction):
     from cut_cross_entropy import linear_cross_entropy
 
@@ -115,6 +138,7 @@ def get_impl(name):
         "triton_loss": _ours_loss,
         "liger": _liger,
         "liger_tok": _liger_per_token,
+        "liger_rl": _liger_rl,
         "cce": _cce,
     }[name]
 
@@ -123,6 +147,10 @@ def available(name) -> str | None:
     try:
         if name in ("liger", "liger_tok"):
             import liger_kernel.transformers.functional  # noqa: F401
+        elif name == "liger_rl":
+            from liger_kernel.ops import fused_linear_scaled_cross_entropy as rl
+
+            rl._resolve_implementation(torch.device("cuda"))  # SM90: imports its CuTe DSL kernels
         elif name == "cce":
             import cut_cross_entropy  # noqa: F401
         elif name in ("triton", "triton_loss"):
@@ -220,6 +248,21 @@ def accuracy(fn, h, w, y, temperature, ref):
 # ----------------------------------------------------------------------------- sweep
 
 
+def median_ms(f, reps=5):
+    """Median CUDA-event time of ``f()`` over ``reps`` runs, after one warm-up run."""
+    f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        f()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
 def sweep(n=16384, d=4096, v=151936):
     """Time the Triton kernels' blockings and chunks against the cuBLAS matmul floor."""
     from actorcore.kernels.logprob.triton_engine import TritonEngine
@@ -230,17 +273,7 @@ def sweep(n=16384, d=4096, v=151936):
 
     def bench(label, f, flops=flop):
         try:
-            f()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                f()
-                b.record()
-                torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b))
-            ms = statistics.median(ts)
+            ms = median_ms(f)
             line = f"{label:70s} {ms:8.2f} ms {flops / ms / 1e9:7.1f} TFLOP/s"
         except Exception as err:  # noqa: BLE001 - a config that fails to compile is reported
             line = f"{label:70s} FAILED {type(err).__name__}: {str(err)[:200]}"
@@ -287,7 +320,7 @@ def sweep(n=16384, d=4096, v=151936):
         return glp[start:end], gent[start:end]
 
     eng = TritonEngine()
-    for rows in (512, 768, 1024, 2048):  # chunk tokens of the loss-fused forward (cuBLAS fp32 logits)
+    for rows in (512, 1024, 2048):  # chunk tokens of the loss-fused forward (fused kernel, fp16 chunk buffer)
         bench(f"loss-fused forward (6NHV), chunk {rows}", lambda: eng.fused_loss_forward(
             h, w, y, token_grads, temperature=0.7, softcap=None, entropy=True, chunk_size=rows,
             need_hidden=True, need_weight=True), 3 * flop)
@@ -308,7 +341,7 @@ def to_markdown(cells, fits):
     temps = list(dict.fromkeys(c["T"] for c in cells))
     index = {(c["N"], c["H"], c["V"], c["T"], c["mode"], c["impl"]): c for c in cells}
     out = []
-    for mode in ("fwd+bwd", "fwd"):
+    for mode in [m for m in ("fwd+bwd", "fwd") if any(c["mode"] == m for c in cells)]:
         for t in temps:
             what = "forward + backward" if mode == "fwd+bwd" else "forward only"
             out.append(f"**{what}, temperature {t}** (median time, TFLOP/s at {6 if mode == 'fwd+bwd' else 2}NHV, "
@@ -323,22 +356,23 @@ def to_markdown(cells, fits):
                 name = impl + (" (no entropy)" if impl in NO_ENTROPY else "")
                 out.append(f"| {name} | " + " | ".join(row) + " |")
             out.append("")
-    out.append("**Accuracy**: max |Δ log-prob| / max |Δ entropy| over all tokens vs the fp32 reference "
-               "(forward outputs)\n")
-    cols = [(s, t) for s in shapes for t in temps]
-    out.append("| implementation | " + " | ".join(f"{_shape_label(*s)} T={t}" for s, t in cols) + " |")
-    out.append("|---|" + "---|" * len(cols))
-    for impl in impls:
-        row = []
-        for s, t in cols:
-            c = index.get((*s, t, "fwd", impl))
-            if c is None or "max_dlp" not in c:
-                row.append(c.get("status", "") if c else "")
-            else:
-                ent = "n/a" if c["max_dent"] is None else f"{c['max_dent']:.1e}"
-                row.append(f"{c['max_dlp']:.1e} / {ent}")
-        out.append(f"| {impl} | " + " | ".join(row) + " |")
-    out.append("")
+    if any(c["mode"] == "fwd" for c in cells):  # accuracy comes from the forward-only cells
+        out.append("**Accuracy**: max |Δ log-prob| / max |Δ entropy| over all tokens vs the fp32 reference "
+                   "(forward outputs)\n")
+        cols = [(s, t) for s in shapes for t in temps]
+        out.append("| implementation | " + " | ".join(f"{_shape_label(*s)} T={t}" for s, t in cols) + " |")
+        out.append("|---|" + "---|" * len(cols))
+        for impl in impls:
+            row = []
+            for s, t in cols:
+                c = index.get((*s, t, "fwd", impl))
+                if c is None or "max_dlp" not in c:
+                    row.append(c.get("status", "") if c else "")
+                else:
+                    ent = "n/a" if c["max_dent"] is None else f"{c['max_dent']:.1e}"
+                    row.append(f"{c['max_dlp']:.1e} / {ent}")
+            out.append(f"| {impl} | " + " | ".join(row) + " |")
+        out.append("")
     if fits:
         out.append("**Largest N that fits** (H=4096, V=151936, bf16; N tried: 131072, 262144)\n")
         out.append("| implementation | forward only | forward + backward |")
@@ -366,6 +400,9 @@ def main(argv=None):
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--shapes", default=None, help="N:H:V,... (default: the issue's five shapes)")
     ap.add_argument("--temps", default=None, help="comma-separated temperatures (default 1.0,0.7)")
+    ap.add_argument("--head-sweep", action="store_true",
+                    help="fwd+bwd, T=1.0, Triton paths vs Liger's heads over the RL shapes (HEAD_SWEEP_SHAPES)")
+    ap.add_argument("--modes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
     ap.add_argument("--fit", action="store_true", help="probe the largest N that fits for torch/triton/liger")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="write markdown tables of the results here")
@@ -385,6 +422,9 @@ def main(argv=None):
     if args.quick:
         shapes, temps = shapes[:1], (1.0,)
     impls = args.impls.split(",")
+    modes = tuple(args.modes.split(","))
+    if args.head_sweep:
+        shapes, temps, impls, modes = HEAD_SWEEP_SHAPES, (1.0,), list(HEAD_SWEEP_IMPLS), ("fwd+bwd",)
     missing = {name: available(name) for name in impls}
     for name, why in missing.items():
         if why:
@@ -395,7 +435,7 @@ def main(argv=None):
         for temperature in temps:
             ref = reference(h, w, y, temperature)
             _cleanup()
-            for mode in ("fwd", "fwd+bwd"):
+            for mode in modes:
                 for name in impls:
                     cell = dict(N=n, H=d, V=v, T=temperature, mode=mode, impl=name)
                     if missing[name]:

@@ -6,7 +6,7 @@ Runs each path once to warm up (compile, cuBLAS handles), then once under ``torc
 the CUDA time of every kernel, grouped into stages by kernel name. ``--ncu`` instead runs each path once
 without warm-up, for Nsight Compute to read the hardware counters of the Triton kernels, e.g.
 
-    ncu --clock-control none -k regex:'_fwd_stats|_bwd_grad_logits|_rows_' -c 4 --section SpeedOfLight \\
+    ncu --clock-control none -k regex:'fwd_stats|bwd_grad_logits|shifted_to_grad' -c 4 --section SpeedOfLight \\
         --section ComputeWorkloadAnalysis --section Occupancy python bench/profile_logprob.py --ncu --n 8192
 """
 
@@ -18,10 +18,10 @@ import collections
 import torch
 
 STAGES = (  # (stage, substrings of kernel names), first match wins
-    ("forward: fused matmul + online statistics (Triton)", ("_fwd_stats_kernel",)),
-    ("backward: recompute logits + grad_logits (Triton)", ("_bwd_grad_logits_kernel",)),
-    ("row statistics over fp32 logits (Triton)", ("_rows_stats_kernel",)),
-    ("grad_logits over fp32 logits (Triton)", ("_rows_grad",)),
+    ("loss-fused: matmul + statistics + fp16 store (Triton)", ("fwd_stats_store_kernel",)),
+    ("loss-fused: fp16 -> grad_logits in place (Triton)", ("shifted_to_grad_kernel",)),
+    ("forward: fused matmul + online statistics (Triton)", ("fwd_stats_kernel",)),
+    ("backward: recompute logits + grad_logits (Triton)", ("bwd_grad_logits",)),
     ("matmuls (cuBLAS)", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas")),
 )
 

@@ -36,12 +36,25 @@ def _exact_fp32_reference():
 
 
 def _engines():
+    from dataclasses import replace
+
+    from actorcore.kernels.logprob.triton_blocking import BWD_CONFIG, FWD_CONFIG, LOSS_CONFIG
     from actorcore.kernels.logprob.triton_engine import TritonEngine
 
     return {
-        "default": TritonEngine(),  # TMA forward where the layout allows (D % 8 == 0), pointer backward
+        # TMA forward and persistent TMA backward where the layout allows (D % 8 == 0), pointer kernels otherwise
+        "default": TritonEngine(),
         # many small backward blocks: vocabulary blocks of 256 rows, token blocks from a 1 MiB workspace
         "small_blocks": TritonEngine(vocab_block=256, workspace_bytes=1 << 20),
+        # the one-tile-per-program recompute kernel on every layout
+        "one_tile_backward": TritonEngine(bwd=replace(BWD_CONFIG, persistent=False)),
+        # the kernels' other options: flattened loops, subtiled epilogues, 4 stages, pointer stores
+        "options": TritonEngine(fwd=replace(FWD_CONFIG, flatten=True),
+                                bwd=replace(BWD_CONFIG, subtile=True, flatten=True),
+                                loss=replace(LOSS_CONFIG, subtile=True, num_stages=4)),
+        "pointer_stores": TritonEngine(bwd=replace(BWD_CONFIG, tma_store=False),
+                                       loss=replace(LOSS_CONFIG, tma_store=False, flatten=False),
+                                       loss_workspace_bytes=1 << 20),
     }
 
 
@@ -71,6 +84,9 @@ def _run(engine, h, w, labels, trace, **kw):
     [
         ("default", torch.bfloat16),
         ("small_blocks", torch.bfloat16),
+        ("one_tile_backward", torch.bfloat16),
+        ("options", torch.bfloat16),
+        ("pointer_stores", torch.bfloat16),
         ("default", torch.float16),
     ],
 )
@@ -327,3 +343,98 @@ def test_loss_fused_path_equals_per_token_path_and_is_deterministic():
     _ppo_loss(lp, ent, *token_args).sum().backward()
     assert _rel_err(fused[0][3], h.grad) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
     assert _rel_err(fused[0][4], w.grad) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
+
+
+def _loss_through(engine, h, w, labels_T, loss_fn, token_args, trace, temperature=1.0, softcap=None,
+                  chunk_size=None):
+    from actorcore.kernels.logprob.fused_loss import _ChunkedTokenLoss, _FusedLossFunction
+
+    token_loss = _ChunkedTokenLoss(loss_fn, token_args, True)
+    return _FusedLossFunction.apply(h, w, labels_T, engine, token_loss, temperature, softcap, True, chunk_size, trace)
+
+
+def _reference_loss(hidden_TD, weight_VD, labels_T, loss_fn, token_args, temperature=1.0, softcap=None):
+    h32 = hidden_TD.float().requires_grad_()
+    w32 = weight_VD.float().requires_grad_()
+    lp, ent = linear_logprob_entropy_reference(h32, w32, labels_T, temperature=temperature, softcap=softcap)
+    loss_fn(lp, ent, *token_args).sum().backward()
+    return lp.detach(), ent.detach(), h32.grad, w32.grad
+
+
+@pytest.mark.parametrize("mode", ["default", "options", "pointer_stores"])
+@pytest.mark.parametrize("n_tok,dim,vocab,chunk_size", [(301, 256, 32003, 97), (2100, 64, 4099, None), (7, 48, 131, None)])
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, 30.0)])
+def test_loss_fused_kernel_options_match_reference(mode, n_tok, dim, vocab, chunk_size, temperature, softcap):
+    """Every option of the loss-fused kernel (one launch per chunk: statistics + fp16 z - m) against fp32 autograd."""
+    from actorcore.kernels.logprob.triton_blocking import loss_chunk_rows
+
+    engine = _engines()[mode]
+    hidden_TD, weight_VD, labels_T = _inputs(n_tok, dim, vocab, seed=n_tok + 7)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    token_args = (torch.randn(n_tok, generator=g, device="cuda"), -torch.rand(n_tok, generator=g, device="cuda") * 8)
+    h, w = hidden_TD.clone().requires_grad_(), weight_VD.clone().requires_grad_()
+    trace = Counter()
+    loss, lp, ent = _loss_through(engine, h, w, labels_T, _ppo_loss, token_args, trace, temperature, softcap,
+                                  chunk_size)
+    loss.backward()
+    lp_ref, ent_ref, gh_ref, gw_ref = _reference_loss(hidden_TD, weight_VD, labels_T, _ppo_loss, token_args,
+                                                      temperature, softcap)
+    torch.testing.assert_close(lp, lp_ref, atol=ATOL_BF16, rtol=0)
+    torch.testing.assert_close(ent, ent_ref, atol=ATOL_BF16, rtol=0)
+    assert _rel_err(h.grad, gh_ref) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
+    assert _rel_err(w.grad, gw_ref) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
+    rows = loss_chunk_rows(n_tok, vocab, chunk_size, engine.loss_workspace_bytes)
+    assert trace == {"logprob:triton_fused_loss": -(-n_tok // rows)}
+
+
+def test_loss_fused_gradients_with_large_logits():
+    """Logits of tens of units (a peaked softmax): the fp16 z - m store keeps the gradients at bf16 accuracy."""
+    hidden_TD, weight_VD, labels_T = _inputs(1500, 128, 20011, seed=21)
+    weight_VD = (weight_VD.float() * 12.0).to(torch.bfloat16)  # logits with a standard deviation of ~36
+    token_args = (torch.randn(1500, device="cuda"), torch.zeros(1500, device="cuda"))
+    h, w = hidden_TD.clone().requires_grad_(), weight_VD.clone().requires_grad_()
+    loss, lp, ent = _loss_through(_engines()["default"], h, w, labels_T, _ppo_loss, token_args, None, 0.7)
+    loss.backward()
+    lp_ref, ent_ref, gh_ref, gw_ref = _reference_loss(hidden_TD, weight_VD, labels_T, _ppo_loss, token_args, 0.7)
+    assert torch.isfinite(h.grad.float()).all() and torch.isfinite(w.grad.float()).all()
+    assert (lp - lp_ref).abs().max().item() <= LONG_ROWS_ATOL  # fp32 statistics of logits this large
+    assert _rel_err(h.grad, gh_ref) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
+    assert _rel_err(w.grad, gw_ref) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
+
+
+def test_loss_fused_layout_without_tma_runs_the_generic_chunks():
+    """Rows TMA cannot load (200-byte rows) take the per-chunk forward + backward: same values, other trace keys."""
+    hidden_TD, weight_VD, labels_T = _inputs(300, 100, 3001, seed=22)
+    token_args = (torch.randn(300, device="cuda"), -torch.rand(300, device="cuda") * 8)
+    h, w = hidden_TD.clone().requires_grad_(), weight_VD.clone().requires_grad_()
+    trace = Counter()
+    loss, lp, ent = _loss_through(_engines()["default"], h, w, labels_T, _ppo_loss, token_args, trace)
+    loss.backward()
+    lp_ref, ent_ref, gh_ref, gw_ref = _reference_loss(hidden_TD, weight_VD, labels_T, _ppo_loss, token_args)
+    torch.testing.assert_close(lp, lp_ref, atol=ATOL_BF16, rtol=0)
+    assert _rel_err(h.grad, gh_ref) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
+    assert _rel_err(w.grad, gw_ref) < KERNEL_TRITON_GRAD_VS_REFERENCE_BF16_REL
+    assert "logprob:triton_fused_loss" not in trace
+    assert trace["logprob:triton_forward"] >= 1 and trace["logprob:triton_backward"] >= 1
+
+
+def test_loss_fused_extra_memory_is_the_gradients_and_one_chunk_buffer():
+    from actorcore.kernels.logprob.triton_blocking import FUSED_LOSS_WORKSPACE_BYTES
+
+    hidden_TD, weight_VD, labels_T = _inputs(8192, 1024, 65536, seed=23)
+
+    def fwd_bwd():
+        h = hidden_TD.clone().requires_grad_()
+        w = weight_VD.clone().requires_grad_()
+        linear_logprob_loss(h, w, labels_T, lambda lp, ent: -lp - 0.01 * ent, backend="triton").loss.backward()
+        return h.grad, w.grad
+
+    fwd_bwd()  # warm-up: compilation and the cuBLAS workspace are one-time allocations
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() + hidden_TD.numel() * 2 + weight_VD.numel() * 2  # the clones
+    h, w = fwd_bwd()
+    extra = torch.cuda.max_memory_allocated() - base
+    grads = h.numel() * 2 + w.numel() * 2
+    small = 64 * hidden_TD.shape[0] * 4 + (8 << 20)  # per-token vectors, split partials, the per-tile maxima
+    assert extra <= grads + FUSED_LOSS_WORKSPACE_BYTES + small, (extra, grads)

@@ -73,12 +73,33 @@ def test_forward_tiles_per_split_against_wave_quantization():
     assert tb.forward_tiles_per_split(2, 64, 4) == 32
 
 
-def test_default_loss_rows_keep_the_logits_buffer_within_budget():
-    assert tb.default_loss_rows(QWEN_V) == 1024  # the measured default chunk
+def test_default_loss_rows_keep_the_chunk_buffer_within_budget():
+    assert tb.default_loss_rows(QWEN_V) == 2176  # 16-bit [rows, V] buffer of at most 640 MiB
     for vocab in (131, 4099, QWEN_V, 256000, 10**8):
         rows = tb.default_loss_rows(vocab)
         assert rows >= 1
-        assert rows * 4 * tb.padded_row(vocab) <= tb.FUSED_LOSS_WORKSPACE_BYTES or rows == 1
+        assert rows * 2 * tb.padded_row(vocab) <= tb.FUSED_LOSS_WORKSPACE_BYTES or rows == 1
+
+
+@pytest.mark.parametrize("n_tok", [1, 127, 2048, 2177, 8192, 32768, 65536, 100003])
+@pytest.mark.parametrize("vocab", [4099, QWEN_V, 262144])
+def test_loss_chunks_are_equal_tiles_within_the_budget(n_tok, vocab):
+    rows = tb.loss_chunk_rows(n_tok, vocab)
+    most = tb.default_loss_rows(vocab)
+    chunks = -(-n_tok // rows)
+    assert 1 <= rows <= min(most, n_tok)
+    assert chunks == -(-n_tok // most)  # no more chunks than the budget forces
+    assert rows == n_tok or rows % 128 == 0 or rows == most  # whole 128-token tiles
+    assert chunks * rows - n_tok < rows  # the last chunk is not empty
+
+
+def test_loss_chunks_at_the_benchmark_shapes_and_caller_chunk_size():
+    assert tb.loss_chunk_rows(32768, QWEN_V) == 2048  # 16 chunks of 2048, not 15 of 2176 and a sliver
+    assert tb.loss_chunk_rows(8192, QWEN_V) == 2048
+    assert tb.loss_chunk_rows(16384, 262144) == 1280
+    assert tb.loss_chunk_rows(300, QWEN_V) == 300
+    assert tb.loss_chunk_rows(32768, QWEN_V, chunk_size=97) == 97
+    assert tb.loss_chunk_rows(50, QWEN_V, chunk_size=97) == 50
 
 
 def test_padded_row_and_tma_layout_check():

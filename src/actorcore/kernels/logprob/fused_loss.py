@@ -6,10 +6,12 @@ Why: ``linear_logprob_entropy`` returns per-token outputs, so their upstream gra
 backward and the logits must be computed twice (8NHV of matmul work). RL losses are sums of per-token
 terms (PPO/GRPO/DAPO clipped objectives, KL penalties, entropy bonus, any per-token weights and
 normalisers), so each token's gradient w.r.t. its log-prob and entropy is known as soon as that
-token's statistics are. The Triton path then forms grad_hidden and grad_weight from one set of fp32
-logits per chunk: 6NHV, the work of Liger's scalar-loss kernel, with entropy, temperature and exact
-fp32 logits. Other backends evaluate the loss chunk by chunk the same way, with their forward and
-backward per chunk (8NHV); ``backend="reference"`` is plain autograd through the fp32 reference.
+token's statistics are. The Triton path then computes each chunk's logits once (fp32 statistics, the
+logits kept as fp16 z - max until the gradients are known) and forms grad_hidden and grad_weight from
+them: 6NHV, the work of Liger's scalar-loss kernel, with entropy, temperature and fp32 statistics.
+Layouts the Triton path cannot load with TMA, and other backends, evaluate the loss chunk by chunk the
+same way, with their forward and backward per chunk (8NHV); ``backend="reference"`` is plain autograd
+through the fp32 reference.
 
 The loss must be token-wise: token t's loss may depend on logprob[t], entropy[t] and row t of each
 ``token_args`` tensor only. Sequence-level terms are token-wise once written with per-token weights
@@ -22,7 +24,6 @@ sequence ratio) must use ``linear_logprob_entropy``.
 from __future__ import annotations
 
 from collections import Counter
-from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -207,12 +208,14 @@ class _FusedLossFunction(torch.autograd.Function):
                 trace):
         need_h = token_loss.want_grads and ctx.needs_input_grad[0]
         need_w = token_loss.want_grads and ctx.needs_input_grad[1]
-        run = getattr(engine, "fused_loss_forward", None) or partial(_loss_forward_by_chunks, engine)
+        run = getattr(engine, "fused_loss_forward", None)
+        kw = dict(temperature=temperature, softcap=softcap, entropy=entropy, chunk_size=chunk_size,
+                  need_hidden=need_h, need_weight=need_w, trace=trace)
         with autocast_disabled(hidden_TD.device):  # fp32 logits (and loss_fn) also inside a caller's autocast
-            logprob_T, ent_T, grad_h, grad_w = run(
-                hidden_TD, weight_VD, labels_T, token_loss, temperature=temperature, softcap=softcap,
-                entropy=entropy, chunk_size=chunk_size, need_hidden=need_h, need_weight=need_w, trace=trace,
-            )
+            out = NotImplemented if run is None else run(hidden_TD, weight_VD, labels_T, token_loss, **kw)
+            if out is NotImplemented:  # the engine has no fused path for these inputs
+                out = _loss_forward_by_chunks(engine, hidden_TD, weight_VD, labels_T, token_loss, **kw)
+        logprob_T, ent_T, grad_h, grad_w = out
         if token_loss.want_grads and token_loss.total is not None and not token_loss.has_grad_path:
             _raise_no_grad_path()
         ctx.grads = (grad_h, grad_w)

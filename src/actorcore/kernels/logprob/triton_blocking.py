@@ -3,8 +3,8 @@
 Pure integer arithmetic (and a layout check on tensors), importing torch only, so it is tested on the CPU;
 ``triton_engine`` launches what it decides. Shape suffixes: T tokens, D hidden, V vocab rows.
 
-The numbers are the H200 choices of ``bench/logprob.py --sweep`` (N=16384, H=4096, V=151936, bf16;
-docs/benchmarks.md).
+The numbers are the H200 choices of ``bench/logprob.py --sweep`` (N=16384, H=4096, V=151936, bf16) and
+``bench/logprob_variants.py`` (N=32768); docs/benchmarks.md and docs/bench_head.md.
 """
 
 from __future__ import annotations
@@ -19,16 +19,23 @@ BACKWARD_WORKSPACE_BYTES = 64 << 20
 # Vocabulary rows per backward block (a multiple of every BLOCK_V used here). With 64 MiB this gives
 # 2048-token blocks at H=4096, measured fastest of the blockings tried.
 BACKWARD_VOCAB_BLOCK = 8192
-# Bytes of the fp32 logits buffer of one chunk of the loss-fused forward: 1024 tokens at V=151936
-# (512 / 768 / 1024 / 2048-token chunks took 112 / 107 / 102 / 100 ms at N=16384, H=4096).
+# Bytes of the loss-fused forward's chunk buffer: 16-bit [C, padded V] (fp16 shifted logits, then grad_logits
+# in place), 2048 tokens at V=151936: the fp32 buffer of 1024 tokens that the cuBLAS-logits design needed.
 FUSED_LOSS_WORKSPACE_BYTES = 640 << 20
-# Rows of 16-bit grad_logits and of fp32 logits buffers are padded to this many columns (16-byte rows).
+# Rows of 16-bit grad_logits and fp16 logits buffers are padded to this many columns (16-byte rows).
 ROW_ALIGN = 64
 
 
 @dataclass(frozen=True)
 class Config:
-    """Tile shape and pipeline of one kernel; ``group`` token tiles are launched together for L2 reuse."""
+    """Tile shape and pipeline of one kernel; ``group`` token tiles are launched together for L2 reuse.
+
+    ``persistent``: one program per SM looping over the tiles (the backward's recompute kernel);
+    ``tma_store``: tiles written through the TMA engine (asynchronous, overlapping the next tile);
+    ``flatten``: Triton flattens the tile and K loops into one pipelined loop (next tile's loads during
+    this tile's epilogue); ``subtile``: the epilogue works on two half-width tiles in turn (fewer live
+    registers).
+    """
 
     block_t: int
     block_v: int
@@ -36,12 +43,23 @@ class Config:
     num_warps: int
     num_stages: int
     group: int = 8
+    persistent: bool = False
+    tma_store: bool = False
+    flatten: bool = False
+    subtile: bool = False
 
 
-# Forward 626 TFLOP/s with TMA loads; the grad_logits kernel is faster with plain pointer loads
-# (586 vs 558 TFLOP/s with TMA).
+# Forward 626 TFLOP/s with TMA loads (``flatten`` and ``subtile`` are options not yet timed on the GPU).
 FWD_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3, group=16)
-BWD_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3)
+# The per-token backward's recompute kernel: persistent, TMA loads and stores where the layout allows
+# (otherwise the pointer-load kernel, one tile per program). Per-token forward+backward at N=32768,
+# H=4096, V=151936 on the H200: 270.5 ms one tile per program, 261.7 persistent, 265.3 persistent + flatten.
+BWD_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3, persistent=True,
+                    tma_store=True)
+# The loss-fused forward's matmul + statistics + fp16 store kernel (same shape: 193.3 ms with flatten,
+# 200.9 without; 210.7 for the previous cuBLAS-logits design).
+LOSS_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3, group=16, tma_store=True,
+                     flatten=True)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -116,9 +134,20 @@ def backward_workspace_bytes(
 
 
 def default_loss_rows(vocab: int, budget: int = FUSED_LOSS_WORKSPACE_BYTES) -> int:
-    """Tokens per chunk of the loss-fused forward: its fp32 [C, padded V] logits buffer stays within ``budget``."""
-    rows = max(1, budget // (4 * padded_row(vocab)))
+    """Most tokens per chunk of the loss-fused forward: its 16-bit [C, padded V] buffer stays within ``budget``."""
+    rows = max(1, budget // (2 * padded_row(vocab)))
     return rows - rows % 128 if rows >= 256 else rows
+
+
+def loss_chunk_rows(n_tok: int, vocab: int, chunk_size: int | None = None,
+                    budget: int = FUSED_LOSS_WORKSPACE_BYTES) -> int:
+    """Tokens per chunk of the loss-fused forward: equal chunks of at most ``default_loss_rows`` tokens
+    (rounded up to 128-token tiles), so no chunk is a sliver; a caller's ``chunk_size`` wins."""
+    if chunk_size:
+        return min(chunk_size, n_tok)
+    most = default_loss_rows(vocab, budget)
+    chunks = cdiv(n_tok, most)
+    return min(most, n_tok, cdiv(cdiv(n_tok, chunks), 128) * 128)
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:

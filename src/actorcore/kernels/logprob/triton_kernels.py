@@ -20,7 +20,10 @@ def _tanh(x):
 @triton.jit
 def _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
                    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr):
-    """Fold one [BLOCK_T, BLOCK_V] tile of raw fp32 logits into the per-token running statistics."""
+    """Fold one [BLOCK_T, BLOCK_V] tile of raw fp32 logits into the per-token running statistics.
+
+    Also returns the tile's ``z - m_new`` (the loss-fused kernel stores it; other callers drop it).
+    """
     if HAS_SOFTCAP:
         acc = _tanh(acc * inv_softcap) * softcap
     col_ok = offs_v < V
@@ -34,7 +37,7 @@ def _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_s
     if ENTROPY:
         a = alpha * (a + (m - m_new) * s) + tl.sum(e * zc, axis=1)
     s = s * alpha + tl.sum(e, axis=1)
-    return m_new, s, a, zy
+    return m_new, s, a, zy, zc
 
 
 @triton.jit
@@ -43,13 +46,19 @@ def _grad_logits(x, hit, lse, ent, glp, gent, inv_temp, softcap, inv_softcap,
     """grad of (glp * logprob + gent * entropy) w.r.t. raw fp32 logits ``x``.
 
     ``hit`` marks the label's column; the per-token values broadcast against ``x`` (tiles pass
-    [BLOCK_T, 1] columns, row kernels pass scalars). Unused per-token values may be anything.
+    [BLOCK_T, 1] columns). Unused per-token values may be anything.
     """
     if HAS_SOFTCAP:
-        t = _tanh(x * inv_softcap)
-        z = t * softcap * inv_temp
+        z = _tanh(x * inv_softcap) * softcap * inv_temp
     else:
         z = x * inv_temp
+    return _grad_of_z(z, hit, lse, ent, glp, gent, inv_temp, softcap, HAS_SOFTCAP, HAS_GLP, HAS_GENT)
+
+
+@triton.jit
+def _grad_of_z(z, hit, lse, ent, glp, gent, inv_temp, softcap,
+               HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr):
+    """``_grad_logits`` from the scaled (capped) logits z: with a softcap, tanh(x / cap) = z * T / cap."""
     logp = z - lse
     p = tl.exp(logp)
     if HAS_GENT:
@@ -63,6 +72,7 @@ def _grad_logits(x, hit, lse, ent, glp, gent, inv_temp, softcap, inv_softcap,
         g += tl.where(hit, glp, 0.0)
     g = g * inv_temp
     if HAS_SOFTCAP:
+        t = z * (1.0 / (softcap * inv_temp))
         g = g * (1.0 - t * t)
     return g
 
@@ -150,8 +160,8 @@ def fwd_stats_kernel(
         offs_v = v_lo + i * BLOCK_V + tl.arange(0, BLOCK_V)
         w_base = w_ptr + (offs_v % V).to(tl.int64)[None, :] * stride_wv
         acc = _logits_tile(h_base, w_base, D, stride_hd, stride_wd, BLOCK_T, BLOCK_V, BLOCK_K, EVEN_K)
-        m, s, a, zy = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
-                                     HAS_SOFTCAP, ENTROPY)
+        m, s, a, zy, _ = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
+                                        HAS_SOFTCAP, ENTROPY)
     _store_split_stats(m_ptr, s_ptr, a_ptr, zy_ptr, pid_s * T, offs_t, T, m, s, a, zy, ENTROPY)
 
 
@@ -163,8 +173,10 @@ def fwd_stats_kernel_tma(
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
-    """As ``fwd_stats_kernel`` with TMA tile loads (zero fill out of bounds, no address arithmetic)."""
+    """As ``fwd_stats_kernel`` with TMA tile loads (zero fill out of bounds, no address arithmetic).
+    ``FLATTEN``: one pipelined loop over (tile, K) so the next tile's loads overlap this tile's epilogue."""
     pid_t, pid_s = _tile_ids(tl.program_id(0), tl.cdiv(T, BLOCK_T), num_splits, GROUP)
     off_t = pid_t * BLOCK_T
     offs_t = off_t + tl.arange(0, BLOCK_T)
@@ -172,7 +184,7 @@ def fwd_stats_kernel_tma(
     labels = tl.load(lab_ptr + rows_t).to(tl.int64)
     v_lo = pid_s * (TILES_PER_SPLIT * BLOCK_V)
     m, s, a, zy = _empty_stats(BLOCK_T)
-    for i in range(0, TILES_PER_SPLIT):
+    for i in tl.range(0, TILES_PER_SPLIT, flatten=FLATTEN):
         off_v = v_lo + i * BLOCK_V
         offs_v = off_v + tl.arange(0, BLOCK_V)
         acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
@@ -180,8 +192,8 @@ def fwd_stats_kernel_tma(
             x = h_desc.load([off_t, k])
             y = w_desc.load([off_v, k])
             acc = tl.dot(x, y.T, acc)
-        m, s, a, zy = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
-                                     HAS_SOFTCAP, ENTROPY)
+        m, s, a, zy, _ = _online_update(acc, offs_v, labels, V, m, s, a, zy, inv_temp, softcap, inv_softcap,
+                                        HAS_SOFTCAP, ENTROPY)
     _store_split_stats(m_ptr, s_ptr, a_ptr, zy_ptr, pid_s * T, offs_t, T, m, s, a, zy, ENTROPY)
 
 
@@ -196,7 +208,8 @@ def bwd_grad_logits_kernel(
 ):
     """grad_logits of one [BLOCK_T, BLOCK_V] tile of a backward block, its logits recomputed by tl.dot.
 
-    Pointer loads: a TMA variant measured slower here (docs/benchmarks.md), so there is none.
+    Pointer loads, one tile per program: the engine runs it where TMA cannot load the layout (elsewhere
+    ``bwd_grad_logits_persistent_kernel``, measured faster: docs/bench_head.md).
     """
     pid_t, pid_v = _tile_ids(tl.program_id(0), tl.cdiv(C, BLOCK_T), tl.cdiv(V, BLOCK_V), GROUP)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -210,74 +223,3 @@ def bwd_grad_logits_kernel(
     ok = (offs_t[:, None] < C) & (offs_v[None, :] < V)
     g_ptrs = g_ptr + offs_t.to(tl.int64)[:, None] * stride_gc + offs_v[None, :]
     tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def rows_stats_kernel(
-    l_ptr, lab_ptr, m_ptr, s_ptr, a_ptr, zy_ptr,
-    V, stride_l,
-    inv_temp, softcap, inv_softcap,
-    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Online statistics of one row of precomputed fp32 logits (the loss-fused path's cuBLAS logits)."""
-    row = tl.program_id(0).to(tl.int64)
-    label = tl.load(lab_ptr + row).to(tl.int64)
-    base = l_ptr + row * stride_l
-    m = tl.full((BLOCK,), _NEG, tl.float32)
-    s = tl.zeros((BLOCK,), tl.float32)
-    a = tl.zeros((BLOCK,), tl.float32)
-    zy = tl.zeros((BLOCK,), tl.float32)
-    for v0 in range(0, V, BLOCK):
-        offs = v0 + tl.arange(0, BLOCK)
-        ok = offs < V
-        x = tl.load(base + offs, mask=ok, other=0.0)
-        if HAS_SOFTCAP:
-            x = _tanh(x * inv_softcap) * softcap
-        z = tl.where(ok, x * inv_temp, _NEG)
-        zy += tl.where((offs == label) & ok, z, 0.0)
-        m_new = tl.maximum(m, z)
-        alpha = tl.exp(m - m_new)
-        zc = z - m_new
-        e = tl.exp(zc)
-        if ENTROPY:
-            a = alpha * (a + (m - m_new) * s) + e * zc
-        s = s * alpha + e
-        m = m_new
-    # merge the BLOCK lanes
-    m_row = tl.max(m, axis=0)
-    scale = tl.exp(m - m_row)
-    s_row = tl.sum(s * scale, axis=0)
-    tl.store(m_ptr + row, m_row)
-    tl.store(s_ptr + row, s_row)
-    tl.store(zy_ptr + row, tl.sum(zy, axis=0))
-    if ENTROPY:
-        tl.store(a_ptr + row, tl.sum(scale * (a + (m - m_row) * s), axis=0))
-
-
-@triton.jit
-def rows_grad_inplace_kernel(
-    l_ptr, g_ptr, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
-    V, stride_l, stride_g,
-    inv_temp, softcap, inv_softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """grad_logits of one row written over that row's fp32 logits (``g_ptr`` is a 16-bit view of them).
-
-    Element j of G lands on bytes [2j, 2j+2) of the row, i.e. inside fp32 elements already read: one
-    program walks the row in order, and a barrier between each piece's loads and its stores keeps every
-    warp's reads ahead of the writes that overwrite them.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    label = tl.load(lab_ptr + row).to(tl.int64)
-    lse = tl.load(lse_ptr + row)
-    ent = tl.load(ent_ptr + row)
-    glp = tl.load(glp_ptr + row)
-    gent = tl.load(gent_ptr + row)
-    for v0 in range(0, V, BLOCK):
-        offs = v0 + tl.arange(0, BLOCK)
-        ok = offs < V
-        x = tl.load(l_ptr + row * stride_l + offs, mask=ok, other=0.0)
-        g = _grad_logits(x, offs == label, lse, ent, glp, gent, inv_temp, softcap, inv_softcap,
-                         HAS_SOFTCAP, HAS_GLP, HAS_GENT)
-        tl.debug_barrier()
-        tl.store(g_ptr + row * stride_g + offs, g.to(g_ptr.dtype.element_ty), mask=ok)
