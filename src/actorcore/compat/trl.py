@@ -22,7 +22,9 @@ whole. Refused with a ``ValueError``: the MoE load-balancing loss (``compute_aux
 of other VLM families (``pixel_attention_mask``, ``spatial_shapes``, ``num_tiles``, ``image_sizes``,
 ``image_position_ids``, ``token_type_ids``). LoRA (``peft_config``: the ``PeftModel``, also with its adapters
 disabled for the reference) and gradient checkpointing go through unchanged. A model that accelerate wrapped
-(DDP) is run inside the wrapper's forward, so its gradient hooks apply.
+(DDP) is run inside the wrapper's forward, so that its gradient hooks apply (not yet run on several ranks).
+
+Versions: trl 1.16 (the method's signature is checked at patch time; another signature is refused).
 """
 
 from __future__ import annotations
