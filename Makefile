@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 # The compat layers' tests: trl into the venv (pure Python, plus datasets); verl 0.7.1 and 0.9.1 with --no-deps into
 # their own folders (one process can import one verl), sharing one folder of the modules their imports need. None of
-# these touches torch or transformers. About 25 s and 410 MB (ray is 240 of them).
+# these touches torch or transformers. Measured: about 60 s and 520 MB (ray 240 MB, pyarrow for trl's datasets 170).
 RL_STAMP := $(VENV)/.installed-rl
 VERL_DEPS := ray==2.60.0 tensordict==0.15.3 pyvers==0.2.3 omegaconf==2.4.0 codetiming==1.4.0 einops==0.8.2 \
   cloudpickle==3.1.3 msgpack==1.2.4 protobuf==7.36.2 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 \
