@@ -38,9 +38,9 @@ demo: $(STAMP)
 # tests/verl runs once per verl version; ACTORCORE_REQUIRE_VERL makes a missing verl an error there, not a skip.
 test: $(STAMP) $(RL_STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/verl
-	ACTORCORE_REQUIRE_VERL=0.7 PYTHONPATH=$(VENV)/verl-0.7.1:$(VENV)/verl-deps $(BIN)/python -m pytest -q \
+	ACTORCORE_REQUIRE_VERL=0.7 PYTHONPATH=$(CURDIR)/$(VENV)/verl-0.7.1:$(CURDIR)/$(VENV)/verl-deps $(BIN)/python -m pytest -q \
 	  tests/verl/test_dp_actor.py tests/verl/test_dp_actor_update.py
-	ACTORCORE_REQUIRE_VERL=0.9 PYTHONPATH=$(VENV)/verl-0.9.1:$(VENV)/verl-deps $(BIN)/python -m pytest -q \
+	ACTORCORE_REQUIRE_VERL=0.9 PYTHONPATH=$(CURDIR)/$(VENV)/verl-0.9.1:$(CURDIR)/$(VENV)/verl-deps $(BIN)/python -m pytest -q \
 	  tests/verl/test_engine_fsdp.py
 
 clean:
