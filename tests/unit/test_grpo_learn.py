@@ -9,8 +9,9 @@ A reduced run (8 GRPO steps, 4 prompts x 16 responses, 2 optimizer steps per bat
   gradient's size, so rounding-level differences in tiny gradients become visible log-prob differences.
 
 Measured with these settings (untrained -> trained mean reward, sampled answers to all 100 prompts):
-seed 0: 0.008 -> 0.158; per step, log-probs within 1.2e-6 and gradients within 5.9e-6 (relative) of the plain
-loop. The test runs seed 0 and asserts a margin well under the smallest measured gain.
+seed 0: 0.008 -> 0.158, seed 1: 0.006 -> 0.158, seed 2: 0.006 -> 0.182 (gains 0.150, 0.152, 0.176); seed 0 per
+step: log-probs within 1.2e-6 and gradients within 5.9e-6 (relative) of the plain loop. The test runs seed 0 and
+asserts half the smallest measured gain.
 """
 
 import importlib
@@ -20,7 +21,7 @@ from pathlib import Path
 from actorcore.testing.tolerances import TOL
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-MARGIN = 0.05
+MARGIN = 0.075
 
 
 def _example():
