@@ -1,4 +1,7 @@
-"""GRPO that visibly learns, on the CPU in a few minutes: the embedded tiny Qwen3 learns to answer "a + b =".
+"""GRPO that visibly learns, on the CPU: the embedded tiny Qwen3 learns to answer "a + b =".
+
+Measured: 8 steps (4 prompts x 16 responses) lift the mean reward from 0.006-0.008 to 0.158-0.182 over three seeds;
+they took 4-5 minutes on a shared 2-core machine under a load of about 20 (the 200-step default was not timed).
 
     python examples/grpo_learn.py                  # 200 steps, a table, grpo_learn.png (matplotlib if installed)
     python examples/grpo_learn.py --steps 40 --twin  # also check every step against a plain-transformers loop
