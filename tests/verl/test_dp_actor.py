@@ -10,9 +10,11 @@ in tests/verl/README.md.
 """
 
 import pytest
+from verl_required import import_verl_or_skip
 import torch
 
-pytest.importorskip("verl.workers.actor.dp_actor", reason="verl (0.7.x, with the modules it imports) not installed")
+import_verl_or_skip("verl.workers.actor.dp_actor", "0.7",
+                    reason="verl (0.7.x, with the modules it imports) not installed")
 
 from actorcore.testing.distributed import run_distributed  # noqa: E402
 from actorcore.testing.tolerances import TOL  # noqa: E402
@@ -40,12 +42,12 @@ def _reference(model):
     return lps, ents
 
 
-def _actor(model, sp, fused):
+def _actor(model, sp, fused, remove_padding=True):
     from omegaconf import OmegaConf
     from verl.workers.actor.dp_actor import DataParallelPPOActor
 
     config = OmegaConf.create({
-        "use_remove_padding": True, "use_fused_kernels": fused, "ulysses_sequence_parallel_size": sp,
+        "use_remove_padding": remove_padding, "use_fused_kernels": fused, "ulysses_sequence_parallel_size": sp,
         "use_dynamic_bsz": False, "use_prefix_grouper": False, "entropy_from_logits_with_chunking": False,
         "use_torch_compile": False, "entropy_checkpointing": False, "fsdp_config": {"dtype": "float32"},
     })
@@ -83,7 +85,30 @@ def _worker(rank, world_size):
         results[fused] = max(max((lp[i, :r] - want_lp[i]).abs().max().item(),
                                  (ent[i, :r] - want_ent[i]).abs().max().item()) for i, r in enumerate(RESPONSES))
     results["critic"] = _critic_worst(world_size)
+    if world_size == 1:  # verl's padded path (Ulysses needs remove-padding)
+        results.update(_padded_fused_worst(want_lp, want_ent))
     return results
+
+
+def _padded_fused_worst(want_lp, want_ent):
+    """``use_remove_padding=False`` with fused kernels: verl's padded [B, S] micro-batch through actorcore's patch,
+    against plain transformers one sequence at a time and against verl's own padded path (the unpatched model's
+    logits, verl's log-softmax)."""
+    from actorcore.compat.verl import apply_monkey_patch
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    model = build_tiny_model("qwen2", seed=3)
+    apply_monkey_patch(model, ulysses_sp_size=1, use_remove_padding=False, use_fused_kernels=True)
+    got = _actor(model, 1, True, remove_padding=False)._forward_micro_batch(
+        _micro_batch(), temperature=TEMPERATURE, calculate_entropy=True)
+    verls = _actor(build_tiny_model("qwen2", seed=3), 1, False, remove_padding=False)._forward_micro_batch(
+        _micro_batch(), temperature=TEMPERATURE, calculate_entropy=True)
+    lp, ent = got["log_probs"].detach(), got["entropys"].detach()
+    vs_plain = max(max((lp[i, :r] - want_lp[i]).abs().max().item(), (ent[i, :r] - want_ent[i]).abs().max().item())
+                   for i, r in enumerate(RESPONSES))
+    vs_verl = max(max((lp[i, :r] - verls["log_probs"][i, :r]).abs().max().item(),
+                      (ent[i, :r] - verls["entropys"][i, :r]).abs().max().item()) for i, r in enumerate(RESPONSES))
+    return {"padded_fused_vs_plain": vs_plain, "padded_fused_vs_verl_padded": vs_verl}
 
 
 def _critic_worst(world_size):
@@ -116,3 +141,5 @@ def test_verl_dp_actor_and_critic_forward_micro_batch_match_plain_hf(world_size)
     for rank, res in enumerate(run_distributed(_worker, world_size)):
         for path, worst in res.items():
             assert worst <= TOL["packed_vs_hf_fp32"], f"rank {rank} {path} (True/False: fused): max |Δ| {worst:.2e}"
+        if world_size == 1:
+            assert {"padded_fused_vs_plain", "padded_fused_vs_verl_padded"} <= set(res)

@@ -20,9 +20,11 @@ Installs nothing: skipped where ``verl.workers.actor.dp_actor`` cannot be import
 """
 
 import pytest
+from verl_required import import_verl_or_skip
 import torch
 
-pytest.importorskip("verl.workers.actor.dp_actor", reason="verl (0.7.x, with the modules it imports) not installed")
+import_verl_or_skip("verl.workers.actor.dp_actor", "0.7",
+                    reason="verl (0.7.x, with the modules it imports) not installed")
 
 from actorcore.testing.distributed import run_distributed  # noqa: E402
 from actorcore.testing.tolerances import TOL  # noqa: E402

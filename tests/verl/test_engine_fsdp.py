@@ -25,6 +25,7 @@ import contextlib
 import functools
 
 import pytest
+from verl_required import import_verl_or_skip
 import torch
 
 from actorcore.testing.distributed import run_distributed
@@ -73,10 +74,10 @@ def _use_the_cpu_as_verls_platform():
     platform_manager.set_platform(PlatformCPU())
 
 
-pytest.importorskip("verl.plugin.platform.platform_manager", reason="verl (0.9.x) not installed")
+import_verl_or_skip("verl.plugin.platform.platform_manager", "0.9", reason="verl (0.9.x) not installed")
 if not torch.cuda.is_available():
     _use_the_cpu_as_verls_platform()
-pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
+import_verl_or_skip("verl.workers.engine.fsdp.transformer_impl", "0.9",
                     reason="verl (0.9.x, with the modules it imports) not installed")
 
 
@@ -89,19 +90,28 @@ def _use_verls_torch_padding_helpers():
     attention_utils._get_attention_functions = lambda: helpers
 
 
+def _hide_trl_from_verls_patch():
+    """verl 0.9.1's own apply_monkey_patch imports ``AutoModelForCausalLMWithValueHead`` from trl whenever trl is
+    importable; trl 1.16 (installed for the TRL tests) no longer has it, so verl's patch fails with an ImportError.
+    The value-head wrapper is not used here: tell verl's patch that trl is absent."""
+    from verl.models.transformers import monkey_patch
+
+    monkey_patch.is_trl_available = lambda: False
+
+
 def _padded_batch():
     return padded_rollout(PROMPTS, RESPONSES, seed=17, ppo=True)
 
 
-def _engine_data(fused):
+def _engine_data(fused, remove_padding=True):
     """The engine's no-padding TensorDict, made by verl's own converter."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
     data = left_right_2_no_padding(TensorDict(_padded_batch(), batch_size=[len(PROMPTS)]))
-    tu.assign_non_tensor(data, temperature=TEMPERATURE, calculate_entropy=True, use_remove_padding=True,
-                         use_fused_kernels=fused, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+    tu.assign_non_tensor(data, temperature=TEMPERATURE, calculate_entropy=True,
+                         use_remove_padding=remove_padding, use_fused_kernels=fused, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
                          global_batch_size=len(PROMPTS))
     return data
 
@@ -120,13 +130,14 @@ def _reference():
     return out
 
 
-def _engine(path, patch, fused, sp):
+def _engine(path, patch, fused, sp, remove_padding=True):
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp import transformer_impl
 
     transformer_impl.apply_monkey_patch = patch
-    model_config = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=True, use_fused_kernels=fused,
+    model_config = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=remove_padding,
+                                 use_fused_kernels=fused,
                                  fused_kernel_options={"impl_backend": "torch"} if fused else {},
                                  override_config={"attn_implementation": "sdpa"})
     engine_config = FSDPEngineConfig(strategy="fsdp2", ulysses_sequence_parallel_size=sp, use_torch_compile=False,
@@ -139,7 +150,7 @@ def _engine(path, patch, fused, sp):
     return engine
 
 
-def _ppo_gradients(engine, fused):
+def _ppo_gradients(engine, fused, remove_padding=True):
     """One forward_backward_batch of verl's ppo_loss (clip, entropy bonus, low-var KL); full gradients by name."""
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
@@ -148,7 +159,7 @@ def _ppo_gradients(engine, fused):
                              use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", clip_ratio=0.2)
     engine.optimizer_zero_grad()
     with engine.train_mode():  # which zeroes the gradients on exit
-        engine.forward_backward_batch(_engine_data(fused), functools.partial(ppo_loss, config), forward_only=False)
+        engine.forward_backward_batch(_engine_data(fused, remove_padding), functools.partial(ppo_loss, config), forward_only=False)
         return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                 for n, p in engine.module.named_parameters()}
 
@@ -160,24 +171,26 @@ def _worker(rank, world_size, path):
     from verl.workers.engine.fsdp import transformer_impl
 
     verls_patch = transformer_impl.apply_monkey_patch
+    _hide_trl_from_verls_patch()
     want = _reference()
     # verl's own patch, logits path, no SP (on 2 ranks: dp=2 on the same data, the same gradients). Its fused
     # torch forward is not the reference: under FSDP2 here it fails (module docstring).
     ref_grads = _ppo_gradients(_engine(path, verls_patch, False, 1), False)
     result = {}
-    for fused in (False, True):
-        engine = _engine(path, apply_monkey_patch, fused, world_size)
+    # (fused, remove_padding): verl's padded path (use_remove_padding=False) exists without Ulysses only
+    for fused, remove_padding in ((False, True), (True, True)) + (((True, False),) if world_size == 1 else ()):
+        engine = _engine(path, apply_monkey_patch, fused, world_size, remove_padding)
         forward = engine.module.__dict__.get("forward")
         assert isinstance(forward, VerlForward), "actorcore's forward is not installed"
         assert isinstance(forward.parallel, VerlUlyssesGroup) == (world_size > 1), "not on verl's Ulysses group"
         with engine.eval_mode():
-            out = engine.infer_batch(_engine_data(fused))["model_output"]
+            out = engine.infer_batch(_engine_data(fused, remove_padding))["model_output"]
         worst = 0.0
         for (lp, ent), (want_lp, want_ent) in zip(zip(out["log_probs"].unbind(), out["entropy"].unbind()), want):
             n = want_lp.numel()  # the last position predicts the next sequence's first token: verl never reads it
             worst = max(worst, (lp[:n] - want_lp).abs().max().item(), (ent[:n] - want_ent).abs().max().item())
-        grads = _ppo_gradients(engine, fused)
-        result[fused] = {"forward": worst, "grad_rel": max((grads[n] - g).abs().max().item() / g.abs().max().item()
+        grads = _ppo_gradients(engine, fused, remove_padding)
+        result[(fused, remove_padding)] = {"forward": worst, "grad_rel": max((grads[n] - g).abs().max().item() / g.abs().max().item()
                                                            for n, g in ref_grads.items())}
     return result
 
@@ -189,7 +202,8 @@ def test_verl_fsdp_engine_on_actorcore_patch_matches_plain_transformers_and_verl
     build_tiny_model("qwen2", seed=3).save_pretrained(tmp_path)
     for rank, res in enumerate(run_distributed(_worker, world_size, (str(tmp_path),))):
         print(world_size, rank, res)
-        for fused, r in res.items():
-            where = f"rank {rank} sp={world_size} fused={fused}"
+        assert len(res) == (3 if world_size == 1 else 2)
+        for (fused, remove_padding), r in res.items():
+            where = f"rank {rank} sp={world_size} fused={fused} remove_padding={remove_padding}"
             assert r["forward"] <= TOL["packed_vs_hf_fp32"], f"{where}: log-prob/entropy |Δ| {r['forward']:.2e}"
             assert r["grad_rel"] <= TOL["grad_packed_vs_hf_fp32_rel"], f"{where}: gradient rel |Δ| {r['grad_rel']:.2e}"

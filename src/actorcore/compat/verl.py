@@ -22,6 +22,12 @@ Contract of the patched forward (verl's remove-padding layout):
   FSDP holds), so verl's in-place ``logits.div_(temperature)`` keeps the backward hooks FSDP registered on it.
 - Critics and reward models (``...ForTokenClassification`` / ``...ForSequenceClassification`` with one label):
   ``logits`` is ``(1, total_nnz, 1)``, the float32 value at every token, as verl's critic reads it.
+- ``use_remove_padding=False`` with ``use_fused_kernels=True`` (verl's padded path): ``input_ids``,
+  ``attention_mask`` and ``position_ids`` are ``[B, S]`` rows (left and/or right padding, one contiguous run of
+  real tokens each); the rows are packed without their padding and ``log_probs`` / ``entropy`` come back
+  ``[B, S]`` float32 in the rows' own layout, at verl's alignment (position ``t`` holds ``log p(input_ids[t + 1])``),
+  0 at padding and at each row's last real token. Without fused kernels verl's padded path runs the model's own
+  forward (nothing is installed).
 - Zero tokens (``input_ids`` of shape ``(1, 0)``) is a ``ValueError``, not an empty output: verl never runs an
   empty micro-batch, and a rank that skipped the decoder would leave the other ranks' FSDP collectives waiting.
 """
@@ -205,7 +211,7 @@ def apply_monkey_patch(model: torch.nn.Module, ulysses_sp_size: int = 1, use_rem
     handle = patch_model(model, parallel=ctx, tiled_mlp_shards=shards)
     if use_remove_padding or use_fused_kernels:
         kind = "values" if critic else "log_probs" if use_fused_kernels else "logits"
-        _install_forward(handle, model, ctx, kind)
+        _install_forward(handle, model, ctx, kind, padded=not use_remove_padding)
     logger.info("verl-style patch: ulysses_sp_size=%d remove_padding=%s fused_kernels=%s tiled_mlp=%s critic=%s",
                 ulysses_sp_size, use_remove_padding, use_fused_kernels, shards, critic)
     return handle
@@ -219,10 +225,11 @@ class VerlForward:
     process-wide groups; pickling one with groups is refused). ``kind``: "log_probs", "logits" or "values".
     """
 
-    def __init__(self, model: torch.nn.Module, parallel: Any, kind: str) -> None:
+    def __init__(self, model: torch.nn.Module, parallel: Any, kind: str, padded: bool = False) -> None:
         self.model = model
         self.parallel = parallel
         self.kind = kind
+        self.padded = padded  # verl's padded [B, S] layout (use_remove_padding=False, fused kernels)
 
     def __call__(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, temperature: float = 1.0, labels: Any = None,
@@ -230,6 +237,9 @@ class VerlForward:
         """Packed forward; runs inside ``model(...)`` so FSDP hooks apply."""
         from actorcore.hf.logprobs import logprobs_inside_forward, values_inside_forward
 
+        if self.padded:
+            return self._padded_log_probs(input_ids, attention_mask, position_ids, temperature, labels, shift_labels,
+                                          unused)
         if attention_mask is not None:
             raise ValueError("the remove-padding forward takes attention_mask=None; sequences are delimited by "
                              "position_ids restarts")
@@ -257,6 +267,45 @@ class VerlForward:
             values_T = values_inside_forward(self.model, batch, parallel=ctx)
             return output_class(logits=_my_slice(values_T, ctx)[None, :, None])
         return output_class(logits=_packed_logits(self.model, batch, ctx))
+
+
+    def _padded_log_probs(self, input_ids: Any, attention_mask: Any, position_ids: Any, temperature: float,
+                          labels: Any, shift_labels: Any, unused: dict) -> Any:
+        """verl's padded fused forward: pack the ``[B, S]`` rows, score them, return ``[B, S]`` in their layout."""
+        from actorcore.batch import packed_to_grid
+        from actorcore.hf.logprobs import logprobs_inside_forward
+
+        if labels is not None or shift_labels is not None:
+            raise ValueError("labels / shift_labels are not accepted: each token's label is the next token of its row")
+        for key in ("inputs_embeds", "pixel_values"):
+            if unused.get(key) is not None:
+                raise ValueError(f"{key} is not supported by actorcore's verl entry point")
+        batch = _batch_from_padded(input_ids, attention_mask, position_ids)
+        out = logprobs_inside_forward(self.model, batch, temperature=temperature, entropy=True, parallel=None)
+        return _output_class()(
+            log_probs=packed_to_grid(to_predicting_position(out.log_probs, batch), attention_mask),
+            entropy=packed_to_grid(to_predicting_position(out.entropy, batch), attention_mask))
+
+
+def _batch_from_padded(input_ids: Any, attention_mask: Any, position_ids: Any) -> PackedBatch:
+    """verl's padded ``[B, S]`` rows -> PackedBatch; the given positions must count 0, 1, ... over each row's
+    real tokens (what verl computes from the mask), checked where it costs no device sync (not on CUDA)."""
+    from actorcore.batch import pack_padded
+
+    if attention_mask is None:
+        raise ValueError("use_remove_padding=False: the forward needs verl's [B, S] attention_mask (it says where "
+                         "each row's padding is); got None")
+    batch = pack_padded(input_ids, attention_mask)
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.shape != input_ids.shape:
+            got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+            raise ValueError(f"position_ids must be [B, S] like input_ids {tuple(input_ids.shape)}, got {got}; "
+                             "M-RoPE position ids are not supported by this entry point")
+        if not position_ids.is_cuda and not torch.equal(position_ids[attention_mask.bool()].long().cpu(),
+                                                        batch.position_ids.cpu()):
+            raise ValueError("position_ids do not count 0, 1, ... over each row's real tokens (verl's "
+                             "cumsum(attention_mask) - 1); actorcore restarts positions at every row's first token")
+    return batch
 
 
 def _check_slice(input_ids: Any, other: Any, name: str = "position_ids") -> None:
@@ -308,7 +357,7 @@ def _my_slice(full_T: torch.Tensor, ctx: Any) -> torch.Tensor:
     return full_T[ctx.sp_rank * n:(ctx.sp_rank + 1) * n]
 
 
-def _install_forward(handle: PatchHandle, model: torch.nn.Module, ctx: Any, kind: str) -> None:
+def _install_forward(handle: PatchHandle, model: torch.nn.Module, ctx: Any, kind: str, padded: bool) -> None:
     had_own = "forward" in model.__dict__
     previous = model.__dict__.get("forward")
 
@@ -319,7 +368,7 @@ def _install_forward(handle: PatchHandle, model: torch.nn.Module, ctx: Any, kind
             model.__dict__.pop("forward", None)
 
     handle.add_undo(restore)
-    model.__dict__["forward"] = VerlForward(model, ctx, kind)
+    model.__dict__["forward"] = VerlForward(model, ctx, kind, padded)
 
 
 def _packed_logits(model: torch.nn.Module, batch: PackedBatch, ctx: Any) -> torch.Tensor:

@@ -1,0 +1,172 @@
+"""TRL entry point: ``patch_trainer(trainer)`` puts a ``GRPOTrainer``'s (or ``RLOOTrainer``'s) per-token
+log-probs and entropies on actorcore, for that trainer instance only; ``handle.revert()`` gives TRL's back.
+
+Switch (trl 1.16)::
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data)
+    handle = actorcore.compat.trl.patch_trainer(trainer)
+    trainer.train()
+
+What changes: TRL's ``_get_per_token_logps_and_entropies`` runs the model on padded ``[B, S]`` micro-batches
+(left-padded prompts + right-padded completions) through its chunked LM head. The patched method packs the
+rows without padding (``actorcore.compute_logprobs_padded``) and scores them with actorcore's fused fp32 head;
+everything else in TRL (generation, rewards, advantages, its loss) is TRL's own.
+
+The contract kept, exactly as trl 1.16 defines it: returns ``(log_probs, entropies, aux_loss)``; ``log_probs`` and
+``entropies`` are ``[B, logits_to_keep]`` float32, position ``j`` holding token ``input_ids[:, S - logits_to_keep
++ j]``, 0 where ``attention_mask`` is 0; ``entropies`` is None unless ``compute_entropy``; ``aux_loss`` is None.
+Logits are divided by ``trainer.temperature`` (after the model's own softcap / logit scale, as TRL does). Text
+rows are processed ``batch_size`` rows at a time as TRL does (the peak memory TRL's setting asks for); a
+multimodal batch (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4V: ``pixel_values`` + ``image_grid_thw``) is packed
+whole. Refused with a ``ValueError``: the MoE load-balancing loss (``compute_aux_loss``), and the image inputs
+of other VLM families (``pixel_attention_mask``, ``spatial_shapes``, ``num_tiles``, ``image_sizes``,
+``image_position_ids``, ``token_type_ids``). LoRA (``peft_config``: the ``PeftModel``, also with its adapters
+disabled for the reference) and gradient checkpointing go through unchanged. A model that accelerate wrapped
+(DDP) is run inside the wrapper's forward, so that its gradient hooks apply (not yet run on several ranks).
+
+Versions: trl 1.16 (the method's signature is checked at patch time; another signature is refused).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRAINER_METHOD = "_get_per_token_logps_and_entropies"
+HANDLE_ATTR = "_actorcore_trl_patch"
+TRAINER_CLASSES = ("GRPOTrainer", "RLOOTrainer")
+# The keywords trl 1.16 passes; a TRL whose method takes others is refused at patch time (its contract moved).
+TRL_ARGUMENTS = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+                 "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                 "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
+                 "image_position_ids")
+UNSUPPORTED_IMAGE_INPUTS = ("pixel_attention_mask", "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                            "image_position_ids")
+
+
+@dataclass
+class TrainerPatchHandle:
+    """What ``patch_trainer`` changed on one trainer; ``revert()`` restores TRL's own method (once).
+
+    ``trace`` counts the patched calls (``trl:calls``) and actorcore's per-call trace keys (packed attention per
+    layer, fused head), so a test or a user can see that the fast path ran."""
+
+    trainer: Any
+    previous: Any = None
+    had_own: bool = False
+    trace: Counter = field(default_factory=Counter)
+    reverted: bool = False
+
+    def revert(self) -> None:
+        if self.reverted:
+            raise ValueError("this TRL patch was already reverted")
+        state = self.trainer.__dict__
+        if self.had_own:
+            state[TRAINER_METHOD] = self.previous
+        else:
+            state.pop(TRAINER_METHOD, None)
+        state.pop(HANDLE_ATTR, None)
+        self.reverted = True
+        logger.info("reverted actorcore's TRL patch on %s", type(self.trainer).__name__)
+
+
+def _trl_trainer_classes() -> tuple[type, ...]:
+    try:
+        import trl
+    except ImportError as err:
+        raise ImportError("actorcore.compat.trl needs trl (pip install trl==1.16.0)") from err
+    return tuple(getattr(trl, name) for name in TRAINER_CLASSES if hasattr(trl, name))
+
+
+def _check_trainer(trainer: Any) -> None:
+    classes = _trl_trainer_classes()
+    if not isinstance(trainer, classes):
+        raise ValueError(f"patch_trainer() takes a TRL {' or '.join(TRAINER_CLASSES)} instance, got "
+                         f"{type(trainer).__name__}; other trainers compute log-probs elsewhere and are not patched")
+    if HANDLE_ATTR in trainer.__dict__:
+        raise ValueError("this trainer is already patched by actorcore; call handle.revert() before patching again")
+    own = getattr(type(trainer), TRAINER_METHOD, None)
+    params = tuple(inspect.signature(own).parameters)[1:] if own is not None else ()
+    if params != TRL_ARGUMENTS:
+        import trl
+
+        raise ValueError(f"trl {trl.__version__}'s {type(trainer).__name__}.{TRAINER_METHOD} takes {params}, not "
+                         f"trl 1.16's {TRL_ARGUMENTS}: this TRL version is not supported by actorcore.compat.trl "
+                         "(pip install trl==1.16.0)")
+
+
+def patch_trainer(trainer: Any) -> TrainerPatchHandle:
+    """Bind actorcore's per-token log-prob method on this trainer instance; returns the handle (``revert()``)."""
+    _check_trainer(trainer)
+    state = trainer.__dict__
+    handle = TrainerPatchHandle(trainer, previous=state.get(TRAINER_METHOD), had_own=TRAINER_METHOD in state)
+    state[HANDLE_ATTR] = handle
+    state[TRAINER_METHOD] = types.MethodType(per_token_logps_and_entropies, trainer)
+    logger.info("%s computes per-token log-probs through actorcore (temperature %s)", type(trainer).__name__,
+                trainer.temperature)
+    return handle
+
+
+def per_token_logps_and_entropies(self: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                  logits_to_keep: int, batch_size: int | None = None, compute_entropy: bool = False,
+                                  compute_aux_loss: bool = False, pixel_values: Any = None, image_grid_thw: Any = None,
+                                  num_images: Any = None, mm_token_type_ids: Any = None, **other_inputs: Any):
+    """trl 1.16's ``_get_per_token_logps_and_entropies`` on actorcore (module docstring): bound on the trainer."""
+    if compute_aux_loss:
+        raise ValueError("the MoE load-balancing loss (compute_aux_loss, from the model config's "
+                         "output_router_logits=True) is not computed by actorcore's TRL patch; set "
+                         "model.config.output_router_logits = False before building the trainer, or handle.revert()")
+    given = sorted(k for k, v in other_inputs.items() if v is not None)
+    if given:
+        raise ValueError(f"image inputs {given} (VLM families other than Qwen-VL / GLM-4V) are not supported by "
+                         "actorcore's TRL patch; handle.revert() to use TRL's own path for this model")
+    trace = self.__dict__[HANDLE_ATTR].trace
+    trace["trl:calls"] += 1
+    multimodal = {k: v for k, v in (("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw),
+                                    ("mm_token_type_ids", mm_token_type_ids)) if v is not None}
+    rows = input_ids.shape[0] if multimodal else (batch_size or input_ids.shape[0])
+    inner = self.accelerator.unwrap_model(model)
+    log_probs, entropies = [], []
+    for start in range(0, input_ids.shape[0], rows):
+        chunk = slice(start, start + rows)
+        with self.accelerator.autocast():
+            out = _run_as_forward(model, inner, lambda: _scored(
+                inner, input_ids[chunk], attention_mask[chunk], self.temperature, compute_entropy, trace, multimodal))
+        log_probs.append(out[0][:, -logits_to_keep:])
+        if compute_entropy:
+            entropies.append(out[1][:, -logits_to_keep:])
+    return torch.cat(log_probs), (torch.cat(entropies) if compute_entropy else None), None
+
+
+def _scored(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, entropy: bool,
+            trace: Counter, multimodal: dict) -> tuple[torch.Tensor, ...]:
+    """``[B, S]`` log-probs (and entropies) in the rows' own layout, a tuple (what a DDP wrapper can return)."""
+    import actorcore
+
+    out = actorcore.compute_logprobs_padded(model, input_ids, attention_mask, temperature=temperature, entropy=entropy,
+                                  trace=trace, **multimodal)
+    return (out.log_probs,) if out.entropy is None else (out.log_probs, out.entropy)
+
+
+def _run_as_forward(wrapper: Any, inner: Any, fn: Any) -> Any:
+    """Run ``fn`` inside ``wrapper``'s forward when accelerate wrapped the model (DDP: its forward prepares the
+    gradient reduction); plain models run ``fn`` directly (``compute_logprobs`` runs as their own forward)."""
+    if wrapper is inner:
+        return fn()
+    had_own, own = "forward" in inner.__dict__, inner.__dict__.get("forward")
+    inner.forward = lambda actorcore_thunk: actorcore_thunk()
+    try:
+        return wrapper(actorcore_thunk=fn)
+    finally:
+        if had_own:
+            inner.forward = own
+        else:
+            del inner.forward

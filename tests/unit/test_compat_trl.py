@@ -1,0 +1,164 @@
+"""TRL's own GRPOTrainer / RLOOTrainer on ``actorcore.compat.trl.patch_trainer``, on tiny models on the CPU.
+
+Per token, the patched ``_get_per_token_logps_and_entropies`` equals TRL's own method (fp32 model, temperature
+0.7) on the trainer's own rollout batch (left-padded prompts, right-padded completions of varying lengths), with
+chunking (``batch_size``), LoRA (TRL's ``peft_config``) and the PEFT reference (adapters disabled);
+``trainer.train()`` runs on the patch (with gradient checkpointing) and the patched path is seen to run (trace);
+``revert()`` restores TRL's method. Skipped where trl is not installed (``make test`` installs trl==1.16.0).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="trl not installed (pip install trl==1.16.0)")
+
+from actorcore.compat.trl import TRAINER_METHOD, patch_trainer  # noqa: E402
+from actorcore.testing.tiny_configs import build_tiny_model  # noqa: E402
+from actorcore.testing.tolerances import TOL  # noqa: E402
+
+VOCAB = 131
+TEMPERATURE = 0.7
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _dataset():
+    """Five prompts of 2..6 tokens: any two differ in length, so every batch carries left padding."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(11)
+    prompts = [" ".join(f"w{int(t)}" for t in torch.randint(3, VOCAB, (k,), generator=g)) for k in range(2, 7)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def _reward(completions, **_):
+    """Share of even word ids: a cheap, verifiable toy reward."""
+    return [sum(int(w[1:]) % 2 == 0 for w in c.split() if w.startswith("w")) / max(1, len(c.split()))
+            for c in completions]
+
+
+def _trainer(tmp_path, kind="grpo", peft_config=None, max_steps=2, **args):
+    """TRL's trainer on a tiny Qwen2 (fp32). Saved first: without PEFT, TRL loads its reference from the path."""
+    import trl
+
+    model = build_tiny_model("qwen2", seed=4, attn_implementation="sdpa")
+    model.config.eos_token_id, model.config.pad_token_id = 1, 0
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    _make_eos_likely(model)
+    model.save_pretrained(tmp_path / "model")
+    model.config._name_or_path = str(tmp_path / "model")
+    config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
+    config = config_cls(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=max_steps,
+                        per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                        temperature=TEMPERATURE, beta=0.1, learning_rate=1e-3, bf16=False, logging_steps=1, save_strategy="no",
+                        seed=0, **args)
+    return trainer_cls(model=model, reward_funcs=_reward, args=config, train_dataset=_dataset(),
+                       processing_class=_tokenizer(), peft_config=peft_config)
+
+
+def _make_eos_likely(model):
+    """Point the eos row of the lm head along the mean hidden state (about 0.1 per step at temperature 0.7), so
+    that completions end at varying lengths and the batch carries right padding as well as left padding."""
+    with torch.no_grad():
+        ids = torch.randint(3, VOCAB, (64, 6), generator=torch.Generator().manual_seed(0))
+        mean = model.model(ids).last_hidden_state.reshape(-1, model.config.hidden_size).mean(0)
+        model.lm_head.weight[1] = mean / mean.norm() ** 2
+
+
+def _rollout(trainer):
+    """TRL's own rollout batch: its generation, its padding; returns (ids, mask, logits_to_keep)."""
+    batch = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._generate_and_score_completions(batch)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    assert (inputs["prompt_mask"] == 0).any() and (inputs["completion_mask"] == 0).any(), "no padding to pack"
+    return ids, mask, inputs["completion_ids"].shape[1]
+
+
+def _trl_own(trainer, *args, **kwargs):
+    return type(trainer).__dict__.get(TRAINER_METHOD, getattr(type(trainer), TRAINER_METHOD))(trainer, *args, **kwargs)
+
+
+def _assert_equal_per_token(got, want, mask):
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= TOL["packed_vs_hf_fp32"]
+    assert bool((got[mask == 0] == 0).all())
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_patched_logps_equal_trls_own_per_token(kind, tmp_path):
+    trainer = _trainer(tmp_path, kind)
+    ids, mask, keep = _rollout(trainer)
+    handle = patch_trainer(trainer)
+    with torch.no_grad():
+        want_lp, want_ent, _ = _trl_own(trainer, trainer.model, ids, mask, keep, compute_entropy=True)
+        for batch_size in (None, 3):  # whole batch, and TRL's chunking with a smaller last chunk
+            got_lp, got_ent, aux = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, mask, keep, batch_size=batch_size, compute_entropy=True)
+            _assert_equal_per_token(got_lp, want_lp, mask[:, -keep:])
+            _assert_equal_per_token(got_ent, want_ent, mask[:, -keep:])
+            assert aux is None
+        lp_only = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep)
+    assert lp_only[1] is None and torch.equal(lp_only[0], got_lp)
+    assert handle.trace["trl:calls"] == 3
+    layers = trainer.model.config.num_hidden_layers
+    assert handle.trace["attention:actorcore_packed"] == layers * (1 + 3 + 1)  # one pack per chunk (8 rows in chunks of 3: 3)
+    handle.revert()
+    assert TRAINER_METHOD not in trainer.__dict__
+    with pytest.raises(ValueError, match="already reverted"):
+        handle.revert()
+
+
+def test_grpo_trainer_trains_on_the_patch_with_lora_and_gradient_checkpointing(tmp_path):
+    import peft
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    trainer = _trainer(tmp_path, peft_config=lora, max_steps=2, gradient_checkpointing=True)
+    ids, mask, keep = _rollout(trainer)
+    with torch.no_grad():  # lora_B starts at zero: make the adapters visible, so the reference differs
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    handle = patch_trainer(trainer)
+    with torch.no_grad():
+        want, _, _ = _trl_own(trainer, trainer.model, ids, mask, keep)
+        got, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep)
+        _assert_equal_per_token(got, want, mask[:, -keep:])
+        with trainer.model.disable_adapter():  # TRL's PEFT reference
+            want_ref, _, _ = _trl_own(trainer, trainer.model, ids, mask, keep)
+            got_ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep)
+        _assert_equal_per_token(got_ref, want_ref, mask[:, -keep:])
+        assert (got_ref - got).abs().max().item() > TOL["logprob_changed_at_least"]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    calls = handle.trace["trl:calls"]
+    trainer.train()
+    assert handle.trace["trl:calls"] > calls  # the loss's log-probs (and the reference's) came from actorcore
+    moved = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert moved and all("lora_" in n for n in moved)
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_patch_refusals_and_revert_restores_trls_method(tmp_path):
+    trainer = _trainer(tmp_path)
+    with pytest.raises(ValueError, match="GRPOTrainer or RLOOTrainer"):
+        patch_trainer(object())
+    handle = patch_trainer(trainer)
+    with pytest.raises(ValueError, match="already patched"):
+        patch_trainer(trainer)
+    ids, mask, keep = _rollout(trainer)
+    with pytest.raises(ValueError, match="load-balancing"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep, compute_aux_loss=True)
+    with pytest.raises(ValueError, match="spatial_shapes"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep, spatial_shapes=torch.ones(1, 2))
+    handle.revert()
+    assert trainer._get_per_token_logps_and_entropies.__func__ is type(trainer).__dict__[TRAINER_METHOD]
+    patch_trainer(trainer).revert()  # patching again after a revert is allowed
