@@ -96,9 +96,9 @@ def evaluate(model, settings: Settings, seed: int) -> float:
 
 def refresh_rollout_weights(rollout, policy) -> None:
     """The weight sync of an RL system: the policy's HF-named tensors, streamed in buckets, into the rollout copy."""
-    import actorcore as ac
+    from actorcore import export
 
-    ac.load_into(rollout, ac.hf_weight_stream(policy, names="model"))
+    export.load_into(rollout, export.hf_weight_stream(policy, names="model"))
 
 
 def plain_logprobs(model, sequences: list[torch.Tensor]) -> torch.Tensor:
