@@ -10,7 +10,8 @@ import torch
 import actorcore as ac
 from actorcore.archs import UnsupportedArchitectureError, get_spec, registered_model_types
 from actorcore.batch import grid_to_packed, packed_to_grid
-from actorcore.hf.features.attention import TRACE_KWARG, PackingNotAppliedError, TraceRef
+from actorcore.errors import PackingNotAppliedError
+from actorcore.hf.call import TRACE_KWARG, TraceRef
 
 PACKED = "attention:actorcore_packed"
 from actorcore.testing.reference import (

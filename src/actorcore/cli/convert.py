@@ -28,7 +28,8 @@ from typing import Any, Iterator
 
 from actorcore.cli.errors import EXIT_USER_ERROR, OneLineParser, first_line, is_user_error
 from actorcore.cli.output_dir import atomic_output, disk_full, nearly_full
-from actorcore.cli.processes import Interrupted, SignalGuard, run_ranks
+from actorcore.cli.processes import run_ranks
+from actorcore.lifecycle import Interrupted, SignalGuard
 from actorcore.mcore import fault_points
 from actorcore.parallel.spawn import free_port
 

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from actorcore.lifecycle import HANDLED_SIGNALS, Interrupted, SignalGuard, pid_alive, signals_blocked  # noqa: F401
+from actorcore.lifecycle import signals_blocked
 
 _PR_SET_PDEATHSIG = 1
 

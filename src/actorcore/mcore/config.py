@@ -19,7 +19,6 @@ from typing import Any, Callable
 import torch
 
 from actorcore.archs import get_spec
-from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore.parallel import McoreParallel
 from actorcore.errors import UnsupportedConfigError  # noqa: F401 (re-exported)
 
@@ -188,7 +187,7 @@ def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool) -> dict[str, 
     groups, group_topk = _get(hf, "n_group", None), _get(hf, "topk_group", None)
     if groups and groups > 1 and _get(hf, "num_experts_per_tok") // group_topk != 2:
         # HF ranks expert groups by their top-2 scores; Megatron by their top (top_k / group_topk).
-        raise UnsupportedConfigError(f"grouped routing with num_experts_per_tok / topk_group != 2 ranks groups "
+        raise UnsupportedConfigError("grouped routing with num_experts_per_tok / topk_group != 2 ranks groups "
                                      "differently in Megatron-Core than in HF")
     if _get(hf, "router_jitter_noise", 0.0):
         raise UnsupportedConfigError(f"router_jitter_noise={_get(hf, 'router_jitter_noise')} (random routing "

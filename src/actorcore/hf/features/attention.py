@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from actorcore.errors import PackingNotAppliedError  # noqa: F401 (re-exported)
-from actorcore.hf.call import PARALLEL_KWARG, TRACE_KWARG, ParallelRef, TraceRef, parallel_from_kwargs  # noqa: F401
+from actorcore.hf.call import TRACE_KWARG
 from actorcore.hf.features.base import switched_for_call
 from actorcore.kernels.attention.varlen import varlen_causal_attention
 

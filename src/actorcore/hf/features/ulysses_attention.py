@@ -16,14 +16,8 @@ from typing import Any
 
 import torch
 
-from actorcore.hf.features.attention import (
-    PackingNotAppliedError,
-    attend_packed,
-    attention_sinks,
-    packing_kwargs,
-    parallel_from_kwargs,
-    record_call,
-)
+from actorcore.hf.call import parallel_from_kwargs
+from actorcore.hf.features.attention import attend_packed, attention_sinks, packing_kwargs, record_call
 from actorcore.parallel.ulysses import head_to_sequence_sharded, replicate_kv_heads, sequence_to_head_sharded
 from actorcore.errors import PatchNotAppliedError  # noqa: F401 (re-exported)
 
