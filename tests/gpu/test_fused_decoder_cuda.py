@@ -83,7 +83,7 @@ def test_fused_matches_eager_and_ran(model_type):
 def test_mrope_vlm_fused_matches_eager():
     pytest.importorskip("triton")
     from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
-    from actorcore.hf.vlm_packing import pack_multimodal
+    from actorcore.hf.vlm.packing import pack_multimodal
     from actorcore.testing.tiny_vlm import build_tiny_vlm, mixed_samples
 
     model = build_tiny_vlm("qwen2_5_vl", dtype=torch.bfloat16, attn_implementation="sdpa").cuda().train()
