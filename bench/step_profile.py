@@ -20,7 +20,7 @@ PEAK_TFLOPS = 790.0  # bf16 dense matmul rate measured on the H200 (NOTES.md)
 
 _CATEGORIES = (
     ("attention", re.compile(r"flash|fmha|attn_fwd|attn_bwd|_attn", re.I)),
-    ("head", re.compile(r"fwd_stats_kernel|bwd_grad_logits_kernel|rows_stats_kernel|rows_grad_inplace_kernel")),
+    ("head", re.compile(r"(fwd_stats|bwd_grad_logits|shifted_to_grad|rows_stats|rows_grad)\w*kernel")),
     ("matmul", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|wgmma|grouped_mm|_mm_|matmul|s16816|splitK", re.I)),
     ("copies", re.compile(r"copy|memset|memcpy|CatArray|cat_|index_put|scatter|gather|Memcpy|Memset|fill", re.I)),
 )

@@ -2,9 +2,9 @@
 same model's eager packed path, bf16, per token and per gradient element: SwiGLU + RoPE (llama), q/k norms
 (qwen3), GeGLU, sliding windows, norm offsets and softcaps (gemma3), partial rotary + grouped MoE routing + a
 shared expert (glm4_moe), grouped-GEMM experts (qwen3_moe), a hybrid whose linear-attention layers stay eager
-(qwen3_5_text) and M-RoPE (qwen2_5_vl); with the budgeted checkpointing on. The trace proves every fused layer
-ran compiled; a second pack of another length compiles nothing new; ``verify`` still passes; fp32 stays eager.
-Skipped without CUDA / triton."""
+(qwen3_5_text) and M-RoPE (qwen2_5_vl); with the budgeted checkpointing on; the default patch fuses. The trace
+proves every fused layer ran compiled; a second pack of another length compiles nothing new; ``verify`` still
+passes; fp32 stays eager. Skipped without CUDA / triton."""
 
 from __future__ import annotations
 
@@ -108,3 +108,27 @@ def test_fp32_stays_eager_and_true_refuses_it():
     handle.revert()
     with pytest.raises(ValueError, match="fp32 stays eager"):
         ac.patch_model(model, fused_decoder=True)
+
+
+def test_the_default_patch_fuses_a_bf16_cuda_model():
+    """``patch_model(model)`` with no option fuses a bf16 CUDA model (the trace proves it) and stays within bf16
+    rounding of the eager path; with offload the default stays eager."""
+    pytest.importorskip("triton")
+    from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
+    from actorcore.hf.patch import patch_state
+
+    model = build_tiny_model("qwen3", seed=4, dtype=torch.bfloat16).cuda().train()
+    batch = _batch(LENGTHS[0])
+    handle = ac.patch_model(model, fused_decoder=False)
+    eager = _step(model, batch, Counter())
+    handle.revert()
+    handle = ac.patch_model(model)
+    trace = Counter()
+    fused = _step(model, batch, trace)
+    assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers
+    _compare(eager, fused)
+    handle.revert()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    handle = ac.patch_model(model, offload_activations=True)
+    assert patch_state(model).fused_layers == ()
+    handle.revert()

@@ -92,3 +92,31 @@ def test_bypassed_fused_layers_are_an_error(monkeypatch):
     with pytest.raises(PatchNotAppliedError, match="fused decoder ran in 0 of"):
         ac.compute_logprobs(model, _batch())
     handle.revert()
+
+
+def test_auto_is_the_default_and_fuses_only_measured_combinations(monkeypatch, caplog):
+    """``patch_model`` fuses by default where the fused decoder can run and was measured (no SP, tiled MLP, offload or
+    recomputed norms); with one of those ``"auto"`` stays eager and says why, ``True`` fuses anyway; on the CPU the
+    default installs nothing (the path stays the eager one)."""
+    model = checkpointed(build_tiny_model("llama", seed=5))
+    handle = ac.patch_model(model)  # the CPU: nothing fused
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+    handle.revert()
+
+    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    handle = ac.patch_model(model)
+    assert all(isinstance(layer.forward, FusedLayerForward) for layer in model.model.layers)
+    handle.revert()
+    for kwargs, what in (({"recompute_norms": True}, "recomputed norms"),
+                         ({"offload_activations": True}, "activation offload")):
+        with caplog.at_level("INFO", logger="actorcore.hf.features.fused_decoder"):
+            handle = ac.patch_model(model, **kwargs)
+        assert not any(isinstance(layer.__dict__.get("forward"), FusedLayerForward) for layer in model.model.layers)
+        assert what in caplog.text and "fused_decoder=True fuses it anyway" in caplog.text
+        handle.revert()
+        handle = ac.patch_model(model, fused_decoder=True, **kwargs)
+        assert all(isinstance(layer.forward, FusedLayerForward) for layer in model.model.layers)
+        handle.revert()
+    assert fused_decoder.auto_fusion_refusal(2, None, 0, False).startswith("the fused decoder with Ulysses SP")
+    assert "tiled MLP" in fused_decoder.auto_fusion_refusal(1, 4, 0, False)
+    assert fused_decoder.auto_fusion_refusal(1, None, 0, False) is None

@@ -44,7 +44,7 @@ from actorcore.errors import PatchNotAppliedError  # noqa: F401 (re-exported)
 from actorcore.hf.call import PATCH_ATTR, DecoderParts, PatchState, patch_state
 from actorcore.hf.features.checkpointing import check_checkpointing
 from actorcore.hf.features import DECODER_FEATURES
-from actorcore.hf.features.fused_decoder import fused_layer_indices
+from actorcore.hf.features.fused_decoder import auto_fusion_refusal, fused_layer_indices
 from actorcore.hf.features.offload import check_offload_layers
 from actorcore.hf.features.packed_attention import require_sequence_parallel_patch  # noqa: F401 (re-exported)
 from actorcore.hf.features.tiled_mlp import TiledMLPForward  # noqa: F401 (re-exported)
@@ -109,7 +109,7 @@ def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None, recom
 
 def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: int | None = None,
                 offload_activations: bool | int = False, recompute_norms: bool = False,
-                fused_decoder: bool | str = False, checkpointing: str | None = None,
+                fused_decoder: bool | str = "auto", checkpointing: str | None = None,
                 memory_budget_gib: float | None = None) -> PatchHandle:
     """Patch this model instance for Ulysses SP (``parallel.sp_size > 1``), tiled MLP, activation offload and/or
     recomputed norms.
@@ -125,8 +125,9 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
 
     ``fused_decoder``: the attention decoder layers run their forward compiled by ``torch.compile`` in actorcore's
     calls (``hf.features.fused_decoder``: the elementwise work between the matmuls fused; within bf16 rounding of eager).
-    ``"auto"``: on a CUDA model with 16-bit weights and Triton, else eager; ``True`` refuses where it cannot run;
-    ``False`` (default, until the shipped path is measured on the GPU) keeps the eager forward.
+    ``"auto"`` (default): on a CUDA model with 16-bit weights and Triton, without SP, tiled MLP, offload or
+    recomputed norms (the combinations not measured on the GPU), else eager; ``True`` refuses where it cannot run
+    and fuses with the other patches too; ``False`` keeps the eager forward.
 
     ``checkpointing``: ``None`` (default) keeps the model's own setting; ``"full"`` checkpoints every layer;
     ``"selective"`` keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the
@@ -146,9 +147,11 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     parts = DecoderParts.of(model, spec)
     offload_layers = check_offload_layers(offload_activations, len(parts.layers), type(model).__name__)
     plan = check_checkpointing(checkpointing, memory_budget_gib)
-    state = PatchState(sp_size=sp_size(parallel), tiled_mlp_shards=tiled_mlp_shards, offload_layers=offload_layers,
-                       recompute_norms=recompute_norms, fused_layers=fused_layer_indices(model, parts, fused_decoder),
-                       checkpointing=plan)
+    sp = sp_size(parallel)
+    fused = fused_layer_indices(model, parts, fused_decoder,
+                                auto_fusion_refusal(sp, tiled_mlp_shards, offload_layers, recompute_norms))
+    state = PatchState(sp_size=sp, tiled_mlp_shards=tiled_mlp_shards, offload_layers=offload_layers,
+                       recompute_norms=recompute_norms, fused_layers=fused, checkpointing=plan)
     handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards, spec=spec, parts=parts,
                          state=state)
     try:

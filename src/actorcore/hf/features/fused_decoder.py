@@ -15,13 +15,16 @@ pass ``FUSED_KWARG``; any other call (the model's own forward, ``verify``'s refe
 runs the original eager forward. Each compiled layer call counts under ``FUSED_TRACE_KEY`` in the call's trace.
 
 Where: CUDA, 16-bit weights, Triton present; elsewhere (CPU, fp32) nothing is installed and the path is the
-eager one, unchanged. Within bf16 rounding of the eager layer, not bitwise (Inductor reduces in another order).
+eager one, unchanged. Within bf16 rounding of the eager layer, not bitwise (Inductor reduces in another order); as
+far from the fp32 model as eager is (``bench/actor_step.py``). On by default (``"auto"``) where it was measured
+faster side by side; the first call compiles (about 20-30 s on the H200), later packs of any length reuse it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any, Callable
 
 import torch
@@ -30,6 +33,8 @@ from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import TRACE_KWARG, DecoderCall
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.instance_forwards import install_forwards
+
+logger = logging.getLogger(__name__)
 
 FUSED_KWARG = "actorcore_fused"
 FUSED_TRACE_KEY = "fused_decoder:layers"
@@ -50,8 +55,22 @@ def fusion_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
-def check_fused_request(model: torch.nn.Module, fused: Any) -> bool:
-    """Whether to install the fused decoder: ``True`` (refuse where it cannot run), ``False``, or ``"auto"``."""
+def auto_fusion_refusal(sp_size: int, tiled_mlp_shards: int | None, offload_layers: int,
+                        recompute_norms: bool) -> str | None:
+    """Why ``"auto"`` (the default) leaves a model eager that could fuse: the other patches it is combined with
+    (None: fuse). ``"auto"`` fuses only the combinations measured side by side on the GPU (plain, with any
+    checkpointing mode); ``True`` fuses the others too."""
+    others = [name for name, on in (("Ulysses SP", sp_size > 1), ("tiled MLP", tiled_mlp_shards is not None),
+                                    ("activation offload", offload_layers > 0),
+                                    ("recomputed norms", recompute_norms)) if on]
+    if others:
+        return f"the fused decoder with {' and '.join(others)} has not been measured on the GPU"
+    return None
+
+
+def check_fused_request(model: torch.nn.Module, fused: Any, auto_refusal: str | None = None) -> bool:
+    """Whether to install the fused decoder: ``True`` (refuse where it cannot run), ``False``, or ``"auto"`` (where
+    it can run and ``auto_refusal`` is None)."""
     if fused not in FUSED_CHOICES or isinstance(fused, int) and not isinstance(fused, bool):
         raise ValueError(f"fused_decoder must be True, False or 'auto', got {fused!r}")
     if fused is False:
@@ -60,6 +79,10 @@ def check_fused_request(model: torch.nn.Module, fused: Any) -> bool:
     if refusal is not None and fused is True:
         raise ValueError(f"fused_decoder=True: {refusal}; pass fused_decoder='auto' (eager where it cannot run) "
                          "or False")
+    if fused == "auto" and refusal is None and auto_refusal is not None:
+        logger.info("fused_decoder='auto' keeps %s eager: %s (fused_decoder=True fuses it anyway)",
+                    type(model).__name__, auto_refusal)
+        return False
     return refusal is None
 
 
@@ -164,10 +187,11 @@ class FusedDecoder(DecoderFeature):
                 "transformers bypassed the layers' instance forward; refusing to continue unfused")
 
 
-def fused_layer_indices(model: torch.nn.Module, parts: Any, fused: Any) -> tuple[int, ...]:
+def fused_layer_indices(model: torch.nn.Module, parts: Any, fused: Any, auto_refusal: str | None = None
+                        ) -> tuple[int, ...]:
     """The decoder layers to fuse for ``patch_model(fused_decoder=fused)``: the attention layers (a hybrid model's
     linear-attention layers stay eager), or none."""
-    if not check_fused_request(model, fused):
+    if not check_fused_request(model, fused, auto_refusal):
         return ()
     ids = {id(layer) for layer in parts.attention_layers}
     return tuple(i for i, layer in enumerate(parts.layers) if id(layer) in ids)
