@@ -10,6 +10,14 @@ weights), and the kernel-time breakdown by category (``step_profile``). Random w
 
     PYTHONPATH=src:/tmp/site python3 bench/actor_step.py --model qwen2.5-1.5b [--layers N] [--paths a,b]
         [--budget-gib 40] [--out DIR]
+
+Under ``torchrun --nproc-per-node N`` (NCCL on N GPUs; gloo on the CPU with ``--model tiny``) the actorcore paths run
+with FSDP2 (``fully_shard`` per decoder layer and the root), each rank on its share of the sequences (every N-th,
+packed on its own): tokens/s over all ranks and the scaling efficiency against the one-GPU row of the same path
+given by ``--single-json`` (a JSON written by a one-process run).
+
+    PYTHONPATH=src torchrun --nproc-per-node 2 bench/actor_step.py --model qwen2.5-1.5b \
+        --paths "actorcore before,actorcore fused" --single-json $OUT/actor_step_qwen2.5-1.5b.json --out $OUT/fsdp2
 """
 
 from __future__ import annotations
@@ -137,6 +145,58 @@ def transformers_step(model, sequences, advs, device, micro, packed):
     return step
 
 
+def world() -> tuple[int, int]:
+    """(rank, world size) of a torchrun launch; (0, 1) otherwise."""
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def init_fsdp(device_type: str) -> str:
+    """Join the torchrun group (NCCL on CUDA, gloo on the CPU); the rank's device."""
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        return f"cuda:{local}"
+    dist.init_process_group("gloo")
+    return "cpu"
+
+
+def shard_fsdp2(model) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def all_ranks_tokens(tokens: int) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return tokens
+    total = torch.tensor([tokens], dtype=torch.float64)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def global_row(row: dict, total_tokens: int) -> dict:
+    """Across the ranks: the slowest rank's seconds, all ranks' tokens, the largest peak."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or "error" in row:
+        return row
+    seconds, peak = torch.tensor([row["seconds"]], dtype=torch.float64), torch.tensor([row["peak_gib"]])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    row.update(seconds=seconds.item(), peak_gib=peak.item(), tokens_per_s=total_tokens / seconds.item(),
+               tokens=total_tokens, ranks=dist.get_world_size())
+    return row
+
+
 def run_path(name, model, step, tokens, active, profile, repeats, first_timeout):
     row = {"path": name}
     cuda = torch.cuda.is_available()
@@ -189,12 +249,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--first-timeout", type=float, default=120.0, help="one timed call if the first is slower")
     parser.add_argument("--profile", default="actorcore before,actorcore fused", help="paths to profile")
+    parser.add_argument("--single-json", default=None, help="one-GPU results, for the FSDP2 scaling efficiency")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to check the script (--model tiny)
+    fsdp = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    if fsdp:
+        device = init_fsdp(device)
+    rank, ranks = world()
     model_type, shape = MODELS[args.model]
     tiny = args.model == "tiny"
     sequences, advs = batch_sequences(shape["vocab_size"], tiny)
+    sequences, advs = sequences[rank::ranks], advs[rank::ranks]
     packs_idx = pack_greedy([torch.arange(s.numel()) for s in sequences], args.pack_tokens)
     order, packs, pack_advs, start = [], [], [], 0
     for p in packs_idx:
@@ -203,6 +269,7 @@ def main() -> None:
         order.append(list(range(start, start + len(p))))
         start += len(p)
     tokens = sum(s.numel() for s in sequences)
+    total_tokens = all_ranks_tokens(tokens)
 
     reference = build(model_type, shape, torch.float32, device, args.layers)
     ref_packed = per_token_reference(reference, packs, device)
@@ -214,8 +281,12 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build(model_type, shape, dtype, device, args.layers).train()
     active = active_parameters(model)
+    if fsdp:
+        shard_fsdp2(model)
     rows = []
     wanted = args.paths.split(",")
+    if fsdp and any(not p.startswith("actorcore") for p in wanted):
+        raise SystemExit("under torchrun only the actorcore paths run (FSDP2); pass --paths 'actorcore ...'")
     for name in [p for p in PATHS if p in wanted]:
         profile = name in args.profile.split(",")
         handle = None
@@ -234,7 +305,8 @@ def main() -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             packed = order if name == "transformers packed" else None
             step = transformers_step(model, sequences, advs, device, args.micro_batch, packed)
-        row = run_path(name, model, step, tokens, active, profile, args.repeats, args.first_timeout)
+        row = global_row(run_path(name, model, step, tokens, active, profile, args.repeats, args.first_timeout),
+                         total_tokens)
         if "_lp" in row:
             lp = row.pop("_lp")
             if name.startswith("actorcore"):
@@ -245,14 +317,35 @@ def main() -> None:
             row["trace"] = {k: v for k, v in step.trace.items() if k.split(":")[0] in ("fused_decoder", "checkpoint")}
             handle.revert()
         rows.append(row)
-    meta = {"model": args.model, "layers": model.config.num_hidden_layers, "tokens": tokens, "packs": len(packs),
+    if fsdp:
+        add_scaling(rows, args.single_json, active)
+    if rank != 0:
+        return
+    meta = {"model": args.model, "layers": model.config.num_hidden_layers, "tokens": total_tokens, "ranks": ranks,
+            "packs_per_rank": len(packs),
             "active_parameters": active, "budget_gib": args.budget_gib, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    write_json(args.out, f"actor_step_{args.model}.json", {"meta": meta, "rows": rows})
+    name = f"actor_step_{args.model}" + (f"_fsdp{ranks}" if fsdp else "")
+    write_json(args.out, f"{name}.json", {"meta": meta, "rows": rows})
     print(json.dumps(meta))
     print(f"{'path':<28} {'s/step':>8} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'max|Δlp| fp32':>14}")
     print_rows(rows, "path", lambda r: f"{r['seconds']:8.3f} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
                f"{r['peak_gib']:9.1f} {r.get('max_dlp_vs_fp32', float('nan')):14.3e}  first {r['first_call_s']:.1f}s")
+
+def add_scaling(rows: list[dict], single_json: str | None, active: float) -> None:
+    """MFU over all ranks' GPUs and, given a one-GPU run, the scaling efficiency: (tokens/s on N) / (N x one)."""
+    _, ranks = world()
+    single = {}
+    if single_json:
+        with open(single_json) as f:
+            single = {r["path"]: r for r in json.load(f)["rows"] if "tokens_per_s" in r}
+    for row in rows:
+        if "error" in row:
+            continue
+        row["mfu"] = mfu(active, row["tokens"], row["seconds"]) / ranks
+        if row["path"] in single:
+            row["scaling_efficiency"] = row["tokens_per_s"] / (ranks * single[row["path"]]["tokens_per_s"])
+
 
 if __name__ == "__main__":
     main()
