@@ -1,5 +1,6 @@
-"""DeepSeek-V3 multi-token prediction on the Megatron route (gloo, CPU): a checkpoint with MTP tensors named as in
-the release (``model.layers.{num_hidden_layers}.*``) converts HF -> Megatron -> HF bit-exact at TP=2, PP=2 and
+"""Multi-token prediction on the Megatron route (gloo, CPU), for every Megatron architecture with MTP rules
+(DeepSeek-V3, GLM-4.5; from the registry, all in one spawn): a checkpoint with MTP tensors named as in the
+releases (``model.layers.{num_hidden_layers}.*``) converts HF -> Megatron -> HF bit-exact at TP=2, PP=2 and
 EP=2; the MTP depth's per-token log-probs, loss and ``eh_proj`` gradient equal an independent plain-torch MTP
 forward run on each packed sequence alone (targets never cross into the next sequence); the main head's log-probs
 are bitwise those of the model built without MTP, which drops the MTP tensors (the default)."""
@@ -26,7 +27,18 @@ def _sequences() -> list[torch.Tensor]:
     return [torch.randint(3, 131, (n,), generator=gen) for n in LENGTHS]
 
 
-def _worker(rank: int, world_size: int, mtp_dir: str, saved_dir: str) -> dict:
+def _mtp_archs() -> list[str]:
+    from actorcore.archs import get_spec
+    from actorcore.mcore.model import megatron_model_types
+
+    return [m for m in megatron_model_types() if get_spec(m).mcore.mtp is not None]
+
+
+def _worker(rank: int, world_size: int, dirs: dict[str, tuple[str, str]]) -> dict:
+    return {model_type: _arch_layouts(mtp_dir, saved_dir) for model_type, (mtp_dir, saved_dir) in dirs.items()}
+
+
+def _arch_layouts(mtp_dir: str, saved_dir: str) -> dict:
     """TP=2, PP=2 (the MTP layer on the last stage), EP=2 (its experts split): load, export, log-probs with the
     MTP loss (forward and backward); at TP=2 also the default build (MTP dropped), at PP=2 a Megatron checkpoint
     for the CLI."""
@@ -75,23 +87,34 @@ def _worker(rank: int, world_size: int, mtp_dir: str, saved_dir: str) -> dict:
 
 
 def test_mtp_roundtrip_loss_and_packing():
+    from actorcore.cli.convert import main as convert
+    from actorcore.testing.checkpoints import load_checkpoint_tensors
+
+    archs = _mtp_archs()
+    assert {"deepseek_v3", "glm4_moe"} <= set(archs)
+    with tempfile.TemporaryDirectory() as root:
+        dirs, donors = {}, {}
+        for model_type in archs:
+            os.makedirs(os.path.join(root, model_type))
+            mtp_dir, donors[model_type] = write_mtp_checkpoint(os.path.join(root, model_type), model_type)
+            dirs[model_type] = (mtp_dir, os.path.join(root, model_type, "mcore-pp2"))
+        results = run_distributed(_worker, 2, args=(dirs,))
+        for model_type, (mtp_dir, saved) in dirs.items():
+            back = os.path.join(root, model_type, "back")
+            # The Megatron checkpoint written at PP=2 (MTP on the last stage) converts back with the CLI, bit-exact.
+            assert convert(["mcore-to-hf", saved, back]) == 0
+            _check_arch(model_type, mtp_dir, donors[model_type], load_checkpoint_tensors(back),
+                        [r[model_type] for r in results])
+
+
+def _check_arch(model_type: str, mtp_dir: str, donor_dir: str, exported: dict, results: list[dict]) -> None:
     from safetensors.torch import load_file
 
     from actorcore.testing.tolerances import TOL
 
-    from actorcore.cli.convert import main as convert
-    from actorcore.testing.checkpoints import load_checkpoint_tensors
-
-    with tempfile.TemporaryDirectory() as root:
-        mtp_dir, donor_dir = write_mtp_checkpoint(root)
-        saved, back = os.path.join(root, "mcore-pp2"), os.path.join(root, "back")
-        results = run_distributed(_worker, 2, args=(mtp_dir, saved))
-        reference = load_file(os.path.join(mtp_dir, "model.safetensors"))
-        main_ref, mtp_rows, ref_loss, ref_grad = reference_mtp(mtp_dir, donor_dir, _sequences(), MTP_SCALE)
-        # The Megatron checkpoint written at PP=2 (MTP on the last stage) converts back with the CLI, bit-exact.
-        assert convert(["mcore-to-hf", saved, back]) == 0
-        exported = load_checkpoint_tensors(back)
-    assert sorted(exported) == sorted(reference)
+    reference = load_file(os.path.join(mtp_dir, "model.safetensors"))
+    main_ref, mtp_rows, ref_loss, ref_grad = reference_mtp(mtp_dir, donor_dir, _sequences(), MTP_SCALE)
+    assert sorted(exported) == sorted(reference), model_type
     assert all(torch.equal(exported[k], v) and exported[k].dtype == v.dtype for k, v in reference.items())
     layers = 2
     mtp_names = {n for n in reference if n.startswith(f"model.layers.{layers}.")}
@@ -99,13 +122,14 @@ def test_mtp_roundtrip_loss_and_packing():
     ref_main = main_ref
     ref_mtp = torch.cat(mtp_rows)
     for result in results:
-        for name, got in result.items():
+        for layout, got in result.items():
+            name = f"{model_type} {layout}"
             state = got["state"]
             assert got["stapled"] == [], got["stapled"]  # nothing of ours on Megatron's modules, MTP included
             assert sorted(state) == sorted(reference), (name, set(state) ^ set(reference))
             for key, tensor in reference.items():
                 assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), (name, key)
-            if name == "tp2":
+            if layout == "tp2":
                 assert set(got["plain_names"]) == set(reference) - mtp_names
                 # The main head is unchanged by MTP (bitwise).
                 assert torch.equal(got["log_probs"], got["plain"])

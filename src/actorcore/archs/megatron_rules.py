@@ -101,6 +101,10 @@ class McoreSpec:
     stored_prefixes: tuple[tuple[str, str], ...] = ()
     # Multi-token prediction (DeepSeek-V3 style), used when the model is built with MTP layers: see ``MtpRules``.
     mtp: "MtpRules | None" = None
+    # HF config fields this architecture maps one-to-one onto TransformerConfig fields, both ways (``(hf, mcore)``
+    # pairs), where the generic table cannot: e.g. GLM-4.5's ``attention_bias`` biases q, k and v only
+    # (``add_qkv_bias``), while Llama's also biases o_proj.
+    config_fields: tuple[tuple[str, str], ...] = ()
 
     def for_checkpoint(self, hf_names: set[str] | list[str]) -> "McoreSpec":
         """This spec with the names (``stored_prefixes``) and the expert rules (per-expert or grouped) that fit the
@@ -122,8 +126,8 @@ class McoreSpec:
             return tuple(dataclasses.replace(r, hf_names=tuple(rename(n) for n in r.hf_names),
                                              tied_hf_name=rename(r.tied_hf_name)) for r in rules)
 
-        return McoreSpec(rules=renamed(self.rules), config_overrides=self.config_overrides, refused=self.refused,
-                         grouped_expert_rules=renamed(self.grouped_expert_rules))
+        return dataclasses.replace(self, rules=renamed(self.rules),
+                                   grouped_expert_rules=renamed(self.grouped_expert_rules), stored_prefixes=())
 
     def with_grouped_experts(self) -> "McoreSpec":
         if not self.grouped_expert_rules:
@@ -182,15 +186,18 @@ _M = "decoder.layers.{layer}."
 DECODER_PREFIX = _M
 MTP_PREFIX = "mtp.layers.{layer}."
 
-EMBEDDING_RULES = (
+CAUSAL_LM_EMBEDDING_RULES = (
     WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), parallel="vocab"),
     WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
     WeightRule("output_layer.weight", ("lm_head.weight",), parallel="vocab",
                tied_hf_name="model.embed_tokens.weight"),
-    # Critics (``...ForTokenClassification``): the 1-output score head, replicated.
+)
+# Critics (``...ForTokenClassification``): the 1-output score head, replicated.
+VALUE_HEAD_RULES = (
     WeightRule("value_head.weight", ("score.weight",)),
     WeightRule("value_head.bias", ("score.bias",)),
 )
+EMBEDDING_RULES = CAUSAL_LM_EMBEDDING_RULES + VALUE_HEAD_RULES
 
 ATTENTION_RULES = (
     WeightRule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
@@ -298,7 +305,7 @@ def vision_tower_rules(hf_prefix: str, block_params: tuple[str, ...], other_para
     (``<blocks>.{layer}.<param>``) and its other parameters (patch embedding, merger)."""
     names = tuple(f"{blocks}.{{layer}}.{p}" for p in block_params) + tuple(other_params)
     return tuple(WeightRule(f"{VISION_TOWER}.{n}", (hf_prefix + n,)) for n in names)
-# DeepSeek-V3's multi-token-prediction layer: h' = eh_proj(cat(enorm(emb(t+1)), hnorm(h))) -> decoder layer ->
+# DeepSeek-V3's multi-token-prediction layer (GLM-4.5 / 4.6 store theirs the same way): h' = eh_proj(cat(enorm(emb(t+1)), hnorm(h))) -> decoder layer ->
 # shared_head.norm -> the shared output head. The release also stores the shared embedding and head in the layer.
 DEEPSEEK_MTP_RULES = MtpRules(
     rules=(

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from actorcore.archs import get_spec
+from actorcore.archs import get_spec, registered_model_types
 from actorcore.mcore.parallel import McoreParallel
 from actorcore.errors import UnsupportedConfigError  # noqa: F401 (re-exported)
 
@@ -112,8 +112,14 @@ def _convert_rope(hf: Any, mla: bool) -> tuple[dict, dict]:
     theta = p.get("rope_theta", 10000.0)
     cfg: dict[str, Any] = {}
     model: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": theta}
-    if _get(hf, "partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedConfigError(f"partial_rotary_factor={_get(hf, 'partial_rotary_factor')} is not supported")
+    partial = float(p.get("partial_rotary_factor", _get(hf, "partial_rotary_factor", None) or 1.0))
+    if partial != 1.0:
+        # HF and Megatron both rotate the first int(head_dim * factor) dims of each head, in halves
+        # (rotate_half); an architecture that pairs them interleaved states it in its spec (none does yet).
+        if mla or not 0.0 < partial < 1.0:
+            raise UnsupportedConfigError(f"partial_rotary_factor={partial} is not supported"
+                                         + (" with multi-head latent attention" if mla else ""))
+        model["rotary_percent"] = partial
     if p.get("mrope_section") is not None:
         model["position_embedding_type"] = "mrope"
         cfg["mrope_section"] = _convert_mrope(p, mla)
@@ -164,7 +170,7 @@ def _moe_layer_pattern(hf: Any, num_layers: int) -> list[int]:
             for i in range(num_layers)]
 
 
-def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool) -> dict[str, Any]:
+def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool, spec_overrides: dict) -> dict[str, Any]:
     if not num_experts:
         return {}
     cfg: dict[str, Any] = {
@@ -172,7 +178,8 @@ def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool) -> dict[str, 
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
     }
-    scoring = _get(hf, "scoring_func", "softmax")
+    # An architecture that always scores one way (no scoring_func field) states it in its spec's overrides.
+    scoring = _get(hf, "scoring_func", None) or spec_overrides.get("moe_router_score_function", "softmax")
     if scoring == "softmax":
         # norm_topk_prob (absent on Mixtral, which always renormalises): top-k of the logits, softmax over
         # them == softmax, top-k, renormalise. Without it: softmax over all experts, then top-k.
@@ -182,6 +189,11 @@ def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool) -> dict[str, 
         cfg["moe_router_enable_expert_bias"] = _get(hf, "topk_method", "noaux_tc") == "noaux_tc"
         if not _get(hf, "norm_topk_prob", True):
             raise UnsupportedConfigError("sigmoid router scoring without norm_topk_prob is not supported")
+        if _get(hf, "num_experts_per_tok") == 1:
+            raise UnsupportedConfigError("sigmoid router scoring with num_experts_per_tok=1: HF renormalises the "
+                                         "single weight to 1, Megatron-Core keeps the sigmoid score")
+        # RL default: the expert bias stays as loaded (Megatron would move it towards balance after each step).
+        cfg["moe_router_bias_update_rate"] = 1e-3 if aux_loss else 0.0
     else:
         raise UnsupportedConfigError(f"router scoring_func={scoring!r} is not supported (softmax, sigmoid)")
     groups, group_topk = _get(hf, "n_group", None), _get(hf, "topk_group", None)
@@ -204,9 +216,10 @@ def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool) -> dict[str, 
     return cfg
 
 
-def _convert_attention_extras(hf: Any, spec_overrides: dict) -> dict[str, Any]:
+def _convert_attention_extras(hf: Any, spec_overrides: dict, spec_fields: dict[str, str]) -> dict[str, Any]:
     cfg: dict[str, Any] = {}
-    if _get(hf, "attention_bias", False) and not spec_overrides.get("add_qkv_bias"):
+    if _get(hf, "attention_bias", False) and not spec_overrides.get("add_qkv_bias") \
+            and "attention_bias" not in spec_fields:
         raise UnsupportedConfigError("attention_bias=True puts a bias on o_proj too; Megatron-Core can only add it "
                                      "together with biases on every MLP linear (add_bias_linear)")
     if _has(hf, "qkv_bias"):
@@ -257,7 +270,8 @@ def warn_unknown_fields(hf: Any) -> list[str]:
     """HF fields this converter does not understand (logged as a warning)."""
     from transformers import PretrainedConfig
 
-    known = set(IRRELEVANT) | set(CONSUMED) | {n for f in FIELDS for n in f.hf_names}
+    spec_fields = {name for name, _ in get_spec(hf.model_type).mcore.config_fields}
+    known = set(IRRELEVANT) | set(CONSUMED) | spec_fields | {n for f in FIELDS for n in f.hf_names}
     base = set(PretrainedConfig().to_dict())
     unknown = sorted(k for k in hf.to_dict() if k not in known and k not in base)
     if unknown:
@@ -295,12 +309,14 @@ def mcore_fields(hf_config: Any, *, aux_loss: bool = False) -> tuple[dict[str, A
                                          "de-interleaves the RoPE dims (as HF does with rope_interleave=True)")
     cfg.update(normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0)
     cfg.update(_activation(hf_config))
-    extras = _convert_attention_extras(hf_config, spec.mcore.config_overrides)
+    spec_fields = dict(spec.mcore.config_fields)
+    extras = _convert_attention_extras(hf_config, spec.mcore.config_overrides, spec_fields)
+    extras.update({mcore: bool(_get(hf_config, name, False)) for name, mcore in spec_fields.items()})
     cfg.update(extras)
     rope_cfg, rope_model = _convert_rope(hf_config, mla)
     cfg.update(rope_cfg)
     model.update(rope_model)
-    cfg.update(_convert_moe(hf_config, cfg.get("num_moe_experts"), aux_loss))
+    cfg.update(_convert_moe(hf_config, cfg.get("num_moe_experts"), aux_loss, spec.mcore.config_overrides))
     mtp = _get(hf_config, "num_nextn_predict_layers", 0) or 0
     if mtp:
         cfg["mtp_num_layers"] = mtp
@@ -390,7 +406,15 @@ def mcore_to_hf_config(transformer_config: Any, model_args: dict[str, Any], mode
         rope.update(rope_type="llama3", factor=model_args["rope_scaling_factor"], **_LLAMA3_FIXED)
     if getattr(tc, "mrope_section", None):
         rope["mrope_section"] = list(tc.mrope_section)
+    if model_args.get("rotary_percent", 1.0) != 1.0:
+        rope["partial_rotary_factor"] = model_args["rotary_percent"]
     out["rope_parameters"] = rope
+    # A VLM's language model (``qwen2_5_vl_text``) has no spec of its own, and no such fields.
+    fields = get_spec(model_type).mcore.config_fields if model_type in registered_model_types() else ()
+    for name, mcore in fields:
+        out[name] = bool(getattr(tc, mcore))
+    if _has(defaults, "num_nextn_predict_layers"):
+        out["num_nextn_predict_layers"] = tc.mtp_num_layers or 0
     if tc.window_size is not None:
         out["sliding_window"] = tc.window_size[0] + 1
     if tc.num_moe_experts:

@@ -1,5 +1,5 @@
-"""A tiny DeepSeek-V3 checkpoint with a multi-token-prediction layer named as in the release, and an independent
-plain-torch MTP forward to check the Megatron route's MTP against (tests only)."""
+"""A tiny checkpoint with a multi-token-prediction layer named as in the DeepSeek-V3 / GLM-4.5 releases, and an
+independent plain-torch MTP forward to check the Megatron route's MTP against (tests only)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ def _randomize_constants(state: dict[str, torch.Tensor], gen: torch.Generator) -
             state[name] = tensor + torch.randn(tensor.shape, generator=gen) * 0.1
 
 
-def write_mtp_checkpoint(root: str) -> tuple[str, str]:
-    """(MTP checkpoint dir, donor dir). The donor is a tiny DeepSeek-V3 with one more layer, whose last layer
-    becomes the MTP layer's decoder layer; the MTP-only tensors are random, the embedding and head copies equal
-    the main model's (as in the release)."""
+def write_mtp_checkpoint(root: str, model_type: str = "deepseek_v3") -> tuple[str, str]:
+    """(MTP checkpoint dir, donor dir) under ``root``. The donor is the tiny ``model_type`` with one more layer,
+    whose last layer becomes the MTP layer's decoder layer; the MTP-only tensors are random, the embedding and
+    head copies equal the main model's (as in the releases)."""
     from safetensors.torch import load_file, save_file
 
     from actorcore.testing.tiny_configs import build_tiny_model, tiny_config
 
-    config = tiny_config("deepseek_v3", num_nextn_predict_layers=1)
+    config = tiny_config(model_type, num_nextn_predict_layers=1)
     layers = config.num_hidden_layers
-    donor = build_tiny_model("deepseek_v3", seed=5, num_hidden_layers=layers + 1)
+    donor = build_tiny_model(model_type, seed=5, num_hidden_layers=layers + 1)
     donor_dir, mtp_dir = os.path.join(root, "donor"), os.path.join(root, "mtp")
     donor.save_pretrained(donor_dir)
     state = load_file(os.path.join(donor_dir, "model.safetensors"))
@@ -53,7 +53,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def reference_mtp(mtp_dir: str, donor_dir: str, sequences: list[torch.Tensor], scale: float):
-    """Plain-torch DeepSeek-V3 MTP forward, one sequence at a time (transformers' fp32 model for the main hidden
+    """Plain-torch DeepSeek-V3 / GLM-4.5 MTP forward, one sequence at a time (transformers' fp32 model for the main hidden
     states and the decoder layer): h' = eh_proj(cat(enorm(emb(t+1)), hnorm(h))) -> decoder layer ->
     shared_head.norm -> output layer; the log-prob of token t+2 at position t, aligned to the scored token.
     Returns (main log-probs ``[T]``, the MTP log-probs of each sequence, the MTP loss, the gradient of
