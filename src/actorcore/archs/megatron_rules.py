@@ -292,6 +292,16 @@ SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.sha
 VISION_TOWER = "vision_tower"
 
 
+def with_hf_prefix(rules: tuple[WeightRule, ...], prefix: str, replacement: str) -> tuple[WeightRule, ...]:
+    """``rules`` with every HF name (the tied alias too) that starts with ``prefix`` starting with ``replacement``
+    instead, e.g. a VLM whose checkpoint stores its language model under ``model.language_model.``."""
+    def rename(name: str | None) -> str | None:
+        return replacement + name[len(prefix):] if name is not None and name.startswith(prefix) else name
+
+    return tuple(dataclasses.replace(r, hf_names=tuple(rename(n) for n in r.hf_names),
+                                     tied_hf_name=rename(r.tied_hf_name)) for r in rules)
+
+
 def vision_tower_rules(hf_prefix: str, block_params: tuple[str, ...], other_params: tuple[str, ...],
                        blocks: str = "blocks") -> tuple[WeightRule, ...]:
     """Replicated rules ``vision_tower.<name>`` <-> ``<hf_prefix><name>`` for the tower's per-block parameters

@@ -24,7 +24,7 @@ from actorcore.archs import get_spec, registered_model_types
 from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore._megatron import require_megatron
 from actorcore.mcore.cpu_runtime import te_absent_fixes
-from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
+from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config, uses_interleaved_mrope
 from actorcore.mcore.handle import EXPERT_LAYOUTS, GROUPED, PER_EXPERT, McoreModel
 from actorcore.mcore.mla import route_kv_down_projection_full_width
 from actorcore.mcore.norm import with_sequence_parallel_norms
@@ -164,7 +164,7 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     dtype = dtype or checkpoint_dtype(hf_config)
     vlm_config = hf_config if is_vlm_config(hf_config) else None
     if vlm_config is not None:
-        check_vlm_build(vlm_config, parallel, value_head=value_head, config_overrides=config_overrides)
+        check_vlm_build(vlm_config, parallel, value_head=value_head)
         hf_config = language_config(vlm_config)
     spec = mcore_spec_for(hf_config)
     _check_expert_layout(hf_config, spec, expert_layout)
@@ -225,6 +225,10 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
                              mtp_block_spec=mtp_spec, **model_args)
         if model.mtp_process:
             model._postprocess = types.MethodType(_postprocess, model)
+        if uses_interleaved_mrope(hf_config):
+            from actorcore.mcore.rotary import use_interleaved_mrope
+
+            use_interleaved_mrope(model)
         if post:
             if value_head:
                 model.output_layer = _ReturnHidden()
