@@ -253,6 +253,17 @@ def test_vlm_refusals_are_clear(option, match):
         build_gpt_model(tiny_vlm_config("qwen2_5_vl"), **option)
 
 
+def test_grouped_only_experts_refuse_the_per_expert_layout():
+    """Qwen3-VL-MoE's checkpoints store the experts grouped only: that is its default layout, per-expert is refused
+    before anything is built."""
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.testing.tiny_vlm import tiny_vlm_config
+
+    assert get_spec("qwen3_vl_moe").mcore.uses_grouped_experts
+    with pytest.raises(ValueError, match="grouped .*only: use expert_layout='grouped'"):
+        build_gpt_model(tiny_vlm_config("qwen3_vl_moe"), expert_layout="per_expert")
+
+
 def test_qwen2_5_vl_7b_hub_config():
     """Qwen2.5-VL-7B-Instruct's config.json (text fields at the top, ``rope_scaling`` of type ``mrope``)."""
     from transformers import AutoConfig

@@ -126,6 +126,8 @@ class McoreSpec:
                          grouped_expert_rules=renamed(self.grouped_expert_rules))
 
     def with_grouped_experts(self) -> "McoreSpec":
+        if not self.grouped_expert_rules and self.uses_grouped_experts:
+            return self  # an architecture whose checkpoints store the experts grouped only (its rules are grouped)
         if not self.grouped_expert_rules:
             raise ValueError("this architecture declares no grouped expert rules")
         per_expert = {r.mcore_name for r in self.grouped_expert_rules}

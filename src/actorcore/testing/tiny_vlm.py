@@ -63,7 +63,8 @@ TINY_VLM_CONFIGS: dict[str, dict[str, Any]] = {
     ),
     "qwen3_vl_moe": dict(
         **QWEN_IDS,
-        text_config=dict(TEXT, **MOE_TEXT, rope_parameters=dict(MROPE, mrope_interleaved=True)),
+        # layer 1 dense (mlp_only_layers)
+        text_config=dict(TEXT, **dict(MOE_TEXT, mlp_only_layers=[1]), rope_parameters=dict(MROPE, mrope_interleaved=True)),
         vision_config=dict(VISION, intermediate_size=40, out_hidden_size=64, num_position_embeddings=16,
                            deepstack_visual_indexes=[0]),
     ),
