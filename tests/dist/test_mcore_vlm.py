@@ -60,7 +60,7 @@ CASES = [("qwen2_5_vl", 1, 1, 1), ("qwen2_5_vl", 2, 1, 1), ("qwen3_vl", 2, 1, 1)
          ("qwen3_vl_moe", 1, 1, 2), ("qwen3_vl_moe", 1, 2, 1), ("qwen3_vl_moe", 2, 1, 1)]
 
 
-def _tiny_vlm(model_type: str):
+def _tiny_vlm(model_type: str = "qwen2_5_vl"):
     from test_mcore_roundtrip import randomize_constant_tensors
 
     from actorcore.testing.tiny_vlm import build_tiny_vlm
@@ -76,6 +76,12 @@ def _tiny_vlm(model_type: str):
     return model
 
 
+def _samples(model):
+    from actorcore.testing.tiny_vlm import mixed_samples
+
+    return mixed_samples(model, seed=3)  # one image, text only, two images, a video, short text only
+
+
 def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
     import actorcore as ac
     from actorcore.mcore.forward import compute_logprobs
@@ -86,8 +92,6 @@ def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
     from actorcore.mcore.weight_layout import global_mcore_name
     from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
-    from actorcore.testing.tiny_vlm import mixed_samples
-
     hf = _tiny_vlm(model_type)
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     initialize_megatron(parallel)
@@ -112,7 +116,7 @@ def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
         roundtrip_exact &= all(torch.equal(t, ours[k]) for k, t in chunks[0].state_dict().items()
                                if isinstance(t, torch.Tensor) and not k.endswith("_extra_state"))
 
-    samples = mixed_samples(hf, seed=3)  # one image, text only, two images, a video, short text only
+    samples = _samples(hf)
     batch = ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples], model=hf)
     assert batch.position_ids.shape == (3, batch.num_tokens)
     calls = []

@@ -10,16 +10,18 @@ from actorcore.archs.spec import ArchSpec
 # h*w/merge_kernel_size² features (the tower averages the t frames; a video is one grid row per chunk, each its
 # own placeholder run). Every token, placeholders included, gets plain 1-D positions: no M-RoPE, no rope index,
 # and the processor returns no mm_token_type_ids (image and video placeholders have their own ids).
-# Not yet on Megatron: its text model (DeepSeek-V3) is, but the VLM route has no rules for this family's tower,
-# which is two HF modules (vision_tower, and mm_projector built from the whole VLM config) rather than one, and
-# whose checkpoint names differ between the release and transformers 5's save_pretrained (decoder layers, the
-# projector's norm and linears are renamed by transformers' conversion mapping), so no single rule set would load
-# both and export either bit-exact; its 1-D positions would also need the VLM forward's non-M-RoPE path tested.
-KIMI_MEGATRON_REFUSAL = ("Kimi-K2.5 has no Megatron-Core route in actorcore yet: the route builds a single HF vision "
-                         "tower from vision_config, while Kimi-K2.5's is MoonViT plus an mm_projector built from the "
-                         "whole config, and its checkpoints store the language model and projector under names that "
-                         "transformers renames on load and save, which the weight rules do not cover; use the HF "
-                         "route (its DeepSeek-V3 text model alone runs on Megatron as deepseek_v3)")
+# Not yet on Megatron: its text model (DeepSeek-V3) is, but the VLM route builds one HF tower module from
+# vision_config and maps its weights by name, while Kimi-K2.5's tower is MoonViT plus an mm_projector built from the
+# whole config, and the release stores the tower's attention fused (``wqkv``), which transformers unfuses into
+# q/k/v with a RoPE row permutation on load (its conversion mapping), besides renaming blocks, norms, the MLP and
+# the projector; those transforms have no weight rule here (and transformers 5.24's save_pretrained writes the
+# language model as ``language_model.model.blocks.*``, not the release's names).
+KIMI_MEGATRON_REFUSAL = ("Kimi-K2.5 has no Megatron-Core route in actorcore yet: the route builds one HF vision tower "
+                         "from vision_config and maps its weights by name, while Kimi-K2.5's is MoonViT plus an "
+                         "mm_projector built from the whole config, and its release stores the tower's attention "
+                         "fused (wqkv), which transformers splits into q/k/v with a RoPE row permutation on load; no "
+                         "weight rule does that yet. Use the HF route (its DeepSeek-V3 text model alone runs on "
+                         "Megatron as deepseek_v3)")
 
 SPEC = ArchSpec(
     model_type="kimi_k25",

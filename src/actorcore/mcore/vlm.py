@@ -104,7 +104,7 @@ def add_vision_tower(chunks: list[Any], hf_config: Any, dtype: torch.dtype) -> N
     model's chunks are built from ``language_config``); with deepstack (Qwen3-VL) its first decoder layers add the
     call's deepstack features to their outputs."""
     vision = get_spec(hf_config.model_type).vision
-    if vision.rope_index is not None and chunks[0].config.mrope_section is None:
+    if chunks[0].config.mrope_section is None:
         raise ValueError(f"{hf_config.model_type}: the text config has no rope_parameters.mrope_section; the "
                          "Megatron VLM route needs M-RoPE positions")
     for chunk in chunks:
@@ -202,18 +202,15 @@ def vlm_inputs(chunk: Any, batch: Any, config: Any) -> tuple[torch.Tensor, tuple
 
 
 def vlm_chunk_forward(chunk: Any, batch: Any, params: Any, config: Any) -> torch.Tensor:
-    """One chunk's forward on a packed VLM batch of the VLM ``config`` (positions ``[3, T]`` for M-RoPE models,
-    ``[T]`` for those with 1-D positions); what ``GPTModel.forward`` returns."""
-    mrope = get_spec(config.model_type).vision.rope_index is not None
-    if batch.position_ids.dim() != (2 if mrope else 1):
-        raise ValueError(f"a {config.model_type} batch on the Megatron route needs its "
-                         f"{'[3, T] M-RoPE' if mrope else '[T]'} position ids: pack it with "
+    """One chunk's forward on a packed VLM batch (positions ``[3, T]``) of the VLM ``config``; what
+    ``GPTModel.forward`` returns."""
+    if batch.position_ids.dim() != 2:
+        raise ValueError("a VLM batch on the Megatron route needs its [3, T] M-RoPE position ids: pack it with "
                          "actorcore.pack(sequences, multimodal=..., model=hf_model)")
     decoder_input = None
     if chunk.pre_process:
         decoder_input, deepstack = vlm_inputs(chunk, batch, config)
         if deepstack is not None:
             params = dataclasses.replace(params, deepstack=deepstack)
-    positions = batch.position_ids.unsqueeze(1) if mrope else batch.position_ids.unsqueeze(0)
-    return chunk(batch.input_ids.unsqueeze(0), positions, None, decoder_input=decoder_input,
+    return chunk(batch.input_ids.unsqueeze(0), batch.position_ids.unsqueeze(1), None, decoder_input=decoder_input,
                  packed_seq_params=params)
