@@ -1,41 +1,71 @@
-"""Qwen2.5-VL on the Megatron route (gloo, CPU): the HF checkpoint loads and exports back bit-exact (vision tower
-included) at TP=1 and TP=2; a packed batch of sequences with images, a video and text only gives per-token
-log-probs and entropy equal to the HF model's own fp32 forward one sequence at a time (the independent
-reference) and to actorcore's HF route; gradients of tower and language-model parameters equal the HF
-forward's, at TP=1 and TP=2 (the replicated tower gets the full gradient on every TP rank). A checkpoint that
-stores the in-memory names (``model.language_model.*``, ``model.visual.*``) loads the same weights."""
+"""Vision-language models on the Megatron route (gloo, CPU): Qwen2.5-VL, Qwen3-VL (interleaved M-RoPE, deepstack)
+and Qwen3-VL-MoE. For each family and layout the HF checkpoint loads and exports back bit-exact (vision tower
+included); a packed batch of sequences with images, a video and text only gives per-token log-probs and entropy
+equal to the HF model's own fp32 forward one sequence at a time (the independent reference); gradients of tower
+(deepstack mergers included) and language-model parameters equal the HF forward's.
+
+Layouts: Qwen2.5-VL at TP=1 and TP=2; Qwen3-VL at TP=2 and PP=2 (both deepstack layers on the first stage);
+Qwen3-VL-MoE at EP=2, PP=2 and TP=2 (with sequence parallelism, which Megatron needs to train MoE under TP: the
+decoder input and the deepstack additions are split over the TP ranks). Every case runs in one two-rank spawn
+(``world2``). A Qwen2.5-VL checkpoint that stores the in-memory names (``model.language_model.*``,
+``model.visual.*``) loads the same weights."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 
-from actorcore.testing.distributed import run_distributed
+from actorcore.testing.mcore_cases import spawn_cases
 from actorcore.testing.tolerances import TOL
 
 pytest.importorskip("megatron.core")
 
-MODEL_TYPE = "qwen2_5_vl"
-# Megatron parameter -> the HF model's in-memory parameter whose gradient it must equal (whole tensors: no TP
-# split, or compared on the rows this rank holds).
+_VISUAL = "model.visual."
+_TEXT = "model.language_model."
+# Megatron parameter (global name) -> the HF model's in-memory parameter whose gradient it must equal (whole
+# tensors: replicated over TP, or summed over the TP ranks under sequence parallelism).
 GRAD_PAIRS = {
-    "vision_tower.patch_embed.proj.weight": "model.visual.patch_embed.proj.weight",
-    "vision_tower.blocks.0.attn.qkv.weight": "model.visual.blocks.0.attn.qkv.weight",
-    "vision_tower.merger.mlp.2.bias": "model.visual.merger.mlp.2.bias",
-    "decoder.layers.0.input_layernorm.weight": "model.language_model.layers.0.input_layernorm.weight",
-    "decoder.final_layernorm.weight": "model.language_model.norm.weight",
+    "qwen2_5_vl": {
+        "vision_tower.patch_embed.proj.weight": _VISUAL + "patch_embed.proj.weight",
+        "vision_tower.blocks.0.attn.qkv.weight": _VISUAL + "blocks.0.attn.qkv.weight",
+        "vision_tower.merger.mlp.2.bias": _VISUAL + "merger.mlp.2.bias",
+        "decoder.layers.0.input_layernorm.weight": _TEXT + "layers.0.input_layernorm.weight",
+        "decoder.final_layernorm.weight": _TEXT + "norm.weight",
+    },
+    "qwen3_vl": {
+        "vision_tower.patch_embed.proj.weight": _VISUAL + "patch_embed.proj.weight",
+        "vision_tower.pos_embed.weight": _VISUAL + "pos_embed.weight",
+        "vision_tower.blocks.1.attn.qkv.weight": _VISUAL + "blocks.1.attn.qkv.weight",
+        "vision_tower.merger.linear_fc2.bias": _VISUAL + "merger.linear_fc2.bias",
+        # the deepstack mergers reach the loss only through the deepstack additions to decoder layers 0 and 1
+        "vision_tower.deepstack_merger_list.0.linear_fc1.weight": _VISUAL + "deepstack_merger_list.0.linear_fc1.weight",
+        "vision_tower.deepstack_merger_list.1.linear_fc2.bias": _VISUAL + "deepstack_merger_list.1.linear_fc2.bias",
+        "decoder.layers.0.input_layernorm.weight": _TEXT + "layers.0.input_layernorm.weight",
+        "decoder.layers.3.pre_mlp_layernorm.weight": _TEXT + "layers.3.post_attention_layernorm.weight",
+        "decoder.final_layernorm.weight": _TEXT + "norm.weight",
+    },
+    "qwen3_vl_moe": {
+        "vision_tower.patch_embed.proj.weight": _VISUAL + "patch_embed.proj.weight",
+        "vision_tower.blocks.0.mlp.linear_fc1.weight": _VISUAL + "blocks.0.mlp.linear_fc1.weight",
+        "vision_tower.deepstack_merger_list.0.linear_fc2.weight": _VISUAL + "deepstack_merger_list.0.linear_fc2.weight",
+        "decoder.layers.0.mlp.router.weight": _TEXT + "layers.0.mlp.gate.weight",
+        "decoder.layers.1.input_layernorm.weight": _TEXT + "layers.1.input_layernorm.weight",
+        "decoder.final_layernorm.weight": _TEXT + "norm.weight",
+    },
 }
+# (model_type, tp, pp, ep) of every case.
+CASES = [("qwen2_5_vl", 1, 1, 1), ("qwen2_5_vl", 2, 1, 1), ("qwen3_vl", 2, 1, 1), ("qwen3_vl", 1, 2, 1),
+         ("qwen3_vl_moe", 1, 1, 2), ("qwen3_vl_moe", 1, 2, 1), ("qwen3_vl_moe", 2, 1, 1)]
 
 
-def _tiny_vlm():
+def _tiny_vlm(model_type: str = "qwen2_5_vl"):
     from test_mcore_roundtrip import randomize_constant_tensors
 
     from actorcore.testing.tiny_vlm import build_tiny_vlm
 
-    model = build_tiny_vlm(MODEL_TYPE, seed=4)
+    model = build_tiny_vlm(model_type, seed=4)
     randomize_constant_tensors(model, seed=2)
     # Sharper attention and logits than the 0.02-std init: positions (M-RoPE) and image features then move the
     # log-probs far beyond the tolerance, so a wrong rotary section or a dropped feature cannot pass.
@@ -52,65 +82,52 @@ def _samples(model):
     return mixed_samples(model, seed=3)  # one image, text only, two images, a video, short text only
 
 
-def _worker(rank: int, world_size: int, directory: str) -> dict:
-    """TP=1 (the two ranks as data-parallel replicas), then TP=2, in one world."""
-    from megatron.core import parallel_state
-
-    from actorcore.mcore.cpu_runtime import CpuRuntime
-
-    results = {}
-    with CpuRuntime():
-        for tp in (1, 2):
-            results[tp] = _worker_body(tp, directory)
-            parallel_state.destroy_model_parallel()
-    return results
-
-
-def _worker_body(tp: int, directory: str) -> dict:
+def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
     import actorcore as ac
     from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.mcore.safetensors_reader import SafetensorsReader
+    from actorcore.mcore.weight_layout import global_mcore_name
     from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
-
-    hf = _tiny_vlm()
-    parallel = McoreParallel(tp=tp)
+    hf = _tiny_vlm(model_type)
+    parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     initialize_megatron(parallel)
-    model = build_gpt_model(hf.config, parallel)
+    layout = checkpoint_expert_layout(directory, hf.config)
+    model = build_gpt_model(hf.config, parallel, expert_layout=layout)
     assert model.vlm_config is hf.config and model.hf_config.model_type == hf.config.model_type
     chunks = model.chunks
     load_hf_into_mcore(model, directory)
 
     exported = gather_hf_state_dict(model)
     reader = SafetensorsReader(directory)
-    assert set(exported) == reader.names()
-    roundtrip_exact = all(torch.equal(exported[n], reader.read(n)) and exported[n].dtype == reader.dtype(n)
-                          for n in reader.names())
-    # The same weights stored under the in-memory names (transformers 4.52-4.57's save_pretrained) load the same.
-    again = build_gpt_model(hf.config, parallel)
-    with torch.no_grad():
-        for param in again.chunks[0].parameters():
-            param.zero_()
-    load_hf_into_mcore(again, os.path.join(directory, "in_memory_names"))
-    ours = again.chunks[0].state_dict()
-    roundtrip_exact &= all(torch.equal(t, ours[k]) for k, t in chunks[0].state_dict().items()
-                           if isinstance(t, torch.Tensor) and not k.endswith("_extra_state"))
+    roundtrip_exact = set(exported) == reader.names() and all(
+        torch.equal(exported[n], reader.read(n)) and exported[n].dtype == reader.dtype(n) for n in reader.names())
+    stored = os.path.join(directory, "in_memory_names")
+    if os.path.exists(stored):  # the same weights under the in-memory names load the same
+        again = build_gpt_model(hf.config, parallel)
+        with torch.no_grad():
+            for param in again.chunks[0].parameters():
+                param.zero_()
+        load_hf_into_mcore(again, stored)
+        ours = again.chunks[0].state_dict()
+        roundtrip_exact &= all(torch.equal(t, ours[k]) for k, t in chunks[0].state_dict().items()
+                               if isinstance(t, torch.Tensor) and not k.endswith("_extra_state"))
 
     samples = _samples(hf)
     batch = ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples], model=hf)
     assert batch.position_ids.shape == (3, batch.num_tokens)
     calls = []
-    hook = chunks[0].vision_tower.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    hooks = [chunk.vision_tower.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+             for chunk in chunks if chunk.pre_process]
     got = compute_logprobs(model, batch)
-    hook.remove()
-    # One tower call for all the batch's images and one for its video, on every TP rank.
-    tower_calls_ok = calls == [int(batch.multimodal["pixel_values"].shape[0]),
-                               int(batch.multimodal["pixel_values_videos"].shape[0])]
-    with torch.no_grad():
-        hf_route = ac.compute_logprobs(hf, batch)
+    for hook in hooks:
+        hook.remove()
+    # One tower call for all the batch's images and one for its video, on every TP rank of the first stage.
+    expected_calls = [int(batch.multimodal["pixel_values"].shape[0]), int(batch.multimodal["pixel_values_videos"].shape[0])]
+    tower_calls_ok = calls == (expected_calls if hooks else [])
 
     weights = 0.5 + torch.rand(batch.num_tokens, generator=torch.Generator().manual_seed(5))
 
@@ -122,40 +139,71 @@ def _worker_body(tp: int, directory: str) -> dict:
     lps, ents = zip(*(reference_logprobs_vlm(hf, [s]) for s in samples))  # one sequence at a time
     ref_lp, ref_ent = torch.cat(lps), torch.cat(ents)
     (-(ref_lp * weights).sum() + ref_ent.sum()).backward()
-    ref_lp, ref_ent = ref_lp.detach(), ref_ent.detach()
-    params = dict(chunks[0].named_parameters())
     hf_params = dict(hf.named_parameters())
-    grads = {name: (params[name].grad.clone(), hf_params[hf_name].grad.clone()) for name, hf_name in GRAD_PAIRS.items()}
-    return {"roundtrip_exact": roundtrip_exact, "tower_calls_ok": tower_calls_ok, "lp": got.log_probs, "ent": got.entropy, "fb": fb.log_probs,
-            "hf_route": (hf_route.log_probs, hf_route.entropy), "ref": (ref_lp, ref_ent), "grads": grads,
-            "starts": batch.cu_seqlens[:-1].long()}
+    grads = {}
+    for chunk in chunks:
+        for local, param in chunk.named_parameters():
+            name = global_mcore_name(chunk, local, model.context)
+            if name in GRAD_PAIRS[model_type]:
+                grads[name] = (param.grad.clone(), hf_params[GRAD_PAIRS[model_type][name]].grad.clone())
+    return {"roundtrip_exact": roundtrip_exact, "tower_calls_ok": tower_calls_ok, "lp": got.log_probs,
+            "ent": got.entropy, "fb": fb.log_probs, "ref": (ref_lp.detach(), ref_ent.detach()), "grads": grads,
+            "sequence_parallel": bool(model.config.sequence_parallel), "starts": batch.cu_seqlens[:-1].long()}
 
 
-def test_qwen2_5_vl_megatron_matches_hf_tp1_tp2():
+def _name(model_type: str, tp: int, pp: int, ep: int) -> str:
+    return f"{model_type}-tp{tp}-pp{pp}-ep{ep}"
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    """Every case of this file in one two-rank spawn."""
     from safetensors.torch import save_file
 
-    with tempfile.TemporaryDirectory() as directory:
-        model = _tiny_vlm()
+    root = str(tmp_path_factory.mktemp("mcore_vlm"))
+    for model_type in {m for m, *_ in CASES}:
+        model = _tiny_vlm(model_type)
+        directory = os.path.join(root, model_type)
         model.save_pretrained(directory)
-        os.makedirs(os.path.join(directory, "in_memory_names"))
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-                  os.path.join(directory, "in_memory_names", "model.safetensors"), metadata={"format": "pt"})
-        results = run_distributed(_worker, 2, args=(directory,))
+        if model_type == "qwen2_5_vl":  # transformers 4.52-4.57's save_pretrained wrote the in-memory names
+            os.makedirs(os.path.join(directory, "in_memory_names"))
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                      os.path.join(directory, "in_memory_names", "model.safetensors"), metadata={"format": "pt"})
+    return spawn_cases(2, [(_name(*case), _case, (*case, os.path.join(root, case[0]))) for case in CASES])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_name(*c) for c in CASES])
+def test_vlm_megatron_matches_hf(world2, case):
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
-    cases = [(rank, tp, per_tp[tp]) for rank, per_tp in enumerate(results) for tp in (1, 2)]
-    for rank, tp, r in cases:
-        assert r["roundtrip_exact"], f"rank {rank} tp={tp}: HF -> Megatron -> HF is not bit-exact"
-        assert r["tower_calls_ok"], f"rank {rank} tp={tp}: the vision tower did not run once per modality"
+    results = world2[_name(*case)]
+    seen = set()
+    for rank, r in enumerate(results):
+        assert r["roundtrip_exact"], f"rank {rank}: HF -> Megatron -> HF is not bit-exact"
+        assert r["tower_calls_ok"], f"rank {rank}: the vision tower did not run once per modality"
         ref_lp, ref_ent = r["ref"]
         assert r["lp"].dtype == torch.float32 and r["lp"].shape == ref_lp.shape
         assert torch.all(r["lp"][r["starts"]] == 0) and bool((r["lp"] != 0).any())
-        for got, want in ((r["lp"], ref_lp), (r["ent"], ref_ent), (r["fb"], ref_lp), (r["lp"], r["hf_route"][0]),
-                          (r["ent"], r["hf_route"][1])):
+        for got, want in ((r["lp"], ref_lp), (r["ent"], ref_ent), (r["fb"], ref_lp)):
             torch.testing.assert_close(got, want, atol=tol, rtol=0)
         for name, (grad, ref) in r["grads"].items():
+            seen.add(name)
+            if r["sequence_parallel"] and not name.startswith("vision_tower."):
+                # each TP rank holds its tokens' share of a norm's gradient (Megatron all-reduces them later)
+                grad = sum(other["grads"][name][0] for other in results)
             assert bool((ref != 0).any()), name
-            torch.testing.assert_close(grad, ref, atol=grad_tol * ref.abs().max(), rtol=0,
-                                       msg=f"rank {rank} tp={tp} {name}")
+            torch.testing.assert_close(grad, ref, atol=grad_tol * ref.abs().max(), rtol=0, msg=f"rank {rank} {name}")
+    assert seen == set(GRAD_PAIRS[case[0]]), set(GRAD_PAIRS[case[0]]) - seen
+
+
+def test_deepstack_layers_on_a_later_stage_are_refused():
+    """Deepstack decoder layers must all be on the first pipeline stage (the one with the vision tower)."""
+    from types import SimpleNamespace
+
+    from actorcore.mcore.vlm import add_deepstack
+
+    chunk = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(layer_number=1)]))
+    with pytest.raises(ValueError, match="first pipeline stage"):
+        add_deepstack(chunk, 2, "qwen3_vl")
 
 
 def test_vision_tower_class_without_an_auto_mapping(monkeypatch):

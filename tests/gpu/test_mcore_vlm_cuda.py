@@ -1,4 +1,4 @@
-"""Qwen2.5-VL on the Megatron route on GPUs with NCCL (2 GPUs): at TP=2 and PP=2 the HF checkpoint loads and
+"""Qwen2.5-VL and Qwen3-VL (interleaved M-RoPE, deepstack) on the Megatron route on GPUs with NCCL (2 GPUs): at TP=2 and PP=2 the HF checkpoint loads and
 exports back bit-exact (vision tower included), a packed batch with images, a video and text-only sequences
 gives per-token log-probs and entropy equal to plain transformers' fp32 forward one sequence at a time (on the
 CPU), and the gradients of tower and language-model parameters equal its gradients. Skipped without two CUDA
@@ -19,10 +19,18 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 # Megatron parameter -> the HF parameter whose gradient it must equal; ``{layer}``: the global index of the stage's
 # first decoder layer (under PP=2 the second stage's local layer 0 is the model's layer 1).
 GRAD_PAIRS = {
-    "vision_tower.patch_embed.proj.weight": "model.visual.patch_embed.proj.weight",
-    "vision_tower.blocks.0.attn.qkv.weight": "model.visual.blocks.0.attn.qkv.weight",
-    "vision_tower.merger.mlp.2.bias": "model.visual.merger.mlp.2.bias",
-    "decoder.layers.0.input_layernorm.weight": "model.language_model.layers.{layer}.input_layernorm.weight",
+    "qwen2_5_vl": {
+        "vision_tower.patch_embed.proj.weight": "model.visual.patch_embed.proj.weight",
+        "vision_tower.blocks.0.attn.qkv.weight": "model.visual.blocks.0.attn.qkv.weight",
+        "vision_tower.merger.mlp.2.bias": "model.visual.merger.mlp.2.bias",
+        "decoder.layers.0.input_layernorm.weight": "model.language_model.layers.{layer}.input_layernorm.weight",
+    },
+    "qwen3_vl": {
+        "vision_tower.patch_embed.proj.weight": "model.visual.patch_embed.proj.weight",
+        "vision_tower.blocks.0.attn.qkv.weight": "model.visual.blocks.0.attn.qkv.weight",
+        "vision_tower.deepstack_merger_list.1.linear_fc1.weight": "model.visual.deepstack_merger_list.1.linear_fc1.weight",
+        "decoder.layers.0.input_layernorm.weight": "model.language_model.layers.{layer}.input_layernorm.weight",
+    },
 }
 
 
@@ -31,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 from test_mcore_vlm import _samples, _tiny_vlm  # noqa: E402
 
 
-def _worker(rank: int, world_size: int, tp: int, pp: int, hf_dir: str) -> dict:
+def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, hf_dir: str) -> dict:
     import actorcore as ac
     from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.forward import compute_logprobs
@@ -40,7 +48,7 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, hf_dir: str) -> dict:
     from actorcore.mcore.weight_stream import gather_hf_state_dict
     from megatron.core import parallel_state
 
-    hf = _tiny_vlm()  # on the CPU: only its rope-index function is used, to pack
+    hf = _tiny_vlm(model_type)  # on the CPU: only its rope-index function is used, to pack
     parallel = McoreParallel(tp=tp, pp=pp)
     initialize_megatron(parallel)
     mcore_model = build_gpt_model(hf.config, parallel)
@@ -58,25 +66,26 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, hf_dir: str) -> dict:
     out = compute_logprobs(mcore_model, batch, loss_fn=loss_fn)
     params = dict(chunks[0].named_parameters())
     layer = chunks[0].decoder.layers[0].layer_number - 1  # Megatron numbers layers globally, from 1
-    grads = {hf_name.format(layer=layer): params[name].grad.cpu() for name, hf_name in GRAD_PAIRS.items()
+    grads = {hf_name.format(layer=layer): params[name].grad.cpu() for name, hf_name in GRAD_PAIRS[model_type].items()
              if name in params and params[name].grad is not None}
     parallel_state.destroy_model_parallel()
     return {"exported": exported, "lp": out.log_probs.cpu(), "ent": out.entropy.cpu(),
             "device": out.log_probs.device.type, "grads": grads, "weights": weights, "layer": layer}
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_qwen2_5_vl_megatron_on_nccl(tmp_path, tp, pp):
+def test_vlm_megatron_on_nccl(tmp_path, model_type, tp, pp):
     pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
     from test_mcore_nccl import _run_nccl
 
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
 
-    hf = _tiny_vlm()
+    hf = _tiny_vlm(model_type)
     hf_dir = str(tmp_path / "hf")
     hf.save_pretrained(hf_dir)
-    results = _run_nccl(_worker, tp * pp, (tp, pp, hf_dir))
+    results = _run_nccl(_worker, tp * pp, (model_type, tp, pp, hf_dir))
     source = load_file(os.path.join(hf_dir, "model.safetensors"))
     samples = _samples(hf)
     lps, ents = zip(*(reference_logprobs_vlm(hf, [s]) for s in samples))
@@ -99,4 +108,4 @@ def test_qwen2_5_vl_megatron_on_nccl(tmp_path, tp, pp):
                                        msg=f"rank {rank} {hf_name}")
     layers = sorted({r["layer"] for r in results})
     assert layers[0] == 0 and len(layers) == pp
-    assert seen == {hf_name.format(layer=layer) for hf_name in GRAD_PAIRS.values() for layer in layers}
+    assert seen == {hf_name.format(layer=layer) for hf_name in GRAD_PAIRS[model_type].values() for layer in layers}

@@ -21,6 +21,7 @@ from actorcore.mcore.config import (  # noqa: E402
     hf_to_mcore_config,
     mcore_fields,
     mcore_to_hf_config,
+    uses_interleaved_mrope,
 )
 from actorcore.archs import get_spec  # noqa: E402
 from actorcore.mcore.model import megatron_model_types, refused_megatron_model_types  # noqa: E402
@@ -213,13 +214,35 @@ def test_vlm_language_model_has_mrope_both_ways():
     assert args["position_embedding_type"] == "mrope" and tc.mrope_section == [2, 3, 3] and tc.add_qkv_bias
     back = mcore_to_hf_config(tc, args, "qwen2_5_vl_text", vocab_size=text.vocab_size)
     assert back["rope_parameters"]["mrope_section"] == [2, 3, 3]
-    interleaved = language_config(tiny_vlm_config("qwen3_vl"))  # Qwen3-VL's interleaved M-RoPE
-    with pytest.raises(UnsupportedConfigError, match="contiguous"):
-        hf_to_mcore_config(interleaved)
+    assert not uses_interleaved_mrope(text)
+    interleaved = language_config(tiny_vlm_config("qwen3_vl"))  # Qwen3-VL's interleaved M-RoPE: our rotary module
+    assert uses_interleaved_mrope(interleaved) and hf_to_mcore_config(interleaved).mrope_section == [2, 3, 3]
+    assert hf_to_mcore_config(interleaved).qk_layernorm
+
+
+def test_interleaved_mrope_frequency_rows_match_transformers():
+    """The (t, h, w) row of every rotary frequency: transformers' Qwen3-VL recomposition, on a real section."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from actorcore.mcore.rotary import InterleavedMultimodalRotaryEmbedding, interleaved_frequency_rows
+
+    for section in ([24, 20, 20], [2, 3, 3], [4, 2, 2]):
+        text = AutoConfig.for_model("qwen3_vl_text", head_dim=2 * sum(section), num_attention_heads=2, hidden_size=64,
+                                    rope_parameters=dict(rope_type="default", rope_theta=500.0, mrope_section=section,
+                                                         mrope_interleaved=True))
+        hf = Qwen3VLTextRotaryEmbedding(text)
+        positions_3BS = torch.randint(0, 50, (3, 1, 11), generator=torch.Generator().manual_seed(sum(section)))
+        cos, sin = hf(torch.zeros(1, dtype=torch.float32), positions_3BS)
+        ours = InterleavedMultimodalRotaryEmbedding(hf.inv_freq)(positions_3BS, section)
+        assert ours.shape == (11, 1, 1, 2 * sum(section))
+        torch.testing.assert_close(ours[:, 0, 0].cos(), cos[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours[:, 0, 0].sin(), sin[0], atol=1e-6, rtol=0)
+        rows = interleaved_frequency_rows(sum(section), section)
+        assert set(rows.tolist()) == {0, 1, 2} and rows[0] == 0
 
 
 @pytest.mark.parametrize("option, match", [(dict(value_head=True), "value head"),
-                                           (dict(sequence_parallel=True), "sequence parallelism"),
                                            (dict(parallel=McoreParallel(cp=2)), "context parallelism")])
 def test_vlm_refusals_are_clear(option, match):
     """Refused before anything is built (no parallel state needed)."""
@@ -228,6 +251,17 @@ def test_vlm_refusals_are_clear(option, match):
 
     with pytest.raises(ValueError, match=match):
         build_gpt_model(tiny_vlm_config("qwen2_5_vl"), **option)
+
+
+def test_grouped_only_experts_refuse_the_per_expert_layout():
+    """Qwen3-VL-MoE's checkpoints store the experts grouped only: that is its default layout, per-expert is refused
+    before anything is built."""
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.testing.tiny_vlm import tiny_vlm_config
+
+    assert get_spec("qwen3_vl_moe").mcore.uses_grouped_experts
+    with pytest.raises(ValueError, match="grouped .*only: use expert_layout='grouped'"):
+        build_gpt_model(tiny_vlm_config("qwen3_vl_moe"), expert_layout="per_expert")
 
 
 def test_qwen2_5_vl_7b_hub_config():

@@ -130,6 +130,8 @@ class McoreSpec:
                                    grouped_expert_rules=renamed(self.grouped_expert_rules), stored_prefixes=())
 
     def with_grouped_experts(self) -> "McoreSpec":
+        if not self.grouped_expert_rules and self.uses_grouped_experts:
+            return self  # an architecture whose checkpoints store the experts grouped only (its rules are grouped)
         if not self.grouped_expert_rules:
             raise ValueError("this architecture declares no grouped expert rules")
         per_expert = {r.mcore_name for r in self.grouped_expert_rules}
@@ -297,6 +299,16 @@ SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.sha
 # Vision-language models: the Megatron route runs the HF vision tower as it is (``actorcore.mcore.vlm``), as the
 # submodule ``vision_tower`` of the first pipeline stage's model; its parameters keep their HF names under it.
 VISION_TOWER = "vision_tower"
+
+
+def with_hf_prefix(rules: tuple[WeightRule, ...], prefix: str, replacement: str) -> tuple[WeightRule, ...]:
+    """``rules`` with every HF name (the tied alias too) that starts with ``prefix`` starting with ``replacement``
+    instead, e.g. a VLM whose checkpoint stores its language model under ``model.language_model.``."""
+    def rename(name: str | None) -> str | None:
+        return replacement + name[len(prefix):] if name is not None and name.startswith(prefix) else name
+
+    return tuple(dataclasses.replace(r, hf_names=tuple(rename(n) for n in r.hf_names),
+                                     tied_hf_name=rename(r.tied_hf_name)) for r in rules)
 
 
 def vision_tower_rules(hf_prefix: str, block_params: tuple[str, ...], other_params: tuple[str, ...],

@@ -2,8 +2,9 @@
 
 It is Megatron's ``PackedSeqParams`` (the THD layout every layer reads), plus what belongs to this call and this
 batch: ``run_mtp`` (run the multi-token-prediction layers in this forward: an option of the call, read by the
-post-processing ``mcore/model.py`` binds, never a flag on a module) and ``cp_cache`` (the context-parallel
-layout that the first attention layer derives and the others reuse). It lives as long as the micro-batch.
+post-processing ``mcore/model.py`` binds, never a flag on a module), ``cp_cache`` (the context-parallel
+layout that the first attention layer derives and the others reuse) and ``deepstack`` (Qwen3-VL: what each of the
+first decoder layers adds to its output, ``mcore/vlm.py``). It lives as long as the micro-batch.
 """
 
 from __future__ import annotations
@@ -24,3 +25,4 @@ except ImportError:  # pragma: no cover - guarded by require_megatron
 class BatchParams(PackedSeqParams):
     run_mtp: bool = False
     cp_cache: CpLayoutCache = field(default_factory=CpLayoutCache)
+    deepstack: tuple | None = None

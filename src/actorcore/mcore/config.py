@@ -152,12 +152,19 @@ def _convert_rope(hf: Any, mla: bool) -> tuple[dict, dict]:
 
 
 def _convert_mrope(p: dict[str, Any], mla: bool) -> list[int]:
-    """Multimodal RoPE (Qwen2-VL / Qwen2.5-VL): the (t, h, w) split of the rotary frequencies. Megatron-Core
-    assigns them in contiguous sections like HF; the interleaved layout (Qwen3-VL) has no counterpart."""
-    if mla or p.get("mrope_interleaved"):
-        raise UnsupportedConfigError(f"M-RoPE with {p}: Megatron-Core's multimodal RoPE takes contiguous "
-                                     "(t, h, w) sections only (not interleaved, not with MLA)")
+    """Multimodal RoPE: the (t, h, w) split of the rotary frequencies. Megatron-Core assigns them in contiguous
+    sections like HF (Qwen2-VL / Qwen2.5-VL); the interleaved layout (Qwen3-VL, ``mrope_interleaved``) is
+    actorcore's rotary module, which ``build_gpt_model`` puts in (``uses_interleaved_mrope``)."""
+    if mla:
+        raise UnsupportedConfigError(f"M-RoPE with {p}: Megatron-Core's multimodal RoPE does not run with MLA")
     return [int(x) for x in p["mrope_section"]]
+
+
+def uses_interleaved_mrope(hf_config: Any) -> bool:
+    """Whether the config's M-RoPE interleaves the (t, h, w) frequencies (Qwen3-VL): the model then takes
+    ``actorcore.mcore.rotary``'s embedding in place of Megatron's contiguous one."""
+    p = _rope_parameters(hf_config)
+    return p.get("mrope_section") is not None and bool(p.get("mrope_interleaved"))
 
 
 def _moe_layer_pattern(hf: Any, num_layers: int) -> list[int]:

@@ -24,7 +24,7 @@ from actorcore.archs import get_spec, registered_model_types
 from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore._megatron import require_megatron
 from actorcore.mcore.cpu_runtime import te_absent_fixes
-from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
+from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config, uses_interleaved_mrope
 from actorcore.mcore.handle import EXPERT_LAYOUTS, GROUPED, PER_EXPERT, McoreModel
 from actorcore.mcore.mla import route_kv_down_projection_full_width
 from actorcore.mcore.norm import with_sequence_parallel_norms
@@ -143,7 +143,7 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype:
 
 def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype: torch.dtype | None = None, *,
                     value_head: bool = False, vocab_multiple: int = 128, mtp: bool = False,
-                    expert_layout: str = PER_EXPERT, **config_overrides: Any) -> McoreModel:
+                    expert_layout: str | None = None, **config_overrides: Any) -> McoreModel:
     """This rank's model (``McoreModel``: its chunks, ``len == vp or 1``, and their HF side), after
     ``initialize_megatron`` with the same ``parallel`` layout.
 
@@ -155,7 +155,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     ``mtp=True`` builds the ``num_nextn_predict_layers`` multi-token-prediction layers on the last stage
     (DeepSeek-V3); by default they are left out (a checkpoint's MTP tensors are then dropped on load).
     ``expert_layout``: how the checkpoint to load stores a MoE model's experts (``"per_expert"``, or ``"grouped"``
-    for transformers 5's stacked ``experts.gate_up_proj``; ``checkpoint_expert_layout(hf_dir, config)`` reads it);
+    for transformers 5's stacked ``experts.gate_up_proj``; ``checkpoint_expert_layout(hf_dir, config)`` reads it;
+    by default ``"per_expert"``, or ``"grouped"`` for an architecture whose checkpoints store only that, Qwen3-VL-MoE);
     the export writes the same layout. A vision-language config builds its language model with the HF vision
     tower in front of it (``mcore/vlm.py``).
     """
@@ -164,9 +165,10 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     dtype = dtype or checkpoint_dtype(hf_config)
     vlm_config = hf_config if is_vlm_config(hf_config) else None
     if vlm_config is not None:
-        check_vlm_build(vlm_config, parallel, value_head=value_head, config_overrides=config_overrides)
+        check_vlm_build(vlm_config, parallel, value_head=value_head)
         hf_config = language_config(vlm_config)
     spec = mcore_spec_for(hf_config)
+    expert_layout = expert_layout or (GROUPED if spec.uses_grouped_experts else PER_EXPERT)
     _check_expert_layout(hf_config, spec, expert_layout)
     context = context_from_megatron()  # refusals above need no parallel state
     parallel.check_context(context)
@@ -184,7 +186,10 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
 def _check_expert_layout(hf_config: Any, spec: Any, expert_layout: str) -> None:
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
-    if expert_layout == GROUPED and not spec.grouped_expert_rules:
+    if expert_layout == PER_EXPERT and spec.uses_grouped_experts:
+        raise ValueError(f"expert_layout='per_expert': {hf_config.model_type} checkpoints store the experts grouped "
+                         "(experts.gate_up_proj / experts.down_proj) only: use expert_layout='grouped' (the default)")
+    if expert_layout == GROUPED and not (spec.grouped_expert_rules or spec.uses_grouped_experts):
         raise ValueError(f"expert_layout='grouped': {hf_config.model_type} declares no grouped expert rules (a "
                          "dense model, or a MoE whose checkpoints store one tensor per expert): use 'per_expert'")
 
@@ -225,6 +230,10 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
                              mtp_block_spec=mtp_spec, **model_args)
         if model.mtp_process:
             model._postprocess = types.MethodType(_postprocess, model)
+        if uses_interleaved_mrope(hf_config):
+            from actorcore.mcore.rotary import use_interleaved_mrope
+
+            use_interleaved_mrope(model)
         if post:
             if value_head:
                 model.output_layer = _ReturnHidden()

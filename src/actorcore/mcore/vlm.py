@@ -1,24 +1,36 @@
-"""Vision-language models (Qwen2.5-VL) on the Megatron-Core route: a Megatron ``GPTModel`` with M-RoPE for the
-language model, the HF vision tower itself in front of it.
+"""Vision-language models on the Megatron-Core route (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): a Megatron
+``GPTModel`` for the language model, the HF vision tower itself in front of it.
 
 The language model is built from the HF ``text_config`` by the ordinary converter (its ``mrope_section`` becomes
-Megatron's ``position_embedding_type="mrope"``) and takes the packed batch's ``[3, T]`` M-RoPE positions; Megatron
-applies them to THD input per token (``cu_seqlens[-1] == T`` selects its exact per-token mapping). The vision tower
-is the transformers module built from ``vision_config`` (``AutoModel.from_config``: nothing of the ViT is restated
-here), held by the first pipeline stage's model as ``vision_tower`` and replicated on every tensor-parallel rank:
-each rank runs it on all the batch's images, and its output replaces the word embeddings at the image and video
-placeholder tokens (as HF's ``masked_scatter``), which go into the decoder as ``decoder_input``. The tower is not
-tensor-parallel: it is small next to the language model (~0.7B of 7B-72B) and HF's module has no TP layout;
-every TP rank gets the full gradient of the decoder input (the column-parallel layers all-reduce it), so the
-replicated tower's gradients are equal on the TP ranks without any extra collective.
+Megatron's ``position_embedding_type="mrope"``; Qwen3-VL's interleaved layout is ``mcore/rotary.py``'s module) and
+takes the packed batch's ``[3, T]`` M-RoPE positions; Megatron applies them to THD input per token
+(``cu_seqlens[-1] == T`` selects its exact per-token mapping). The vision tower is the transformers module built
+from ``vision_config`` (``AutoModel.from_config``: nothing of the ViT is restated here), held by the first
+pipeline stage's model as ``vision_tower`` and replicated on every tensor-parallel rank: each rank runs it on all
+the batch's images (one call) and all its videos (one call), and its output replaces the word embeddings at the
+image and video placeholder tokens (as HF's ``masked_scatter``), which go into the decoder as ``decoder_input``.
 
-Refused (clear errors): sequence parallelism and context parallelism (both would split the tokens before the
-image features are merged in), and a value head.
+Deepstack (Qwen3-VL): the tower also returns one feature map per ``vision_config.deepstack_visual_indexes``
+entry; decoder layer ``i`` adds map ``i`` to its output at the visual tokens (transformers'
+``Qwen3VLTextModel._deepstack_process``). The additions travel with the micro-batch's ``BatchParams``
+(``deepstack``) to the first stage's layers ``0 .. n-1``, whose forward adds them (per instance); a pipeline layout
+that puts one of those layers on a later stage is refused.
+
+The tower is not tensor-parallel: it is small next to the language model (~0.7B of 7B-72B) and HF's module has no
+TP layout. Every TP rank gets the full gradient of the decoder input and of the deepstack additions (without
+sequence parallelism the column-parallel layers all-reduce it; with it, the scatter to this rank's tokens
+all-gathers it in the backward), so the replicated tower's gradients are equal on the TP ranks without any extra
+collective.
+
+Refused (clear errors): context parallelism (it would split the tokens before the image features are merged in)
+and a value head.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import types
 from typing import Any
 
 import torch
@@ -76,8 +88,7 @@ def vision_tower_class(vision_config: Any) -> type:
     return found[0]
 
 
-def check_vlm_build(hf_config: Any, parallel: McoreParallel, *, value_head: bool,
-                    config_overrides: dict[str, Any]) -> None:
+def check_vlm_build(hf_config: Any, parallel: McoreParallel, *, value_head: bool) -> None:
     """Refuse what the Megatron VLM route cannot build (before anything is built)."""
     if value_head:
         raise ValueError(f"{hf_config.model_type}: a value head (critic) is not supported for vision-language "
@@ -86,15 +97,13 @@ def check_vlm_build(hf_config: Any, parallel: McoreParallel, *, value_head: bool
         raise ValueError(f"{hf_config.model_type}: context parallelism is not supported for vision-language "
                          "models on the Megatron route (the image features are merged into the whole sequence); "
                          "use cp=1")
-    if config_overrides.get("sequence_parallel"):
-        raise ValueError(f"{hf_config.model_type}: sequence parallelism is not supported for vision-language "
-                         "models on the Megatron route (the image features are merged into the full-sequence "
-                         "embeddings); build without sequence_parallel=True")
 
 
 def add_vision_tower(chunks: list[Any], hf_config: Any, dtype: torch.dtype) -> None:
     """The VLM step of ``build_gpt_model``: the first stage's chunk gets the HF ``vision_tower`` (the language
-    model's chunks are built from ``language_config``)."""
+    model's chunks are built from ``language_config``); with deepstack (Qwen3-VL) its first decoder layers add the
+    call's deepstack features to their outputs."""
+    vision = get_spec(hf_config.model_type).vision
     if chunks[0].config.mrope_section is None:
         raise ValueError(f"{hf_config.model_type}: the text config has no rope_parameters.mrope_section; the "
                          "Megatron VLM route needs M-RoPE positions")
@@ -102,21 +111,72 @@ def add_vision_tower(chunks: list[Any], hf_config: Any, dtype: torch.dtype) -> N
         if chunk.pre_process:
             device = next(chunk.parameters()).device
             chunk.add_module(VISION_TOWER, build_vision_tower(hf_config.vision_config, dtype, device))
+            if vision.deepstack:
+                add_deepstack(chunk, len(hf_config.vision_config.deepstack_visual_indexes), hf_config.model_type)
 
 
-def _features(tower: torch.nn.Module, pixels: torch.Tensor, grid_I3: torch.Tensor) -> torch.Tensor:
-    """Merged tower features ``[N, D]`` of every image (or video) of the batch, in order: one tower call."""
+def add_deepstack(chunk: Any, count: int, model_type: str) -> None:
+    """Decoder layers ``0 .. count - 1`` (all on this first-stage chunk) add ``packed_seq_params.deepstack[i]`` to
+    their output (per instance; the addition comes with the call's ``BatchParams``, so Megatron's activation
+    recomputation repeats it)."""
+    layers = chunk.decoder.layers
+    numbers = [layer.layer_number for layer in layers]
+    if numbers[:count] != list(range(1, count + 1)):
+        raise ValueError(f"{model_type}: the deepstack features go into decoder layers 0..{count - 1}, which must "
+                         f"all be on the first pipeline stage (it holds layers {[n - 1 for n in numbers]}): use "
+                         "fewer pipeline stages (or a layout whose first stage holds them)")
+    for layer in layers[:count]:
+        layer.forward = types.MethodType(_forward_adding_deepstack, layer)
+
+
+def _forward_adding_deepstack(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """A decoder layer's forward, then (a call with visual inputs) its deepstack addition at the visual tokens."""
+    hidden_states, context = type(self).forward(self, *args, **kwargs)
+    deltas = getattr(kwargs.get("packed_seq_params"), "deepstack", None)
+    if deltas is not None:
+        hidden_states = hidden_states + deltas[self.layer_number - 1]
+    return hidden_states, context
+
+
+def _tower_outputs(tower: torch.nn.Module, pixels: torch.Tensor, grid_I3: torch.Tensor
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Merged tower features ``[N, D]`` of every image (or video) of the batch, in order, and the deepstack
+    features (one ``[N, D]`` per deepstack layer; none for towers without): one tower call."""
     out = tower(pixels.to(next(tower.parameters()).dtype), grid_thw=grid_I3)
-    return out.pooler_output if hasattr(out, "pooler_output") else out
+    features = out.pooler_output if hasattr(out, "pooler_output") else out
+    return features, list(getattr(out, "deepstack_features", None) or [])
 
 
-def vlm_decoder_input(chunk: Any, batch: Any, config: Any) -> torch.Tensor:
-    """``[T, 1, D]`` decoder input: word embeddings, with the tower's features at the placeholder tokens
-    (``config``: the VLM's HF config)."""
+def _full_sequence(chunk: Any, embeds_T1D: torch.Tensor) -> torch.Tensor:
+    """Under sequence parallelism Megatron's embedding returns this rank's ``T / tp`` tokens: every token (the
+    backward keeps this rank's slice of the gradient, which the embedding's own backward gathers again)."""
+    if not chunk.config.sequence_parallel:
+        return embeds_T1D
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(embeds_T1D, tensor_parallel_output_grad=False)
+
+
+def _this_rank_tokens(chunk: Any, full_T1D: torch.Tensor) -> torch.Tensor:
+    """Under sequence parallelism this rank's ``T / tp`` tokens (the backward gathers every rank's gradient, so the
+    replicated vision tower gets the whole gradient on every TP rank); otherwise all of them."""
+    if not chunk.config.sequence_parallel:
+        return full_T1D
+    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+
+    return scatter_to_sequence_parallel_region(full_T1D)
+
+
+def vlm_inputs(chunk: Any, batch: Any, config: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """The decoder input (word embeddings with the tower's features at the placeholder tokens, as HF's
+    ``masked_scatter``) and, for deepstack, what each of the first decoder layers adds (the deepstack features at
+    the placeholder tokens, 0 elsewhere), both ``[T, 1, D]`` (``[T / tp, 1, D]`` under sequence parallelism;
+    ``config``: the VLM's HF config)."""
     ids_T = batch.input_ids
-    embeds = chunk.embedding(input_ids=ids_T.unsqueeze(0), position_ids=None)
+    embeds = _full_sequence(chunk, chunk.embedding(input_ids=ids_T.unsqueeze(0), position_ids=None))
     tower = getattr(chunk, VISION_TOWER)
     vision = get_spec(config.model_type).vision
+    deltas: list[torch.Tensor] | None = None
     for pixels_key, grid_key, token_field in (("pixel_values", "image_grid_thw", vision.image_token_field),
                                               ("pixel_values_videos", "video_grid_thw", vision.video_token_field)):
         if token_field is None:
@@ -128,12 +188,17 @@ def vlm_decoder_input(chunk: Any, batch: Any, config: Any) -> torch.Tensor:
                 raise ValueError(f"the batch has {int(mask_T.sum())} {token_field} placeholders but no "
                                  f"{pixels_key}: pack it with actorcore.pack(..., multimodal=, model=)")
             continue
-        features = _features(tower, pixels, batch.multimodal[grid_key]).to(embeds.dtype)
+        features, deepstack = _tower_outputs(tower, pixels, batch.multimodal[grid_key])
         if features.shape[0] != int(mask_T.sum()):
             raise ValueError(f"{int(mask_T.sum())} {token_field} placeholder tokens but the vision tower made "
                              f"{features.shape[0]} features: the batch's tokens and {grid_key} do not match")
-        embeds = embeds.masked_scatter(mask_T[:, None, None].expand_as(embeds), features)
-    return embeds
+        mask_T11 = mask_T[:, None, None].expand_as(embeds)
+        embeds = embeds.masked_scatter(mask_T11, features.to(embeds.dtype))
+        if vision.deepstack:
+            deltas = deltas or [torch.zeros_like(embeds) for _ in deepstack]
+            deltas = [d.masked_scatter(mask_T11, f.to(embeds.dtype)) for d, f in zip(deltas, deepstack)]
+    deepstack_deltas = None if deltas is None else tuple(_this_rank_tokens(chunk, d) for d in deltas)
+    return _this_rank_tokens(chunk, embeds), deepstack_deltas
 
 
 def vlm_chunk_forward(chunk: Any, batch: Any, params: Any, config: Any) -> torch.Tensor:
@@ -142,6 +207,10 @@ def vlm_chunk_forward(chunk: Any, batch: Any, params: Any, config: Any) -> torch
     if batch.position_ids.dim() != 2:
         raise ValueError("a VLM batch on the Megatron route needs its [3, T] M-RoPE position ids: pack it with "
                          "actorcore.pack(sequences, multimodal=..., model=hf_model)")
-    decoder_input = vlm_decoder_input(chunk, batch, config) if chunk.pre_process else None
+    decoder_input = None
+    if chunk.pre_process:
+        decoder_input, deepstack = vlm_inputs(chunk, batch, config)
+        if deepstack is not None:
+            params = dataclasses.replace(params, deepstack=deepstack)
     return chunk(batch.input_ids.unsqueeze(0), batch.position_ids.unsqueeze(1), None, decoder_input=decoder_input,
                  packed_seq_params=params)

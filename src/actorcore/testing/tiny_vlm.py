@@ -54,15 +54,17 @@ TINY_VLM_CONFIGS: dict[str, dict[str, Any]] = {
         vision_config=dict(VISION, embed_dim=32, mlp_ratio=2, hidden_size=64),
     ),
     "qwen2_5_vl": VLM,  # the embedded demo VLM
+    # 4 text layers: the deepstack features go into layers 0 and 1 only, and at PP=2 both sit on the first stage
     "qwen3_vl": dict(
         **QWEN_IDS,
-        text_config=dict(TEXT, rope_parameters=dict(MROPE, mrope_interleaved=True)),
+        text_config=dict(TEXT, num_hidden_layers=4, rope_parameters=dict(MROPE, mrope_interleaved=True)),
         vision_config=dict(VISION, intermediate_size=40, out_hidden_size=64, num_position_embeddings=16,
                            deepstack_visual_indexes=[0, 1]),
     ),
     "qwen3_vl_moe": dict(
         **QWEN_IDS,
-        text_config=dict(TEXT, **MOE_TEXT, rope_parameters=dict(MROPE, mrope_interleaved=True)),
+        # layer 1 dense (mlp_only_layers)
+        text_config=dict(TEXT, **dict(MOE_TEXT, mlp_only_layers=[1]), rope_parameters=dict(MROPE, mrope_interleaved=True)),
         vision_config=dict(VISION, intermediate_size=40, out_hidden_size=64, num_position_embeddings=16,
                            deepstack_visual_indexes=[0]),
     ),
