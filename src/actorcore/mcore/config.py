@@ -69,6 +69,12 @@ FIELDS: tuple[Field, ...] = (
     Field("qk_nope_head_dim", "qk_head_dim"),
     Field("qk_rope_head_dim", "qk_pos_emb_head_dim"),
     Field("v_head_dim", "v_head_dim"),
+    # Gated DeltaNet (linear-attention) layers of hybrid models (mcore/linear_attention.py)
+    Field("linear_conv_kernel_dim", "linear_conv_kernel_dim"),
+    Field("linear_key_head_dim", "linear_key_head_dim"),
+    Field("linear_value_head_dim", "linear_value_head_dim"),
+    Field("linear_num_key_heads", "linear_num_key_heads"),
+    Field("linear_num_value_heads", "linear_num_value_heads"),
 )
 
 # HF fields with no effect on the model's math (generation, bookkeeping, outputs).
@@ -105,16 +111,24 @@ def _rope_parameters(hf: Any) -> dict[str, Any]:
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _convert_rope(hf: Any, mla: bool) -> tuple[dict, dict]:
-    """(TransformerConfig fields, GPTModel args) for RoPE; refuses what Megatron cannot reproduce."""
+def _convert_rope(hf: Any, mla: bool, partial_rotary: bool = False,
+                  text_mrope: bool = False) -> tuple[dict, dict]:
+    """(TransformerConfig fields, GPTModel args) for RoPE; refuses what Megatron cannot reproduce.
+
+    ``partial_rotary``: the arch rotates the first ``partial_rotary_factor`` of each head's dims with the
+    non-interleaved layout (Megatron's ``rotary_percent``, the same frequencies). ``text_mrope``: a text model whose
+    M-RoPE sections always see the same (text) position, i.e. plain RoPE."""
     p = _rope_parameters(hf)
     kind = p["rope_type"]
     theta = p.get("rope_theta", 10000.0)
     cfg: dict[str, Any] = {}
     model: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": theta}
-    if _get(hf, "partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedConfigError(f"partial_rotary_factor={_get(hf, 'partial_rotary_factor')} is not supported")
-    if p.get("mrope_section") is not None:
+    factor = p.get("partial_rotary_factor", _get(hf, "partial_rotary_factor", 1.0)) or 1.0
+    if factor != 1.0 and not (partial_rotary and not mla):
+        raise UnsupportedConfigError(f"partial_rotary_factor={factor} is not supported for {hf.model_type}")
+    if factor != 1.0:
+        model["rotary_percent"] = float(factor)
+    if p.get("mrope_section") is not None and not text_mrope:
         model["position_embedding_type"] = "mrope"
         cfg["mrope_section"] = _convert_mrope(p, mla)
     if kind == "default":
@@ -204,7 +218,7 @@ def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool) -> dict[str, 
     return cfg
 
 
-def _convert_attention_extras(hf: Any, spec_overrides: dict) -> dict[str, Any]:
+def _convert_attention_extras(hf: Any, spec_overrides: dict, linear_attention: Any = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {}
     if _get(hf, "attention_bias", False) and not spec_overrides.get("add_qkv_bias"):
         raise UnsupportedConfigError("attention_bias=True puts a bias on o_proj too; Megatron-Core can only add it "
@@ -219,6 +233,13 @@ def _convert_attention_extras(hf: Any, spec_overrides: dict) -> dict[str, Any]:
         # HF: query i sees keys j with i - window < j <= i; Megatron's window_size is (left, right).
         cfg["window_size"] = (int(window) - 1, 0)
     layer_types = _get(hf, "layer_types", None)
+    if layer_types and linear_attention is not None and linear_attention.layer_types_field == "layer_types":
+        kinds = set(layer_types) - {"full_attention", linear_attention.layer_type}
+        if kinds:
+            raise UnsupportedConfigError(f"layer types {sorted(kinds)} beside linear and full attention are not "
+                                         "supported")
+        cfg["linear_attention_freq"] = [int(t == linear_attention.layer_type) for t in layer_types]
+        layer_types = None
     if layer_types and any(t != "full_attention" for t in layer_types) and "window_size" not in cfg:
         raise UnsupportedConfigError(f"per-layer attention types {sorted(set(layer_types))} are not supported")
     if layer_types and "window_size" in cfg and any(t != "sliding_attention" for t in layer_types):
@@ -295,9 +316,9 @@ def mcore_fields(hf_config: Any, *, aux_loss: bool = False) -> tuple[dict[str, A
                                          "de-interleaves the RoPE dims (as HF does with rope_interleave=True)")
     cfg.update(normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0)
     cfg.update(_activation(hf_config))
-    extras = _convert_attention_extras(hf_config, spec.mcore.config_overrides)
+    extras = _convert_attention_extras(hf_config, spec.mcore.config_overrides, spec.linear_attention)
     cfg.update(extras)
-    rope_cfg, rope_model = _convert_rope(hf_config, mla)
+    rope_cfg, rope_model = _convert_rope(hf_config, mla, spec.mcore.partial_rotary, spec.mcore.text_mrope)
     cfg.update(rope_cfg)
     model.update(rope_model)
     cfg.update(_convert_moe(hf_config, cfg.get("num_moe_experts"), aux_loss))
@@ -344,6 +365,11 @@ def hf_to_mcore_config(hf_config: Any, parallel: McoreParallel | None = None, dt
         use_cpu_initialization=not torch.cuda.is_available(),
     )
     cfg.update(overrides)
+    if parallel.cp > 1 and any(cfg.get("linear_attention_freq") or []):
+        raise UnsupportedConfigError(
+            f"{hf_config.model_type} has Gated DeltaNet (linear-attention) layers, which do not run under context "
+            f"parallelism (cp={parallel.cp}): their causal conv and delta-rule state run across the CP chunks of a "
+            "sequence; use cp=1 (Ulysses SP on the Hugging Face route splits them by heads instead)")
     cls = MLATransformerConfig if cfg.get("multi_latent_attention") else TransformerConfig
     return cls(**cfg)
 
@@ -390,7 +416,11 @@ def mcore_to_hf_config(transformer_config: Any, model_args: dict[str, Any], mode
         rope.update(rope_type="llama3", factor=model_args["rope_scaling_factor"], **_LLAMA3_FIXED)
     if getattr(tc, "mrope_section", None):
         rope["mrope_section"] = list(tc.mrope_section)
+    if model_args.get("rotary_percent", 1.0) != 1.0:
+        rope["partial_rotary_factor"] = float(model_args["rotary_percent"])
     out["rope_parameters"] = rope
+    if isinstance(tc.linear_attention_freq, list):
+        out["layer_types"] = ["linear_attention" if f else "full_attention" for f in tc.linear_attention_freq]
     if tc.window_size is not None:
         out["sliding_window"] = tc.window_size[0] + 1
     if tc.num_moe_experts:
