@@ -110,14 +110,17 @@ class PackedGatedDeltaNet(MegatronModule):
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(q/k/v channels [T, C], z [T, m, V], b [T, m], a [T, m])`` for this rank's heads."""
-        T = hidden.shape[0]
         n, m, K, V = self.n, self.m, self.K, self.V
         if self.projections == "separate":
-            mixed = self.in_proj_qkv(hidden)[0].reshape(T, -1)
+            mixed = self.in_proj_qkv(hidden)[0]
+            T = mixed.shape[0] * mixed.shape[1]  # all tokens: under sequence parallelism the projection gathers
+            mixed = mixed.reshape(T, -1)
             z = self.in_proj_z(hidden)[0].reshape(T, m, V)
             return mixed, z, self.in_proj_b(hidden)[0].reshape(T, m), self.in_proj_a(hidden)[0].reshape(T, m)
         per = m // n  # value heads per key head
-        qkvz = self.in_proj_qkvz(hidden)[0].reshape(T, n, 2 * K + 2 * per * V)
+        qkvz = self.in_proj_qkvz(hidden)[0]
+        T = qkvz.shape[0] * qkvz.shape[1]
+        qkvz = qkvz.reshape(T, n, 2 * K + 2 * per * V)
         ba = self.in_proj_ba(hidden)[0].reshape(T, n, 2 * per)
         q, k, v, z = torch.split(qkvz, [K, K, per * V, per * V], dim=2)
         b, a = torch.split(ba, [per, per], dim=2)
