@@ -54,7 +54,8 @@ def _disk_names(model, tmp_path) -> list[str]:
 
 def _tiny_models(model_type: str, overrides: dict) -> list:
     """The architecture's tiny models whose checkpoints the rules must cover: the causal LM and the critic
-    (a VLM: the ``...ForConditionalGeneration`` only; it has no critic)."""
+    (a VLM: the ``...ForConditionalGeneration`` only; it has no critic; nor has a text config transformers maps
+    to no ``...ForTokenClassification``, e.g. ``qwen3_5_text``)."""
     from actorcore.archs import get_spec
     from actorcore.testing.tiny_configs import build_tiny_model
 
@@ -62,7 +63,10 @@ def _tiny_models(model_type: str, overrides: dict) -> list:
         from actorcore.testing.tiny_vlm import build_tiny_vlm
 
         return [build_tiny_vlm(model_type, **overrides)]
-    return [build_tiny_model(model_type, task=task, **overrides) for task in ("causal_lm", "token_classification")]
+    from actorcore.testing.tiny_configs import has_critic_class
+
+    tasks = ("causal_lm", "token_classification") if has_critic_class(model_type) else ("causal_lm",)
+    return [build_tiny_model(model_type, task=task, **overrides) for task in tasks]
 
 
 # Config variants that exercise rules the tiny config leaves unused (qwen2_moe: a dense MLP layer).

@@ -216,6 +216,9 @@ EMBEDDING_RULES = (
     WeightRule("value_head.bias", ("score.bias",)),
 )
 
+# For text configs transformers has no critic class for (``...ForTokenClassification``): no value head to map.
+LM_EMBEDDING_RULES = tuple(r for r in EMBEDDING_RULES if not r.mcore_name.startswith("value_head."))
+
 ATTENTION_RULES = (
     WeightRule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
     WeightRule(_M + "self_attention.linear_qkv.weight",

@@ -9,7 +9,7 @@ DeltaNet's gated one is zero-centred (``1 + w``); RoPE on the first ``partial_ro
 config's M-RoPE sections see one text position, i.e. plain RoPE). Checkpoints' ``mtp.*`` tensors (the MTP head, which
 transformers does not build either) are dropped on load."""
 
-from actorcore.archs.megatron_rules import (DENSE_MLP_RULES, EMBEDDING_RULES, GATED_ATTENTION_RULES,
+from actorcore.archs.megatron_rules import (DENSE_MLP_RULES, GATED_ATTENTION_RULES, LM_EMBEDDING_RULES,
                                             GDN_SEPARATE_RULES, McoreSpec)
 from actorcore.archs.spec import ArchSpec, LinearAttentionSpec
 
@@ -19,7 +19,7 @@ HYBRID_OVERRIDES = dict(qk_layernorm=True, attention_output_gate=True, layernorm
 SPEC = ArchSpec(
     model_type="qwen3_5_text", mlp_kind="gated",
     linear_attention=LinearAttentionSpec(module="linear_attn", projections="separate"),
-    mcore=McoreSpec(rules=EMBEDDING_RULES + GATED_ATTENTION_RULES + GDN_SEPARATE_RULES + DENSE_MLP_RULES,
+    mcore=McoreSpec(rules=LM_EMBEDDING_RULES + GATED_ATTENTION_RULES + GDN_SEPARATE_RULES + DENSE_MLP_RULES,
                     config_overrides=HYBRID_OVERRIDES, partial_rotary=True, text_mrope=True,
                     ignored_hf_prefixes=("mtp.",)),
 )

@@ -287,6 +287,15 @@ def warn_unknown_fields(hf: Any) -> list[str]:
     return unknown
 
 
+def _declared_fields(hf: Any) -> set[str]:
+    """The fields the config's class declares: an extra attribute given to a class without the field (say
+    ``intermediate_size`` on Qwen3.5-MoE, whose every layer is MoE) is not read by its model."""
+    try:
+        return set(type(hf)().to_dict()) | set(getattr(type(hf), "attribute_map", {}))
+    except (TypeError, ValueError):  # a config class that cannot be built with its defaults
+        return set(hf.to_dict())
+
+
 def _table_values(hf: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     cfg: dict[str, Any] = {}
     model: dict[str, Any] = {}
@@ -302,6 +311,8 @@ def mcore_fields(hf_config: Any, *, aux_loss: bool = False) -> tuple[dict[str, A
     spec = get_spec(hf_config.model_type)
     warn_unknown_fields(hf_config)
     cfg, model = _table_values(hf_config)
+    if cfg.get("num_moe_experts") and "intermediate_size" not in _declared_fields(hf_config):
+        cfg.pop("ffn_hidden_size", None)  # every layer MoE (Qwen3.5-MoE): no dense MLP reads it
     mla = cfg.get("kv_lora_rank") is not None
     heads = cfg["num_attention_heads"]
     cfg["num_query_groups"] = _get(hf_config, "num_key_value_heads", None) or heads
