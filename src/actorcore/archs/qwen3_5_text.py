@@ -9,8 +9,8 @@ DeltaNet's gated one is zero-centred (``1 + w``); RoPE on the first ``partial_ro
 config's M-RoPE sections see one text position, i.e. plain RoPE). Checkpoints' ``mtp.*`` tensors (the MTP head, which
 transformers does not build either) are dropped on load."""
 
-from actorcore.archs.megatron_rules import (DENSE_MLP_RULES, GATED_ATTENTION_RULES, LM_EMBEDDING_RULES,
-                                            GDN_SEPARATE_RULES, McoreSpec)
+from actorcore.archs.megatron_rules import (DENSE_MLP_RULES, GATED_ATTENTION_RULES, GDN_SEPARATE_RULES,
+                                            LM_EMBEDDING_RULES, McoreSpec)
 from actorcore.archs.spec import ArchSpec, LinearAttentionSpec
 
 # The TransformerConfig fields every Qwen3.5 / Qwen3-Next model fixes.
