@@ -154,6 +154,39 @@ def _leak_case(model_type: str, leak: str, directory: str) -> dict:
     return {"packed": packed, "alone": alone, "within": (base[2:] - moved[2:]).abs().max()}
 
 
+def _save_case(directory: str, saved: str) -> bool:
+    """Megatron's distributed checkpoint of Qwen3.5 saved at TP=2."""
+    from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
+    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    hf = _tiny_hf("qwen3_5_text")
+    initialize_megatron(McoreParallel(tp=2))
+    model = build_gpt_model(hf.config, McoreParallel(tp=2))
+    load_hf_into_mcore(model, directory)
+    save_mcore_checkpoint(model, saved, directory)
+    return True
+
+
+def _reload_case(directory: str, saved: str) -> bool:
+    """... loaded at TP=1 (two data-parallel ranks): the exported weights are the HF checkpoint's, bitwise."""
+    from safetensors.torch import load_file
+
+    from actorcore.mcore.dist_checkpoint import load_mcore_checkpoint
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
+
+    hf = _tiny_hf("qwen3_5_text")
+    initialize_megatron(McoreParallel())
+    model = build_gpt_model(hf.config, McoreParallel())
+    load_mcore_checkpoint(model, saved)
+    state = gather_hf_state_dict(model)
+    stored = load_file(os.path.join(directory, "model.safetensors"))
+    return sorted(state) == sorted(stored) and all(torch.equal(state[k], v) for k, v in stored.items())
+
+
 # (model_type, tp, pp, ep) by case name
 _CASES = {
     "qwen3_5_text_tp2": ("qwen3_5_text", 2, 1, 1),
@@ -180,6 +213,9 @@ def world2(tmp_path_factory):
         directory = os.path.join(root, f"{model_type}_{leak}")
         _tiny_hf(model_type, leak).save_pretrained(directory)
         cases.append((f"leak_{model_type}_{leak}", _leak_case, (model_type, leak, directory)))
+    saved = os.path.join(root, "dist_ckpt")
+    cases += [("dist_save", _save_case, (os.path.join(root, "qwen3_5_text"), saved)),
+              ("dist_reload", _reload_case, (os.path.join(root, "qwen3_5_text"), saved))]
     return spawn_cases(2, cases)
 
 
@@ -213,3 +249,10 @@ def test_hybrid_no_state_leak(world2, model_type, leak):
     for result in world2[f"leak_{model_type}_{leak}"]:
         torch.testing.assert_close(result["packed"], result["alone"], atol=TOL["mcore_vs_hf_fp32"], rtol=0)
         assert result["within"] > 1e-3, "the only path between tokens carries nothing: the test could not fail"
+
+
+@pytest.mark.slow
+def test_hybrid_distributed_checkpoint_changes_tp(world2):
+    """Saved at TP=2, loaded at TP=1: the sectioned ``[q; k; v]`` tensors are stored as three tensors."""
+    assert world2["dist_save"] == [True, True]
+    assert world2["dist_reload"] == [True, True]

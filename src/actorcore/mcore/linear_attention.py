@@ -155,6 +155,35 @@ class PackedGatedDeltaNet(MegatronModule):
         return output, bias
 
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None,
+                           **_: Any) -> dict:
+        """Megatron's distributed checkpoint: the per-head parameters split over TP along dim 0, and the
+        ``[q; k; v]`` tensors (``conv1d.weight``, ``in_proj_qkv.weight``) stored as three tensors, so that a
+        checkpoint saved at one TP size loads at another (as megatron-core's own GatedDeltaNet stores them)."""
+        from megatron.core.ssm.gated_delta_net import _split_tensor_factory
+        from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                                     make_sharded_tensors_for_checkpoint,
+                                                     sharded_state_dict_default)
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        common = dict(sharded_offsets=sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+        own: dict = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        out = make_sharded_tensors_for_checkpoint(own, prefix, {"A_log": 0, "dt_bias": 0}, **common)
+        for name, module in self.named_children():
+            if name == "conv1d":
+                out.update(make_sharded_tensors_for_checkpoint(module.state_dict(prefix="", keep_vars=True),
+                                                               f"{prefix}conv1d.", {"weight": 0}, **common))
+            else:
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                      tp_group=self.tp_group))
+        qkv = [self.n * self.K, self.n * self.K, self.m * self.V]
+        for key in ("conv1d.weight", "in_proj_qkv.weight"):
+            if f"{prefix}{key}" in out:
+                out[f"{prefix}{key}"] = _split_tensor_factory(out[f"{prefix}{key}"], qkv, ["query", "key", "value"], 0)
+        return out
+
+
 def _cu_seqlens(packed_seq_params: Any, tokens: int, rows: int, device: torch.device) -> torch.Tensor:
     """The sequence boundaries: the packed batch's, or one sequence per row of an ``[S, B]`` batch."""
     if packed_seq_params is not None and getattr(packed_seq_params, "cu_seqlens_q", None) is not None:
