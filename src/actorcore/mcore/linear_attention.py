@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from actorcore.errors import PackingNotAppliedError
 from actorcore.kernels.linear_attention.packed import causal_conv1d_packed, gated_delta_rule_packed
 
 try:  # megatron-core is optional; this module is only imported by mcore/model.py after require_megatron()
@@ -131,13 +132,16 @@ class PackedGatedDeltaNet(MegatronModule):
                 **_: Any) -> tuple[torch.Tensor, None]:
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
+        cu_seqlens = getattr(packed_seq_params, "cu_seqlens_q", None)
+        if cu_seqlens is None or hidden_states.shape[1] != 1:
+            raise PackingNotAppliedError(
+                "PackedGatedDeltaNet runs packed (THD) batches only: it needs the batch's cu_seqlens "
+                "(packed_seq_params) to restart the conv and the delta-rule state at every sequence; call the "
+                "model through actorcore.mcore's compute_logprobs / compute_values")
         # Under sequence parallelism the column-parallel projections gather the tokens; T is the whole batch.
         mixed_TC, z_TmV, b_Tm, a_Tm = self._project(hidden_states)
         T = mixed_TC.shape[0]
-        cu_seqlens = _cu_seqlens(packed_seq_params, T, hidden_states.shape[1], mixed_TC.device)
-        if hidden_states.shape[1] != 1:  # [S, B] rows: token order s-major; run each row as one sequence
-            mixed_TC, z_TmV, b_Tm, a_Tm = (_rows_first(x, hidden_states.shape[1]) for x in (mixed_TC, z_TmV, b_Tm,
-                                                                                             a_Tm))
+        cu_seqlens = cu_seqlens.to(mixed_TC.device)
         beta_Tm = b_Tm.sigmoid()
         g_Tm = -self.A_log.float().exp() * F.softplus(a_Tm.float() + self.dt_bias)  # fp32, as transformers
         conv_TC = causal_conv1d_packed(mixed_TC, self.conv1d.weight[:, 0], None, cu_seqlens, "silu",
@@ -147,10 +151,7 @@ class PackedGatedDeltaNet(MegatronModule):
         out_TmV = gated_delta_rule_packed(q.reshape(T, n, K), k.reshape(T, n, K), v.reshape(T, m, V), g_Tm, beta_Tm,
                                           cu_seqlens, use_qk_l2norm=True, trace=self.trace)
         weight = copy_to_tensor_model_parallel_region(self.norm.weight, group=self.tp_group)
-        out = gated_rms_norm(out_TmV, z_TmV, weight, self.eps).reshape(T, m * V)
-        if hidden_states.shape[1] != 1:
-            out = out.reshape(hidden_states.shape[1], -1, m * V).transpose(0, 1).reshape(T, m * V)
-        out = out.reshape(-1, hidden_states.shape[1], m * V)
+        out = gated_rms_norm(out_TmV, z_TmV, weight, self.eps).reshape(T, 1, m * V)
         output, bias = self.out_proj(out)
         return output, bias
 
@@ -182,21 +183,6 @@ class PackedGatedDeltaNet(MegatronModule):
             if f"{prefix}{key}" in out:
                 out[f"{prefix}{key}"] = _split_tensor_factory(out[f"{prefix}{key}"], qkv, ["query", "key", "value"], 0)
         return out
-
-
-def _cu_seqlens(packed_seq_params: Any, tokens: int, rows: int, device: torch.device) -> torch.Tensor:
-    """The sequence boundaries: the packed batch's, or one sequence per row of an ``[S, B]`` batch."""
-    if packed_seq_params is not None and getattr(packed_seq_params, "cu_seqlens_q", None) is not None:
-        if rows != 1:
-            raise ValueError(f"a packed (THD) batch has one row, got {rows}")
-        return packed_seq_params.cu_seqlens_q.to(device)
-    per_row = tokens // rows
-    return torch.arange(0, tokens + 1, per_row, dtype=torch.int32, device=device)
-
-
-def _rows_first(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``[S * B, ...]`` in s-major order -> b-major (each row's tokens contiguous)."""
-    return x.reshape(-1, rows, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
 
 
 def linear_attention_spec(projections: str) -> Any:
