@@ -187,6 +187,37 @@ def _reload_case(directory: str, saved: str) -> bool:
     return sorted(state) == sorted(stored) and all(torch.equal(state[k], v) for k, v in stored.items())
 
 
+def _mtp_dropped_case(directory: str) -> bool:
+    """A checkpoint with the released models' ``mtp.*`` tensors loads (they are dropped) and exports without them."""
+    from safetensors.torch import load_file
+
+    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
+
+    hf = _tiny_hf("qwen3_5_text")
+    initialize_megatron(McoreParallel(tp=2))
+    model = build_gpt_model(hf.config, McoreParallel(tp=2))
+    load_hf_into_mcore(model, directory)
+    state = gather_hf_state_dict(model)
+    stored = {k: v for k, v in load_file(os.path.join(directory, "model.safetensors")).items()
+              if not k.startswith("mtp.")}
+    return sorted(state) == sorted(stored) and all(torch.equal(state[k], v) for k, v in stored.items())
+
+
+def _save_with_mtp_tensors(source: str, directory: str) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    tensors["mtp.layers.0.input_layernorm.weight"] = torch.randn(64)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+
 # (model_type, tp, pp, ep) by case name
 _CASES = {
     "qwen3_5_text_tp2": ("qwen3_5_text", 2, 1, 1),
@@ -213,6 +244,8 @@ def world2(tmp_path_factory):
         directory = os.path.join(root, f"{model_type}_{leak}")
         _tiny_hf(model_type, leak).save_pretrained(directory)
         cases.append((f"leak_{model_type}_{leak}", _leak_case, (model_type, leak, directory)))
+    _save_with_mtp_tensors(os.path.join(root, "qwen3_5_text"), os.path.join(root, "with_mtp"))
+    cases.append(("mtp_dropped", _mtp_dropped_case, (os.path.join(root, "with_mtp"),)))
     saved = os.path.join(root, "dist_ckpt")
     cases += [("dist_save", _save_case, (os.path.join(root, "qwen3_5_text"), saved)),
               ("dist_reload", _reload_case, (os.path.join(root, "qwen3_5_text"), saved))]
@@ -256,3 +289,8 @@ def test_hybrid_distributed_checkpoint_changes_tp(world2):
     """Saved at TP=2, loaded at TP=1: the sectioned ``[q; k; v]`` tensors are stored as three tensors."""
     assert world2["dist_save"] == [True, True]
     assert world2["dist_reload"] == [True, True]
+
+
+@pytest.mark.slow
+def test_hybrid_checkpoint_mtp_tensors_dropped(world2):
+    assert world2["mtp_dropped"] == [True, True]
