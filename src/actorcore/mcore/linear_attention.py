@@ -93,6 +93,7 @@ class PackedGatedDeltaNet(MegatronModule):
             self.in_proj_ba = column(2 * M)
         channels = 2 * self.n * K + self.m * V
         dtype = config.params_dtype
+        # Plain holders, so that the parameters keep transformers' names (conv1d.weight, norm.weight).
         self.conv1d = torch.nn.Module()
         self.conv1d.weight = torch.nn.Parameter(torch.empty(channels, 1, config.linear_conv_kernel_dim, dtype=dtype))
         self.A_log = torch.nn.Parameter(torch.empty(self.m, dtype=dtype))
