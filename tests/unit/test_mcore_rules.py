@@ -55,7 +55,7 @@ def _disk_names(model, tmp_path) -> list[str]:
 def _tiny_models(model_type: str, overrides: dict) -> list:
     """The architecture's tiny models whose checkpoints the rules must cover: the causal LM and the critic
     (a VLM: the ``...ForConditionalGeneration`` only; it has no critic; nor has an architecture without a
-    ``...ForTokenClassification`` in transformers, e.g. glm4_moe)."""
+    ``...ForTokenClassification`` in transformers, e.g. glm4_moe or qwen3_5_text)."""
     from actorcore.archs import get_spec
     from actorcore.testing.tiny_configs import build_tiny_model, has_critic_class
 

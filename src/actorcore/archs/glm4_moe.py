@@ -28,6 +28,7 @@ SPEC = ArchSpec(
         + moe_rules() + EXPERT_BIAS_RULES + SHARED_EXPERTS_RULES,
         grouped_expert_rules=grouped_expert_rules(),
         mtp=DEEPSEEK_MTP_RULES,
+        partial_rotary=True,
         # The q / k norms and the q / k / v biases are switched by the config; ``attention_bias`` leaves o_proj
         # unbiased here (unlike Llama's).
         config_fields=(("use_qk_norm", "qk_layernorm"), ("attention_bias", "add_qkv_bias")),

@@ -11,6 +11,10 @@ Parallel styles:
   ``vocab``       split along dim 0 over tensor-parallel ranks after padding the vocabulary
   ``replicated``  the full tensor on every rank
   ``expert``      whole tensor on the expert-parallel rank that owns ``{expert}`` (expert TP is 1)
+
+A ``column`` rule with ``sections`` splits a tensor made of several blocks along dim 0 (a Gated DeltaNet's
+``[q; k; v]`` channels) block by block: each TP rank holds its slice of every block, in block order. The
+sections are named (``SECTION_SIZES``) and sized from the HF config by the Megatron route.
 """
 
 from __future__ import annotations
@@ -21,8 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PARALLEL_STYLES = ("column", "row", "vocab", "replicated", "expert")
-# rename: one tensor as is; qkv: q, k, v fused per query group; gate_up: [gate; up] stacked on dim 0.
-TRANSFORMS = ("rename", "qkv", "gate_up")
+# rename: one tensor as is; qkv: q, k, v fused per query group; gate_up: [gate; up] stacked on dim 0;
+# gated_qkv: q_proj holding [q_h; gate_h] per head, k, v fused per query group as [q; gate; k; v] (Megatron's
+# attention_output_gate layout).
+TRANSFORMS = ("rename", "qkv", "gate_up", "gated_qkv")
+# Named blocks of a sectioned tensor: the HF config fields whose product is the block's rows.
+SECTION_SIZES = {
+    "linear_key": ("linear_num_key_heads", "linear_key_head_dim"),
+    "linear_value": ("linear_num_value_heads", "linear_value_head_dim"),
+}
 _PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
 
 
@@ -48,13 +59,15 @@ class WeightRule:
     # Grouped experts: the HF tensor stacks every expert on dim 0 (``[E, ...]``, transformers 5's in-memory
     # layout); Megatron's per-expert parameter ``{expert}`` is row ``expert`` of it.
     grouped: bool = False
+    # Blocks along dim 0 split over TP one by one (names of SECTION_SIZES); only for column rules.
+    sections: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.parallel not in PARALLEL_STYLES:
             raise ValueError(f"{self.mcore_name}: parallel {self.parallel!r} is not one of {PARALLEL_STYLES}")
         if self.transform not in TRANSFORMS:
             raise ValueError(f"{self.mcore_name}: transform {self.transform!r} is not one of {TRANSFORMS}")
-        expected = {"rename": 1, "qkv": 3, "gate_up": 2}[self.transform]
+        expected = {"rename": 1, "qkv": 3, "gate_up": 2, "gated_qkv": 3}[self.transform]
         if len(self.hf_names) != expected:
             raise ValueError(f"{self.mcore_name}: transform {self.transform} takes {expected} HF names")
         if ("{expert}" in self.mcore_name) != (self.parallel == "expert"):
@@ -62,6 +75,11 @@ class WeightRule:
         if self.grouped and (self.parallel != "expert" or any("{expert}" in n for n in self.hf_names)):
             raise ValueError(f"{self.mcore_name}: a grouped rule maps per-expert parameters to HF tensors "
                              "without an {expert} index")
+
+        if self.sections and (self.parallel != "column" or self.transform != "rename"
+                              or any(s not in SECTION_SIZES for s in self.sections)):
+            raise ValueError(f"{self.mcore_name}: sections {self.sections} need a column rename rule and names "
+                             f"from {sorted(SECTION_SIZES)}")
 
     def match_mcore(self, name: str) -> dict[str, int] | None:
         found = _pattern_regex(self.mcore_name).match(name)
@@ -105,6 +123,12 @@ class McoreSpec:
     # pairs), where the generic table cannot: e.g. GLM-4.5's ``attention_bias`` biases q, k and v only
     # (``add_qkv_bias``), while Llama's also biases o_proj.
     config_fields: tuple[tuple[str, str], ...] = ()
+    # RoPE on the first ``partial_rotary_factor`` of each head's dims, non-interleaved (Megatron's rotary_percent).
+    partial_rotary: bool = False
+    # A text model whose M-RoPE sections (``rope_parameters.mrope_section``) always see the same position: plain RoPE.
+    text_mrope: bool = False
+    # HF tensor-name prefixes that checkpoints store and the model does not use (dropped on load with a warning).
+    ignored_hf_prefixes: tuple[str, ...] = ()
 
     def for_checkpoint(self, hf_names: set[str] | list[str]) -> "McoreSpec":
         """This spec with the names (``stored_prefixes``) and the expert rules (per-expert or grouped) that fit the
@@ -328,4 +352,49 @@ DEEPSEEK_MTP_RULES = MtpRules(
     ),
     shared=((_L + "embed_tokens.weight", "model.embed_tokens.weight"),
             (_L + "shared_head.head.weight", "lm_head.weight")),
+)
+
+
+# ---- Hybrid Gated DeltaNet / gated attention (Qwen3-Next, Qwen3.5): see mcore/linear_attention.py. ------------
+
+# Full-attention layers: q_proj yields the query and the sigmoid output gate (Megatron's attention_output_gate);
+# q/k norms. The norms of these families are zero-centred (stored weight w scales by 1 + w): same tensors.
+GATED_ATTENTION_RULES = (
+    WeightRule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
+    WeightRule(_M + "self_attention.linear_qkv.weight",
+               (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
+               transform="gated_qkv", parallel="column"),
+    WeightRule(_M + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), parallel="row"),
+    WeightRule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
+) + QK_NORM_RULES
+
+_GDN = _M + "self_attention."
+_HF_GDN = _L + "linear_attn."
+_QKV_SECTIONS = ("linear_key", "linear_key", "linear_value")
+
+# Linear-attention layers, the parts both layouts share: the depthwise conv over [q; k; v] channels (split over TP
+# by heads within each block), the per-value-head decay (A_log, dt_bias), the gated norm over one value head
+# (replicated), the row-parallel output projection.
+_GDN_COMMON_RULES = (
+    WeightRule(_GDN + "conv1d.weight", (_HF_GDN + "conv1d.weight",), parallel="column", sections=_QKV_SECTIONS),
+    WeightRule(_GDN + "A_log", (_HF_GDN + "A_log",), parallel="column"),
+    WeightRule(_GDN + "dt_bias", (_HF_GDN + "dt_bias",), parallel="column"),
+    WeightRule(_GDN + "norm.weight", (_HF_GDN + "norm.weight",)),
+    WeightRule(_GDN + "out_proj.weight", (_HF_GDN + "out_proj.weight",), parallel="row"),
+)
+
+# Qwen3.5: separate projections; in_proj_qkv is [q; k; v] (split by blocks), z / b / a are per value head.
+GDN_SEPARATE_RULES = _GDN_COMMON_RULES + (
+    WeightRule(_GDN + "in_proj_qkv.weight", (_HF_GDN + "in_proj_qkv.weight",), parallel="column",
+               sections=_QKV_SECTIONS),
+    WeightRule(_GDN + "in_proj_z.weight", (_HF_GDN + "in_proj_z.weight",), parallel="column"),
+    WeightRule(_GDN + "in_proj_b.weight", (_HF_GDN + "in_proj_b.weight",), parallel="column"),
+    WeightRule(_GDN + "in_proj_a.weight", (_HF_GDN + "in_proj_a.weight",), parallel="column"),
+)
+
+# Qwen3-Next: fused projections grouped per key head ([q_h, k_h, v and z of its value heads]; [b, a] of them), so
+# a contiguous row split is a split by key heads.
+GDN_GROUPED_RULES = _GDN_COMMON_RULES + (
+    WeightRule(_GDN + "in_proj_qkvz.weight", (_HF_GDN + "in_proj_qkvz.weight",), parallel="column"),
+    WeightRule(_GDN + "in_proj_ba.weight", (_HF_GDN + "in_proj_ba.weight",), parallel="column"),
 )

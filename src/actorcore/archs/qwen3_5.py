@@ -13,5 +13,5 @@ from actorcore.archs.qwen3_vl import SPEC as QWEN3_VL
 SPEC = dataclasses.replace(
     QWEN3_VL, model_type="qwen3_5", linear_attention=QWEN3_5_TEXT.linear_attention,
     vision=dataclasses.replace(QWEN3_VL.vision, deepstack=False),
-    mcore=McoreSpec(refused=NO_MEGATRON_ROUTE + "; nor do Gated DeltaNet layers"),
+    mcore=McoreSpec(refused=NO_MEGATRON_ROUTE + "; its text model, qwen3_5_text, has one"),
 )

@@ -9,4 +9,4 @@ from actorcore.archs.qwen2_vl import NO_MEGATRON_ROUTE
 from actorcore.archs.qwen3_5 import SPEC as QWEN3_5
 
 SPEC = dataclasses.replace(QWEN3_5, model_type="qwen3_5_moe", mlp_kind="moe",
-                           mcore=McoreSpec(refused=NO_MEGATRON_ROUTE + "; nor do Gated DeltaNet layers"))
+                           mcore=McoreSpec(refused=NO_MEGATRON_ROUTE + "; its text model, qwen3_5_moe_text, has one"))

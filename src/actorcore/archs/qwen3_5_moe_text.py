@@ -1,16 +1,19 @@
 """Qwen3.5 MoE, text part (``AutoModelForCausalLM`` on a ``qwen3_5_moe`` config builds ``Qwen3_5MoeForCausalLM``,
-config ``qwen3_5_moe_text``): the Qwen3.5 hybrid layers with a sparse MoE block (routed experts plus a gated
-shared expert) in every layer."""
+config ``qwen3_5_moe_text``): the Qwen3.5 hybrid layers with a sparse MoE block (routed experts plus a shared expert
+scaled by a sigmoid gate, Megatron's ``moe_shared_expert_gate``) in every layer."""
 
 import dataclasses
 
-from actorcore.archs.megatron_rules import McoreSpec
+from actorcore.archs.megatron_rules import (GATED_ATTENTION_RULES, GDN_SEPARATE_RULES, CAUSAL_LM_EMBEDDING_RULES,
+                                            SHARED_EXPERT_RULES, grouped_expert_rules, moe_rules)
+from actorcore.archs.qwen3_5_text import HYBRID_OVERRIDES
 from actorcore.archs.qwen3_5_text import SPEC as QWEN3_5
 
 SPEC = dataclasses.replace(
     QWEN3_5, model_type="qwen3_5_moe_text", mlp_kind="moe",
-    mcore=McoreSpec(refused="Gated DeltaNet (linear-attention) layers, the attention output gate, the zero-centred "
-                    "RMSNorm and the gated shared expert have no rules in actorcore's Megatron conversion "
-                    "(megatron-core 0.16.1's own GatedDeltaNet refuses packed THD sequences, which the route always "
-                    "runs); train Qwen3.5-MoE on the Hugging Face route"),
+    mcore=dataclasses.replace(
+        QWEN3_5.mcore,
+        rules=CAUSAL_LM_EMBEDDING_RULES + GATED_ATTENTION_RULES + GDN_SEPARATE_RULES + moe_rules() + SHARED_EXPERT_RULES,
+        grouped_expert_rules=grouped_expert_rules(),
+        config_overrides={**HYBRID_OVERRIDES, "moe_shared_expert_gate": True}),
 )

@@ -1,16 +1,25 @@
 """Qwen3.5 dense, text part (``AutoModelForCausalLM`` on a ``qwen3_5`` config builds ``Qwen3_5ForCausalLM``, whose
 config is ``qwen3_5_text``). Hybrid: Gated DeltaNet layers (``linear_attn``) and gated full-attention layers with
 partial RoPE (``self_attn``: the module applies its output gate around the attention interface), per
-``config.layer_types``."""
+``config.layer_types``.
 
-from actorcore.archs.megatron_rules import McoreSpec
+Megatron route: the linear-attention layers run actorcore's ``PackedGatedDeltaNet`` (``mcore/linear_attention.py``);
+the full-attention layers Megatron's attention with ``attention_output_gate`` and q/k norms; every RMSNorm but the
+DeltaNet's gated one is zero-centred (``1 + w``); RoPE on the first ``partial_rotary_factor`` of each head (the
+config's M-RoPE sections see one text position, i.e. plain RoPE). Checkpoints' ``mtp.*`` tensors (the MTP head, which
+transformers does not build either) are dropped on load."""
+
+from actorcore.archs.megatron_rules import (DENSE_MLP_RULES, GATED_ATTENTION_RULES, GDN_SEPARATE_RULES,
+                                            CAUSAL_LM_EMBEDDING_RULES, McoreSpec)
 from actorcore.archs.spec import ArchSpec, LinearAttentionSpec
+
+# The TransformerConfig fields every Qwen3.5 / Qwen3-Next model fixes.
+HYBRID_OVERRIDES = dict(qk_layernorm=True, attention_output_gate=True, layernorm_zero_centered_gamma=True)
 
 SPEC = ArchSpec(
     model_type="qwen3_5_text", mlp_kind="gated",
     linear_attention=LinearAttentionSpec(module="linear_attn", projections="separate"),
-    mcore=McoreSpec(refused="Gated DeltaNet (linear-attention) layers, the attention output gate and the "
-                    "zero-centred RMSNorm have no rules in actorcore's Megatron conversion (megatron-core 0.16.1's "
-                    "own GatedDeltaNet refuses packed THD sequences, which the route always runs); train Qwen3.5 on "
-                    "the Hugging Face route"),
+    mcore=McoreSpec(rules=CAUSAL_LM_EMBEDDING_RULES + GATED_ATTENTION_RULES + GDN_SEPARATE_RULES + DENSE_MLP_RULES,
+                    config_overrides=HYBRID_OVERRIDES, partial_rotary=True, text_mrope=True,
+                    ignored_hf_prefixes=("mtp.",)),
 )

@@ -69,6 +69,12 @@ FIELDS: tuple[Field, ...] = (
     Field("qk_nope_head_dim", "qk_head_dim"),
     Field("qk_rope_head_dim", "qk_pos_emb_head_dim"),
     Field("v_head_dim", "v_head_dim"),
+    # Gated DeltaNet (linear-attention) layers of hybrid models (mcore/linear_attention.py)
+    Field("linear_conv_kernel_dim", "linear_conv_kernel_dim"),
+    Field("linear_key_head_dim", "linear_key_head_dim"),
+    Field("linear_value_head_dim", "linear_value_head_dim"),
+    Field("linear_num_key_heads", "linear_num_key_heads"),
+    Field("linear_num_value_heads", "linear_num_value_heads"),
 )
 
 # HF fields with no effect on the model's math (generation, bookkeeping, outputs).
@@ -105,22 +111,28 @@ def _rope_parameters(hf: Any) -> dict[str, Any]:
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _convert_rope(hf: Any, mla: bool) -> tuple[dict, dict]:
-    """(TransformerConfig fields, GPTModel args) for RoPE; refuses what Megatron cannot reproduce."""
+def _convert_rope(hf: Any, mla: bool, partial_rotary: bool = False,
+                  text_mrope: bool = False) -> tuple[dict, dict]:
+    """(TransformerConfig fields, GPTModel args) for RoPE; refuses what Megatron cannot reproduce.
+
+    ``partial_rotary``: the arch rotates the first ``partial_rotary_factor`` of each head's dims with the
+    non-interleaved layout (Megatron's ``rotary_percent``, the same frequencies). ``text_mrope``: a text model whose
+    M-RoPE sections always see the same (text) position, i.e. plain RoPE."""
     p = _rope_parameters(hf)
     kind = p["rope_type"]
     theta = p.get("rope_theta", 10000.0)
     cfg: dict[str, Any] = {}
     model: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": theta}
-    partial = float(p.get("partial_rotary_factor", _get(hf, "partial_rotary_factor", None) or 1.0))
-    if partial != 1.0:
-        # HF and Megatron both rotate the first int(head_dim * factor) dims of each head, in halves
-        # (rotate_half); an architecture that pairs them interleaved states it in its spec (none does yet).
-        if mla or not 0.0 < partial < 1.0:
-            raise UnsupportedConfigError(f"partial_rotary_factor={partial} is not supported"
+    factor = float(p.get("partial_rotary_factor", _get(hf, "partial_rotary_factor", None) or 1.0) or 1.0)
+    if factor != 1.0:
+        # HF and Megatron both rotate the first int(head_dim * factor) dims of each head, in halves (rotate_half);
+        # an architecture states in its spec that its HF model does so (``partial_rotary``): one that pairs the
+        # dims interleaved must not be mapped here.
+        if mla or not partial_rotary or not 0.0 < factor < 1.0:
+            raise UnsupportedConfigError(f"partial_rotary_factor={factor} is not supported for {hf.model_type}"
                                          + (" with multi-head latent attention" if mla else ""))
-        model["rotary_percent"] = partial
-    if p.get("mrope_section") is not None:
+        model["rotary_percent"] = factor
+    if p.get("mrope_section") is not None and not text_mrope:
         model["position_embedding_type"] = "mrope"
         cfg["mrope_section"] = _convert_mrope(p, mla)
     if kind == "default":
@@ -223,7 +235,8 @@ def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool, spec_override
     return cfg
 
 
-def _convert_attention_extras(hf: Any, spec_overrides: dict, spec_fields: dict[str, str]) -> dict[str, Any]:
+def _convert_attention_extras(hf: Any, spec_overrides: dict, spec_fields: dict[str, str],
+                              linear_attention: Any = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {}
     if _get(hf, "attention_bias", False) and not spec_overrides.get("add_qkv_bias") \
             and "attention_bias" not in spec_fields:
@@ -239,6 +252,13 @@ def _convert_attention_extras(hf: Any, spec_overrides: dict, spec_fields: dict[s
         # HF: query i sees keys j with i - window < j <= i; Megatron's window_size is (left, right).
         cfg["window_size"] = (int(window) - 1, 0)
     layer_types = _get(hf, "layer_types", None)
+    if layer_types and linear_attention is not None and linear_attention.layer_types_field == "layer_types":
+        kinds = set(layer_types) - {"full_attention", linear_attention.layer_type}
+        if kinds:
+            raise UnsupportedConfigError(f"layer types {sorted(kinds)} beside linear and full attention are not "
+                                         "supported")
+        cfg["linear_attention_freq"] = [int(t == linear_attention.layer_type) for t in layer_types]
+        layer_types = None
     if layer_types and any(t != "full_attention" for t in layer_types) and "window_size" not in cfg:
         raise UnsupportedConfigError(f"per-layer attention types {sorted(set(layer_types))} are not supported")
     if layer_types and "window_size" in cfg and any(t != "sliding_attention" for t in layer_types):
@@ -287,6 +307,15 @@ def warn_unknown_fields(hf: Any) -> list[str]:
     return unknown
 
 
+def _declared_fields(hf: Any) -> set[str]:
+    """The fields the config's class declares: an extra attribute given to a class without the field (say
+    ``intermediate_size`` on Qwen3.5-MoE, whose every layer is MoE) is not read by its model."""
+    try:
+        return set(type(hf)().to_dict()) | set(getattr(type(hf), "attribute_map", {}))
+    except (TypeError, ValueError):  # a config class that cannot be built with its defaults
+        return set(hf.to_dict())
+
+
 def _table_values(hf: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     cfg: dict[str, Any] = {}
     model: dict[str, Any] = {}
@@ -302,6 +331,8 @@ def mcore_fields(hf_config: Any, *, aux_loss: bool = False) -> tuple[dict[str, A
     spec = get_spec(hf_config.model_type)
     warn_unknown_fields(hf_config)
     cfg, model = _table_values(hf_config)
+    if cfg.get("num_moe_experts") and "intermediate_size" not in _declared_fields(hf_config):
+        cfg.pop("ffn_hidden_size", None)  # every layer MoE (Qwen3.5-MoE): no dense MLP reads it
     mla = cfg.get("kv_lora_rank") is not None
     heads = cfg["num_attention_heads"]
     cfg["num_query_groups"] = _get(hf_config, "num_key_value_heads", None) or heads
@@ -317,10 +348,10 @@ def mcore_fields(hf_config: Any, *, aux_loss: bool = False) -> tuple[dict[str, A
     cfg.update(normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0)
     cfg.update(_activation(hf_config))
     spec_fields = dict(spec.mcore.config_fields)
-    extras = _convert_attention_extras(hf_config, spec.mcore.config_overrides, spec_fields)
+    extras = _convert_attention_extras(hf_config, spec.mcore.config_overrides, spec_fields, spec.linear_attention)
     extras.update({mcore: bool(_get(hf_config, name, False)) for name, mcore in spec_fields.items()})
     cfg.update(extras)
-    rope_cfg, rope_model = _convert_rope(hf_config, mla)
+    rope_cfg, rope_model = _convert_rope(hf_config, mla, spec.mcore.partial_rotary, spec.mcore.text_mrope)
     cfg.update(rope_cfg)
     model.update(rope_model)
     cfg.update(_convert_moe(hf_config, cfg.get("num_moe_experts"), aux_loss, spec.mcore.config_overrides))
@@ -367,6 +398,11 @@ def hf_to_mcore_config(hf_config: Any, parallel: McoreParallel | None = None, dt
         use_cpu_initialization=not torch.cuda.is_available(),
     )
     cfg.update(overrides)
+    if parallel.cp > 1 and any(cfg.get("linear_attention_freq") or []):
+        raise UnsupportedConfigError(
+            f"{hf_config.model_type} has Gated DeltaNet (linear-attention) layers, which do not run under context "
+            f"parallelism (cp={parallel.cp}): their causal conv and delta-rule state run across the CP chunks of a "
+            "sequence; use cp=1 (Ulysses SP on the Hugging Face route splits them by heads instead)")
     cls = MLATransformerConfig if cfg.get("multi_latent_attention") else TransformerConfig
     return cls(**cfg)
 
@@ -414,8 +450,10 @@ def mcore_to_hf_config(transformer_config: Any, model_args: dict[str, Any], mode
     if getattr(tc, "mrope_section", None):
         rope["mrope_section"] = list(tc.mrope_section)
     if model_args.get("rotary_percent", 1.0) != 1.0:
-        rope["partial_rotary_factor"] = model_args["rotary_percent"]
+        rope["partial_rotary_factor"] = float(model_args["rotary_percent"])
     out["rope_parameters"] = rope
+    if isinstance(tc.linear_attention_freq, list):
+        out["layer_types"] = ["linear_attention" if f else "full_attention" for f in tc.linear_attention_freq]
     # A VLM's language model (``qwen2_5_vl_text``) has no spec of its own, and no such fields.
     fields = get_spec(model_type).mcore.config_fields if model_type in registered_model_types() else ()
     for name, mcore in fields:

@@ -21,7 +21,7 @@ from actorcore.mcore.model import mcore_spec_for
 from actorcore.mcore.safetensors_reader import SafetensorsReader
 from actorcore.mcore.transforms import merge_parts, tp_dim, tp_range
 from actorcore.mcore.weight_layout import (global_mcore_name, head_counts, hf_part_shapes, is_tied, mcore_tensors,
-                                           shared_copies)
+                                           section_rows, shared_copies)
 from actorcore.parallel import collectives
 from actorcore.parallel.context import ParallelContext
 
@@ -93,7 +93,7 @@ def _mtp_tensors(spec: McoreSpec, names: set[str], hf_config: Any) -> list[str]:
 
 
 def _read_part(reader: SafetensorsReader, name: str, rule: WeightRule, context: ParallelContext,
-               local_rows: int, indices: dict[str, int]) -> torch.Tensor:
+               local_rows: int, indices: dict[str, int], sections: list[int]) -> torch.Tensor:
     if rule.grouped:
         return reader.read(name, 0, indices["expert"], indices["expert"] + 1)[0]
     dim = tp_dim(rule.parallel)
@@ -106,6 +106,13 @@ def _read_part(reader: SafetensorsReader, name: str, rule: WeightRule, context: 
         if rows.shape[0] < local_rows:
             rows = torch.cat([rows, rows.new_zeros(local_rows - rows.shape[0], *rows.shape[1:])])
         return rows
+    if sections:  # each block's slice, in block order
+        parts, offset = [], 0
+        for rows in sections:
+            start, stop = tp_range(rows, context.tp_rank, context.tp_size)
+            parts.append(reader.read(name, 0, offset + start, offset + stop))
+            offset += rows
+        return torch.cat(parts, dim=0)
     full = reader.shape(name)[dim]
     start, stop = tp_range(full, context.tp_rank, context.tp_size)
     return reader.read(name, dim, start, stop)
@@ -134,7 +141,8 @@ def _load_parameter(model: McoreModel, reader: SafetensorsReader, rules: McoreSp
         if found != expected:
             problems.append(f"tensor {hf_name} has shape {list(found)}, expected {list(expected)}")
             continue
-        parts.append(_read_part(reader, hf_name, rule, context, param.shape[0], indices))
+        parts.append(_read_part(reader, hf_name, rule, context, param.shape[0], indices,
+                                section_rows(rule, hf_config)))
     if len(parts) == len(hf_names):
         local = merge_parts(rule.transform, parts, **head_counts(chunk.config, context.tp_size))
         with torch.no_grad():
@@ -172,7 +180,12 @@ def load_hf_into_mcore(model: McoreModel, hf_dir: str, *, progress: bool = False
         logger.warning("%s: dropping the %d multi-token-prediction tensors (e.g. %s): the model is built without MTP "
                        "layers (build_gpt_model(..., mtp=True) or `convert hf-to-mcore --mtp` keeps them)", hf_dir,
                        len(dropped), dropped[0])
-    extra = sorted(set(extra) - set(dropped))
+    ignored = [n for n in extra if n.startswith(model.spec.ignored_hf_prefixes)] if model.spec.ignored_hf_prefixes \
+        else []
+    if ignored and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("%s: dropping %d tensors the %s model does not use (e.g. %s)", hf_dir, len(ignored),
+                       hf_config.model_type, ignored[0])
+    extra = sorted(set(extra) - set(dropped) - set(ignored))
     if extra:
         problems.append(f"unexpected tensors not used by the {hf_config.model_type} model: {', '.join(extra)}")
     if problems:

@@ -194,6 +194,19 @@ def _check_expert_layout(hf_config: Any, spec: Any, expert_layout: str) -> None:
                          "dense model, or a MoE whose checkpoints store one tensor per expert): use 'per_expert'")
 
 
+def _with_linear_attention(block: Any, config: Any, hf_config: Any, vp_stage: int | None) -> Any:
+    """Hybrid models: actorcore's packed Gated DeltaNet as the mixer of the layers ``linear_attention_freq`` marks."""
+    pattern = config.linear_attention_freq
+    if not isinstance(pattern, list) or not any(pattern):
+        return block
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from actorcore.mcore.linear_attention import with_linear_attention_layers
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    return with_linear_attention_layers(block, pattern, offset, get_spec(hf_config.model_type).linear_attention.projections)
+
+
 def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *, value_head: bool,
                   vocab_multiple: int, mtp: bool, config_overrides: dict[str, Any]) -> list[Any]:
     """The ``GPTModel`` of every (virtual) pipeline stage of this rank, with our per-instance changes."""
@@ -221,6 +234,7 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
                                            vp_stage=stage)
         block = dataclasses.replace(block, layer_specs=[_with_core_attention(s, core_attention)
                                                         for s in block.layer_specs])
+        block = _with_linear_attention(block, config, hf_config, stage)
         block = with_sequence_parallel_norms(block)
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)

@@ -30,6 +30,53 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_query_groups: int) -> tuple
     return (q.reshape(-1, *qkv.shape[1:]), k.reshape(-1, *qkv.shape[1:]), v.reshape(-1, *qkv.shape[1:]))
 
 
+def merge_gated_qkv(q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
+    """Gated attention (Qwen3-Next / Qwen3.5): HF ``q_proj`` holds ``[q_h; gate_h]`` per head ([N*2H, ...]);
+    Megatron's ``attention_output_gate`` layout is ``[q of the group's heads; their gates; k; v]`` per query group."""
+    groups = num_query_groups
+    head_dim = k.shape[0] // groups  # k: one head per query group
+    pairs = q_gate.reshape(groups, -1, 2, head_dim, *q_gate.shape[1:])  # [G, N/G, 2, H, ...]
+    q_g = pairs[:, :, 0].reshape(groups, -1, *q_gate.shape[1:])
+    gate_g = pairs[:, :, 1].reshape(groups, -1, *q_gate.shape[1:])
+    k_g = k.reshape(groups, -1, *k.shape[1:])
+    v_g = v.reshape(groups, -1, *v.shape[1:])
+    return torch.cat([q_g, gate_g, k_g, v_g], dim=1).reshape(-1, *q_gate.shape[1:])
+
+
+def split_gated_qkv(qkv: torch.Tensor, num_heads: int,
+                    num_query_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``merge_gated_qkv`` (local head counts for a TP shard): ``(q_proj, k_proj, v_proj)``."""
+    groups = num_query_groups
+    per_group = num_heads // groups
+    head_dim = qkv.shape[0] // (groups * (2 * per_group + 2))
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (2 * per_group + 2) * head_dim, *rest)
+    q, gate, k, v = torch.split(grouped, [per_group * head_dim, per_group * head_dim, head_dim, head_dim], dim=1)
+    q = q.reshape(groups, per_group, 1, head_dim, *rest)
+    gate = gate.reshape(groups, per_group, 1, head_dim, *rest)
+    q_gate = torch.cat([q, gate], dim=2).reshape(-1, *rest)
+    return q_gate, k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def shard_sections(tensor: torch.Tensor, sections: list[int], rank: int, size: int) -> torch.Tensor:
+    """This TP rank's rows of a tensor made of ``sections`` along dim 0 (e.g. a Gated DeltaNet's ``[q; k; v]``
+    channels): each section split evenly, the rank's slices concatenated in section order."""
+    parts = torch.split(tensor, sections, dim=0)
+    return torch.cat([p.narrow(0, *_start_len(p.shape[0], rank, size)) for p in parts], dim=0)
+
+
+def unshard_sections(shards: list[torch.Tensor], sections: list[int]) -> torch.Tensor:
+    """Inverse of ``shard_sections`` given every rank's rows in rank order."""
+    local = [s // len(shards) for s in sections]
+    per_rank = [torch.split(shard, local, dim=0) for shard in shards]
+    return torch.cat([torch.cat([parts[i] for parts in per_rank], dim=0) for i in range(len(sections))], dim=0)
+
+
+def _start_len(full: int, rank: int, size: int) -> tuple[int, int]:
+    start, stop = tp_range(full, rank, size)
+    return start, stop - start
+
+
 def merge_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate, up], dim=0)
 
@@ -46,6 +93,8 @@ def merge_parts(transform: str, parts: list[torch.Tensor], *, num_heads: int, nu
         return merge_qkv(*parts, num_query_groups=num_query_groups)
     if transform == "gate_up":
         return merge_gate_up(*parts)
+    if transform == "gated_qkv":
+        return merge_gated_qkv(*parts, num_query_groups=num_query_groups)
     raise ValueError(f"unknown transform {transform!r}")
 
 
@@ -56,6 +105,8 @@ def split_parts(transform: str, tensor: torch.Tensor, *, num_heads: int, num_que
         return list(split_qkv(tensor, num_heads, num_query_groups))
     if transform == "gate_up":
         return list(split_gate_up(tensor))
+    if transform == "gated_qkv":
+        return list(split_gated_qkv(tensor, num_heads, num_query_groups))
     raise ValueError(f"unknown transform {transform!r}")
 
 

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from actorcore.archs.megatron_rules import McoreSpec, WeightRule
+from actorcore.archs.megatron_rules import SECTION_SIZES, McoreSpec, WeightRule
 from actorcore.mcore.transforms import local_experts, split_parts, tp_dim
 from actorcore.parallel.context import ParallelContext
 
@@ -77,6 +77,15 @@ def hf_part_shapes(rule: WeightRule, local_shape: torch.Size, config: Any, tp_si
             shape[dim] *= tp_size
         shapes.append(tuple(shape))
     return shapes
+
+
+def section_rows(rule: WeightRule, hf_config: Any) -> list[int]:
+    """Full HF rows of each block of a sectioned rule (``WeightRule.sections``), from the HF config."""
+    rows = []
+    for name in rule.sections:
+        heads, dim = SECTION_SIZES[name]
+        rows.append(int(getattr(hf_config, heads)) * int(getattr(hf_config, dim)))
+    return rows
 
 
 def is_tied(rule: WeightRule, hf_config: Any) -> bool:

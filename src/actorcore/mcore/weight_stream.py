@@ -26,9 +26,9 @@ import torch
 from actorcore.archs.megatron_rules import WeightRule
 from actorcore.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
 from actorcore.mcore.handle import McoreModel, require_model
-from actorcore.mcore.transforms import split_parts, tp_dim
+from actorcore.mcore.transforms import split_parts, tp_dim, unshard_sections
 from actorcore.mcore.weight_layout import (global_mcore_name, head_counts, hf_part_shapes, is_tied, local_expert_index,
-                                           mcore_tensors, shared_copies, with_local_expert)
+                                           mcore_tensors, section_rows, shared_copies, with_local_expert)
 from actorcore.parallel import collectives
 from actorcore.parallel.context import ParallelContext
 
@@ -52,6 +52,7 @@ class _Source:
     rule: WeightRule
     counts: dict[str, int]
     ep_owner: int = 0
+    sections: list[int] | None = None  # full rows of each block of a sectioned rule
     copy: bool = False  # an MTP layer's copy of a main-model tensor: its own storage (writers refuse shared ones)
 
 
@@ -94,7 +95,7 @@ def _stage_sources(model: McoreModel, dtype: torch.dtype | None) -> tuple[list[_
                 continue  # HF stores the tied lm_head only as the embedding
             shapes = hf_part_shapes(rule, tensor.shape, chunk.config, context.tp_size, hf_config.vocab_size)
             out = _out_dtype(tensor.dtype, dtype)
-            common = {"rule": rule, "counts": counts}
+            common = {"rule": rule, "counts": counts, "sections": section_rows(rule, hf_config)}
             if rule.parallel != "expert":
                 add(rule.hf_names_for(indices), shapes, out, kind="tp", tensors=[tensor], **common)
                 continue
@@ -130,7 +131,8 @@ def _make(source: _Source, meta: _Meta, context: ParallelContext, dtype: torch.d
     part = _local_part(source.tensors[0], source, dtype)
     dim = tp_dim(source.rule.parallel)
     if dim is not None and context.tp_size > 1:
-        part = torch.cat(collectives.all_gather_tensor(part, context.tp_group), dim=dim)
+        shards = collectives.all_gather_tensor(part, context.tp_group)
+        part = unshard_sections(shards, source.sections) if source.sections else torch.cat(shards, dim=dim)
     if source.rule.parallel == "vocab":
         part = part[:hf_vocab]  # drop the padded rows
     return part
