@@ -143,7 +143,7 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype:
 
 def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype: torch.dtype | None = None, *,
                     value_head: bool = False, vocab_multiple: int = 128, mtp: bool = False,
-                    expert_layout: str = PER_EXPERT, **config_overrides: Any) -> McoreModel:
+                    expert_layout: str | None = None, **config_overrides: Any) -> McoreModel:
     """This rank's model (``McoreModel``: its chunks, ``len == vp or 1``, and their HF side), after
     ``initialize_megatron`` with the same ``parallel`` layout.
 
@@ -156,7 +156,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     (DeepSeek-V3); by default they are left out (a checkpoint's MTP tensors are then dropped on load).
     ``expert_layout``: how the checkpoint to load stores a MoE model's experts (``"per_expert"``, or ``"grouped"``
     for transformers 5's stacked ``experts.gate_up_proj``; ``checkpoint_expert_layout(hf_dir, config)`` reads it);
-    the export writes the same layout. A vision-language config builds its language model with the HF vision
+    the export writes the same layout. ``None``: the architecture's only layout where it has one (gpt-oss: grouped),
+    else ``"per_expert"``. A vision-language config builds its language model with the HF vision
     tower in front of it (``mcore/vlm.py``).
     """
     require_megatron()
@@ -167,6 +168,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
         check_vlm_build(vlm_config, parallel, value_head=value_head, config_overrides=config_overrides)
         hf_config = language_config(vlm_config)
     spec = mcore_spec_for(hf_config)
+    if expert_layout is None:
+        expert_layout = GROUPED if spec.uses_grouped_experts else PER_EXPERT
     _check_expert_layout(hf_config, spec, expert_layout)
     context = context_from_megatron()  # refusals above need no parallel state
     parallel.check_context(context)
@@ -181,9 +184,26 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
                       expert_layout=expert_layout, mla_full_width_projections=patched)
 
 
+def _skip_one_rank_expert_reduce(chunk: Any) -> None:
+    """Expert output projections with biases (gpt-oss) at expert-parallel size 1: megatron-core 0.16.1's
+    ``RowParallelLinear`` then "all-reduces" over the one-rank expert-TP group, which hands back its input as is,
+    and the expert MLP adds the probability-weighted bias to it in place, which autograd refuses. Over one rank the
+    reduction is the identity, so these layers take Megatron's explicit-communication path (no reduction), as they
+    do at EP > 1."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    for module in chunk.modules():
+        if isinstance(module, RowParallelLinear) and module.is_expert and module.bias is not None \
+                and module.tp_group.size() == 1 and module.skip_bias_add:
+            module.explicit_expert_comm = True
+
+
 def _check_expert_layout(hf_config: Any, spec: Any, expert_layout: str) -> None:
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    if expert_layout == PER_EXPERT and spec.uses_grouped_experts:
+        raise ValueError(f"expert_layout='per_expert': {hf_config.model_type} checkpoints store the experts only "
+                         "stacked per layer: use 'grouped' (the default for it)")
     if expert_layout == GROUPED and not spec.grouped_expert_rules:
         raise ValueError(f"expert_layout='grouped': {hf_config.model_type} declares no grouped expert rules (a "
                          "dense model, or a MoE whose checkpoints store one tensor per expert): use 'per_expert'")
@@ -225,6 +245,7 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
                              mtp_block_spec=mtp_spec, **model_args)
         if model.mtp_process:
             model._postprocess = types.MethodType(_postprocess, model)
+        _skip_one_rank_expert_reduce(model)
         if post:
             if value_head:
                 model.output_layer = _ReturnHidden()
