@@ -12,5 +12,6 @@ SPEC = ArchSpec(
     model_type="gpt_oss",
     mlp_kind="moe",
     mcore=McoreSpec(rules=GPT_OSS_RULES, grouped_expert_rules=GPT_OSS_EXPERT_RULES, activation="clamped_swiglu",
-                    attention_sinks=True, config_overrides=dict(add_bias_linear=True)),
+                    attention_sinks=True, config_overrides=dict(add_bias_linear=True),
+                    mxfp4_weights=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
 )

@@ -112,6 +112,9 @@ class McoreSpec:
     # A learned logit per attention head in every softmax denominator (gpt-oss's ``self_attn.sinks``): Megatron's
     # ``softmax_type="learnable"`` (its ``core_attention.softmax_offset``).
     attention_sinks: bool = False
+    # HF tensors (name suffixes) that the architecture's releases store as MXFP4 (fused experts ``[E, in, out]``):
+    # export re-quantises them on request (``export.mxfp4``); loading dequantises whatever the checkpoint stores.
+    mxfp4_weights: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.activation not in MLP_ACTIVATIONS:

@@ -184,18 +184,24 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
                       expert_layout=expert_layout, mla_full_width_projections=patched)
 
 
-def _skip_one_rank_expert_reduce(chunk: Any) -> None:
-    """Expert output projections with biases (gpt-oss) at expert-parallel size 1: megatron-core 0.16.1's
-    ``RowParallelLinear`` then "all-reduces" over the one-rank expert-TP group, which hands back its input as is,
-    and the expert MLP adds the probability-weighted bias to it in place, which autograd refuses. Over one rank the
-    reduction is the identity, so these layers take Megatron's explicit-communication path (no reduction), as they
-    do at EP > 1."""
+def _fix_expert_output_biases(chunk: Any) -> None:
+    """Two megatron-core 0.16.1 faults of expert output projections with biases (gpt-oss) at expert-TP size 1,
+    mended on Megatron's own flags of those layers:
+
+    - at EP = 1, ``RowParallelLinear`` "all-reduces" over the one-rank expert-TP group, which hands back its input
+      as is, and the expert MLP adds the probability-weighted bias to it in place, which autograd refuses. Over one
+      rank the reduction is the identity: the layer takes Megatron's explicit-communication path (no reduction), as
+      it does at EP > 1;
+    - under sequence parallelism the bias is marked ``sequence_parallel``, so ``finalize_model_grads`` sums its
+      gradient over the TP group, adding up other experts' biases (each expert's whole gradient is on its own
+      rank): the mark is taken off."""
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
     for module in chunk.modules():
         if isinstance(module, RowParallelLinear) and module.is_expert and module.bias is not None \
                 and module.tp_group.size() == 1 and module.skip_bias_add:
             module.explicit_expert_comm = True
+            module.bias.sequence_parallel = False
 
 
 def _check_expert_layout(hf_config: Any, spec: Any, expert_layout: str) -> None:
@@ -245,7 +251,7 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
                              mtp_block_spec=mtp_spec, **model_args)
         if model.mtp_process:
             model._postprocess = types.MethodType(_postprocess, model)
-        _skip_one_rank_expert_reduce(model)
+        _fix_expert_output_biases(model)
         if post:
             if value_head:
                 model.output_layer = _ReturnHidden()
