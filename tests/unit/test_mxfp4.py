@@ -55,3 +55,25 @@ def test_bad_shapes_are_refused():
         quantize_mxfp4(torch.zeros(3, 40))
     with pytest.raises(ValueError, match="do not fit"):
         dequantize_mxfp4(torch.zeros(3, 2, 16, dtype=torch.uint8), torch.zeros(3, 1, dtype=torch.uint8))
+
+
+def test_export_stream_and_config():
+    """The export re-quantises only the named fused-expert weights ([E, in, out] -> blocks along ``in``), and a bf16
+    export of a model from an MXFP4 checkpoint drops the checkpoint's quantization_config."""
+    from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config, without_mxfp4_config
+    from actorcore.testing.tiny_configs import tiny_config
+
+    weight = _weights().transpose(-1, -2)  # the model's [E, in, out]
+    bias = torch.ones(3)
+    (bucket,) = list(quantize_stream_mxfp4([[("m.experts.gate_up_proj", weight), ("m.bias", bias)]],
+                                           ("experts.gate_up_proj",)))
+    names = [name for name, _ in bucket]
+    assert names == ["m.experts.gate_up_proj_blocks", "m.experts.gate_up_proj_scales", "m.bias"]
+    ref_blocks, ref_scales = reference_quantize_mxfp4(weight.transpose(-1, -2))
+    assert torch.equal(bucket[0][1], ref_blocks) and torch.equal(bucket[1][1], ref_scales)
+    with pytest.raises(ValueError, match="no MXFP4 weights"):
+        quantize_stream_mxfp4([], ())
+    config = with_mxfp4_config(tiny_config("gpt_oss"))
+    assert config.to_dict()["quantization_config"]["quant_method"] == "mxfp4"
+    assert "quantization_config" not in without_mxfp4_config(config).to_dict()
+    assert "quantization_config" in config.to_dict()  # copies, never the caller's config

@@ -239,11 +239,13 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
         copy_hf_side_files(os.path.join(src, HF_DIR), out)
         # One process holds the whole model; the shards are written as the buckets come (one shard in memory).
         stream = mcore_weight_stream(model, bucket_bytes=min(args.max_shard_size, 512 * 1024**2))
-        if args.mxfp4:
-            from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config
+        from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config, without_mxfp4_config
 
+        if args.mxfp4:
             stream = quantize_stream_mxfp4(stream, model.spec.mxfp4_weights)
             hf_config = with_mxfp4_config(hf_config)
+        else:  # bf16 experts: a config from an MXFP4 checkpoint must not say otherwise
+            hf_config = without_mxfp4_config(hf_config)
         _save_sharded(tqdm(_exporting(stream), desc="export Megatron -> HF", unit="bucket"), hf_config, out,
                       args.max_shard_size)
 

@@ -51,3 +51,16 @@ def with_mxfp4_config(hf_config: Any) -> Any:
     config = copy.deepcopy(hf_config)
     config.quantization_config = mxfp4_quantization_config()
     return config
+
+
+def without_mxfp4_config(hf_config: Any) -> Any:
+    """``hf_config``, or a copy without an MXFP4 ``quantization_config`` when it has one: what a bf16 export of a
+    model loaded from an MXFP4 checkpoint writes (its config.json must not claim MXFP4 tensors)."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+        getattr(quantization, "quant_method", None)
+    if str(getattr(method, "value", method)) != "mxfp4":
+        return hf_config
+    config = copy.deepcopy(hf_config)
+    del config.quantization_config
+    return config
