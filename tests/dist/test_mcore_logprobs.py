@@ -129,6 +129,9 @@ _LOGPROB_CASES = {
         "max_position_embeddings": 512,
         "rope_parameters": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32.0,
                                 beta_slow=1.0, mscale=0.9, mscale_all_dim=0.8, rope_theta=10000.0)}),
+    # gpt-oss: sinks, a sliding then a full layer (one per stage), yarn RoPE, clamped SwiGLU experts with biases.
+    "gpt_oss_pp2": ("gpt_oss", 1, 2, 1, {}),
+    "gpt_oss_ep2": ("gpt_oss", 1, 1, 2, {}),
 }
 
 
@@ -198,6 +201,18 @@ def test_logprobs_mla_moe_ep2(world2):
 def test_logprobs_mla_yarn_rope(world1):
     """DeepSeek's yarn RoPE (with mscale on the softmax scale) maps exactly."""
     _check_logprobs(world1["mla_yarn_rope"])
+
+
+@pytest.mark.slow
+def test_logprobs_gpt_oss_pp2(world2):
+    """gpt-oss: attention sinks, the sliding layer on stage 0 and the full one on stage 1, yarn RoPE, clamped SwiGLU
+    experts with biases (the expert-bias path at EP=1); TP=2 trains in test_mcore_moe_tp.py."""
+    _check_logprobs(world2["gpt_oss_pp2"])
+
+
+@pytest.mark.slow
+def test_logprobs_gpt_oss_ep2(world2):
+    _check_logprobs(world2["gpt_oss_ep2"])
 
 
 def _vp_case(directory: str) -> dict:

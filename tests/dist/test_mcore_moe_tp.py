@@ -2,7 +2,8 @@
 
 Qwen3-MoE (q/k norms, a dense layer, routed experts) and DeepSeek-V3 (MLA, sigmoid grouped routing with a
 score-correction bias, a shared expert) at TP=2 x EP=2 (sequence parallelism by default for MoE at TP > 1),
-and dense Qwen3 at TP=2 with sequence parallelism asked for: per-token log-probs and entropy
+gpt-oss (attention sinks split over TP with the heads, biases on every linear) at TP=2 x EP=2, and dense Qwen3 at
+TP=2 with sequence parallelism asked for: per-token log-probs and entropy
 equal plain transformers' fp32 forward, and every parameter's gradient, after Megatron's own
 ``finalize_model_grads`` (its DDP wrapper around the chunks; it sums the ``sequence_parallel`` norm and
 router gradients over TP), equals transformers' gradient of the same loss mapped to HF names by the
@@ -22,7 +23,8 @@ from actorcore.testing.tolerances import TOL
 
 pytest.importorskip("megatron.core")
 
-CASES = (("qwen3_moe", 2, {}), ("deepseek_v3", 2, {}), ("qwen3", 1, {"sequence_parallel": True}))
+# gpt-oss: its sinks split over TP with the heads, biases on every linear (router and experts included).
+CASES = (("qwen3_moe", 2, {}), ("deepseek_v3", 2, {}), ("qwen3", 1, {"sequence_parallel": True}), ("gpt_oss", 2, {}))
 WORLD = 2
 TP = 2
 

@@ -171,12 +171,39 @@ def test_rope_scaling_mapped_exactly_or_refused():
                                            original_max_position_embeddings=8192, rope_theta=5e5))
     with pytest.raises(UnsupportedConfigError, match="low_freq_factor"):
         gpt_model_args(odd)
-    for kind in ("dynamic", "yarn", "longrope"):
+    yarn = tiny_config("llama", rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4,
+                                                     original_max_position_embeddings=128))
+    assert gpt_model_args(yarn)["position_embedding_type"] == "yarn"
+    assert hf_to_mcore_config(yarn).yarn_rotary_scaling_factor == 2.0
+    for kind in ("dynamic", "longrope"):
         params = dict(rope_type=kind, factor=2.0, rope_theta=1e4, original_max_position_embeddings=128)
         if kind == "longrope":
             params.update(short_factor=[1.0] * 8, long_factor=[1.0] * 8)
         with pytest.raises(UnsupportedConfigError, match=kind):
             hf_to_mcore_config(tiny_config("llama", rope_parameters=params))
+
+
+def test_gpt_oss_maps_its_compound_fields_and_refuses_what_megatron_lacks():
+    from actorcore.mcore.config import SigmoidGate
+    from actorcore.testing.tiny_configs import tiny_config
+
+    hf = tiny_config("gpt_oss")
+    tc = hf_to_mcore_config(hf)
+    assert tc.softmax_type == "learnable" and tc.add_bias_linear
+    assert tc.window_size == (4, 0) and tc.window_attn_skip_freq == [1, 0]  # sliding, then full
+    assert tc.activation_func == SigmoidGate(1.5) and tc.activation_func_clamp_value == 3.0
+    assert tc.glu_linear_offset == 1.0 and tc.gated_linear_unit and not tc.bias_activation_fusion
+    assert (tc.yarn_rotary_scaling_factor, tc.yarn_beta_fast, tc.yarn_beta_slow) == (4.0, 16.0, 2.0)
+    assert tc.yarn_correction_range_round_to_int is False and tc.yarn_original_max_position_embeddings == 64
+    assert tc.moe_ffn_hidden_size == 88 and tc.moe_router_pre_softmax is False
+    with pytest.raises(UnsupportedConfigError, match="context parallelism"):
+        hf_to_mcore_config(hf, McoreParallel(cp=2))
+    with pytest.raises(UnsupportedConfigError, match="attention_bias=False"):
+        hf_to_mcore_config(tiny_config("gpt_oss", attention_bias=False))
+    with pytest.raises(UnsupportedConfigError, match="attention_factor"):
+        hf_to_mcore_config(tiny_config("gpt_oss", rope_parameters=dict(
+            rope_type="yarn", rope_theta=5000.0, factor=4.0, original_max_position_embeddings=64,
+            attention_factor=1.3)))
 
 
 def test_refusals_are_clear():

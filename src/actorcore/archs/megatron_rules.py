@@ -24,11 +24,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+MLP_ACTIVATIONS = ("hidden_act", "clamped_swiglu")
 PARALLEL_STYLES = ("column", "row", "vocab", "replicated", "expert")
 # rename: one tensor as is; qkv: q, k, v fused per query group; gate_up: [gate; up] stacked on dim 0;
 # gated_qkv: q_proj holding [q_h; gate_h] per head, k, v fused per query group as [q; gate; k; v] (Megatron's
 # attention_output_gate layout).
-TRANSFORMS = ("rename", "qkv", "gate_up", "gated_qkv")
+# transpose: HF stores the weight input-dim first (``[in, out]``, gpt-oss's fused experts), Megatron ``[out, in]``;
+# interleaved_gate_up: HF's last dim alternates gate and up columns (gpt-oss's ``gate_up_proj`` ``[D, 2F]`` per
+# expert and its bias ``[2F]``), Megatron's fc1 is ``[gate; up]`` on dim 0 (the weight transposed to ``[2F, D]``).
+TRANSFORMS = ("rename", "qkv", "gate_up", "gated_qkv", "transpose", "interleaved_gate_up")
 # Named blocks of a sectioned tensor: the HF config fields whose product is the block's rows.
 SECTION_SIZES = {
     "linear_key": ("linear_num_key_heads", "linear_key_head_dim"),
@@ -67,7 +71,7 @@ class WeightRule:
             raise ValueError(f"{self.mcore_name}: parallel {self.parallel!r} is not one of {PARALLEL_STYLES}")
         if self.transform not in TRANSFORMS:
             raise ValueError(f"{self.mcore_name}: transform {self.transform!r} is not one of {TRANSFORMS}")
-        expected = {"rename": 1, "qkv": 3, "gate_up": 2, "gated_qkv": 3}[self.transform]
+        expected = {"qkv": 3, "gate_up": 2, "gated_qkv": 3}.get(self.transform, 1)
         if len(self.hf_names) != expected:
             raise ValueError(f"{self.mcore_name}: transform {self.transform} takes {expected} HF names")
         if ("{expert}" in self.mcore_name) != (self.parallel == "expert"):
@@ -129,6 +133,20 @@ class McoreSpec:
     text_mrope: bool = False
     # HF tensor-name prefixes that checkpoints store and the model does not use (dropped on load with a warning).
     ignored_hf_prefixes: tuple[str, ...] = ()
+    # The MLP activation (``MLP_ACTIVATIONS``): "hidden_act", the config's ``hidden_act`` as a GLU; "clamped_swiglu",
+    # gpt-oss's experts: gate clamped above and up clamped to +-swiglu_limit, gate * sigmoid(swiglu_alpha * gate)
+    # * (up + 1) (the config's ``hidden_act`` is not used).
+    activation: str = "hidden_act"
+    # A learned logit per attention head in every softmax denominator (gpt-oss's ``self_attn.sinks``): Megatron's
+    # ``softmax_type="learnable"`` (its ``core_attention.softmax_offset``).
+    attention_sinks: bool = False
+    # HF tensors (name suffixes) that the architecture's releases store as MXFP4 (fused experts ``[E, in, out]``):
+    # export re-quantises them on request (``export.mxfp4``); loading dequantises whatever the checkpoint stores.
+    mxfp4_weights: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not one of {MLP_ACTIVATIONS}")
 
     def for_checkpoint(self, hf_names: set[str] | list[str]) -> "McoreSpec":
         """This spec with the names (``stored_prefixes``) and the expert rules (per-expert or grouped) that fit the
@@ -398,3 +416,24 @@ GDN_GROUPED_RULES = _GDN_COMMON_RULES + (
     WeightRule(_GDN + "in_proj_qkvz.weight", (_HF_GDN + "in_proj_qkvz.weight",), parallel="column"),
     WeightRule(_GDN + "in_proj_ba.weight", (_HF_GDN + "in_proj_ba.weight",), parallel="column"),
 )
+# gpt-oss: biases on every linear (q/k/v/o, router, experts), a learned sink logit per attention head (split over
+# tensor-parallel ranks with the heads), and experts stacked per layer with the input dim first: ``gate_up_proj``
+# ``[E, D, 2F]`` (gate and up columns interleaved) and ``down_proj`` ``[E, F, D]``, the layout its checkpoints store
+# (in bf16, or as MXFP4 ``*_blocks`` / ``*_scales`` that the reader dequantises; ``mcore/safetensors_reader.py``).
+_GPT_OSS_EXPERTS = _M + "mlp.experts.local_experts.{expert}."
+GPT_OSS_EXPERT_RULES = (
+    WeightRule(_GPT_OSS_EXPERTS + "linear_fc1.weight", (_L + "mlp.experts.gate_up_proj",),
+               transform="interleaved_gate_up", parallel="expert", grouped=True),
+    WeightRule(_GPT_OSS_EXPERTS + "linear_fc1.bias", (_L + "mlp.experts.gate_up_proj_bias",),
+               transform="interleaved_gate_up", parallel="expert", grouped=True),
+    WeightRule(_GPT_OSS_EXPERTS + "linear_fc2.weight", (_L + "mlp.experts.down_proj",), transform="transpose",
+               parallel="expert", grouped=True),
+    WeightRule(_GPT_OSS_EXPERTS + "linear_fc2.bias", (_L + "mlp.experts.down_proj_bias",), parallel="expert",
+               grouped=True),
+)
+GPT_OSS_RULES = EMBEDDING_RULES + ATTENTION_RULES + QKV_BIAS_RULES + (
+    WeightRule(_M + "self_attention.linear_proj.bias", (_L + "self_attn.o_proj.bias",)),
+    WeightRule(_M + "self_attention.core_attention.softmax_offset", (_L + "self_attn.sinks",), parallel="column"),
+    WeightRule(_M + "mlp.router.weight", (_L + "mlp.router.weight",)),
+    WeightRule(_M + "mlp.router.bias", (_L + "mlp.router.bias",)),
+) + GPT_OSS_EXPERT_RULES

@@ -1,7 +1,7 @@
 """``actorcore convert``: HF <-> Megatron-Core checkpoints (part of the CLI: it prints).
 
   actorcore convert hf-to-mcore SRC_HF_DIR DST_DIR [--tp N --pp N --ep N] [--mtp]
-  actorcore convert mcore-to-hf SRC_MCORE_DIR DST_HF_DIR [--max-shard-size BYTES]
+  actorcore convert mcore-to-hf SRC_MCORE_DIR DST_HF_DIR [--max-shard-size BYTES] [--mxfp4]
 
 hf-to-mcore writes a Megatron distributed checkpoint (loadable at any layout); with a layout bigger than
 one rank it runs one gloo process per rank (CPU). mcore-to-hf loads in one process and writes sharded
@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("dst", help="output directory (must not exist)")
     to_hf.add_argument("--max-shard-size", type=int, default=5 * 1024**3,
                        help="bytes per safetensors shard (a larger tensor gets a shard of its own)")
+    to_hf.add_argument("--mxfp4", action="store_true",
+                       help="write the fused experts as MXFP4 blocks + scales, as the gpt-oss releases store them "
+                            "(default: bf16)")
     return parser
 
 
@@ -236,6 +239,13 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
         copy_hf_side_files(os.path.join(src, HF_DIR), out)
         # One process holds the whole model; the shards are written as the buckets come (one shard in memory).
         stream = mcore_weight_stream(model, bucket_bytes=min(args.max_shard_size, 512 * 1024**2))
+        from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config, without_mxfp4_config
+
+        if args.mxfp4:
+            stream = quantize_stream_mxfp4(stream, model.spec.mxfp4_weights)
+            hf_config = with_mxfp4_config(hf_config)
+        else:  # bf16 experts: a config from an MXFP4 checkpoint must not say otherwise
+            hf_config = without_mxfp4_config(hf_config)
         _save_sharded(tqdm(_exporting(stream), desc="export Megatron -> HF", unit="bucket"), hf_config, out,
                       args.max_shard_size)
 

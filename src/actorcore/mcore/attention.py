@@ -10,6 +10,11 @@ once per layer (``cp_comm_type`` ``None`` or ``"all_gather"``), or passed around
 at a time, merging partial softmaxes (``"p2p"``). ``packed_seq_params.cu_seqlens_q_padded`` is then the
 padded layout of the whole batch (Megatron's convention, which its RoPE also reads).
 
+Attention sinks (``softmax_type="learnable"``, gpt-oss): a learned logit per head, ``softmax_offset`` (this TP rank's
+heads, as in Megatron's ``DotProductAttention``), joins every softmax denominator; the per-sequence kernel applies
+it exactly. A layer is sliding-window when Megatron's ``is_layer_window_attention`` says so (``window_size`` with
+the per-layer pattern ``window_attn_skip_freq``), the others see their whole causal prefix.
+
 Legend: ``T`` packed tokens, ``N`` query heads (this TP rank), ``K`` kv heads, ``H`` head dim.
 """
 
@@ -75,9 +80,43 @@ class PackedCoreAttention(MegatronModule):
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        from megatron.core.transformer.utils import is_layer_window_attention
+
         window = config.window_size
+        if not is_layer_window_attention(window, config.window_attn_skip_freq, layer_number):
+            window = None  # a full-attention layer between sliding ones
         # Megatron's window (left, 0) -> "query i sees key j iff 0 <= i - j < left + 1".
         self.sliding_window = None if window is None or window[0] < 0 else window[0] + 1
+        self.tp_group = getattr(pg_collection, "tp", None)
+        self.softmax_offset = None
+        if config.softmax_type == "learnable":
+            self._add_sinks(config)
+        elif config.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by actorcore's packed core "
+                             "attention (vanilla, learnable)")
+
+    def _add_sinks(self, config: Any) -> None:
+        """The learned sink logits of this TP rank's heads (``softmax_offset``, split over TP on dim 0)."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        if self.tp_group is None:
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        heads = config.num_attention_heads // dist.get_world_size(self.tp_group)
+        self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        if config.perform_initialization:
+            config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """The sink logits split over TP in distributed checkpoints (as Megatron's ``DotProductAttention``)."""
+        if self.softmax_offset is None:
+            return {}
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                                   {"softmax_offset": 0}, sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -86,6 +125,9 @@ class PackedCoreAttention(MegatronModule):
         dropout = self.dropout if self.training else 0.0
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if self.cp_group is not None:
+            if self.softmax_offset is not None:
+                raise ValueError("attention sinks under context parallelism: actorcore's CP attention has no sink "
+                                 "term; run with cp=1")
             if not packed:
                 raise ValueError("context parallelism in PackedCoreAttention needs packed (THD) batches: run the "
                                  "model through actorcore.mcore.forward, which splits them over the CP ranks")
@@ -95,7 +137,7 @@ class PackedCoreAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             out_TNH = varlen_causal_attention(query, key, value, cu, int(packed_seq_params.max_seqlen_q),
                                               scale=self.softmax_scale, sliding_window=self.sliding_window,
-                                              dropout=dropout, trace=self.trace)
+                                              dropout=dropout, sinks=self.softmax_offset, trace=self.trace)
             return out_TNH.reshape(out_TNH.shape[0], -1)
         # [S, B, N, H]: every row is one sequence.
         seq, batch = query.shape[:2]
@@ -105,7 +147,8 @@ class PackedCoreAttention(MegatronModule):
 
         cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=query.device)
         out = varlen_causal_attention(flat(query), flat(key), flat(value), cu, seq, scale=self.softmax_scale,
-                                      sliding_window=self.sliding_window, dropout=dropout, trace=self.trace)
+                                      sliding_window=self.sliding_window, dropout=dropout, sinks=self.softmax_offset,
+                                      trace=self.trace)
         return out.reshape(batch, seq, -1).transpose(0, 1).contiguous()
 
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any,

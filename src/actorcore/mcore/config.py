@@ -84,6 +84,8 @@ IRRELEVANT = frozenset({
     "return_dict", "output_hidden_states", "output_attentions", "problem_type", "chunk_size_feed_forward",
     "is_encoder_decoder", "tokenizer_class", "num_labels", "_attn_implementation_autoset", "router_aux_loss_coef",
     "tie_encoder_decoder", "max_window_layers", "classifier_dropout",
+    # How the checkpoint stores some weights (gpt-oss's MXFP4 experts): the reader dequantises them on load.
+    "quantization_config",
 })
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu"}
@@ -147,6 +149,9 @@ def _convert_rope(hf: Any, mla: bool, partial_rotary: bool = False,
                 "configurable), so it would not reproduce this model"
             )
         model.update(rope_scaling=True, rope_scaling_factor=float(p["factor"]))
+    elif kind == "yarn" and not mla:
+        model["position_embedding_type"] = "yarn"
+        cfg.update(_gpt_yarn(hf, p))
     elif kind == "yarn" and mla:
         cfg.update(rope_type="yarn", rotary_scaling_factor=float(p["factor"]),
                    original_max_position_embeddings=int(p["original_max_position_embeddings"]),
@@ -155,12 +160,36 @@ def _convert_rope(hf: Any, mla: bool, partial_rotary: bool = False,
     else:
         raise UnsupportedConfigError(
             f"RoPE scaling type {kind!r} ({p}) has no exact Megatron-Core counterpart on this route "
-            "(supported: default, linear, llama3 with Megatron's fixed frequencies; yarn for MLA models)"
+            "(supported: default, linear, llama3 with Megatron's fixed frequencies, yarn)"
         )
     if mla:
         cfg["rotary_base"] = theta
         cfg.setdefault("rope_type", "rope")
     return cfg, model
+
+
+# YaRN on a GPT (not MLA) model: megatron-core's GPTModel and attention read these attributes of the config, which
+# ``TransformerConfig`` does not declare; ``hf_to_mcore_config`` sets them on the built config.
+YARN_ATTRIBUTES = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                   "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
+
+
+def _gpt_yarn(hf: Any, p: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's YaRN attributes for HF's yarn RoPE (``_compute_yarn_parameters``): the same inverse frequencies
+    (``truncate`` rounds the correction range) and the same cos/sin factor (``0.1 ln(factor) + 1``, or the
+    mscale ratio when both mscale and mscale_all_dim are set)."""
+    if p.get("attention_factor") is not None:
+        raise UnsupportedConfigError(f"yarn RoPE with an explicit attention_factor ({p['attention_factor']}): "
+                                     "Megatron-Core derives it from factor / mscale / mscale_all_dim only")
+    original = int(p["original_max_position_embeddings"])
+    factor = p.get("factor")
+    factor = _get(hf, "max_position_embeddings") / original if factor is None else factor
+    both = bool(p.get("mscale")) and bool(p.get("mscale_all_dim"))
+    return {"yarn_rotary_scaling_factor": float(factor), "yarn_original_max_position_embeddings": original,
+            "yarn_beta_fast": float(p.get("beta_fast") or 32.0), "yarn_beta_slow": float(p.get("beta_slow") or 1.0),
+            "yarn_mscale": float(p["mscale"]) if both else None,
+            "yarn_mscale_all_dim": float(p["mscale_all_dim"]) if both else None,
+            "yarn_correction_range_round_to_int": bool(p.get("truncate", True))}
 
 
 def _convert_mrope(p: dict[str, Any], mla: bool) -> list[int]:
@@ -235,13 +264,20 @@ def _convert_moe(hf: Any, num_experts: int | None, aux_loss: bool, spec_override
     return cfg
 
 
-def _convert_attention_extras(hf: Any, spec_overrides: dict, spec_fields: dict[str, str],
-                              linear_attention: Any = None) -> dict[str, Any]:
+def _convert_attention_extras(hf: Any, spec: Any, linear_attention: Any = None) -> dict[str, Any]:
+    """``spec``: the arch's ``McoreSpec``; ``linear_attention``: its hybrid layers' facts (None: none)."""
+    spec_overrides, spec_fields = spec.config_overrides, dict(spec.config_fields)
     cfg: dict[str, Any] = {}
-    if _get(hf, "attention_bias", False) and not spec_overrides.get("add_qkv_bias") \
-            and "attention_bias" not in spec_fields:
+    every_bias = spec_overrides.get("add_bias_linear", False)
+    if _get(hf, "attention_bias", False) and not (spec_overrides.get("add_qkv_bias") or every_bias
+                                                  or "attention_bias" in spec_fields):
         raise UnsupportedConfigError("attention_bias=True puts a bias on o_proj too; Megatron-Core can only add it "
                                      "together with biases on every MLP linear (add_bias_linear)")
+    if every_bias and not _get(hf, "attention_bias", True):
+        raise UnsupportedConfigError(f"{hf.model_type} with attention_bias=False: its MLP linears keep their biases, "
+                                     "and Megatron-Core's add_bias_linear puts biases on q/k/v/o and the MLP together")
+    if spec.attention_sinks:
+        cfg["softmax_type"] = "learnable"
     if _has(hf, "qkv_bias"):
         cfg["add_qkv_bias"] = bool(_get(hf, "qkv_bias"))
     if _get(hf, "mlp_bias", False):
@@ -259,16 +295,35 @@ def _convert_attention_extras(hf: Any, spec_overrides: dict, spec_fields: dict[s
                                          "supported")
         cfg["linear_attention_freq"] = [int(t == linear_attention.layer_type) for t in layer_types]
         layer_types = None
-    if layer_types and any(t != "full_attention" for t in layer_types) and "window_size" not in cfg:
-        raise UnsupportedConfigError(f"per-layer attention types {sorted(set(layer_types))} are not supported")
-    if layer_types and "window_size" in cfg and any(t != "sliding_attention" for t in layer_types):
-        raise UnsupportedConfigError("mixing sliding and full attention layers is not supported")
+    kinds = set(layer_types or ())
+    if kinds - {"full_attention", "sliding_attention"} or ("sliding_attention" in kinds and "window_size" not in cfg):
+        raise UnsupportedConfigError(f"per-layer attention types {sorted(kinds)} are not supported (full_attention, "
+                                     "and sliding_attention with a sliding_window)")
+    if "window_size" in cfg and "full_attention" in kinds:
+        # Sliding and full layers mixed (gpt-oss alternates them): Megatron's per-layer pattern, 1 = sliding.
+        cfg["window_attn_skip_freq"] = [int(t == "sliding_attention") for t in layer_types]
     if (_get(hf, "pretraining_tp", 1) or 1) != 1:
         raise UnsupportedConfigError("pretraining_tp != 1 is not supported")
     return cfg
 
 
-def _activation(hf: Any) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SigmoidGate:
+    """``x * sigmoid(alpha * x)``: the gate of gpt-oss's clamped SwiGLU, as Megatron's ``activation_func`` (a
+    value object, so configs built from equal HF configs compare equal and deep-copy)."""
+
+    alpha: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x * self.alpha)
+
+
+def _activation(hf: Any, spec: Any) -> dict[str, Any]:
+    if spec.activation == "clamped_swiglu":
+        # Megatron's unfused GLU: clamp gate above and up both ways at the value, act(gate) * (up + offset).
+        return {"activation_func": SigmoidGate(float(_get(hf, "swiglu_alpha"))), "gated_linear_unit": True,
+                "activation_func_clamp_value": float(_get(hf, "swiglu_limit")), "glu_linear_offset": 1.0,
+                "bias_activation_fusion": False}
     act = _get(hf, "hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise UnsupportedConfigError(f"hidden_act={act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
@@ -281,7 +336,8 @@ CONSUMED = frozenset({
     "partial_rotary_factor", "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace", "moe_layer_freq",
     "scoring_func", "norm_topk_prob", "topk_method", "router_jitter_noise", "shared_expert_intermediate_size",
     "n_shared_experts", "attention_bias", "mlp_bias", "use_sliding_window", "sliding_window", "layer_types",
-    "pretraining_tp", "qkv_bias", "num_nextn_predict_layers", "rope_interleave", "qk_head_dim",
+    "pretraining_tp", "qkv_bias", "num_nextn_predict_layers", "rope_interleave", "qk_head_dim", "swiglu_alpha",
+    "swiglu_limit",
 })
 
 
@@ -346,10 +402,9 @@ def mcore_fields(hf_config: Any, *, aux_loss: bool = False) -> tuple[dict[str, A
             raise UnsupportedConfigError("MLA with rope_interleave=False: Megatron-Core's MLA always "
                                          "de-interleaves the RoPE dims (as HF does with rope_interleave=True)")
     cfg.update(normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0)
-    cfg.update(_activation(hf_config))
-    spec_fields = dict(spec.mcore.config_fields)
-    extras = _convert_attention_extras(hf_config, spec.mcore.config_overrides, spec_fields, spec.linear_attention)
-    extras.update({mcore: bool(_get(hf_config, name, False)) for name, mcore in spec_fields.items()})
+    cfg.update(_activation(hf_config, spec.mcore))
+    extras = _convert_attention_extras(hf_config, spec.mcore, spec.linear_attention)
+    extras.update({mcore: bool(_get(hf_config, name, False)) for name, mcore in dict(spec.mcore.config_fields).items()})
     cfg.update(extras)
     rope_cfg, rope_model = _convert_rope(hf_config, mla, spec.mcore.partial_rotary, spec.mcore.text_mrope)
     cfg.update(rope_cfg)
@@ -403,8 +458,16 @@ def hf_to_mcore_config(hf_config: Any, parallel: McoreParallel | None = None, dt
             f"{hf_config.model_type} has Gated DeltaNet (linear-attention) layers, which do not run under context "
             f"parallelism (cp={parallel.cp}): their causal conv and delta-rule state run across the CP chunks of a "
             "sequence; use cp=1 (Ulysses SP on the Hugging Face route splits them by heads instead)")
+    if cfg.get("softmax_type", "vanilla") != "vanilla" and parallel.cp > 1:
+        raise UnsupportedConfigError(f"{hf_config.model_type}: attention sinks (softmax_type={cfg['softmax_type']!r}) "
+                                     "under context parallelism: actorcore's CP attention (all-gather and ring) has no "
+                                     "sink term; run with cp=1")
+    yarn = {name: cfg.pop(name) for name in YARN_ATTRIBUTES if name in cfg}
     cls = MLATransformerConfig if cfg.get("multi_latent_attention") else TransformerConfig
-    return cls(**cfg)
+    config = cls(**cfg)
+    for name, value in yarn.items():
+        setattr(config, name, value)
+    return config
 
 
 def gpt_model_args(hf_config: Any, vocab_multiple: int = 128) -> dict[str, Any]:
@@ -451,6 +514,13 @@ def mcore_to_hf_config(transformer_config: Any, model_args: dict[str, Any], mode
         rope["mrope_section"] = list(tc.mrope_section)
     if model_args.get("rotary_percent", 1.0) != 1.0:
         rope["partial_rotary_factor"] = float(model_args["rotary_percent"])
+    if getattr(tc, "yarn_rotary_scaling_factor", None) is not None:
+        rope.update(rope_type="yarn", factor=tc.yarn_rotary_scaling_factor,
+                    original_max_position_embeddings=tc.yarn_original_max_position_embeddings,
+                    beta_fast=tc.yarn_beta_fast, beta_slow=tc.yarn_beta_slow,
+                    truncate=tc.yarn_correction_range_round_to_int)
+        if tc.yarn_mscale is not None:
+            rope.update(mscale=tc.yarn_mscale, mscale_all_dim=tc.yarn_mscale_all_dim)
     out["rope_parameters"] = rope
     if isinstance(tc.linear_attention_freq, list):
         out["layer_types"] = ["linear_attention" if f else "full_attention" for f in tc.linear_attention_freq]
@@ -462,6 +532,12 @@ def mcore_to_hf_config(transformer_config: Any, model_args: dict[str, Any], mode
         out["num_nextn_predict_layers"] = tc.mtp_num_layers or 0
     if tc.window_size is not None:
         out["sliding_window"] = tc.window_size[0] + 1
+    if isinstance(tc.window_attn_skip_freq, list):
+        out["layer_types"] = ["sliding_attention" if f else "full_attention" for f in tc.window_attn_skip_freq]
+    if isinstance(tc.activation_func, SigmoidGate):
+        out.update(swiglu_alpha=tc.activation_func.alpha, swiglu_limit=tc.activation_func_clamp_value)
+    if tc.add_bias_linear and _has(defaults, "attention_bias"):
+        out["attention_bias"] = True
     if tc.num_moe_experts:
         pattern = tc.moe_layer_freq if isinstance(tc.moe_layer_freq, list) else [1] * tc.num_layers
         if _has(defaults, "mlp_only_layers"):

@@ -155,9 +155,9 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     ``mtp=True`` builds the ``num_nextn_predict_layers`` multi-token-prediction layers on the last stage
     (DeepSeek-V3); by default they are left out (a checkpoint's MTP tensors are then dropped on load).
     ``expert_layout``: how the checkpoint to load stores a MoE model's experts (``"per_expert"``, or ``"grouped"``
-    for transformers 5's stacked ``experts.gate_up_proj``; ``checkpoint_expert_layout(hf_dir, config)`` reads it;
-    by default ``"per_expert"``, or ``"grouped"`` for an architecture whose checkpoints store only that, Qwen3-VL-MoE);
-    the export writes the same layout. A vision-language config builds its language model with the HF vision
+    for transformers 5's stacked ``experts.gate_up_proj``; ``checkpoint_expert_layout(hf_dir, config)`` reads it);
+    the export writes the same layout. ``None``: the architecture's only layout where it has one (gpt-oss,
+    Qwen3-VL-MoE: grouped), else ``"per_expert"``. A vision-language config builds its language model with the HF vision
     tower in front of it (``mcore/vlm.py``).
     """
     require_megatron()
@@ -168,7 +168,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
         check_vlm_build(vlm_config, parallel, value_head=value_head)
         hf_config = language_config(vlm_config)
     spec = mcore_spec_for(hf_config)
-    expert_layout = expert_layout or (GROUPED if spec.uses_grouped_experts else PER_EXPERT)
+    if expert_layout is None:
+        expert_layout = GROUPED if spec.uses_grouped_experts else PER_EXPERT
     _check_expert_layout(hf_config, spec, expert_layout)
     context = context_from_megatron()  # refusals above need no parallel state
     parallel.check_context(context)
@@ -181,6 +182,26 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     return McoreModel(chunks=chunks, hf_config=hf_config, spec=spec, parallel=parallel, context=context,
                       vocab_multiple=vocab_multiple, value_head=value_head, vlm_config=vlm_config,
                       expert_layout=expert_layout, mla_full_width_projections=patched)
+
+
+def _fix_expert_output_biases(chunk: Any) -> None:
+    """Two megatron-core 0.16.1 faults of expert output projections with biases (gpt-oss) at expert-TP size 1,
+    mended on Megatron's own flags of those layers:
+
+    - at EP = 1, ``RowParallelLinear`` "all-reduces" over the one-rank expert-TP group, which hands back its input
+      as is, and the expert MLP adds the probability-weighted bias to it in place, which autograd refuses. Over one
+      rank the reduction is the identity: the layer takes Megatron's explicit-communication path (no reduction), as
+      it does at EP > 1;
+    - under sequence parallelism the bias is marked ``sequence_parallel``, so ``finalize_model_grads`` sums its
+      gradient over the TP group, adding up other experts' biases (each expert's whole gradient is on its own
+      rank): the mark is taken off."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    for module in chunk.modules():
+        if isinstance(module, RowParallelLinear) and module.is_expert and module.bias is not None \
+                and module.tp_group.size() == 1 and module.skip_bias_add:
+            module.explicit_expert_comm = True
+            module.bias.sequence_parallel = False
 
 
 def _check_expert_layout(hf_config: Any, spec: Any, expert_layout: str) -> None:
@@ -248,6 +269,7 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
             from actorcore.mcore.rotary import use_interleaved_mrope
 
             use_interleaved_mrope(model)
+        _fix_expert_output_biases(model)
         if post:
             if value_head:
                 model.output_layer = _ReturnHidden()

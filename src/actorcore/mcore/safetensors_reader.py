@@ -1,5 +1,10 @@
 """Reading an HF checkpoint directory: lazy, sliced access to its safetensors tensors (single file or sharded
-index), so each rank reads only its slice of each tensor (``safe_open(...).get_slice``)."""
+index), so each rank reads only its slice of each tensor (``safe_open(...).get_slice``).
+
+MXFP4 checkpoints (``config.json``'s ``quantization_config.quant_method == "mxfp4"``, the gpt-oss releases) store a
+fused-experts weight ``X`` ``[E, in, out]`` as ``X_blocks`` ``[E, out, in / 32, 16]`` and ``X_scales``
+``[E, out, in / 32]`` (``kernels/mxfp4.py``); the reader shows them as the one bf16 tensor ``X`` in the model's
+layout, dequantised when read (only the experts asked for)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Any
 import torch
 
 from actorcore.errors import CheckpointError
+from actorcore.kernels.mxfp4 import dequantize_mxfp4
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -53,17 +59,28 @@ class SafetensorsReader:
                 raise CheckpointError(f"{directory}: tensors listed in the index are not in their files: "
                                       f"{', '.join(absent[:10])}")
 
+        # MXFP4 pairs: the weight's name -> (blocks, scales) names.
+        self.mxfp4: dict[str, tuple[str, str]] = {}
+        if _quant_method(directory) == "mxfp4":
+            for blocks in [n for n in self.file_of if n.endswith(MXFP4_BLOCKS)]:
+                name = blocks[: -len(MXFP4_BLOCKS)]
+                if name + MXFP4_SCALES in self.file_of:
+                    self.mxfp4[name] = (blocks, name + MXFP4_SCALES)
+
     def names(self) -> set[str]:
-        return set(self.file_of)
+        paired = {n for pair in self.mxfp4.values() for n in pair}
+        return (set(self.file_of) - paired) | set(self.mxfp4)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.file_of
+        return name in self.mxfp4 or name in self.file_of
 
     def _slice(self, name: str):
         return self._files[self.file_of[name]].get_slice(name)
 
     def dtype(self, name: str) -> torch.dtype:
-        """The dtype stored in the file's header (nothing is read)."""
+        """The dtype stored in the file's header (nothing is read); bf16 for an MXFP4 weight (dequantised)."""
+        if name in self.mxfp4:
+            return torch.bfloat16
         code = self._slice(name).get_dtype()
         if code not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{self.directory}: tensor {name} has dtype {code}, which Megatron weights "
@@ -71,10 +88,15 @@ class SafetensorsReader:
         return _SAFETENSORS_DTYPES[code]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.mxfp4:
+            *lead, out_dim, groups, half = self._slice(self.mxfp4[name][0]).get_shape()
+            return (*lead, groups * half * 2, out_dim)
         return tuple(self._slice(name).get_shape())
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The tensor, or rows/columns ``[start, stop)`` of ``dim`` (only that part is read)."""
+        if name in self.mxfp4:
+            return self._read_mxfp4(name, dim, start, stop)
         try:
             part = self._slice(name)
             if dim is None:
@@ -83,6 +105,34 @@ class SafetensorsReader:
             return part[index]
         except Exception as exc:  # noqa: BLE001 - truncated data surfaces here
             raise CheckpointError(f"{os.path.join(self.directory, self.file_of[name])}: cannot read {name} ({exc})") from None
+
+
+    def _read_mxfp4(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+        """An MXFP4 weight (or experts ``[start, stop)`` of it) dequantised to bf16, ``[E, in, out]``."""
+        if dim not in (None, 0):
+            raise CheckpointError(f"{self.directory}: {name} is stored as MXFP4 blocks; it can be read whole or by "
+                                  f"experts (dim 0), not sliced along dim {dim}")
+        blocks, scales = self.mxfp4[name]
+        if dim is None:
+            start, stop = 0, None
+        return dequantize_mxfp4(self.read(blocks, 0, start, stop), self.read(scales, 0, start, stop),
+                                torch.bfloat16).transpose(-1, -2).contiguous()
+
+
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+
+
+def _quant_method(directory: str) -> str | None:
+    """``quantization_config.quant_method`` of the directory's ``config.json`` (None without one)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            quantization = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({exc})") from None
+    return quantization.get("quant_method") if isinstance(quantization, dict) else None
 
 
 def safetensors_dtype(hf_dir: str) -> torch.dtype:

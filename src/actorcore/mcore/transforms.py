@@ -86,6 +86,19 @@ def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate, up
 
 
+def merge_interleaved_gate_up(hf: torch.Tensor) -> torch.Tensor:
+    """HF ``[..., 2F]`` with gate and up columns alternating (a weight ``[D, 2F]`` or a bias ``[2F]``) -> Megatron's
+    fc1 ``[gate; up]`` on dim 0 (the weight as ``[2F, D]``)."""
+    rows = hf.movedim(-1, 0)
+    return torch.cat([rows[0::2], rows[1::2]], dim=0)
+
+
+def split_interleaved_gate_up(fc1: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``merge_interleaved_gate_up``."""
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return torch.stack([gate, up], dim=1).reshape(fc1.shape).movedim(0, -1)
+
+
 def merge_parts(transform: str, parts: list[torch.Tensor], *, num_heads: int, num_query_groups: int) -> torch.Tensor:
     if transform == "rename":
         return parts[0]
@@ -95,6 +108,10 @@ def merge_parts(transform: str, parts: list[torch.Tensor], *, num_heads: int, nu
         return merge_gate_up(*parts)
     if transform == "gated_qkv":
         return merge_gated_qkv(*parts, num_query_groups=num_query_groups)
+    if transform == "transpose":
+        return parts[0].transpose(0, 1)
+    if transform == "interleaved_gate_up":
+        return merge_interleaved_gate_up(parts[0])
     raise ValueError(f"unknown transform {transform!r}")
 
 
@@ -107,6 +124,10 @@ def split_parts(transform: str, tensor: torch.Tensor, *, num_heads: int, num_que
         return list(split_gate_up(tensor))
     if transform == "gated_qkv":
         return list(split_gated_qkv(tensor, num_heads, num_query_groups))
+    if transform == "transpose":
+        return [tensor.transpose(0, 1)]
+    if transform == "interleaved_gate_up":
+        return [split_interleaved_gate_up(tensor)]
     raise ValueError(f"unknown transform {transform!r}")
 
 

@@ -47,10 +47,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
                       shared_expert_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
-    # sinks are random parameters; sliding and full layers alternate; the SwiGLU clamp and alpha are non-default
+    # sinks are random parameters; sliding and full layers alternate; the SwiGLU clamp and alpha are non-default;
+    # yarn RoPE (the release's kind) with every parameter away from its default
     "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
                     layer_types=["sliding_attention", "full_attention"], swiglu_limit=3.0, swiglu_alpha=1.5,
-                    attention_bias=True, rope_parameters=dict(rope_type="default", rope_theta=5000.0)),
+                    attention_bias=True, router_aux_loss_coef=0.0,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=5000.0, factor=4.0, beta_fast=16.0,
+                                         beta_slow=2.0, truncate=False, original_max_position_embeddings=64)),
     # partial rotary 0.5, q/k norms, one dense layer then MoE with grouped routing and a shared expert
     "glm4_moe": dict(head_dim=16, moe_intermediate_size=40, n_routed_experts=4, num_experts_per_tok=2,
                      n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
