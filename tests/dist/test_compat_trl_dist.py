@@ -1,13 +1,15 @@
 """TRL's GRPOTrainer on 2 gloo CPU ranks under accelerate (``use_cpu=True``: accelerate's MULTI_CPU, DDP), on
 ``actorcore.compat.trl.patch_trainer``.
 
-Each rank is what ``torchrun --nproc_per_node 2`` starts (RANK / WORLD_SIZE / LOCAL_RANK set, a gloo group);
-accelerate takes that group and wraps the model in DDP. On the patch, ``trainer.train()`` runs two steps; then,
-on each rank's own rollout and through the trainer's DDP wrapper, the patched method's per-token log-probs and
-entropies equal TRL's own (fp32), and the gradients of a loss on them equal the gradients through TRL's own
-method, reduced over both ranks (equal on the two ranks although their batches differ: the patched forward ran
-inside DDP's, so its gradient hooks applied). (``accelerate launch --cpu --num_processes 2`` starts one process:
-accelerate's CPU multi-process launcher is ``mpirun``, with ``--mpirun_hostfile``; torchrun is the launcher here.)
+Each rank is set up as ``torchrun --nproc_per_node 2`` sets it up (RANK / WORLD_SIZE / LOCAL_RANK, a gloo group);
+accelerate takes that group and wraps the model in DDP. On the patch, ``trainer.train()`` runs two steps; then, on
+each rank's own rollout batch, with the trained weights and through the trainer's DDP wrapper, the patched method's
+per-token log-probs and entropies equal TRL's own (fp32), and the gradients of a loss on them equal the gradients
+through TRL's own method, reduced over both ranks (equal on the two ranks although their batches differ: the
+patched forward ran inside DDP's, so its gradient hooks applied; run outside it, the gradients differ by 2.9
+relative). Seen here: ``accelerate launch --cpu --num_processes 2`` starts one process (DistributedType.NO):
+accelerate's CPU multi-process launcher is ``mpirun`` (``--mpirun_hostfile``), which this machine lacks;
+``torchrun --nproc_per_node 2`` with ``use_cpu=True`` gives accelerate MULTI_CPU with 2 processes.
 """
 
 from pathlib import Path
@@ -33,18 +35,19 @@ def _worker(rank, world_size, directory):
     from accelerate.utils import DistributedType
 
     from actorcore.compat.trl import patch_trainer
-    from actorcore.testing.trl_cases import build_trainer, rollout, trl_own
+    from actorcore.testing.trl_cases import build_trainer, rollout, tiny_policy, trl_own
 
-    trainer = build_trainer(Path(directory) / f"rank{rank}", max_steps=2)
+    model = tiny_policy(Path(directory) / "model", save=rank == 0)  # the reference TRL loads from the path
+    torch.distributed.barrier()
+    trainer = build_trainer(Path(directory) / f"rank{rank}", model=model, max_steps=2, num_generations=2, prompts=10)
     assert trainer.accelerator.num_processes == world_size
     assert trainer.accelerator.distributed_type == DistributedType.MULTI_CPU
+    ids, mask, keep = rollout(trainer)  # this rank's rollout batch, drawn before training (eos is likely then)
     handle = patch_trainer(trainer)
     trainer.train()
     wrapped = trainer.model_wrapped
     assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel), type(wrapped)
     calls_in_training = handle.trace["trl:calls"]
-
-    ids, mask, keep = rollout(trainer)
     with torch.no_grad():
         want_lp, want_ent, _ = trl_own(trainer, wrapped, ids, mask, keep, compute_entropy=True)
         got_lp, got_ent, _ = trainer._get_per_token_logps_and_entropies(wrapped, ids, mask, keep, compute_entropy=True)

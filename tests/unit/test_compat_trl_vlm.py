@@ -3,7 +3,8 @@
 TRL's VLM batch (left-padded prompts holding images, right-padded completions; ``pixel_values``,
 ``image_grid_thw``, ``num_images``, ``mm_token_type_ids``) scored by the patched method equals TRL's own method
 per token (log-probs and entropies, fp32 tiny models, temperature 0.7), whole and in TRL's ``batch_size`` chunks
-(split by TRL's per-row image counts, one chunk holding no image); the packed path ran (trace). Inputs the patch
+(split by TRL's per-row image counts; TRL's own method fails on a chunk without images, so every chunk here
+holds one); the packed path ran (trace). Inputs the patch
 cannot split are refused with a ``ValueError``. Not run: ``trainer.train()`` on a VLM (it needs a processor
 with a chat template, which the tiny models do not have).
 """
@@ -31,7 +32,7 @@ def test_patched_vlm_logps_equal_trls_own_per_token(model_type, tmp_path):
     completion_mask = inputs["attention_mask"][:, -inputs["logits_to_keep"]:]
     handle = patch_trainer(trainer)
     with torch.no_grad():
-        for batch_size in (None, 2):  # whole batch; chunks of rows [0, 1], [2, 3], [4] (the last has no image)
+        for batch_size in (None, 2):  # whole batch; chunks of rows [0, 1], [2, 3], [4]
             want_lp, want_ent, _ = trl_own(trainer, trainer.model, batch_size=batch_size, compute_entropy=True,
                                            **inputs)
             got_lp, got_ent, aux = trainer._get_per_token_logps_and_entropies(

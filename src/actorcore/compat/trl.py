@@ -15,14 +15,17 @@ everything else in TRL (generation, rewards, advantages, its loss) is TRL's own.
 The contract kept, exactly as trl 1.16 defines it: returns ``(log_probs, entropies, aux_loss)``; ``log_probs`` and
 ``entropies`` are ``[B, logits_to_keep]`` float32, position ``j`` holding token ``input_ids[:, S - logits_to_keep
 + j]``, 0 where ``attention_mask`` is 0; ``entropies`` is None unless ``compute_entropy``; ``aux_loss`` is None.
-Logits are divided by ``trainer.temperature`` (after the model's own softcap / logit scale, as TRL does). Text
-rows are processed ``batch_size`` rows at a time as TRL does (the peak memory TRL's setting asks for); a
-multimodal batch (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4V: ``pixel_values`` + ``image_grid_thw``) is packed
-whole. Refused with a ``ValueError``: the MoE load-balancing loss (``compute_aux_loss``), and the image inputs
-of other VLM families (``pixel_attention_mask``, ``spatial_shapes``, ``num_tiles``, ``image_sizes``,
-``image_position_ids``, ``token_type_ids``). LoRA (``peft_config``: the ``PeftModel``, also with its adapters
-disabled for the reference) and gradient checkpointing go through unchanged. A model that accelerate wrapped
-(DDP) is run inside the wrapper's forward, so that its gradient hooks apply (not yet run on several ranks).
+Logits are divided by ``trainer.temperature`` (after the model's own softcap / logit scale, as TRL does). Rows are
+processed ``batch_size`` rows at a time as TRL does (the peak memory TRL's setting asks for); the image inputs of a
+multimodal batch (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4V: ``pixel_values`` + ``image_grid_thw``) are split by
+rows as TRL splits them (its ``num_images`` per row; without it the batch is packed whole) and packed through
+actorcore's VLM packing. Refused with a ``ValueError``: the MoE load-balancing loss (``compute_aux_loss``), the
+image inputs of other VLM families (``pixel_attention_mask``, ``spatial_shapes``, ``num_tiles``, ``image_sizes``,
+``image_position_ids``, ``token_type_ids``), and image inputs that cannot be split (``pixel_values`` without
+``image_grid_thw``, ``num_images`` that do not match the grids). LoRA (``peft_config``: the ``PeftModel``, also
+with its adapters disabled for the reference) and gradient checkpointing go through unchanged. A model that accelerate wrapped
+(DDP) is run inside the wrapper's forward, so that its gradient hooks apply (run on 2 gloo ranks under
+accelerate's MULTI_CPU with DDP).
 
 Versions: trl 1.16 (the method's signature is checked at patch time; another signature is refused).
 """

@@ -55,13 +55,15 @@ def make_eos_likely(model) -> None:
         model.lm_head.weight[1] = mean / mean.norm() ** 2
 
 
-def tiny_policy(directory: Path):
-    """The tiny fp32 Qwen2 (sdpa), saved to ``directory``: without PEFT, TRL loads its reference from the path."""
+def tiny_policy(directory: Path, save: bool = True):
+    """The tiny fp32 Qwen2 (sdpa), saved to ``directory``: without PEFT, TRL loads its reference from the path
+    (several ranks: one saves, the others pass ``save=False`` and wait for it)."""
     model = build_tiny_model("qwen2", seed=4, attn_implementation="sdpa")
     model.config.eos_token_id, model.config.pad_token_id = 1, 0
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
     make_eos_likely(model)
-    model.save_pretrained(directory)
+    if save:
+        model.save_pretrained(directory)
     model.config._name_or_path = str(directory)
     return model
 
@@ -99,7 +101,7 @@ def trl_own(trainer, *args: Any, **kwargs: Any):
 
 
 def vlm_rollout(model, seed: int = 0) -> dict[str, Any]:
-    """A rollout batch in TRL's VLM layout: prompts with images (one, none, two of different shapes, one, none)
+    """A rollout batch in TRL's VLM layout: prompts with images (one, none, two of different shapes, none, one)
     left-padded, text completions of different lengths right-padded; image inputs concatenated in row order with
     TRL's ``num_images`` (images per row) and ``[B, S]`` ``mm_token_type_ids``. Returns the method's keywords
     (``input_ids``, ``attention_mask``, ``logits_to_keep``, ``pixel_values``, ``image_grid_thw``, ``num_images``,
@@ -107,7 +109,7 @@ def vlm_rollout(model, seed: int = 0) -> dict[str, Any]:
     from actorcore.hf.embedded import TEXT_VOCAB, synthetic_sample
 
     g = torch.Generator().manual_seed(seed)
-    images = [[(4, 4)], [], [(4, 6), (2, 4)], [(2, 2)], []]
+    images = [[(4, 4)], [], [(4, 6), (2, 4)], [], [(2, 2)]]
     prompts = [synthetic_sample(model, images=shapes, text_lengths=(3 + i, 2), generator=g)
                for i, shapes in enumerate(images)]
     completions = [torch.randint(3, TEXT_VOCAB, (n,), generator=g) for n in (6, 2, 4, 1, 5)]
