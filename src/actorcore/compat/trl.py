@@ -23,9 +23,9 @@ actorcore's VLM packing. Refused with a ``ValueError``: the MoE load-balancing l
 image inputs of other VLM families (``pixel_attention_mask``, ``spatial_shapes``, ``num_tiles``, ``image_sizes``,
 ``image_position_ids``, ``token_type_ids``), and image inputs that cannot be split (``pixel_values`` without
 ``image_grid_thw``, ``num_images`` that do not match the grids). LoRA (``peft_config``: the ``PeftModel``, also
-with its adapters disabled for the reference) and gradient checkpointing go through unchanged. A model that accelerate wrapped
-(DDP) is run inside the wrapper's forward, so that its gradient hooks apply (run on 2 gloo ranks under
-accelerate's MULTI_CPU with DDP).
+with its adapters disabled for the reference) and gradient checkpointing go through unchanged. A model that
+accelerate wrapped (DDP) is run inside the wrapper's forward, so that its gradient hooks apply (run on 2 gloo
+ranks under accelerate's MULTI_CPU with DDP).
 
 Versions: trl 1.16 (the method's signature is checked at patch time; another signature is refused).
 """
