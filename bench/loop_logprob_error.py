@@ -2,8 +2,8 @@
 
 Three rollout batches (TRL seeds 0-2) of TRL's own GRPOTrainer on the tiny Qwen2 of the TRL tests (left-padded
 prompts, right-padded completions; the completion tokens are scored). The reference is the same weights in fp32,
-TRL's own method, no autocast (actorcore's fp32 path equals it to 1e-5: tests/unit/test_compat_trl.py). Rows, each the largest
-|log-prob - reference| over the completion tokens:
+TRL's own method, no autocast (actorcore's fp32 path equals it to 1e-5: tests/unit/test_compat_trl.py). Rows,
+each the largest |log-prob - reference| over the completion tokens:
 
 - TRL 1.16, ``bf16=True`` (bf16 autocast over fp32 weights, TRL's chunked fused head), with and without
   ``cast_lm_head_to_fp32``; the same trainer patched by ``actorcore.compat.trl.patch_trainer``;
