@@ -1,4 +1,4 @@
-"""TRL's per-token method on Qwen2.5-VL and Qwen3-VL with image inputs, on ``actorcore.compat.trl.patch_trainer``.
+"""TRL's per-token method on Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V with image inputs, on ``patch_trainer``.
 
 TRL's VLM batch (left-padded prompts holding images, right-padded completions; ``pixel_values``,
 ``image_grid_thw``, ``num_images``, ``mm_token_type_ids``) scored by the patched method equals TRL's own method
@@ -25,7 +25,7 @@ def _vlm_trainer(tmp_path, model_type):
     return build_trainer(tmp_path, model=model, beta=0.0, per_device_train_batch_size=4, num_generations=2)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_patched_vlm_logps_equal_trls_own_per_token(model_type, tmp_path):
     trainer = _vlm_trainer(tmp_path, model_type)
     inputs = vlm_rollout(trainer.model)
