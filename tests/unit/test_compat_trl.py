@@ -13,78 +13,13 @@ import torch
 pytest.importorskip("trl", reason="trl not installed (pip install trl==1.16.0)")
 
 from actorcore.compat.trl import TRAINER_METHOD, patch_trainer  # noqa: E402
-from actorcore.testing.tiny_configs import build_tiny_model  # noqa: E402
+from actorcore.testing.trl_cases import build_trainer, rollout as _rollout, trl_own as _trl_own  # noqa: E402
 from actorcore.testing.tolerances import TOL  # noqa: E402
 
-VOCAB = 131
-TEMPERATURE = 0.7
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-def _dataset():
-    """Five prompts of 2..6 tokens: any two differ in length, so every batch carries left padding."""
-    from datasets import Dataset
-
-    g = torch.Generator().manual_seed(11)
-    prompts = [" ".join(f"w{int(t)}" for t in torch.randint(3, VOCAB, (k,), generator=g)) for k in range(2, 7)]
-    return Dataset.from_dict({"prompt": prompts})
-
-
-def _reward(completions, **_):
-    """Share of even word ids: a cheap, verifiable toy reward."""
-    return [sum(int(w[1:]) % 2 == 0 for w in c.split() if w.startswith("w")) / max(1, len(c.split()))
-            for c in completions]
 
 
 def _trainer(tmp_path, kind="grpo", peft_config=None, max_steps=2, **args):
-    """TRL's trainer on a tiny Qwen2 (fp32). Saved first: without PEFT, TRL loads its reference from the path."""
-    import trl
-
-    model = build_tiny_model("qwen2", seed=4, attn_implementation="sdpa")
-    model.config.eos_token_id, model.config.pad_token_id = 1, 0
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
-    _make_eos_likely(model)
-    model.save_pretrained(tmp_path / "model")
-    model.config._name_or_path = str(tmp_path / "model")
-    config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
-    config = config_cls(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=max_steps,
-                        per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-                        temperature=TEMPERATURE, beta=0.1, learning_rate=1e-3, bf16=False, logging_steps=1, save_strategy="no",
-                        seed=0, **args)
-    return trainer_cls(model=model, reward_funcs=_reward, args=config, train_dataset=_dataset(),
-                       processing_class=_tokenizer(), peft_config=peft_config)
-
-
-def _make_eos_likely(model):
-    """Point the eos row of the lm head along the mean hidden state (about 0.1 per step at temperature 0.7), so
-    that completions end at varying lengths and the batch carries right padding as well as left padding."""
-    with torch.no_grad():
-        ids = torch.randint(3, VOCAB, (64, 6), generator=torch.Generator().manual_seed(0))
-        mean = model.model(ids).last_hidden_state.reshape(-1, model.config.hidden_size).mean(0)
-        model.lm_head.weight[1] = mean / mean.norm() ** 2
-
-
-def _rollout(trainer):
-    """TRL's own rollout batch: its generation, its padding; returns (ids, mask, logits_to_keep)."""
-    batch = next(iter(trainer.get_train_dataloader()))
-    inputs = trainer._generate_and_score_completions(batch)
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    assert (inputs["prompt_mask"] == 0).any() and (inputs["completion_mask"] == 0).any(), "no padding to pack"
-    return ids, mask, inputs["completion_ids"].shape[1]
-
-
-def _trl_own(trainer, *args, **kwargs):
-    return type(trainer).__dict__.get(TRAINER_METHOD, getattr(type(trainer), TRAINER_METHOD))(trainer, *args, **kwargs)
+    return build_trainer(tmp_path, kind, peft_config=peft_config, max_steps=max_steps, **args)
 
 
 def _assert_equal_per_token(got, want, mask):

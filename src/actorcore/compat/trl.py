@@ -15,14 +15,17 @@ everything else in TRL (generation, rewards, advantages, its loss) is TRL's own.
 The contract kept, exactly as trl 1.16 defines it: returns ``(log_probs, entropies, aux_loss)``; ``log_probs`` and
 ``entropies`` are ``[B, logits_to_keep]`` float32, position ``j`` holding token ``input_ids[:, S - logits_to_keep
 + j]``, 0 where ``attention_mask`` is 0; ``entropies`` is None unless ``compute_entropy``; ``aux_loss`` is None.
-Logits are divided by ``trainer.temperature`` (after the model's own softcap / logit scale, as TRL does). Text
-rows are processed ``batch_size`` rows at a time as TRL does (the peak memory TRL's setting asks for); a
-multimodal batch (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4V: ``pixel_values`` + ``image_grid_thw``) is packed
-whole. Refused with a ``ValueError``: the MoE load-balancing loss (``compute_aux_loss``), and the image inputs
-of other VLM families (``pixel_attention_mask``, ``spatial_shapes``, ``num_tiles``, ``image_sizes``,
-``image_position_ids``, ``token_type_ids``). LoRA (``peft_config``: the ``PeftModel``, also with its adapters
-disabled for the reference) and gradient checkpointing go through unchanged. A model that accelerate wrapped
-(DDP) is run inside the wrapper's forward, so that its gradient hooks apply (not yet run on several ranks).
+Logits are divided by ``trainer.temperature`` (after the model's own softcap / logit scale, as TRL does). Rows are
+processed ``batch_size`` rows at a time as TRL does (the peak memory TRL's setting asks for); the image inputs of a
+multimodal batch (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4V: ``pixel_values`` + ``image_grid_thw``) are split by
+rows as TRL splits them (its ``num_images`` per row; without it the batch is packed whole) and packed through
+actorcore's VLM packing. Refused with a ``ValueError``: the MoE load-balancing loss (``compute_aux_loss``), the
+image inputs of other VLM families (``pixel_attention_mask``, ``spatial_shapes``, ``num_tiles``, ``image_sizes``,
+``image_position_ids``, ``token_type_ids``), and image inputs that cannot be split (``pixel_values`` without
+``image_grid_thw``, ``num_images`` that do not match the grids). LoRA (``peft_config``: the ``PeftModel``, also
+with its adapters disabled for the reference) and gradient checkpointing go through unchanged. A model that
+accelerate wrapped (DDP) is run inside the wrapper's forward, so that its gradient hooks apply (run on 2 gloo
+ranks under accelerate's MULTI_CPU with DDP).
 
 Versions: trl 1.16 (the method's signature is checked at patch time; another signature is refused).
 """
@@ -130,20 +133,48 @@ def per_token_logps_and_entropies(self: Any, model: Any, input_ids: torch.Tensor
                          "actorcore's TRL patch; handle.revert() to use TRL's own path for this model")
     trace = self.__dict__[HANDLE_ATTR].trace
     trace["trl:calls"] += 1
-    multimodal = {k: v for k, v in (("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw),
-                                    ("mm_token_type_ids", mm_token_type_ids)) if v is not None}
-    rows = input_ids.shape[0] if multimodal else (batch_size or input_ids.shape[0])
+    total = input_ids.shape[0]
+    has_images = pixel_values is not None or image_grid_thw is not None
+    # Without TRL's per-row image counts the image inputs cannot be split by rows: the batch is packed whole.
+    rows = total if has_images and num_images is None else (batch_size or total)
     inner = self.accelerator.unwrap_model(model)
     log_probs, entropies = [], []
-    for start in range(0, input_ids.shape[0], rows):
-        chunk = slice(start, start + rows)
+    for start in range(0, total, rows):
+        end = min(start + rows, total)
+        multimodal = _multimodal_rows(start, end, num_images, pixel_values, image_grid_thw, mm_token_type_ids)
         with self.accelerator.autocast():
             out = _run_as_forward(model, inner, lambda: _scored(
-                inner, input_ids[chunk], attention_mask[chunk], self.temperature, compute_entropy, trace, multimodal))
+                inner, input_ids[start:end], attention_mask[start:end], self.temperature, compute_entropy, trace,
+                multimodal))
         log_probs.append(out[0][:, -logits_to_keep:])
         if compute_entropy:
             entropies.append(out[1][:, -logits_to_keep:])
     return torch.cat(log_probs), (torch.cat(entropies) if compute_entropy else None), None
+
+
+def _multimodal_rows(start: int, end: int, num_images: list[int] | None, pixel_values: Any, image_grid_thw: Any,
+                     mm_token_type_ids: Any) -> dict[str, Any]:
+    """The image inputs of rows ``start:end``, split as trl 1.16 splits them: grids by ``num_images`` (images per
+    row), pixel rows by the grids' ``t*h*w`` patches; rows without images get no image inputs."""
+    out: dict[str, Any] = {}
+    if mm_token_type_ids is not None:
+        out["mm_token_type_ids"] = mm_token_type_ids[start:end]
+    if pixel_values is None and image_grid_thw is None:
+        return out
+    if pixel_values is None or image_grid_thw is None:
+        raise ValueError("TRL passed pixel_values without image_grid_thw (or the reverse): actorcore's TRL patch "
+                         "packs the Qwen-VL / GLM-4V image inputs, which come as both; handle.revert() for this model")
+    if num_images is None:
+        return {**out, "pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+    if len(num_images) < end or sum(num_images) != image_grid_thw.shape[0]:
+        raise ValueError(f"num_images {num_images} does not match the {image_grid_thw.shape[0]} image grids and the "
+                         f"batch's rows (at least {end}): pass one image count per row")
+    first, last = sum(num_images[:start]), sum(num_images[:end])
+    if first == last:
+        return out
+    patch_ends = torch.cat([image_grid_thw.new_zeros(1), image_grid_thw.prod(-1).cumsum(0)]).tolist()
+    return {**out, "pixel_values": pixel_values[patch_ends[first]:patch_ends[last]],
+            "image_grid_thw": image_grid_thw[first:last]}
 
 
 def _scored(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, entropy: bool,
