@@ -377,13 +377,8 @@ DEEPSEEK_MTP_RULES = MtpRules(
 
 # Full-attention layers: q_proj yields the query and the sigmoid output gate (Megatron's attention_output_gate);
 # q/k norms. The norms of these families are zero-centred (stored weight w scales by 1 + w): same tensors.
-GATED_ATTENTION_RULES = (
-    WeightRule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
-    WeightRule(_M + "self_attention.linear_qkv.weight",
-               (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
-               transform="gated_qkv", parallel="column"),
-    WeightRule(_M + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), parallel="row"),
-    WeightRule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
+GATED_ATTENTION_RULES = tuple(
+    dataclasses.replace(rule, transform="gated_qkv") if rule.transform == "qkv" else rule for rule in ATTENTION_RULES
 ) + QK_NORM_RULES
 
 _GDN = _M + "self_attention."
