@@ -4,8 +4,8 @@ the MTP layers are in the registry-driven test_mcore_roundtrip.py and test_mcore
 - its partial RoPE: transformers' Glm4Moe rotates the first half of each head's dims in halves, exactly Megatron's
   ``rotary_percent`` layout (per token, against transformers' own rotary functions), so q / k rows convert as is;
 - its config mapping both ways, and the refusals of what Megatron-Core would compute differently;
-- per-token log-probs, entropy and every parameter's gradient through the Megatron route at TP=2 x EP=2 (with
-  sequence parallelism), PP=2 (log-probs, entropy, norm gradients), EP=2 and CP=2 against the model's own transformers forward in fp32 (gloo, one spawn).
+- per-token log-probs, entropy and every parameter's gradient through the Megatron route at TP=2 x EP=2 and
+  TP=2 x EP=1 (with sequence parallelism), PP=2 (log-probs, entropy, norm gradients), EP=2 and CP=2 against the model's own transformers forward in fp32 (gloo, one spawn).
 
 The tiny config sets every field that shapes the computation away from its default: partial rotary 0.5, q/k norms,
 q/k/v biases, first_k_dense_replace=1, n_group=2 / topk_group=1, routed_scaling_factor=2.5, one shared expert,
@@ -115,6 +115,7 @@ def world2(tmp_path_factory):
     hf.save_pretrained(layout_dir)
     # TP=2 x EP=2 over the same two ranks, as test_mcore_moe_tp.py trains MoE at TP=2.
     cases = [("tp2", moe_tp._case, ("glm4_moe", 2, {}, directory)),
+             ("tp2_ep1", moe_tp._case, ("glm4_moe", 1, {}, directory)),  # experts replicated over the TP ranks
              ("pp2", logprobs._case, ("glm4_moe", 1, 2, 1, directory, {}))]
     cases += [(name, cp._layout, ("glm4_moe", tp, pp, c, ep, layout_dir)) for name, tp, pp, c, ep in LAYOUTS]
     results = spawn_cases(2, cases)
@@ -123,15 +124,18 @@ def world2(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_tp2_sequence_parallel_logprobs_and_every_gradient(world2):
+@pytest.mark.parametrize("name", ["tp2", "tp2_ep1"])
+def test_tp2_sequence_parallel_logprobs_and_every_gradient(world2, name):
+    """TP=2 x EP=2 and TP=2 x EP=1 (each rank routes only its own tokens through all experts: the expert
+    gradients are summed over Megatron's expert data parallel group by its DDP, mcore/expert_grads.py)."""
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
-    for rank, result in enumerate(world2["tp2"]):
+    for rank, result in enumerate(world2[name]):
         assert result["sp"] and result["seen_tokens"] == result["sp_tokens"]
         for (lp, ent), (ref_lp, ref_ent), fb in zip(result["got"], result["ref"], result["fb"]):
             torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0)
             torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0)
             torch.testing.assert_close(fb, ref_lp, atol=tol, rtol=0)
-        _check_grads(result["grads"], result["ref_grads"], grad_tol, f"rank {rank} tp2")
+        _check_grads(result["grads"], result["ref_grads"], grad_tol, f"rank {rank} {name}")
 
 
 @pytest.mark.slow

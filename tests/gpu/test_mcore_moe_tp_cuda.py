@@ -32,9 +32,9 @@ def _on_cpu(value):
 
 
 def _cases_worker(rank: int, world_size: int, cases: list) -> dict:
-    from test_mcore_moe_tp import _case
+    from test_mcore_moe_tp import _case, case_name
 
-    return {case[0]: _on_cpu(_case(*case)) for case in cases}
+    return {case_name(case): _on_cpu(_case(*case)) for case in cases}
 
 
 def test_moe_tp2_ep2_training_on_nccl():

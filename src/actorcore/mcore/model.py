@@ -25,6 +25,7 @@ from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore._megatron import require_megatron
 from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
+from actorcore.mcore.expert_grads import mark_experts_expert_data_parallel
 from actorcore.mcore.handle import EXPERT_LAYOUTS, GROUPED, PER_EXPERT, McoreModel
 from actorcore.mcore.mla import route_kv_down_projection_full_width
 from actorcore.mcore.norm import with_sequence_parallel_norms
@@ -176,6 +177,9 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
         add_vision_tower(chunks, vlm_config, dtype)
     # MLA under TP + SP: the RoPE key's gradient summed over all ranks' heads (see mcore/mla.py).
     patched = sum(route_kv_down_projection_full_width(chunk) for chunk in chunks)
+    # EP = 1 at TP > 1: experts reduced over the expert data parallel group (see mcore/expert_grads.py).
+    for chunk in chunks:
+        mark_experts_expert_data_parallel(chunk)
     return McoreModel(chunks=chunks, hf_config=hf_config, spec=spec, parallel=parallel, context=context,
                       vocab_multiple=vocab_multiple, value_head=value_head, vlm_config=vlm_config,
                       expert_layout=expert_layout, mla_full_width_projections=patched)
