@@ -25,6 +25,7 @@ from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore._megatron import require_megatron
 from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
+from actorcore.mcore.ep_overlap import check_ep_overlap
 from actorcore.mcore.expert_grads import mark_experts_expert_data_parallel
 from actorcore.mcore.handle import EXPERT_LAYOUTS, GROUPED, PER_EXPERT, McoreModel
 from actorcore.mcore.mla import route_kv_down_projection_full_width
@@ -155,6 +156,9 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     ``dtype`` defaults to the checkpoint's (``checkpoint_dtype``), which keeps conversion bit-exact.
     ``mtp=True`` builds the ``num_nextn_predict_layers`` multi-token-prediction layers on the last stage
     (DeepSeek-V3); by default they are left out (a checkpoint's MTP tensors are then dropped on load).
+    ``overlap_moe_expert_parallel_comm=True`` (a config override): forward-backward under Megatron's combined 1F1B
+    schedule, the expert-parallel all-to-alls overlapped with compute on CUDA (``mcore/ep_overlap.py`` says what
+    it needs and refuses).
     ``expert_layout``: how the checkpoint to load stores a MoE model's experts (``"per_expert"``, or ``"grouped"``
     for transformers 5's stacked ``experts.gate_up_proj``; ``checkpoint_expert_layout(hf_dir, config)`` reads it);
     the export writes the same layout. A vision-language config builds its language model with the HF vision
@@ -169,6 +173,7 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
         hf_config = language_config(vlm_config)
     spec = mcore_spec_for(hf_config)
     _check_expert_layout(hf_config, spec, expert_layout)
+    check_ep_overlap(hf_config, parallel, dtype, mtp=mtp, vlm=vlm_config is not None, config_overrides=config_overrides)
     context = context_from_megatron()  # refusals above need no parallel state
     parallel.check_context(context)
     chunks = _build_chunks(hf_config, parallel, dtype, value_head=value_head, vocab_multiple=vocab_multiple,
