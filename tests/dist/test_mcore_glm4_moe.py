@@ -4,8 +4,12 @@ the MTP layers are in the registry-driven test_mcore_roundtrip.py and test_mcore
 - its partial RoPE: transformers' Glm4Moe rotates the first half of each head's dims in halves, exactly Megatron's
   ``rotary_percent`` layout (per token, against transformers' own rotary functions), so q / k rows convert as is;
 - its config mapping both ways, and the refusals of what Megatron-Core would compute differently;
-- per-token log-probs, entropy and every parameter's gradient through the Megatron route at TP=2 x EP=2 (with
-  sequence parallelism), PP=2 (log-probs, entropy, norm gradients), EP=2 and CP=2 against the model's own transformers forward in fp32 (gloo, one spawn).
+- per-token log-probs, entropy and every parameter's gradient through the Megatron route at TP=2 x EP=2 and
+  TP=2 x EP=1 (with sequence parallelism), PP=2 (log-probs, entropy, norm gradients), EP=2 and CP=2 against the
+  model's own transformers forward in fp32 (gloo, one spawn);
+- at TP=2 x EP=2 in bf16, forward-backward under Megatron's combined 1F1B schedule
+  (``overlap_moe_expert_parallel_comm``) equals the plain schedule bit for bit (log-probs, entropy, every
+  gradient), and transformers' fp32 forward per token.
 
 The tiny config sets every field that shapes the computation away from its default: partial rotary 0.5, q/k norms,
 q/k/v biases, first_k_dense_replace=1, n_group=2 / topk_group=1, routed_scaling_factor=2.5, one shared expert,
@@ -115,23 +119,28 @@ def world2(tmp_path_factory):
     hf.save_pretrained(layout_dir)
     # TP=2 x EP=2 over the same two ranks, as test_mcore_moe_tp.py trains MoE at TP=2.
     cases = [("tp2", moe_tp._case, ("glm4_moe", 2, {}, directory)),
+             ("tp2_ep1", moe_tp._case, ("glm4_moe", 1, {}, directory)),  # experts replicated over the TP ranks
              ("pp2", logprobs._case, ("glm4_moe", 1, 2, 1, directory, {}))]
     cases += [(name, cp._layout, ("glm4_moe", tp, pp, c, ep, layout_dir)) for name, tp, pp, c, ep in LAYOUTS]
+    cases.append(("ep_overlap", _schedules_plain_and_overlapped, (layout_dir,)))
     results = spawn_cases(2, cases)
     results["reference"] = cp._reference(hf)
     return results
 
 
 @pytest.mark.slow
-def test_tp2_sequence_parallel_logprobs_and_every_gradient(world2):
+@pytest.mark.parametrize("name", ["tp2", "tp2_ep1"])
+def test_tp2_sequence_parallel_logprobs_and_every_gradient(world2, name):
+    """TP=2 x EP=2 and TP=2 x EP=1 (each rank routes only its own tokens through all experts: the expert
+    gradients are summed over Megatron's expert data parallel group by its DDP, mcore/expert_grads.py)."""
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
-    for rank, result in enumerate(world2["tp2"]):
+    for rank, result in enumerate(world2[name]):
         assert result["sp"] and result["seen_tokens"] == result["sp_tokens"]
         for (lp, ent), (ref_lp, ref_ent), fb in zip(result["got"], result["ref"], result["fb"]):
             torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0)
             torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0)
             torch.testing.assert_close(fb, ref_lp, atol=tol, rtol=0)
-        _check_grads(result["grads"], result["ref_grads"], grad_tol, f"rank {rank} tp2")
+        _check_grads(result["grads"], result["ref_grads"], grad_tol, f"rank {rank} {name}")
 
 
 @pytest.mark.slow
@@ -169,3 +178,51 @@ def _check_grads(grads: dict, ref_grads: dict, grad_tol: float, where: str) -> N
         scale = ref_grad.abs().max()  # 0 only for an expert no token was routed to: then exactly 0
         torch.testing.assert_close(grads[name], ref_grad, atol=grad_tol * scale, rtol=0,
                                    msg=lambda m, name=name: f"{where} {name}: {m}")
+
+
+def _schedules_plain_and_overlapped(directory: str) -> dict:
+    """The same bf16 model at TP=2 x EP=2, forward-backward under the plain schedule and, built with
+    ``overlap_moe_expert_parallel_comm=True``, under Megatron's combined 1F1B schedule: outputs and raw gradients."""
+    from megatron.core import parallel_state as ps
+    from test_mcore_cp import _sequences
+    from transformers import AutoConfig
+
+    import actorcore as ac
+    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    parallel = McoreParallel(tp=2, ep=2)
+    result = {}
+    for name, overrides in (("plain", {}), ("overlapped", {"overlap_moe_expert_parallel_comm": True})):
+        initialize_megatron(parallel)
+        model = build_gpt_model(AutoConfig.from_pretrained(directory), parallel, dtype=torch.bfloat16, **overrides)
+        load_hf_into_mcore(model, directory)
+        chunk, plans = model.chunks[0], []
+        build_plan = chunk.build_schedule_plan  # counts the schedule plans the combined schedule asked for
+        chunk.build_schedule_plan = lambda *a, **k: (plans.append(1), build_plan(*a, **k))[1]
+        out = compute_logprobs(model, [ac.pack(s) for s in _sequences()], loss_fn=lambda o, b: -o.log_probs.sum())
+        result[name] = {"out": [(o.log_probs, o.entropy) for o in out], "plans": len(plans),
+                        "grads": {n: p.grad.clone() for n, p in chunk.named_parameters() if p.grad is not None}}
+        ps.destroy_model_parallel()
+    return result
+
+
+@pytest.mark.slow
+def test_ep_overlap_schedule_equals_plain_and_transformers(world2):
+    """The combined 1F1B schedule ran (one schedule plan per micro-batch) and computed exactly what the plain
+    schedule does; both follow transformers' fp32 forward to bf16 rounding."""
+    tol = TOL["mcore_bf16_vs_hf_fp32"]
+    ref_out, _ = world2["reference"]
+    for rank, result in enumerate(world2["ep_overlap"]):
+        plain, overlapped = result["plain"], result["overlapped"]
+        assert (plain["plans"], overlapped["plans"]) == (0, len(ref_out)), rank
+        for (lp, ent), (plain_lp, plain_ent), (ref_lp, ref_ent) in zip(overlapped["out"], plain["out"], ref_out):
+            torch.testing.assert_close(lp, plain_lp, atol=0, rtol=0)
+            torch.testing.assert_close(ent, plain_ent, atol=0, rtol=0)
+            torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0)
+            torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0)
+        assert sorted(overlapped["grads"]) == sorted(plain["grads"]) and any("experts" in n for n in plain["grads"])
+        for name, grad in plain["grads"].items():
+            torch.testing.assert_close(overlapped["grads"][name], grad, atol=0, rtol=0, msg=f"rank {rank} {name}")

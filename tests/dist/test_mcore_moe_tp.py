@@ -1,9 +1,11 @@
 """Training at TP=2 with sequence parallelism on the Megatron route (gloo, 2 ranks = TP=2 x EP=2, one group).
 
 Qwen3-MoE (q/k norms, a dense layer, routed experts) and DeepSeek-V3 (MLA, sigmoid grouped routing with a
-score-correction bias, a shared expert) at TP=2 x EP=2 (sequence parallelism by default for MoE at TP > 1),
-gpt-oss (attention sinks split over TP with the heads, biases on every linear) at TP=2 x EP=2, and dense Qwen3 at
-TP=2 with sequence parallelism asked for: per-token log-probs and entropy
+score-correction bias, a shared expert) at TP=2 x EP=2 and at TP=2 x EP=1 (sequence parallelism by default for
+MoE at TP > 1; at EP=1 every rank holds all experts and routes only its own tokens, so the expert gradients
+are reduced over Megatron's expert data parallel group: ``mcore/expert_grads.py``), gpt-oss (attention sinks split
+over TP with the heads, biases on every linear) at TP=2 x EP=2, and dense Qwen3 at TP=2 with sequence parallelism
+asked for: per-token log-probs and entropy
 equal plain transformers' fp32 forward, and every parameter's gradient, after Megatron's own
 ``finalize_model_grads`` (its DDP wrapper around the chunks; it sums the ``sequence_parallel`` norm and
 router gradients over TP), equals transformers' gradient of the same loss mapped to HF names by the
@@ -23,10 +25,17 @@ from actorcore.testing.tolerances import TOL
 
 pytest.importorskip("megatron.core")
 
+# (model_type, ep, build overrides) at TP=2 on two ranks: EP=2 shares the TP ranks, EP=1 replicates the experts.
 # gpt-oss: its sinks split over TP with the heads, biases on every linear (router and experts included).
-CASES = (("qwen3_moe", 2, {}), ("deepseek_v3", 2, {}), ("qwen3", 1, {"sequence_parallel": True}), ("gpt_oss", 2, {}))
+CASES = (("qwen3_moe", 2, {}), ("qwen3_moe", 1, {}), ("deepseek_v3", 2, {}), ("deepseek_v3", 1, {}),
+         ("qwen3", 1, {"sequence_parallel": True}), ("gpt_oss", 2, {}))
 WORLD = 2
 TP = 2
+
+
+def case_name(case: tuple) -> str:
+    """A case's key in the results: its model type and expert-parallel size."""
+    return f"{case[0]} ep{case[1]}"
 
 
 def _grads_as_hf(model) -> dict[str, torch.Tensor]:
@@ -100,25 +109,23 @@ def _worker(rank: int, world_size: int, cases: list[tuple]) -> dict:
     from actorcore.mcore.cpu_runtime import CpuRuntime
 
     with CpuRuntime():
-        return {case[0]: _case(*case) for case in cases}
+        return {case_name(case): _case(*case) for case in cases}
 
 
 def saved_cases(root: str) -> list[tuple]:
     """``CASES`` with the directory each tiny HF model was saved to."""
     from test_mcore_logprobs import _tiny_hf
 
-    cases = []
-    for model_type, ep, overrides in CASES:
-        cases.append((model_type, ep, overrides, f"{root}/{model_type}"))
-        _tiny_hf(model_type).save_pretrained(cases[-1][-1])
-    return cases
+    for model_type in {model_type for model_type, _, _ in CASES}:
+        _tiny_hf(model_type).save_pretrained(f"{root}/{model_type}")
+    return [(model_type, ep, overrides, f"{root}/{model_type}") for model_type, ep, overrides in CASES]
 
 
 def check_results(results: list[dict], tol: float, grad_tol_rel: float) -> None:
     for rank, by_case in enumerate(results):
-        assert sorted(by_case) == sorted(case[0] for case in CASES)
-        for model_type, result in by_case.items():
-            where = f"rank {rank} {model_type}"
+        assert sorted(by_case) == sorted(case_name(case) for case in CASES)
+        for name, result in by_case.items():
+            model_type, where = name.split()[0], f"rank {rank} {name}"
             assert result["sp"], where
             assert result["seen_tokens"] == result["sp_tokens"], where
             assert result["mla_full_width"] == (2 if model_type == "deepseek_v3" else 0), where

@@ -32,9 +32,9 @@ def _on_cpu(value):
 
 
 def _cases_worker(rank: int, world_size: int, cases: list) -> dict:
-    from test_mcore_moe_tp import _case
+    from test_mcore_moe_tp import _case, case_name
 
-    return {case[0]: _on_cpu(_case(*case)) for case in cases}
+    return {case_name(case): _on_cpu(_case(*case)) for case in cases}
 
 
 def test_moe_tp2_ep2_training_on_nccl():
@@ -45,3 +45,36 @@ def test_moe_tp2_ep2_training_on_nccl():
     with tempfile.TemporaryDirectory() as root:
         results = _run_nccl(_cases_worker, WORLD, (saved_cases(root),))
     check_results(results, TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"])
+
+
+def _overlap_worker(rank: int, world_size: int, directory: str) -> dict:
+    from test_mcore_glm4_moe import _schedules_plain_and_overlapped
+
+    return _on_cpu(_schedules_plain_and_overlapped(directory))
+
+
+def test_ep_overlap_schedule_on_nccl():
+    """GLM-4.5 in bf16 at TP=2 x EP=2 under Megatron's combined 1F1B schedule (``overlap_moe_expert_parallel_comm``),
+    where its all-to-alls really run on a second CUDA stream: per-token log-probs and entropy as the plain
+    schedule's and transformers' fp32 forward (bf16 rounding), gradients as the plain schedule's (relative L2 norm:
+    CUDA kernels may accumulate in another order)."""
+    pytest.importorskip("megatron.core")
+    from test_mcore_cp import _reference, _tiny_hf
+    from test_mcore_nccl import _run_nccl
+
+    with tempfile.TemporaryDirectory() as root:
+        hf = _tiny_hf("glm4_moe", {})
+        hf.save_pretrained(root)
+        results = _run_nccl(_overlap_worker, 2, (root,))
+        ref_out, _ = _reference(hf)
+    tol, grad_tol = TOL["mcore_bf16_cuda_vs_hf_fp32"], TOL["grad_bf16_vs_fp32_rel_norm"]
+    for rank, result in enumerate(results):
+        plain, overlapped = result["plain"], result["overlapped"]
+        assert (plain["plans"], overlapped["plans"]) == (0, len(ref_out)), rank
+        for (lp, ent), (plain_lp, plain_ent), (ref_lp, ref_ent) in zip(overlapped["out"], plain["out"], ref_out):
+            for got, want in ((lp, plain_lp), (ent, plain_ent), (lp, ref_lp), (ent, ref_ent)):
+                torch.testing.assert_close(got, want, atol=tol, rtol=0, msg=f"rank {rank}")
+        assert sorted(overlapped["grads"]) == sorted(plain["grads"])
+        for name, grad in plain["grads"].items():
+            diff = (overlapped["grads"][name].float() - grad.float()).norm()
+            assert diff <= grad_tol * grad.float().norm() + 1e-6, (rank, name, float(diff))

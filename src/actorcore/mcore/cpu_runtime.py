@@ -2,7 +2,8 @@
 
 megatron-core assumes CUDA in places that matter even when nothing runs on a GPU. Each shim answers one
 measured failure of 0.16.1 on the CPU (shared NOTES.md): it asks ``torch.cuda`` for the current device,
-synchronises, opens CUDA streams and records tensors on them, moves the tied embedding with ``.cuda()``,
+synchronises, opens CUDA streams and events and records tensors on them, marks NVTX ranges (the combined 1F1B
+schedule of ``overlap_moe_expert_parallel_comm``), moves the tied embedding with ``.cuda()``,
 builds a few tensors on ``device="cuda"`` in the pipeline schedule; its MoE router references
 TransformerEngine's ``te_general_gemm`` when TE is absent; the all-to-all token dispatcher keeps its split
 sizes as tensors when they are already on the CPU; MLA trusts a TE check that is wrong without TE; and the
@@ -63,6 +64,26 @@ class _NullStream:
         return self  # an "event" that is already complete: synchronize() is a no-op
 
 
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event`` on the CPU (the combined 1F1B schedule's nodes record and wait on
+    events between their streams): work is synchronous, so every event is complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 def _cpu_device_torch(real: types.ModuleType) -> types.SimpleNamespace:
     """A ``torch`` lookalike whose tensor factories map ``device="cuda"`` to the CPU."""
 
@@ -114,6 +135,10 @@ def _shims() -> list[tuple[Any, str, Callable[[], Any]]]:
         (torch.cuda, "Stream", lambda: _NullStream),
         (torch.cuda, "current_stream", lambda: lambda *a, **k: _NullStream()),
         (torch.cuda, "stream", lambda: lambda *a, **k: contextlib.nullcontext()),
+        (torch.cuda, "Event", lambda: _NullEvent),
+        # The combined 1F1B schedule's nodes mark their ranges for the profiler (NVTX is CUDA-only).
+        (torch.cuda.nvtx, "range_push", lambda: lambda *a, **k: None),
+        (torch.cuda.nvtx, "range_pop", lambda: lambda *a, **k: None),
         (torch.Tensor, "record_stream", lambda: lambda self, *a, **k: None),
         # Tied embeddings across pipeline stages: LanguageModule moves the shared weight with ``.cuda()``.
         (torch.Tensor, "cuda", lambda: lambda self, *a, **k: self),

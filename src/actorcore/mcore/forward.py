@@ -199,13 +199,20 @@ def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, 
 
 
 def _forward_step(model: McoreModel, batches: list[PackedBatch], shards: list[CpShard] | None, head: Callable,
-                  run_mtp: bool, data_iterator: Any, chunk: Any):
+                  run_mtp: bool, data_iterator: Any, chunk: Any, return_schedule_plan: bool = False):
+    """One micro-batch's forward. ``return_schedule_plan``: Megatron's combined 1F1B schedule (a model built with
+    ``overlap_moe_expert_parallel_comm=True``) asks for the chunk's schedule plan instead of its output; the plan
+    runs the same modules layer by layer (attention, dispatch, experts, combine as separate nodes) and its post-
+    processing returns the same hidden states, in float32."""
     index = next(data_iterator)
     batch = batches[index]
     shard = None if shards is None else shards[index]
     local = batch if shard is None else shard
     params = packed_seq_params(local, model.context.cp_group, run_mtp=run_mtp)
-    if model.vlm_config is not None:  # the vision tower's features in the decoder input
+    if return_schedule_plan:
+        output = chunk.build_schedule_plan(local.input_ids.unsqueeze(0), local.position_ids.unsqueeze(0), None,
+                                           packed_seq_params=params)
+    elif model.vlm_config is not None:  # the vision tower's features in the decoder input
         from actorcore.mcore.vlm import vlm_chunk_forward
 
         output = vlm_chunk_forward(chunk, local, params, model.vlm_config)
@@ -213,6 +220,8 @@ def _forward_step(model: McoreModel, batches: list[PackedBatch], shards: list[Cp
         output = chunk(local.input_ids.unsqueeze(0), local.position_ids.unsqueeze(0), None, packed_seq_params=params)
 
     def loss_func(output_tensor: torch.Tensor):
+        if return_schedule_plan:  # the plan's post-processing hands float32 over: back to the model dtype (exact)
+            output_tensor = output_tensor.to(chunk.config.params_dtype)
         return head(chunk, _hidden_TD(output_tensor), batch, shard)
 
     return output, loss_func

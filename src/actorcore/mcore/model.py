@@ -25,6 +25,8 @@ from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.mcore._megatron import require_megatron
 from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config, uses_interleaved_mrope
+from actorcore.mcore.ep_overlap import check_ep_overlap
+from actorcore.mcore.expert_grads import mark_experts_expert_data_parallel
 from actorcore.mcore.handle import EXPERT_LAYOUTS, GROUPED, PER_EXPERT, McoreModel
 from actorcore.mcore.mla import route_kv_down_projection_full_width
 from actorcore.mcore.norm import with_sequence_parallel_norms
@@ -154,6 +156,9 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     ``dtype`` defaults to the checkpoint's (``checkpoint_dtype``), which keeps conversion bit-exact.
     ``mtp=True`` builds the ``num_nextn_predict_layers`` multi-token-prediction layers on the last stage
     (DeepSeek-V3); by default they are left out (a checkpoint's MTP tensors are then dropped on load).
+    ``overlap_moe_expert_parallel_comm=True`` (a config override): forward-backward under Megatron's combined 1F1B
+    schedule, the expert-parallel all-to-alls overlapped with compute on CUDA (``mcore/ep_overlap.py`` says what
+    it needs and refuses).
     ``expert_layout``: how the checkpoint to load stores a MoE model's experts (``"per_expert"``, or ``"grouped"``
     for transformers 5's stacked ``experts.gate_up_proj``; ``checkpoint_expert_layout(hf_dir, config)`` reads it);
     the export writes the same layout. ``None``: the architecture's only layout where it has one (gpt-oss,
@@ -171,6 +176,7 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     if expert_layout is None:
         expert_layout = GROUPED if spec.uses_grouped_experts else PER_EXPERT
     _check_expert_layout(hf_config, spec, expert_layout)
+    check_ep_overlap(hf_config, parallel, dtype, mtp=mtp, vlm=vlm_config is not None, config_overrides=config_overrides)
     context = context_from_megatron()  # refusals above need no parallel state
     parallel.check_context(context)
     chunks = _build_chunks(hf_config, parallel, dtype, value_head=value_head, vocab_multiple=vocab_multiple,
@@ -179,6 +185,9 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
         add_vision_tower(chunks, vlm_config, dtype)
     # MLA under TP + SP: the RoPE key's gradient summed over all ranks' heads (see mcore/mla.py).
     patched = sum(route_kv_down_projection_full_width(chunk) for chunk in chunks)
+    # EP = 1 at TP > 1: experts reduced over the expert data parallel group (see mcore/expert_grads.py).
+    for chunk in chunks:
+        mark_experts_expert_data_parallel(chunk)
     return McoreModel(chunks=chunks, hf_config=hf_config, spec=spec, parallel=parallel, context=context,
                       vocab_multiple=vocab_multiple, value_head=value_head, vlm_config=vlm_config,
                       expert_layout=expert_layout, mla_full_width_projections=patched)

@@ -49,6 +49,9 @@ TOL: dict[str, float] = {
     # Megatron route with a bf16 model on CUDA vs transformers' fp32 forward of the same weights (2 layers): the
     # bf16 decoder's rounding.
     "mcore_bf16_cuda_vs_hf_fp32": 5e-2,
+    # The same on the CPU (gloo): a bf16 glm4_moe at TP=2 x EP=2 (2 layers) vs transformers' fp32 forward; measured
+    # 3.2e-3 (log-probs) and 4.5e-5 (entropy).
+    "mcore_bf16_vs_hf_fp32": 1e-2,
     # VLM packed vs HF padded, fp32.
     "vlm_packed_vs_hf_fp32": VERIFY_TOLERANCE[torch.float32],
     # bf16 model vs the same weights in fp32: parameter gradients, relative L2 norm (bf16 decoder rounding).
