@@ -154,3 +154,34 @@ def test_spec_states_the_kimi_facts():
     assert spec.mlp_kind == "moe" and spec.head == () and spec.mcore.refused
     assert spec.vision.rope_index is None and spec.vision.frames_pooled and spec.vision.patch_row == "image"
     assert not spec.vision.token_types_input
+
+
+def test_megatron_refusal_states_what_save_pretrained_writes(tmp_path):
+    """The Megatron refusal's reason holds for the installed transformers: save_pretrained writes the tower's
+    attention fused (``wqkv`` = q and k with their RoPE rows interleaved per head, then v), not q/k/v, and the
+    language model under ``language_model.model.blocks.*``; if this changes, the route can be reconsidered."""
+    from safetensors.torch import load_file
+
+    kimi = build_tiny_vlm("kimi_k25", seed=5)
+    with torch.no_grad():  # the attention biases start at 0; random ones show their permutation too
+        for name, param in kimi.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    kimi.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert not any(".q_proj." in n and "vision_tower" in n for n in saved)
+    assert any(n.startswith("language_model.model.blocks.0.") for n in saved)
+    heads = kimi.config.vision_config.num_attention_heads
+
+    def interleave(t):  # rows [h, (half, half)] -> [h, (pairs)]: each head's two rotary halves zipped
+        head_dim = t.shape[0] // heads
+        return t.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(t.shape)
+
+    for i, block in enumerate(kimi.model.vision_tower.layers):
+        attn = block.attn
+        for kind in ("weight", "bias"):
+            q, k, v = (getattr(getattr(attn, p), kind) for p in ("q_proj", "k_proj", "v_proj"))
+            fused = saved[f"vision_tower.encoder.blocks.{i}.wqkv.{kind}"]
+            assert torch.equal(fused, torch.cat([interleave(q), interleave(k), v]).reshape(fused.shape))
+            assert not torch.equal(fused, torch.cat([q, k, v]))  # the permutation is not the identity here
+    assert "wqkv" in get_spec("kimi_k25").mcore.refused
