@@ -1,14 +1,16 @@
-"""Vision-language models on the Megatron route (gloo, CPU): Qwen2.5-VL, Qwen3-VL (interleaved M-RoPE, deepstack)
-and Qwen3-VL-MoE. For each family and layout the HF checkpoint loads and exports back bit-exact (vision tower
-included); a packed batch of sequences with images, a video and text only gives per-token log-probs and entropy
-equal to the HF model's own fp32 forward one sequence at a time (the independent reference); gradients of tower
-(deepstack mergers included) and language-model parameters equal the HF forward's.
+"""Vision-language models on the Megatron route (gloo, CPU): Qwen2.5-VL, Qwen3-VL (interleaved M-RoPE, deepstack),
+Qwen3-VL-MoE and Kimi-K2.5 (1-D positions, MoonViT + projector, the tower's attention fused as its checkpoints
+store it: that parameter's gradient equals HF's q / k / v gradients in the fused layout). For each family and
+layout the HF checkpoint loads and exports back bit-exact (vision tower included); a packed batch of sequences
+with images, a video and text only gives per-token log-probs and entropy equal to the HF model's own fp32 forward
+one sequence at a time (the independent reference); gradients of tower (deepstack mergers included) and
+language-model parameters equal the HF forward's.
 
 Layouts: Qwen2.5-VL at TP=1 and TP=2; Qwen3-VL at TP=2 and PP=2 (both deepstack layers on the first stage);
 Qwen3-VL-MoE at EP=2, PP=2 and TP=2 (with sequence parallelism, which Megatron needs to train MoE under TP: the
-decoder input and the deepstack additions are split over the TP ranks). Every case runs in one two-rank spawn
-(``world2``). A Qwen2.5-VL checkpoint that stores the in-memory names (``model.language_model.*``,
-``model.visual.*``) loads the same weights."""
+decoder input and the deepstack additions are split over the TP ranks); Kimi-K2.5 at TP=2 (sequence
+parallelism), PP=2 and EP=2. Every case runs in one two-rank spawn (``world2``). A Qwen2.5-VL checkpoint that
+stores the in-memory names (``model.language_model.*``, ``model.visual.*``) loads the same weights."""
 
 from __future__ import annotations
 
@@ -54,10 +56,38 @@ GRAD_PAIRS = {
         "decoder.layers.1.input_layernorm.weight": _TEXT + "layers.1.input_layernorm.weight",
         "decoder.final_layernorm.weight": _TEXT + "norm.weight",
     },
+    "kimi_k25": {
+        "vision_tower.vision_tower.patch_embed.proj.weight": "model.vision_tower.patch_embed.proj.weight",
+        "vision_tower.vision_tower.patch_embed.pos_emb.position_embeddings":
+            "model.vision_tower.patch_embed.pos_emb.position_embeddings",
+        "vision_tower.vision_tower.layers.0.attn.proj.weight": "model.vision_tower.layers.0.attn.proj.weight",
+        "vision_tower.vision_tower.layers.1.mlp.fc1.weight": "model.vision_tower.layers.1.mlp.fc1.weight",
+        "vision_tower.mm_projector.pre_norm.weight": "model.mm_projector.pre_norm.weight",
+        "vision_tower.mm_projector.out_proj.bias": "model.mm_projector.out_proj.bias",
+        "decoder.layers.0.input_layernorm.weight": _TEXT + "layers.0.input_layernorm.weight",
+        "decoder.layers.1.mlp.router.weight": _TEXT + "layers.1.mlp.gate.weight",
+        "decoder.final_layernorm.weight": _TEXT + "norm.weight",
+    },
 }
+# Kimi-K2.5's tower attention is one fused parameter (the checkpoint's wqkv: q and k rows interleaved per head):
+# its gradient is HF's q / k / v gradients in that layout (the HF module prefix of each fused parameter).
+FUSED_QKV_GRADS = {"kimi_k25": {"vision_tower.vision_tower.layers.0.attn.wqkv.weight": "model.vision_tower.layers.0.attn.",
+                                "vision_tower.vision_tower.layers.1.attn.wqkv.bias": "model.vision_tower.layers.1.attn."}}
 # (model_type, tp, pp, ep) of every case.
 CASES = [("qwen2_5_vl", 1, 1, 1), ("qwen2_5_vl", 2, 1, 1), ("qwen3_vl", 2, 1, 1), ("qwen3_vl", 1, 2, 1),
-         ("qwen3_vl_moe", 1, 1, 2), ("qwen3_vl_moe", 1, 2, 1), ("qwen3_vl_moe", 2, 1, 1)]
+         ("qwen3_vl_moe", 1, 1, 2), ("qwen3_vl_moe", 1, 2, 1), ("qwen3_vl_moe", 2, 1, 1),
+         ("kimi_k25", 2, 1, 1), ("kimi_k25", 1, 2, 1), ("kimi_k25", 1, 1, 2)]
+
+
+def _interleaved_qkv(attn_params: dict, prefix: str, kind: str, heads: int, grad: bool) -> torch.Tensor:
+    """The checkpoint's fused ``wqkv`` layout of HF's q / k / v (or of their gradients): each head's two rotary
+    halves of q and k zipped row by row, then v (plain torch, independent of the product's permutation)."""
+    def interleave(t):
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, -1).transpose(1, 2).reshape(t.shape)
+
+    q, k, v = (attn_params[f"{prefix}{p}.{kind}"] for p in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = (t.grad if grad else t for t in (q, k, v))
+    return torch.cat([interleave(q), interleave(k), v])
 
 
 def _tiny_vlm(model_type: str = "qwen2_5_vl"):
@@ -118,7 +148,8 @@ def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
 
     samples = _samples(hf)
     batch = ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples], model=hf)
-    assert batch.position_ids.shape == (3, batch.num_tokens)
+    one_d = model_type == "kimi_k25"  # plain 1-D positions; the others M-RoPE
+    assert batch.position_ids.shape == ((batch.num_tokens,) if one_d else (3, batch.num_tokens))
     calls = []
     hooks = [chunk.vision_tower.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
              for chunk in chunks if chunk.pre_process]
@@ -146,6 +177,10 @@ def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
             name = global_mcore_name(chunk, local, model.context)
             if name in GRAD_PAIRS[model_type]:
                 grads[name] = (param.grad.clone(), hf_params[GRAD_PAIRS[model_type][name]].grad.clone())
+            prefix = FUSED_QKV_GRADS.get(model_type, {}).get(name)
+            if prefix is not None:
+                heads, kind = hf.config.vision_config.num_attention_heads, name.rsplit(".", 1)[1]
+                grads[name] = (param.grad.clone(), _interleaved_qkv(hf_params, prefix, kind, heads, grad=True))
     return {"roundtrip_exact": roundtrip_exact, "tower_calls_ok": tower_calls_ok, "lp": got.log_probs,
             "ent": got.entropy, "fb": fb.log_probs, "ref": (ref_lp.detach(), ref_ent.detach()), "grads": grads,
             "sequence_parallel": bool(model.config.sequence_parallel), "starts": batch.cu_seqlens[:-1].long()}
@@ -192,7 +227,8 @@ def test_vlm_megatron_matches_hf(world2, case):
                 grad = sum(other["grads"][name][0] for other in results)
             assert bool((ref != 0).any()), name
             torch.testing.assert_close(grad, ref, atol=grad_tol * ref.abs().max(), rtol=0, msg=f"rank {rank} {name}")
-    assert seen == set(GRAD_PAIRS[case[0]]), set(GRAD_PAIRS[case[0]]) - seen
+    expected = set(GRAD_PAIRS[case[0]]) | set(FUSED_QKV_GRADS.get(case[0], {}))
+    assert seen == expected, expected - seen
 
 
 def test_deepstack_layers_on_a_later_stage_are_refused():

@@ -312,16 +312,17 @@ def test_qwen2_5_vl_7b_hub_config():
     assert args["vocab_size"] == 152064 and args["share_embeddings_and_output_weights"] is False
 
 
-def test_vision_tower_replicas_start_equal_and_leave_the_rng_alone():
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "kimi_k25"])  # kimi_k25: tower + projector, fused qkv
+def test_vision_tower_replicas_start_equal_and_leave_the_rng_alone(model_type):
     """Every rank builds the same tower before loading (a fixed seed), without moving the caller's RNG."""
     from actorcore.mcore.vlm import build_vision_tower
     from actorcore.testing.tiny_vlm import tiny_vlm_config
 
-    vision = tiny_vlm_config("qwen2_5_vl").vision_config
+    config = tiny_vlm_config(model_type)
     towers, draws = [], []
     for seed in (5, 7):
         torch.manual_seed(seed)
-        towers.append(build_vision_tower(vision, torch.float32, "cpu"))
+        towers.append(build_vision_tower(config, torch.float32, "cpu"))
         draws.append(torch.rand(3))
         torch.manual_seed(seed)
         assert torch.equal(draws[-1], torch.rand(3))

@@ -65,6 +65,14 @@ class VisionSpec:
     video_frames_in_separate_runs: bool = False
     # Rows of the M-RoPE position ids (temporal, height, width); unused when ``rope_index`` is None.
     position_rows: int = 3
+    # A projector beside the tower (Kimi-K2.5: ``mm_projector``, relative to ``base_model``): the class of the
+    # family's modeling module that builds it from the whole config. The Megatron route then holds tower and
+    # projector as one module and runs the model's own ``image_features`` method on them.
+    projector: str | None = None
+    projector_class: str | None = None
+    # The name under which the checkpoints store each tower attention's q, k and v fused (Kimi-K2.5: ``wqkv``,
+    # q and k rows interleaved per head); the Megatron route's tower then holds that tensor as the parameter.
+    tower_fused_qkv: str | None = None
     # Set for architectures registered only to be refused (with this reason).
     refused: str | None = None
 

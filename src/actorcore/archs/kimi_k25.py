@@ -1,5 +1,6 @@
 from actorcore.archs._vision import VisionSpec
-from actorcore.archs.megatron_rules import McoreSpec
+from actorcore.archs.deepseek_v3 import SPEC as DEEPSEEK_V3
+from actorcore.archs.megatron_rules import VISION_TOWER, McoreSpec, WeightRule, with_hf_prefix
 from actorcore.archs.spec import ArchSpec
 
 # Kimi_K25ForConditionalGeneration (Kimi-K2.5): model.vision_tower (MoonViT: Conv2d patches [P, 3, p, p],
@@ -10,34 +11,47 @@ from actorcore.archs.spec import ArchSpec
 # h*w/merge_kernel_size² features (the tower averages the t frames; a video is one grid row per chunk, each its
 # own placeholder run). Every token, placeholders included, gets plain 1-D positions: no M-RoPE, no rope index,
 # and the processor returns no mm_token_type_ids (image and video placeholders have their own ids).
-# Not yet on Megatron: its text model (DeepSeek-V3) is, but the VLM route (mcore/vlm.py) builds one HF tower
-# module from vision_config, maps its weights by name and needs M-RoPE ([3, T] positions, mrope_section), while
-# Kimi-K2.5's features come from MoonViT plus an mm_projector built from the whole config, with 1-D positions.
-# The checkpoint layout is the harder part: the release stores each tower block's attention fused
-# (``vision_tower.encoder.blocks.{i}.wqkv.{weight,bias}``), which transformers splits on load into q/k/v with a
-# RoPE row permutation of q and k (its conversion mapping: Chunk + PermuteForRope over vision_config's heads), and
-# transformers 5.24's save_pretrained reverses that mapping: it writes the fused ``wqkv`` again (q and k rows
-# inverse-permuted, v as is), ``norm0/norm1``, ``mlp.fc0/fc1``, ``wo``, ``mm_projector.proj.{0,2}``, the
-# projector's norm as ``model.mm_projector.pre_norm.*`` and the language model as
-# ``language_model.model.blocks.{i}.*`` (per-expert ``mlp.experts.{e}.*``). So a checkpoint transformers writes
-# has ``wqkv`` too: neither format can be told apart by it, and every route needs one HF tensor split into three
-# tower parameters with a permutation (and joined back on export), which the weight rules (one Megatron parameter
-# from one or more HF tensors) cannot express.
-KIMI_MEGATRON_REFUSAL = ("Kimi-K2.5 has no Megatron-Core route in actorcore yet: the route builds one HF vision tower "
-                         "from vision_config with M-RoPE positions, while Kimi-K2.5's is MoonViT plus an "
-                         "mm_projector built from the whole config with 1-D positions, and its checkpoints (the "
-                         "release and transformers' save_pretrained alike) store the tower's attention fused "
-                         "(vision_tower.encoder.blocks.*.wqkv), which transformers splits into q/k/v with a RoPE "
-                         "row permutation of q and k on load; no weight rule splits one tensor into several "
-                         "parameters yet. Use the HF route (its DeepSeek-V3 text model alone runs on Megatron as "
-                         "deepseek_v3)")
+# On Megatron (``mcore/vlm.py``, ``mcore/projected_tower.py``): the language model is DeepSeek-V3's (its rules and
+# config overrides) with plain 1-D positions; tower and projector are one replicated module running the HF base
+# model's own get_image_features. The checkpoint names are those transformers 5.24's save_pretrained writes (its
+# conversion mapping reversed, which is the release's layout for the tower): each tower block's attention fused as
+# ``vision_tower.encoder.blocks.{i}.wqkv`` (q and k rows interleaved per head; the Megatron tower holds this tensor
+# and makes transformers' q/k/v from it), ``norm0/norm1``, ``mlp.fc0/fc1``, ``wo``, ``mm_projector.proj.{0,2}``,
+# the projector's norm as ``model.mm_projector.pre_norm.*`` and the language model as
+# ``language_model.model.blocks.{i}.*`` (per-expert ``mlp.experts.{e}.*``). The release's tower tensors have
+# these names and layout; its language model is presumably ``language_model.model.layers.{i}.*`` (transformers'
+# "blocks" rename, reversed on save, reaches the text model too), not verified here: such a checkpoint is
+# reported as mismatching, tensor by tensor.
+_TOWER, _HF_TOWER = f"{VISION_TOWER}.vision_tower.", "vision_tower.encoder."
+_BLOCK_NAMES = (("norm1", "norm0"), ("norm2", "norm1"), ("attn.wqkv", "wqkv"), ("attn.proj", "wo"),
+                ("mlp.fc1", "mlp.fc0"), ("mlp.fc2", "mlp.fc1"))
+TOWER_RULES = tuple(
+    WeightRule(f"{_TOWER}layers.{{layer}}.{ours}.{kind}", (f"{_HF_TOWER}blocks.{{layer}}.{stored}.{kind}",))
+    for ours, stored in _BLOCK_NAMES for kind in ("weight", "bias")
+) + tuple(WeightRule(_TOWER + name, (_HF_TOWER + name,)) for name in (
+    "patch_embed.proj.weight", "patch_embed.proj.bias", "final_layernorm.weight", "final_layernorm.bias")) + (
+    WeightRule(_TOWER + "patch_embed.pos_emb.position_embeddings", ("vision_tower.patch_embed.pos_emb.weight",)),
+    WeightRule(f"{VISION_TOWER}.mm_projector.pre_norm.weight", ("model.mm_projector.pre_norm.weight",)),
+    WeightRule(f"{VISION_TOWER}.mm_projector.pre_norm.bias", ("model.mm_projector.pre_norm.bias",)),
+) + tuple(WeightRule(f"{VISION_TOWER}.mm_projector.{ours}.{kind}", (f"mm_projector.proj.{stored}.{kind}",))
+          for ours, stored in (("in_proj", 0), ("out_proj", 2)) for kind in ("weight", "bias"))
+
+
+def _language_model(rules: tuple[WeightRule, ...]) -> tuple[WeightRule, ...]:
+    """DeepSeek-V3's rules under save_pretrained's names; no critic head (refused for VLMs on Megatron)."""
+    rules = tuple(r for r in rules if not r.mcore_name.startswith("value_head."))
+    rules = with_hf_prefix(rules, "model.layers.", "language_model.model.blocks.")
+    return with_hf_prefix(with_hf_prefix(rules, "model.", "language_model.model."), "lm_head.", "language_model.lm_head.")
+
 
 SPEC = ArchSpec(
     model_type="kimi_k25",
     decoder="model.language_model",
     mlp_kind="moe",
     vision=VisionSpec(tower="vision_tower", rope_index=None, merge_field="merge_kernel_size", frames_pooled=True,
-                      patch_row="image", token_types_input=False),
-    mcore=McoreSpec(refused=KIMI_MEGATRON_REFUSAL),
+                      patch_row="image", token_types_input=False, projector="mm_projector",
+                      projector_class="Kimi_K25MultimodalProjection", tower_fused_qkv="wqkv"),
+    mcore=McoreSpec(rules=_language_model(DEEPSEEK_V3.mcore.rules) + TOWER_RULES,
+                    config_overrides=dict(DEEPSEEK_V3.mcore.config_overrides)),
     notes="packed 1-D-position VLM batches via actorcore.pack(..., multimodal=, model=)",
 )

@@ -1,5 +1,9 @@
-"""Vision-language models on the Megatron-Core route (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): a Megatron
+"""Vision-language models on the Megatron-Core route (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Kimi-K2.5): a Megatron
 ``GPTModel`` for the language model, the HF vision tower itself in front of it.
+
+Kimi-K2.5: plain 1-D positions (the packed batch's ``[T]``, as for a text model), and the tower is MoonViT with
+the ``mm_projector`` as one module running the HF base model's own features method, its attention held fused as
+the checkpoints store it (``mcore/projected_tower.py``).
 
 The language model is built from the HF ``text_config`` by the ordinary converter (its ``mrope_section`` becomes
 Megatron's ``position_embedding_type="mrope"``; Qwen3-VL's interleaved layout is ``mcore/rotary.py``'s module) and
@@ -38,6 +42,7 @@ import torch
 from actorcore.archs import get_spec
 from actorcore.archs.megatron_rules import VISION_TOWER
 from actorcore.mcore.parallel import McoreParallel
+from actorcore.mcore.projected_tower import build_projected_tower, fuse_attention_qkv
 
 
 def is_vlm_config(hf_config: Any) -> bool:
@@ -55,14 +60,20 @@ def language_config(hf_config: Any) -> Any:
     return text
 
 
-def build_vision_tower(vision_config: Any, dtype: torch.dtype, device: Any) -> torch.nn.Module:
-    """The HF vision tower of ``vision_config`` (transformers' own module and math), in ``dtype``. Its random
+def build_vision_tower(hf_config: Any, dtype: torch.dtype, device: Any) -> torch.nn.Module:
+    """The HF vision tower of the VLM config's ``vision_config`` (transformers' own module and math), in ``dtype``;
+    with a projector (Kimi-K2.5) the tower and projector as one module (``mcore/projected_tower.py``). Its random
     initial weights (before a checkpoint is loaded) come from a fixed seed, so every rank's replica is the same;
     the caller's RNG state is left as it was."""
-    tower_class = vision_tower_class(vision_config)
+    vision = get_spec(hf_config.model_type).vision
+    tower_class = vision_tower_class(hf_config.vision_config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        tower = tower_class._from_config(copy.deepcopy(vision_config), dtype=dtype)
+        tower = tower_class._from_config(copy.deepcopy(hf_config.vision_config), dtype=dtype)
+        if vision.tower_fused_qkv is not None:
+            fuse_attention_qkv(tower, vision.tower_fused_qkv, hf_config.vision_config)
+        if vision.projector is not None:
+            tower = build_projected_tower(hf_config, dtype, tower)
     return tower.to(device=device, dtype=dtype)
 
 
@@ -104,13 +115,13 @@ def add_vision_tower(chunks: list[Any], hf_config: Any, dtype: torch.dtype) -> N
     model's chunks are built from ``language_config``); with deepstack (Qwen3-VL) its first decoder layers add the
     call's deepstack features to their outputs."""
     vision = get_spec(hf_config.model_type).vision
-    if chunks[0].config.mrope_section is None:
+    if vision.rope_index is not None and chunks[0].config.mrope_section is None:
         raise ValueError(f"{hf_config.model_type}: the text config has no rope_parameters.mrope_section; the "
                          "Megatron VLM route needs M-RoPE positions")
     for chunk in chunks:
         if chunk.pre_process:
             device = next(chunk.parameters()).device
-            chunk.add_module(VISION_TOWER, build_vision_tower(hf_config.vision_config, dtype, device))
+            chunk.add_module(VISION_TOWER, build_vision_tower(hf_config, dtype, device))
             if vision.deepstack:
                 add_deepstack(chunk, len(hf_config.vision_config.deepstack_visual_indexes), hf_config.model_type)
 
@@ -202,15 +213,19 @@ def vlm_inputs(chunk: Any, batch: Any, config: Any) -> tuple[torch.Tensor, tuple
 
 
 def vlm_chunk_forward(chunk: Any, batch: Any, params: Any, config: Any) -> torch.Tensor:
-    """One chunk's forward on a packed VLM batch (positions ``[3, T]``) of the VLM ``config``; what
-    ``GPTModel.forward`` returns."""
-    if batch.position_ids.dim() != 2:
-        raise ValueError("a VLM batch on the Megatron route needs its [3, T] M-RoPE position ids: pack it with "
-                         "actorcore.pack(sequences, multimodal=..., model=hf_model)")
+    """One chunk's forward on a packed VLM batch (positions ``[3, T]``, or ``[T]`` for a model with 1-D positions)
+    of the VLM ``config``; what ``GPTModel.forward`` returns."""
+    rows = 1 if get_spec(config.model_type).vision.rope_index is None else 2
+    if batch.position_ids.dim() != rows:
+        raise ValueError(f"a {config.model_type} batch on the Megatron route needs its "
+                         f"{'[T]' if rows == 1 else '[3, T] M-RoPE'} position ids, got shape "
+                         f"{list(batch.position_ids.shape)}: pack it with actorcore.pack(sequences, multimodal=..., "
+                         "model=hf_model)")
     decoder_input = None
     if chunk.pre_process:
         decoder_input, deepstack = vlm_inputs(chunk, batch, config)
         if deepstack is not None:
             params = dataclasses.replace(params, deepstack=deepstack)
-    return chunk(batch.input_ids.unsqueeze(0), batch.position_ids.unsqueeze(1), None, decoder_input=decoder_input,
+    positions = batch.position_ids.unsqueeze(0 if rows == 1 else 1)
+    return chunk(batch.input_ids.unsqueeze(0), positions, None, decoder_input=decoder_input,
                  packed_seq_params=params)
