@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import signal
 from functools import lru_cache
 from pathlib import Path
 
@@ -51,3 +52,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(getattr(pytest.mark, tier_of(item.path)))
         if needs_megatron(Path(item.path)):
             item.add_marker(pytest.mark.megatron)
+
+
+def pytest_configure(config) -> None:
+    """A shell without job control starts background jobs with SIGINT ignored (``nohup make test &``), and what
+    actorcore starts then keeps it ignored, as it should. The Ctrl-C tests send SIGINT to this process and to the
+    conversions it starts: give it Python's own handler back (the processes started from here then begin with the
+    default again)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
