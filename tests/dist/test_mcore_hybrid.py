@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from actorcore.testing.mcore_cases import spawn_cases
+from actorcore.archs import get_spec
 from actorcore.testing.tolerances import TOL
 
 pytest.importorskip("megatron.core")
@@ -118,7 +119,7 @@ def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
             if first and name == "decoder.layers.0.input_layernorm.weight" and not model.config.sequence_parallel:
                 grads["model.layers.0.input_layernorm.weight"] = (
                     param.grad.clone(), hf.model.layers[0].input_layernorm.weight.grad.clone())
-            if first and name.startswith(GDN) and "in_proj_b" not in name:
+            if first and name.startswith(GDN):
                 hf_name = "model.layers.0.linear_attn." + name[len(GDN):]
                 full = hf.get_parameter(hf_name).grad
                 grads[hf_name] = (param.grad.clone(), _local_grad(name, full, hf.config, context.tp_rank,
@@ -256,8 +257,12 @@ def world2(tmp_path_factory):
 @pytest.mark.parametrize("name", list(_CASES))
 def test_hybrid_logprobs_grads_roundtrip(world2, name):
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
-    expected_grads = {"conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight"}
-    seen = set()
+    projections = {"separate": {"in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"},
+                   "grouped": {"in_proj_qkvz.weight", "in_proj_ba.weight"}}
+    model_type = _CASES[name][0]
+    expected_grads = {"conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight"} | projections[
+        get_spec(model_type).linear_attention.projections]
+    seen, traces = set(), []
     for rank, result in enumerate(world2[name]):
         assert result["roundtrip"], f"rank {rank}: Megatron -> HF export differs from the checkpoint"
         for (lp, ent), (ref_lp, ref_ent), fb in zip(result["got"], result["ref"], result["fb"]):
@@ -269,8 +274,10 @@ def test_hybrid_logprobs_grads_roundtrip(world2, name):
             seen.add(hf_name.rsplit("linear_attn.", 1)[-1])
             torch.testing.assert_close(grad, ref_grad, atol=grad_tol * ref_grad.abs().max(), rtol=0,
                                        msg=f"rank {rank} {hf_name}")
-        for trace in result["traces"]:  # actorcore's packed kernels ran in every linear-attention layer
-            assert trace.get("causal_conv1d:torch", 0) > 0 and trace.get("gated_delta_rule:torch", 0) > 0
+        traces += result["traces"]
+    assert traces, f"{name}: no PackedGatedDeltaNet on any rank"
+    for trace in traces:  # actorcore's packed kernels ran in every linear-attention layer
+        assert trace.get("causal_conv1d:torch", 0) > 0 and trace.get("gated_delta_rule:torch", 0) > 0
     assert expected_grads <= seen, f"{name}: no gradients compared for {expected_grads - seen}"
 
 

@@ -290,9 +290,9 @@ def test_packing_isolation(model_type):
 @pytest.mark.parametrize("broken", ["causal_conv1d_packed", "gated_delta_rule_packed"])
 def test_each_boundary_is_needed(monkeypatch, broken):
     """With only the conv's boundary, or only the delta rule's state reset, ignored, sequences leak."""
-    import actorcore.hf.features.linear_attention as linear
+    import actorcore.kernels.linear_attention.gated_deltanet as mixer  # where the packed mixer calls them
 
-    monkeypatch.setattr(linear, broken, _whole_stream(getattr(linear, broken)))
+    monkeypatch.setattr(mixer, broken, _whole_stream(getattr(mixer, broken)))
     others, _ = _isolation_diffs(build_tiny_model("qwen3_5_text"))
     assert others > TOL["logprob_changed_at_least"], f"breaking {broken} alone went unnoticed"
 

@@ -288,7 +288,11 @@ def _convert_attention_extras(hf: Any, spec: Any, linear_attention: Any = None) 
         # HF: query i sees keys j with i - window < j <= i; Megatron's window_size is (left, right).
         cfg["window_size"] = (int(window) - 1, 0)
     layer_types = _get(hf, "layer_types", None)
-    if layer_types and linear_attention is not None and linear_attention.layer_types_field == "layer_types":
+    if linear_attention is not None and linear_attention.layer_types_field != "layer_types":
+        raise UnsupportedConfigError(f"{hf.model_type} names its linear-attention layers in "
+                                     f"config.{linear_attention.layer_types_field}; the Megatron mapping reads and "
+                                     "writes config.layer_types only")
+    if layer_types and linear_attention is not None:
         kinds = set(layer_types) - {"full_attention", linear_attention.layer_type}
         if kinds:
             raise UnsupportedConfigError(f"layer types {sorted(kinds)} beside linear and full attention are not "

@@ -30,15 +30,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from actorcore.archs.spec import LINEAR_PROJECTIONS
 from actorcore.errors import PackingNotAppliedError
-from actorcore.kernels.linear_attention.packed import causal_conv1d_packed, gated_delta_rule_packed
+from actorcore.kernels.linear_attention.gated_deltanet import (decay_and_beta, gated_norm_recomputed, mix_packed,
+                                                               split_grouped_projections)
 
 try:  # megatron-core is optional; this module is only imported by mcore/model.py after require_megatron()
     from megatron.core.transformer.module import MegatronModule
 except ImportError:  # pragma: no cover - guarded by require_megatron
     MegatronModule = torch.nn.Module  # type: ignore[misc,assignment]
-
-PROJECTIONS = ("separate", "grouped")
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,8 +60,8 @@ class PackedGatedDeltaNet(MegatronModule):
                                                           set_tensor_model_parallel_attributes)
 
         super().__init__(config)
-        if projections not in PROJECTIONS:
-            raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
+        if projections not in LINEAR_PROJECTIONS:
+            raise ValueError(f"projections must be one of {LINEAR_PROJECTIONS}, got {projections!r}")
         if config.context_parallel_size > 1:
             raise ValueError("Gated DeltaNet (linear-attention) layers do not run under context parallelism: the "
                              "causal conv and the delta-rule state cross the CP chunks of a sequence; use cp=1")
@@ -111,23 +111,18 @@ class PackedGatedDeltaNet(MegatronModule):
             self.A_log.copy_(torch.empty(self.m).uniform_(1, 16).log())
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``(q/k/v channels [T, C], z [T, m, V], b [T, m], a [T, m])`` for this rank's heads."""
+        """``(q/k/v channels [T, C], z [T, m, V], b [T, m], a [T, m])`` for this rank's heads; under sequence
+        parallelism the column-parallel projections gather the tokens, so ``T`` is the whole batch."""
         n, m, K, V = self.n, self.m, self.K, self.V
         if self.projections == "separate":
             mixed = self.in_proj_qkv(hidden)[0]
-            T = mixed.shape[0] * mixed.shape[1]  # all tokens: under sequence parallelism the projection gathers
-            mixed = mixed.reshape(T, -1)
+            T = mixed.shape[0] * mixed.shape[1]
             z = self.in_proj_z(hidden)[0].reshape(T, m, V)
-            return mixed, z, self.in_proj_b(hidden)[0].reshape(T, m), self.in_proj_a(hidden)[0].reshape(T, m)
-        per = m // n  # value heads per key head
-        qkvz = self.in_proj_qkvz(hidden)[0]
+            return (mixed.reshape(T, -1), z, self.in_proj_b(hidden)[0].reshape(T, m),
+                    self.in_proj_a(hidden)[0].reshape(T, m))
+        qkvz, ba = self.in_proj_qkvz(hidden)[0], self.in_proj_ba(hidden)[0]
         T = qkvz.shape[0] * qkvz.shape[1]
-        qkvz = qkvz.reshape(T, n, 2 * K + 2 * per * V)
-        ba = self.in_proj_ba(hidden)[0].reshape(T, n, 2 * per)
-        q, k, v, z = torch.split(qkvz, [K, K, per * V, per * V], dim=2)
-        b, a = torch.split(ba, [per, per], dim=2)
-        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-        return mixed, z.reshape(T, m, V), b.reshape(T, m), a.reshape(T, m)
+        return split_grouped_projections(qkvz.reshape(T, -1), ba.reshape(T, -1), n, m, K, V)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, packed_seq_params: Any = None,
                 **_: Any) -> tuple[torch.Tensor, None]:
@@ -143,16 +138,11 @@ class PackedGatedDeltaNet(MegatronModule):
         mixed_TC, z_TmV, b_Tm, a_Tm = self._project(hidden_states)
         T = mixed_TC.shape[0]
         cu_seqlens = cu_seqlens.to(mixed_TC.device)
-        beta_Tm = b_Tm.sigmoid()
-        g_Tm = -self.A_log.float().exp() * F.softplus(a_Tm.float() + self.dt_bias)  # fp32, as transformers
-        conv_TC = causal_conv1d_packed(mixed_TC, self.conv1d.weight[:, 0], None, cu_seqlens, "silu",
-                                       trace=self.trace)
-        n, m, K, V = self.n, self.m, self.K, self.V
-        q, k, v = torch.split(conv_TC, [n * K, n * K, m * V], dim=-1)
-        out_TmV = gated_delta_rule_packed(q.reshape(T, n, K), k.reshape(T, n, K), v.reshape(T, m, V), g_Tm, beta_Tm,
-                                          cu_seqlens, use_qk_l2norm=True, trace=self.trace)
+        g_Tm, beta_Tm = decay_and_beta(a_Tm, b_Tm, self.A_log, self.dt_bias)
+        out_TmV = mix_packed(mixed_TC, g_Tm, beta_Tm, self.conv1d.weight[:, 0], None, "silu", cu_seqlens, self.n,
+                             self.m, self.K, self.V, self.trace)
         weight = copy_to_tensor_model_parallel_region(self.norm.weight, group=self.tp_group)
-        out = gated_rms_norm(out_TmV, z_TmV, weight, self.eps).reshape(T, 1, m * V)
+        out = gated_norm_recomputed(gated_rms_norm, out_TmV, z_TmV, weight, self.eps).reshape(T, 1, self.m * self.V)
         output, bias = self.out_proj(out)
         return output, bias
 

@@ -29,14 +29,14 @@ import functools
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from actorcore.archs import LinearAttentionSpec
 from actorcore.errors import PackingNotAppliedError
 from actorcore.hf.call import DecoderCall, parallel_from_kwargs, trace_from_kwargs
 from actorcore.hf.features.base import DecoderFeature, switched_for_call
 from actorcore.hf.features.instance_forwards import install_forwards
+from actorcore.kernels.linear_attention.gated_deltanet import (decay_and_beta, gated_norm_recomputed, mix_packed,
+                                                               split_grouped_projections)
 from actorcore.kernels.linear_attention.packed import causal_conv1d_packed, gated_delta_rule_packed
 from actorcore.parallel.ulysses import (
     head_to_sequence_sharded,
@@ -79,24 +79,7 @@ def _project(module: torch.nn.Module, projections: str, hidden_1LD: torch.Tensor
         mixed_LC = module.in_proj_qkv(hidden_1LD)[0]
         z = module.in_proj_z(hidden_1LD)[0].reshape(L, M, V)
         return mixed_LC, z, module.in_proj_b(hidden_1LD)[0], module.in_proj_a(hidden_1LD)[0]
-    # "grouped": per key head h, [q_h, k_h, v of its M/N value heads, z of them]; then [b..., a...] per key head.
-    per = M // N
-    qkvz = module.in_proj_qkvz(hidden_1LD)[0].view(L, N, 2 * K + 2 * per * V)
-    ba = module.in_proj_ba(hidden_1LD)[0].view(L, N, 2 * per)
-    q, k, v, z = torch.split(qkvz, [K, K, per * V, per * V], dim=2)
-    b, a = torch.split(ba, [per, per], dim=2)
-    mixed_LC = torch.cat([q.reshape(L, -1), k.reshape(L, -1), v.reshape(L, -1)], dim=-1)
-    return mixed_LC, z.reshape(L, M, V), b.reshape(L, M), a.reshape(L, M)
-
-
-def _gated_norm(norm: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The module's gated RMSNorm; when recording gradients, recomputed in its own backward (the same values):
-    transformers' torch norm keeps about four fp32 ``[tokens * M, V]`` tensors for its backward (some 5 GiB per layer
-    for 159K tokens of Qwen3.5-2B), alive with the rest of the layer's saved tensors from the end of the recomputed
-    forward until the norm's backward; checkpointed, it keeps its two bf16 inputs."""
-    if torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad):
-        return torch.utils.checkpoint.checkpoint(norm, x, gate, use_reentrant=False)
-    return norm(x, gate)
+    return split_grouped_projections(module.in_proj_qkvz(hidden_1LD)[0], module.in_proj_ba(hidden_1LD)[0], N, M, K, V)
 
 
 class GatedDeltaNetForward:
@@ -134,14 +117,13 @@ class GatedDeltaNetForward:
             trace[linear_trace_key(ULYSSES_LINEAR if sp > 1 else PACKED_LINEAR)] += 1
         L = hidden_states.shape[1]
         mixed_LC, z_LMV, b_LM, a_LM = _project(m, self.projections, hidden_states)
-        beta_LM = b_LM.sigmoid()
-        g_LM = -m.A_log.float().exp() * F.softplus(a_LM.float() + m.dt_bias)  # fp32, as the module's forward
+        g_LM, beta_LM = decay_and_beta(a_LM, b_LM, m.A_log, m.dt_bias)
         if sp == 1:
             out_LMV = self._packed(mixed_LC, g_LM, beta_LM, cu_seqlens, trace)
         else:
             out_LMV = self._ulysses(mixed_LC, g_LM, beta_LM, cu_seqlens, ctx, trace)
         V = m.head_v_dim
-        out = _gated_norm(m.norm, out_LMV.reshape(-1, V), z_LMV.reshape(-1, V)).reshape(1, L, -1)
+        out = gated_norm_recomputed(m.norm, out_LMV.reshape(-1, V), z_LMV.reshape(-1, V)).reshape(1, L, -1)
         return m.out_proj(out)
 
     def _split_channels(self, x_LC: torch.Tensor, key_heads: int, value_heads: int):
@@ -153,10 +135,8 @@ class GatedDeltaNetForward:
 
     def _packed(self, mixed_LC, g_LM, beta_LM, cu_seqlens, trace):
         m = self.module
-        conv_LC = causal_conv1d_packed(mixed_LC, m.conv1d.weight[:, 0], m.conv1d.bias, cu_seqlens, m.activation,
-                                       trace=trace)
-        q, k, v = self._split_channels(conv_LC, m.num_k_heads, m.num_v_heads)
-        return gated_delta_rule_packed(q, k, v, g_LM, beta_LM, cu_seqlens, use_qk_l2norm=True, trace=trace)
+        return mix_packed(mixed_LC, g_LM, beta_LM, m.conv1d.weight[:, 0], m.conv1d.bias, m.activation, cu_seqlens,
+                          m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim, trace)
 
     def _ulysses(self, mixed_LC, g_LM, beta_LM, cu_seqlens, ctx, trace):
         m = self.module
