@@ -71,7 +71,7 @@ def test_hybrid_megatron_on_nccl(tmp_path, model_type, tp, pp):
     for rank, r in enumerate(results):
         assert sorted(r["exported"]) == sorted(source), rank
         for name, tensor in source.items():
-            assert torch.equal(r["exported"][name], tensor), (rank, name)
+            assert r["exported"][name].dtype == tensor.dtype and torch.equal(r["exported"][name], tensor), (rank, name)
         for (lp, ent), fb, (ref_lp, ref_ent) in zip(r["got"], r["fb"], refs):
             torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=f"rank {rank} log-probs")
             torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=f"rank {rank} entropy")

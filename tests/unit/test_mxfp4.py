@@ -77,3 +77,14 @@ def test_export_stream_and_config():
     assert config.to_dict()["quantization_config"]["quant_method"] == "mxfp4"
     assert "quantization_config" not in without_mxfp4_config(config).to_dict()
     assert "quantization_config" in config.to_dict()  # copies, never the caller's config
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_weight_is_refused(bad):
+    """inf / NaN have no MXFP4 code: quantised, their block would come back as other numbers."""
+    from actorcore.kernels.mxfp4 import quantize_mxfp4
+
+    weight = torch.randn(4, 64)
+    weight[2, 40] = bad
+    with pytest.raises(ValueError, match="non-finite weight"):
+        quantize_mxfp4(weight)

@@ -1,6 +1,6 @@
 from actorcore.archs._vision import VisionSpec
 from actorcore.archs.deepseek_v3 import SPEC as DEEPSEEK_V3
-from actorcore.archs.megatron_rules import VISION_TOWER, McoreSpec, WeightRule, with_hf_prefix
+from actorcore.archs.megatron_rules import VISION_TOWER, McoreSpec, WeightRule, with_hf_prefix, without_value_head
 from actorcore.archs.spec import ArchSpec
 
 # Kimi_K25ForConditionalGeneration (Kimi-K2.5): model.vision_tower (MoonViT: Conv2d patches [P, 3, p, p],
@@ -39,7 +39,7 @@ TOWER_RULES = tuple(
 
 def _language_model(rules: tuple[WeightRule, ...]) -> tuple[WeightRule, ...]:
     """DeepSeek-V3's rules under save_pretrained's names; no critic head (refused for VLMs on Megatron)."""
-    rules = tuple(r for r in rules if not r.mcore_name.startswith("value_head."))
+    rules = without_value_head(rules)
     rules = with_hf_prefix(rules, "model.layers.", "language_model.model.blocks.")
     return with_hf_prefix(with_hf_prefix(rules, "model.", "language_model.model."), "lm_head.", "language_model.lm_head.")
 

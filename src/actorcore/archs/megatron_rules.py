@@ -243,6 +243,11 @@ VALUE_HEAD_RULES = (
 )
 EMBEDDING_RULES = CAUSAL_LM_EMBEDDING_RULES + VALUE_HEAD_RULES
 
+
+def without_value_head(rules: tuple[WeightRule, ...]) -> tuple[WeightRule, ...]:
+    """``rules`` less the critic's value head (a VLM, or a text model transformers has no critic class for)."""
+    return tuple(r for r in rules if not r.mcore_name.startswith("value_head."))
+
 ATTENTION_RULES = (
     WeightRule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",)),
     WeightRule(_M + "self_attention.linear_qkv.weight",

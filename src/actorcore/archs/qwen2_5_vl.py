@@ -1,6 +1,7 @@
 import dataclasses
 
-from actorcore.archs.megatron_rules import DENSE_RULES, QKV_BIAS_RULES, McoreSpec, vision_tower_rules
+from actorcore.archs.megatron_rules import (DENSE_RULES, QKV_BIAS_RULES, McoreSpec, vision_tower_rules,
+                                            without_value_head)
 from actorcore.archs.qwen2_vl import SPEC as QWEN2_VL
 
 # The vision tower's tensors as the checkpoints store them (``visual.*``; transformers 5 holds them in memory
@@ -21,7 +22,7 @@ TOWER_RULES = vision_tower_rules(
 IN_MEMORY_NAMES = (("model.", "model.language_model."), ("visual.", "model.visual."))
 
 # No critic: the VLM has no score head (a value head is refused for VLMs on the Megatron route).
-LANGUAGE_MODEL_RULES = tuple(r for r in DENSE_RULES + QKV_BIAS_RULES if not r.mcore_name.startswith("value_head."))
+LANGUAGE_MODEL_RULES = without_value_head(DENSE_RULES + QKV_BIAS_RULES)
 
 SPEC = dataclasses.replace(
     QWEN2_VL, model_type="qwen2_5_vl",

@@ -1,7 +1,7 @@
 import dataclasses
 
 from actorcore.archs.megatron_rules import (DENSE_RULES, QK_NORM_RULES, McoreSpec, vision_tower_rules,
-                                            with_hf_prefix)
+                                            with_hf_prefix, without_value_head)
 from actorcore.archs.qwen2_vl import SPEC as QWEN2_VL
 
 # The vision tower's tensors under the checkpoint's names (``model.visual.*``): a learned position table, a
@@ -19,9 +19,8 @@ TOWER_RULES = vision_tower_rules(
 
 # The language model: Qwen3's (q/k norms), stored under ``model.language_model.``; no critic head (a value head
 # is refused for VLMs on the Megatron route).
-LANGUAGE_MODEL_RULES = with_hf_prefix(tuple(r for r in DENSE_RULES + QK_NORM_RULES
-                                            if not r.mcore_name.startswith("value_head.")),
-                                      "model.", "model.language_model.")
+LANGUAGE_MODEL_RULES = with_hf_prefix(without_value_head(DENSE_RULES + QK_NORM_RULES), "model.",
+                                      "model.language_model.")
 
 # Qwen3-VL: DeepStack (features from intermediate vision blocks are added to the outputs of the first decoder
 # layers at the visual positions) and one placeholder run per video frame (timestamps between frames). On

@@ -230,6 +230,12 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     if args.max_shard_size <= 0:
         raise ValueError(f"--max-shard-size must be a positive number of bytes, got {args.max_shard_size}")
     meta, hf_config, dtype = read_mcore_metadata(src)
+    from actorcore.archs import get_spec
+    from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config, without_mxfp4_config
+
+    if args.mxfp4 and not get_spec(hf_config.model_type).mcore.mxfp4_weights:
+        raise ValueError(f"--mxfp4: {hf_config.model_type} names no MXFP4 weights (its releases store none); "
+                         "export it without --mxfp4")
     with atomic_output(args.dst) as out, _megatron_runtime(0, 1, free_port()):
         initialize_megatron(McoreParallel())
         model = build_gpt_model(hf_config, McoreParallel(), dtype, vocab_multiple=int(meta["vocab_multiple"]),
@@ -239,8 +245,6 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
         copy_hf_side_files(os.path.join(src, HF_DIR), out)
         # One process holds the whole model; the shards are written as the buckets come (one shard in memory).
         stream = mcore_weight_stream(model, bucket_bytes=min(args.max_shard_size, 512 * 1024**2))
-        from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config, without_mxfp4_config
-
         if args.mxfp4:
             stream = quantize_stream_mxfp4(stream, model.spec.mxfp4_weights)
             hf_config = with_mxfp4_config(hf_config)

@@ -12,7 +12,7 @@ import copy
 from typing import Any, Iterable, Iterator
 
 from actorcore.buckets import Bucket
-from actorcore.kernels.mxfp4 import quantize_mxfp4
+from actorcore.kernels.mxfp4 import MXFP4_BLOCKS, MXFP4_SCALES, quantize_mxfp4
 
 # The released gpt-oss configs' list: everything but the experts stays bf16.
 GPT_OSS_MODULES_TO_NOT_CONVERT = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
@@ -39,7 +39,7 @@ def _quantized(buckets: Iterable[Bucket], suffixes: tuple[str, ...]) -> Iterator
         for name, tensor in bucket:
             if name.endswith(suffixes):
                 blocks, scales = quantize_mxfp4(tensor.transpose(-1, -2))
-                out += [(name + "_blocks", blocks), (name + "_scales", scales)]
+                out += [(name + MXFP4_BLOCKS, blocks), (name + MXFP4_SCALES, scales)]
             else:
                 out.append((name, tensor))
         yield out

@@ -23,6 +23,10 @@ _SCALE_BIAS = 127
 _E2M1_MAX_EXPONENT = 2  # 6 = 1.5 * 2**2
 
 
+# The tensor-name suffixes of a weight ``X`` stored as MXFP4: ``X_blocks`` (packed codes) and ``X_scales``.
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``[..., rows, cols]`` in ``dtype`` from ``blocks`` ``[..., rows, cols / 32, 16]`` and ``scales``
     ``[..., rows, cols / 32]``. Exact in bf16 and fp32 (every MXFP4 value is a short power-of-two multiple)."""
@@ -40,11 +44,15 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks, scales)`` of ``weight`` ``[..., rows, cols]`` (``cols`` a multiple of 32), blocks along the last
-    dimension. Values beyond the block scale's range saturate at 6 times it; an all-zero block gets scale 2**-127."""
+    dimension. Values beyond the block scale's range saturate at 6 times it; an all-zero block gets scale 2**-127.
+    A non-finite value is refused (it has no MXFP4 code: its block would come back as other numbers)."""
     if weight.shape[-1] % BLOCK:
         raise ValueError(f"MXFP4 quantises blocks of {BLOCK} along the last dimension; it has {weight.shape[-1]}")
     x = weight.detach().float().reshape(*weight.shape[:-1], weight.shape[-1] // BLOCK, BLOCK)
     amax = x.abs().amax(dim=-1)
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError("MXFP4 quantisation got a non-finite weight (inf or NaN); fix the weights before exporting "
+                         "them as MXFP4, or export them in their own dtype")
     _, exponent = torch.frexp(amax)  # amax = m * 2**e with m in [0.5, 1): floor(log2(amax)) = e - 1
     shared = torch.where(amax > 0, exponent - 1 - _E2M1_MAX_EXPONENT, torch.full_like(exponent, -_SCALE_BIAS))
     shared = shared.clamp(-_SCALE_BIAS, _SCALE_BIAS)

@@ -125,9 +125,6 @@ class PackedCoreAttention(MegatronModule):
         dropout = self.dropout if self.training else 0.0
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if self.cp_group is not None:
-            if self.softmax_offset is not None:
-                raise ValueError("attention sinks under context parallelism: actorcore's CP attention has no sink "
-                                 "term; run with cp=1")
             if not packed:
                 raise ValueError("context parallelism in PackedCoreAttention needs packed (THD) batches: run the "
                                  "model through actorcore.mcore.forward, which splits them over the CP ranks")

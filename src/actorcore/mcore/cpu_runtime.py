@@ -60,8 +60,8 @@ class _NullStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, *args: Any, **kwargs: Any) -> "_NullStream":
-        return self  # an "event" that is already complete: synchronize() is a no-op
+    def record_event(self, *args: Any, **kwargs: Any) -> "_NullEvent":
+        return _NullEvent()  # already complete
 
 
 class _NullEvent:

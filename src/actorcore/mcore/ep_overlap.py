@@ -2,9 +2,9 @@
 actorcore runs under it and what it refuses, before anything is built.
 
 With the option, megatron-core 0.16.1's schedule for a forward-backward without pipelining is its combined 1F1B
-(``pipeline_parallel/combined_1f1b.py``): each micro-batch's forward runs layer by layer interleaved with the
+(``combined_1f1b``): each micro-batch's forward runs layer by layer interleaved with the
 previous micro-batch's backward, from the chunk's schedule plan (``GPTModel.build_schedule_plan``: attention,
-token dispatch, experts and combine as separate nodes of ``models/gpt/fine_grained_callables.py``), the
+token dispatch, experts and combine as separate nodes), the
 all-to-alls on a second CUDA stream. ``actorcore.mcore.forward`` hands the schedule that plan for the same packed
 batch; forward-only calls take the plain schedule. On the CPU the streams and events are no-ops
 (``CpuRuntime``), so the two schedules compute the same operations: on gloo the log-probs, entropy and gradients

@@ -18,19 +18,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def mark_experts_expert_data_parallel(chunk: Any) -> int:
+def mark_experts_expert_data_parallel(chunk: Any) -> None:
     """Mark (Megatron's ``allreduce = False``) the routed-expert parameters of ``chunk`` when their expert data
-    parallel group is wider than the data parallel group (EP = 1, expert TP < TP); returns how many were marked
-    (0 when Megatron's own marking is already right)."""
+    parallel group is wider than the data parallel group (EP = 1, expert TP < TP); elsewhere Megatron's own
+    marking is right and nothing changes."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     config = chunk.config
     if config.expert_model_parallel_size > 1 or config.expert_tensor_parallel_size >= config.tensor_model_parallel_size:
-        return 0
-    marked = 0
+        return
     for module in chunk.modules():
         if isinstance(module, MoELayer):
             for param in module.experts.parameters():
                 param.allreduce = False
-                marked += 1
-    return marked

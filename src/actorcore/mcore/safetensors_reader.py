@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from actorcore.errors import CheckpointError
-from actorcore.kernels.mxfp4 import dequantize_mxfp4
+from actorcore.kernels.mxfp4 import MXFP4_BLOCKS, MXFP4_SCALES, dequantize_mxfp4
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -119,7 +119,6 @@ class SafetensorsReader:
                                 torch.bfloat16).transpose(-1, -2).contiguous()
 
 
-MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 
 
 def _quant_method(directory: str) -> str | None:
