@@ -100,7 +100,7 @@ class TritonEngine:
             kernels.fwd_stats_kernel_tma[grid](
                 _desc(hidden_TD, [cfg.block_t, cfg.block_k]), _desc(weight_VD, [cfg.block_v, cfg.block_k]),
                 labels_T, *outs, n_tok, vocab, dim, num_splits, *_scalars(temperature, softcap), FLATTEN=cfg.flatten,
-                **common,
+                WARP_SPECIALIZE=cfg.warp_specialize, **common,
             )
         else:
             kernels.fwd_stats_kernel[grid](
@@ -189,7 +189,7 @@ class TritonEngine:
                 _desc(g_CB, [cfg.block_t, cfg.block_v // (2 if cfg.subtile else 1)]), g_CB, *per_tok,
                 n_c, n_v, dim, v_start, g_CB.stride(0), programs, *scalars, **flags,
                 BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
-                TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten, WARP_SPECIALIZE=False, SUBTILE=cfg.subtile,
+                TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, SUBTILE=cfg.subtile,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
             return
@@ -283,6 +283,7 @@ class TritonEngine:
             *_scalars(temperature, softcap), HAS_SOFTCAP=softcap is not None, ENTROPY=entropy,
             TILES_PER_SPLIT=tiles_per_split, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
             GROUP=cfg.group, TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten, SUBTILE=cfg.subtile,
+            WARP_SPECIALIZE=cfg.warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return merge_partial_stats(m_SC, s_SC, a_SC, zy_SC)

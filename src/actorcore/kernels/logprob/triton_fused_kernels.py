@@ -36,7 +36,7 @@ def fwd_stats_store_kernel(
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    TMA_STORE: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
+    TMA_STORE: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """``fwd_stats_kernel_tma`` that also writes fp16 z - m tiles into [T, V] and m into [T, num_vtiles]:
     one m per BLOCK_V columns, or per BLOCK_V / 2 with ``SUBTILE`` (the epilogue on the two halves in turn)."""
@@ -46,7 +46,7 @@ def fwd_stats_store_kernel(
     labels = tl.load(lab_ptr + (offs_t % T).to(tl.int64)).to(tl.int64)
     v_lo = pid_s * (TILES_PER_SPLIT * BLOCK_V)
     m, s, a, zy = _empty_stats(BLOCK_T)
-    for i in tl.range(0, TILES_PER_SPLIT, flatten=FLATTEN):
+    for i in tl.range(0, TILES_PER_SPLIT, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         off_v = v_lo + i * BLOCK_V
         acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
         for k in range(0, D, BLOCK_K):

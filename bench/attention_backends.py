@@ -1,0 +1,180 @@
+"""Packed causal attention on the GPU: torch's FlashAttention-2 (``varlen_attn``) against cuDNN's ragged SDPA
+(``aten._cudnn_attention_forward`` / ``_backward`` with cumulative sequence offsets), forward and forward+backward,
+on the actor step's packs (RL-shaped lengths, the heads of the benchmarked models).
+
+Why: attention is a quarter of the fused actor step's kernel time and FlashAttention-3 cannot be installed on the
+device machine; cuDNN ships inside torch's CUDA wheel and has Hopper kernels. torch's ``varlen_attn`` has a cuDNN
+branch that it leaves switched off, so this measures the aten ops directly.
+
+    python3 bench/attention_backends.py [--pack 32768] [--json out.json]
+
+Per head shape: max |Δ| of the output and of dq / dk / dv against an fp32 per-sequence reference (a 4K-token pack),
+whether cuDNN's backward is bitwise repeatable, and the median of CUDA-event timed calls (TFLOP/s counted on the
+causal half: forward 2 x 2 x L^2/2 x heads x head_dim per sequence, backward 2.5x that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import traceback
+
+import torch
+
+HEADS = {"qwen2.5-1.5b (12 q, 2 kv)": (12, 2, 128), "qwen3-8b (32 q, 8 kv)": (32, 8, 128),
+         "qwen3-30b-a3b (32 q, 4 kv)": (32, 4, 128)}
+
+
+def rl_lengths(total: int, seed: int) -> list[int]:
+    """Sequence lengths of 256-6144 tokens (the actor step's RL batch) filling a pack of ``total`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(256, 6145, (1,), generator=g)))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
+
+
+def make(lengths, nq, nk, hd, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = sum(lengths)
+    q, k, v, do = (torch.randn(t, n, hd, generator=g, device="cuda", dtype=dtype) for n in (nq, nk, nk, nq))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    return q, k, v, do, cu, max(lengths)
+
+
+def flash2(q, k, v, cu, max_len):
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
+
+
+class CudnnRagged(torch.autograd.Function):
+    """cuDNN ragged causal SDPA on [T, heads, head_dim] with cumulative offsets (k / v expanded to the q heads)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len):
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=q.shape[-1] ** -0.5)
+        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+        ctx.max_len = max_len
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        empty = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            do.contiguous(), q, k, v, out, lse, seed, offset, empty, cu, cu, ctx.max_len, ctx.max_len, 0.0, True,
+            scale=q.shape[-1] ** -0.5)
+        return dq, dk, dv, None, None
+
+
+def cudnn(q, k, v, cu, max_len, expand=True):
+    if expand and k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return CudnnRagged.apply(q, k, v, cu, max_len)
+
+
+def cudnn_nested(q, k, v, cu, max_len):
+    """The supported route into cuDNN's ragged kernels: SDPA on nested (jagged) tensors, cuDNN backend forced."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    offsets = cu.to(torch.int64)
+    qn, kn, vn = (torch.nested.nested_tensor_from_jagged(x, offsets, max_seqlen=max_len).transpose(1, 2)
+                  for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(qn, kn, vn, is_causal=True)
+    return out.transpose(1, 2).values()
+
+
+def reference(q, k, v, cu):
+    """fp32 causal attention per sequence (plain SDPA math, GQA expanded)."""
+    rep = q.shape[1] // k.shape[1]
+    outs = []
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[a:b].float().transpose(0, 1) for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def grads(fn, q, k, v, do, cu, max_len):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v, cu, max_len)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def accuracy(fn, nq, nk, hd):
+    lengths = rl_lengths(4096, seed=3)
+    q, k, v, do, cu, max_len = make(lengths, nq, nk, hd, seed=4)
+    ref = grads(lambda q, k, v, cu, m: reference(q, k, v, cu), q, k, v, do.float(), cu, max_len)
+    got = grads(fn, q, k, v, do, cu, max_len)
+    again = grads(fn, q, k, v, do, cu, max_len)
+    errs = {name: float((g.float() - r).abs().max()) for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+    errs["bitwise_repeatable"] = all(torch.equal(a, b) for a, b in zip(got, again))
+    return errs
+
+
+def timed(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def speed(fn, nq, nk, hd, pack):
+    lengths = rl_lengths(pack, seed=1)
+    q, k, v, do, cu, max_len = make(lengths, nq, nk, hd, seed=2)
+    flops_fwd = sum(2 * 2 * n * n / 2 * nq * hd for n in lengths)
+    with torch.no_grad():
+        fwd = timed(lambda: fn(q, k, v, cu, max_len))
+    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+    both = timed(lambda: fn(qq, kk, vv, cu, max_len).backward(do))
+    return {"fwd_ms": fwd, "fwd_bwd_ms": both, "fwd_tflops": flops_fwd / fwd / 1e9,
+            "fwd_bwd_tflops": 3.5 * flops_fwd / both / 1e9, "sequences": len(lengths)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pack", type=int, default=32768)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    backends = {"flash2 (varlen_attn)": flash2, "cudnn via nested SDPA, k/v expanded": cudnn_nested,
+                "cudnn ragged, k/v expanded": cudnn,
+                "cudnn ragged, native GQA": lambda q, k, v, cu, m: cudnn(q, k, v, cu, m, expand=False)}
+    rows = []
+    for shape, (nq, nk, hd) in HEADS.items():
+        for name, fn in backends.items():
+            row = {"heads": shape, "backend": name}
+            try:
+                row.update(accuracy(fn, nq, nk, hd))
+                row.update(speed(fn, nq, nk, hd, args.pack))
+            except Exception as exc:  # noqa: BLE001 - a backend that refuses a shape is a result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                row["where"] = traceback.format_exc()[-1500:]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
