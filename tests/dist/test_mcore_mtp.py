@@ -1,25 +1,27 @@
-"""Multi-token prediction on the Megatron route (gloo, CPU), for every Megatron architecture with MTP rules
-(DeepSeek-V3, GLM-4.5; from the registry, all in one spawn): a checkpoint with MTP tensors named as in the
-releases (``model.layers.{num_hidden_layers}.*``) converts HF -> Megatron -> HF bit-exact at TP=2, PP=2 and
-EP=2; the MTP depth's per-token log-probs, loss and ``eh_proj`` gradient equal an independent plain-torch MTP
-forward run on each packed sequence alone (targets never cross into the next sequence); the main head's log-probs
-are bitwise those of the model built without MTP, which drops the MTP tensors (the default)."""
+"""Multi-token prediction on the Megatron route (gloo, CPU), for every Megatron architecture with MTP rules (from the
+registry, all in one spawn): DeepSeek-V3 and GLM-4.5 (the MTP layer stored as ``model.layers.{num_hidden_layers}.*``),
+Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (the ``mtp.*`` head). A checkpoint with MTP tensors named as in the releases
+converts HF -> Megatron -> HF bit-exact at TP=2, PP=2 (the MTP layer on the last stage) and, for the MoE models, EP=2,
+and with the CLI (``hf-to-mcore --mtp`` and ``mcore-to-hf``); the MTP depth's per-token log-probs, loss and projection
+gradient (``eh_proj``, the releases' ``eh_proj`` / ``fc``) equal an independent plain-torch MTP forward run on each
+packed sequence alone (targets never cross into the next sequence); the main head's log-probs are bitwise those of
+the model built without MTP, which drops the MTP tensors (the default), and equal transformers' fp32 forward."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
-from actorcore.testing.mtp import reference_mtp, write_mtp_checkpoint
+from actorcore.testing.mtp import MTP_CONFIG_FIELDS, mtp_tensor_names, reference_mtp, write_mtp_checkpoint
 
 pytest.importorskip("megatron.core")
 
 LENGTHS = (9, 2, 12, 5, 3)  # a 2-token sequence has no MTP target, a 3-token one a single target
 MTP_SCALE = 0.3
+LAYERS = 2  # the tiny configs' decoder layers
 
 
 def _sequences() -> list[torch.Tensor]:
@@ -34,11 +36,18 @@ def _mtp_archs() -> list[str]:
     return [m for m in megatron_model_types() if get_spec(m).mcore.mtp is not None]
 
 
+def _layouts(model_type: str) -> list[str]:
+    from actorcore.archs import get_spec
+
+    return ["tp2", "pp2"] + (["ep2"] if get_spec(model_type).mlp_kind == "moe" else [])
+
+
 def _worker(rank: int, world_size: int, dirs: dict[str, tuple[str, str]]) -> dict:
-    return {model_type: _arch_layouts(mtp_dir, saved_dir) for model_type, (mtp_dir, saved_dir) in dirs.items()}
+    return {model_type: _arch_layouts(model_type, mtp_dir, saved_dir) for model_type, (mtp_dir, saved_dir) in
+            dirs.items()}
 
 
-def _arch_layouts(mtp_dir: str, saved_dir: str) -> dict:
+def _arch_layouts(model_type: str, mtp_dir: str, saved_dir: str) -> dict:
     """TP=2, PP=2 (the MTP layer on the last stage), EP=2 (its experts split): load, export, log-probs with the
     MTP loss (forward and backward); at TP=2 also the default build (MTP dropped), at PP=2 a Megatron checkpoint
     for the CLI."""
@@ -47,31 +56,36 @@ def _arch_layouts(mtp_dir: str, saved_dir: str) -> dict:
     from transformers import AutoConfig
 
     from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
     from actorcore.mcore.forward import compute_logprobs, mtp_loss
+    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.mcore.weight_stream import gather_hf_state_dict
     from actorcore.testing.mcore_cases import stapled_attributes
 
     hf_config = AutoConfig.from_pretrained(mtp_dir)
+    layout = checkpoint_expert_layout(mtp_dir, hf_config)
     batch = ac.pack(_sequences())
+    sizes = {"tp2": dict(tp=2), "pp2": dict(pp=2), "ep2": dict(ep=2)}
     out: dict = {}
     with CpuRuntime():
-        for name, parallel in (("tp2", McoreParallel(tp=2)), ("pp2", McoreParallel(pp=2)),
-                               ("ep2", McoreParallel(ep=2))):
+        for name in _layouts(model_type):
+            parallel = McoreParallel(**sizes[name])
             context = initialize_megatron(parallel)
-            model = build_gpt_model(hf_config, parallel, mtp=True)
+            model = build_gpt_model(hf_config, parallel, mtp=True, expert_layout=layout)
             load_hf_into_mcore(model, mtp_dir)
             result = compute_logprobs(model, batch, mtp_loss_scale=MTP_SCALE,
                                       loss_fn=lambda o, b: o.log_probs.sum() * 0.0)
+            mtp_layers = [m for chunk in model.chunks if chunk.mtp_process for m in chunk.mtp.layers]
             got = dict(state=gather_hf_state_dict(model), log_probs=result.log_probs, stapled=stapled_attributes(model),
                        mtp=result.mtp_log_probs, loss=mtp_loss(result.mtp_log_probs, batch), tp_rank=context.tp_rank,
                        grads=[p.grad.clone() for n, p in model.chunks[-1].named_parameters()
-                              if n.endswith("eh_proj.weight") and p.grad is not None])
+                              if n.endswith("eh_proj.weight") and p.grad is not None],
+                       mtp_blocks=[(type(m.transformer_layer.self_attention).__name__,
+                                    type(m.transformer_layer.mlp).__name__) for m in mtp_layers])
             if name == "tp2":
-                plain = build_gpt_model(hf_config, parallel)  # the default: MTP tensors dropped
+                plain = build_gpt_model(hf_config, parallel, expert_layout=layout)  # the default: MTP tensors dropped
                 load_hf_into_mcore(plain, mtp_dir)
                 got["plain"] = compute_logprobs(plain, batch).log_probs
                 got["plain_names"] = sorted(gather_hf_state_dict(plain))
@@ -86,42 +100,60 @@ def _arch_layouts(mtp_dir: str, saved_dir: str) -> dict:
     return out
 
 
-def test_mtp_roundtrip_loss_and_packing():
+@pytest.fixture(scope="module")
+def mtp_world(tmp_path_factory):
+    """Every MTP architecture's checkpoint, the two-rank results, and the CLI's conversions (both ways, and back
+    from the PP=2 Megatron checkpoint)."""
     from actorcore.cli.convert import main as convert
     from actorcore.testing.checkpoints import load_checkpoint_tensors
 
+    root = str(tmp_path_factory.mktemp("mcore_mtp"))
     archs = _mtp_archs()
-    assert {"deepseek_v3", "glm4_moe"} <= set(archs)
-    with tempfile.TemporaryDirectory() as root:
-        dirs, donors = {}, {}
-        for model_type in archs:
-            os.makedirs(os.path.join(root, model_type))
-            mtp_dir, donors[model_type] = write_mtp_checkpoint(os.path.join(root, model_type), model_type)
-            dirs[model_type] = (mtp_dir, os.path.join(root, model_type, "mcore-pp2"))
-        results = run_distributed(_worker, 2, args=(dirs,))
-        for model_type, (mtp_dir, saved) in dirs.items():
-            back = os.path.join(root, model_type, "back")
-            # The Megatron checkpoint written at PP=2 (MTP on the last stage) converts back with the CLI, bit-exact.
-            assert convert(["mcore-to-hf", saved, back]) == 0
-            _check_arch(model_type, mtp_dir, donors[model_type], load_checkpoint_tensors(back),
-                        [r[model_type] for r in results])
+    dirs, donors = {}, {}
+    for model_type in archs:
+        os.makedirs(os.path.join(root, model_type))
+        mtp_dir, donors[model_type] = write_mtp_checkpoint(os.path.join(root, model_type), model_type)
+        dirs[model_type] = (mtp_dir, os.path.join(root, model_type, "mcore-pp2"))
+    results = run_distributed(_worker, 2, args=(dirs,))
+    exported = {}
+    for model_type, (mtp_dir, saved) in dirs.items():
+        base = os.path.join(root, model_type)
+        assert convert(["mcore-to-hf", saved, os.path.join(base, "back-pp2")]) == 0
+        assert convert(["hf-to-mcore", mtp_dir, os.path.join(base, "mcore-cli"), "--mtp"]) == 0
+        assert convert(["mcore-to-hf", os.path.join(base, "mcore-cli"), os.path.join(base, "back-cli")]) == 0
+        exported[model_type] = {k: load_checkpoint_tensors(os.path.join(base, k)) for k in ("back-pp2", "back-cli")}
+    return dict(archs=archs, dirs=dirs, donors=donors, results=results, exported=exported)
 
 
-def _check_arch(model_type: str, mtp_dir: str, donor_dir: str, exported: dict, results: list[dict]) -> None:
+def test_mtp_archs_include_both_release_layouts(mtp_world):
+    assert {"deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"} <= set(mtp_world["archs"])
+
+
+@pytest.mark.parametrize("model_type", _mtp_archs())
+def test_mtp_roundtrip_loss_and_packing(mtp_world, model_type):
     from safetensors.torch import load_file
+    from transformers import AutoConfig
 
+    from actorcore.archs import get_spec
     from actorcore.testing.tolerances import TOL
 
+    mtp_dir, _ = mtp_world["dirs"][model_type]
     reference = load_file(os.path.join(mtp_dir, "model.safetensors"))
-    main_ref, mtp_rows, ref_loss, ref_grad = reference_mtp(mtp_dir, donor_dir, _sequences(), MTP_SCALE)
-    assert sorted(exported) == sorted(reference), model_type
-    assert all(torch.equal(exported[k], v) and exported[k].dtype == v.dtype for k, v in reference.items())
-    layers = 2
-    mtp_names = {n for n in reference if n.startswith(f"model.layers.{layers}.")}
-    assert f"model.layers.{layers}.mlp.experts.3.up_proj.weight" in mtp_names  # the MTP layer is a MoE layer
-    ref_main = main_ref
+    for how, exported in mtp_world["exported"][model_type].items():  # the CLI, both ways: bit-exact
+        assert sorted(exported) == sorted(reference), (model_type, how, set(exported) ^ set(reference))
+        assert all(torch.equal(exported[k], v) and exported[k].dtype == v.dtype for k, v in reference.items()), how
+        back = AutoConfig.from_pretrained(os.path.join(os.path.dirname(mtp_dir), how))
+        assert all(getattr(back, k) == v for k, v in MTP_CONFIG_FIELDS[model_type].items()), how
+    main_ref, mtp_rows, ref_loss, ref_grad = reference_mtp(mtp_dir, mtp_world["donors"][model_type], _sequences(),
+                                                           MTP_SCALE)
+    mtp_names = mtp_tensor_names(model_type, reference, LAYERS)
+    moe = get_spec(model_type).mlp_kind == "moe"
+    # The MTP layer is a MoE layer in the MoE models (one tensor per expert, or stacked per layer).
+    assert moe == any(".mlp.experts." in n for n in mtp_names), model_type
     ref_mtp = torch.cat(mtp_rows)
+    results = [r[model_type] for r in mtp_world["results"]]
     for result in results:
+        assert sorted(result) == sorted(_layouts(model_type))
         for layout, got in result.items():
             name = f"{model_type} {layout}"
             state = got["state"]
@@ -129,13 +161,16 @@ def _check_arch(model_type: str, mtp_dir: str, donor_dir: str, exported: dict, r
             assert sorted(state) == sorted(reference), (name, set(state) ^ set(reference))
             for key, tensor in reference.items():
                 assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), (name, key)
+            # the MTP decoder layer: full attention (Megatron's), the MLP of the release's layer
+            for attention, mlp in got["mtp_blocks"]:
+                assert attention.endswith("SelfAttention") and mlp == ("MoELayer" if moe else "MLP"), (name, mlp)
             if layout == "tp2":
                 assert set(got["plain_names"]) == set(reference) - mtp_names
                 # The main head is unchanged by MTP (bitwise).
                 assert torch.equal(got["log_probs"], got["plain"])
                 assert "mtp=True" in got["refusal"]
             # ... and equals transformers' fp32 forward.
-            torch.testing.assert_close(got["log_probs"], ref_main, atol=TOL["mcore_vs_hf_fp32"], rtol=0)
+            torch.testing.assert_close(got["log_probs"], main_ref, atol=TOL["mcore_vs_hf_fp32"], rtol=0)
             # MTP depth 1, per token, against the per-sequence reference: 0 at each sequence's first two tokens.
             assert got["mtp"].shape == (1, sum(LENGTHS)), name
             starts = torch.tensor([0, *LENGTHS[:-1]]).cumsum(0)
@@ -149,8 +184,8 @@ def _check_arch(model_type: str, mtp_dir: str, donor_dir: str, exported: dict, r
                 scale = expected.abs().max()
                 torch.testing.assert_close(grad / scale, expected / scale, atol=TOL["grad_mcore_vs_hf_fp32_rel"],
                                            rtol=0)
-    assert any(r["pp2"]["grads"] for r in results)
-    assert all(r["tp2"]["grads"] and r["ep2"]["grads"] for r in results)
+    assert any(r["pp2"]["grads"] and r["pp2"]["mtp_blocks"] for r in results)  # the last stage's
+    assert all(r[layout]["grads"] and r[layout]["mtp_blocks"] for r in results for layout in r if layout != "pp2")
 
 
 def test_mtp_copy_that_differs_is_refused(tmp_path):
@@ -171,10 +206,12 @@ def test_mtp_copy_that_differs_is_refused(tmp_path):
 
 
 def test_mtp_refusals():
-    """Asking for MTP where there is none, or under context parallelism, is a ValueError saying what to do."""
+    """Asking for MTP where there is none, or under context parallelism, is a ValueError saying what to do; an MTP
+    head the Megatron route cannot express is refused naming the config field."""
     from types import SimpleNamespace
 
     from actorcore.archs.spec import UnsupportedArchitectureError
+    from actorcore.errors import UnsupportedConfigError
     from actorcore.mcore.forward import _check_mtp
     from actorcore.mcore.model import mtp_layer_count
     from actorcore.mcore.parallel import McoreParallel
@@ -186,6 +223,19 @@ def test_mtp_refusals():
         mtp_layer_count(tiny_config("deepseek_v3", num_nextn_predict_layers=0), True)
     with pytest.raises(UnsupportedArchitectureError, match="multi-token-prediction"):
         mtp_layer_count(tiny_config("qwen3"), True)
+    # Qwen3.5 counts mtp_num_hidden_layers, Qwen3-Next num_nextn_predict_layers (or that); one when neither is set.
+    assert mtp_layer_count(tiny_config("qwen3_5_text", mtp_num_hidden_layers=1), True) == 1
+    assert mtp_layer_count(tiny_config("qwen3_next"), True) == 1
+    assert mtp_layer_count(tiny_config("qwen3_next", mtp_num_hidden_layers=1), True) == 1
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers >= 1"):
+        mtp_layer_count(tiny_config("qwen3_5_moe_text", mtp_num_hidden_layers=0), True)
+    with pytest.raises(UnsupportedConfigError, match=r"num_nextn_predict_layers=2 \(at most 1\).*one fc"):
+        mtp_layer_count(tiny_config("qwen3_next", num_nextn_predict_layers=2), True)
+    with pytest.raises(UnsupportedConfigError, match=r"mtp_num_hidden_layers=3 \(at most 1\)"):
+        mtp_layer_count(tiny_config("qwen3_5_text", mtp_num_hidden_layers=3), True)
+    with pytest.raises(UnsupportedConfigError, match="mtp_use_dedicated_embeddings=True.*embedding of its own"):
+        mtp_layer_count(tiny_config("qwen3_5_text", mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=True), True)
+
     def model(cp: int, mtp_layers: int = 1) -> SimpleNamespace:  # what _check_mtp reads of an McoreModel
         return SimpleNamespace(mtp_layers=mtp_layers, parallel=McoreParallel(cp=cp),
                                config=SimpleNamespace(pipeline_model_parallel_layout=None))

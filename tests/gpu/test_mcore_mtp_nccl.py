@@ -1,7 +1,8 @@
-"""DeepSeek-V3 multi-token prediction on the Megatron route with NCCL (2 GPUs): at TP=2 (sequence parallelism) and
-PP=2 the MTP checkpoint exports back bit-exact, the main log-probs equal transformers' fp32 forward, and the MTP
-log-probs, loss and ``eh_proj`` gradient equal the plain-torch MTP forward on the CPU. Skipped without two CUDA
-devices or megatron-core."""
+"""Multi-token prediction on the Megatron route with NCCL (2 GPUs), DeepSeek-V3's layout and Qwen3-Next's /
+Qwen3.5-MoE's ``mtp.*`` head (the latter's experts stacked, as its release stores them): at TP=2 (sequence
+parallelism) and PP=2 the MTP checkpoint exports back bit-exact, the main log-probs equal transformers' fp32 forward,
+and the MTP log-probs, loss and ``eh_proj`` gradient equal the plain-torch MTP forward on the CPU. Skipped without two
+CUDA devices or megatron-core."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
     from actorcore.mcore.forward import compute_logprobs, mtp_loss
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
@@ -36,7 +37,9 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
 
     parallel = McoreParallel(tp=tp, pp=pp)
     context = initialize_megatron(parallel)
-    mcore_model = build_gpt_model(AutoConfig.from_pretrained(mtp_dir), parallel, mtp=True)
+    hf_config = AutoConfig.from_pretrained(mtp_dir)
+    mcore_model = build_gpt_model(hf_config, parallel, mtp=True,
+                                  expert_layout=checkpoint_expert_layout(mtp_dir, hf_config))
     chunks = mcore_model.chunks
     load_hf_into_mcore(mcore_model, mtp_dir)
     batch = ac.pack(_sequences())
@@ -49,8 +52,9 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
                 tp_rank=context.tp_rank)
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next", "qwen3_5_moe_text"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_mtp_on_nccl(tp, pp):
+def test_mtp_on_nccl(tp, pp, model_type):
     pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
     from test_mcore_nccl import _run_nccl
@@ -58,7 +62,7 @@ def test_mtp_on_nccl(tp, pp):
     from actorcore.testing.mtp import reference_mtp, write_mtp_checkpoint
 
     with tempfile.TemporaryDirectory() as root:
-        mtp_dir, donor_dir = write_mtp_checkpoint(root)
+        mtp_dir, donor_dir = write_mtp_checkpoint(root, model_type)
         results = _run_nccl(_worker, 2, (tp, pp, mtp_dir))
         reference = load_file(os.path.join(mtp_dir, "model.safetensors"))
         main_ref, mtp_rows, ref_loss, ref_grad = reference_mtp(mtp_dir, donor_dir, _sequences(), MTP_SCALE)

@@ -113,6 +113,38 @@ def test_rule_patterns_resolve_indices():
     assert tied.hf_names_for({}, tied=True) == ("model.embed_tokens.weight",)
 
 
+def test_mtp_rules_map_both_release_layouts():
+    """An MTP layer's Megatron names map to where each release layout stores it: DeepSeek-V3's extra decoder layer
+    ``model.layers.{N + i}``, Qwen3-Next's / Qwen3.5's ``mtp.*`` head (``fc`` is ``eh_proj``, the decoder layer under
+    ``mtp.layers.{i}``); a checkpoint's MTP tensors are found as such (dropped when built without MTP), an extra layer
+    is not."""
+    from actorcore.mcore.load import _mtp_tensors
+    from actorcore.testing.tiny_configs import tiny_config
+
+    deepseek, qwen = get_spec("deepseek_v3").mcore, get_spec("qwen3_next").mcore
+    rule, idx = deepseek.with_mtp().rule_for_mcore("mtp.layers.2.transformer_layer.mlp.router.weight")
+    assert rule.hf_names_for(idx) == ("model.layers.2.mlp.gate.weight",)
+    for mcore, hf in [("mtp.layers.0.eh_proj.weight", ("mtp.fc.weight",)),
+                      ("mtp.layers.0.enorm.weight", ("mtp.pre_fc_norm_embedding.weight",)),
+                      ("mtp.layers.0.hnorm.weight", ("mtp.pre_fc_norm_hidden.weight",)),
+                      ("mtp.layers.0.final_layernorm.weight", ("mtp.norm.weight",)),
+                      ("mtp.layers.0.transformer_layer.mlp.experts.local_experts.3.linear_fc2.weight",
+                       ("mtp.layers.0.mlp.experts.3.down_proj.weight",)),
+                      ("mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight",
+                       tuple(f"mtp.layers.0.self_attn.{p}_proj.weight" for p in "qkv"))]:
+        rule, idx = qwen.with_mtp().rule_for_mcore(mcore)
+        assert rule.hf_names_for(idx) == hf, mcore
+    assert qwen.mtp.hf_layers(48, 1) == range(0, 1) and deepseek.mtp.hf_layers(61, 1) == range(61, 62)
+    names = {"mtp.fc.weight", "mtp.layers.0.input_layernorm.weight", "model.norm.weight",
+             "model.layers.0.mlp.gate.weight"}
+    assert _mtp_tensors(qwen, names, tiny_config("qwen3_next")) == ["mtp.fc.weight",
+                                                                   "mtp.layers.0.input_layernorm.weight"]
+    names = {"model.layers.2.enorm.weight", "model.layers.2.mlp.gate.weight", "model.layers.2.embed_tokens.weight",
+             "model.layers.3.mlp.gate.weight", "model.layers.1.mlp.gate.weight"}
+    assert _mtp_tensors(deepseek, names, tiny_config("deepseek_v3", num_nextn_predict_layers=1)) == [
+        "model.layers.2.embed_tokens.weight", "model.layers.2.enorm.weight", "model.layers.2.mlp.gate.weight"]
+
+
 def test_rules_validate_themselves():
     with pytest.raises(ValueError, match="parallel"):
         WeightRule("a.weight", ("b.weight",), parallel="diagonal")

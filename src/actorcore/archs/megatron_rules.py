@@ -121,7 +121,7 @@ class McoreSpec:
     # saved by transformers 4.52-4.57 (``model.language_model.`` for ``model.``); ``for_checkpoint`` renames the
     # rules' HF names when the checkpoint uses them (every pair at once; export keeps the rules' names).
     stored_prefixes: tuple[tuple[str, str], ...] = ()
-    # Multi-token prediction (DeepSeek-V3 style), used when the model is built with MTP layers: see ``MtpRules``.
+    # Multi-token prediction, used when the model is built with MTP layers: see ``MtpRules``.
     mtp: "MtpRules | None" = None
     # HF config fields this architecture maps one-to-one onto TransformerConfig fields, both ways (``(hf, mcore)``
     # pairs), where the generic table cannot: e.g. GLM-4.5's ``attention_bias`` biases q, k and v only
@@ -131,8 +131,6 @@ class McoreSpec:
     partial_rotary: bool = False
     # A text model whose M-RoPE sections (``rope_parameters.mrope_section``) always see the same position: plain RoPE.
     text_mrope: bool = False
-    # HF tensor-name prefixes that checkpoints store and the model does not use (dropped on load with a warning).
-    ignored_hf_prefixes: tuple[str, ...] = ()
     # The MLP activation (``MLP_ACTIVATIONS``): "hidden_act", the config's ``hidden_act`` as a GLU; "clamped_swiglu",
     # gpt-oss's experts: gate clamped above and up clamped to +-swiglu_limit, gate * sigmoid(swiglu_alpha * gate)
     # * (up + 1) (the config's ``hidden_act`` is not used).
@@ -181,15 +179,31 @@ class McoreSpec:
         return dataclasses.replace(self, rules=kept + self.grouped_expert_rules)
 
     def with_mtp(self) -> "McoreSpec":
-        """This spec plus the rules of the multi-token-prediction layers (``mtp.layers.{layer}.*``, where
-        ``{layer}`` is the HF layer index ``num_hidden_layers + i``): the MTP-only rules, and every decoder-layer
-        rule again under the MTP layer's ``transformer_layer`` (in the expert layout this spec already chose)."""
+        """This spec plus the rules of its multi-token-prediction layers (``mtp_layer_rules``)."""
+        return dataclasses.replace(self, rules=self.rules + self.mtp_layer_rules())
+
+    def mtp_layer_rules(self) -> tuple[WeightRule, ...]:
+        """The rules of the multi-token-prediction layers (``mtp.layers.{layer}.*``, ``{layer}`` the MTP layer's HF
+        index, ``MtpRules.hf_layers``): the MTP-only rules, and every decoder-layer rule again under the MTP layer's
+        ``transformer_layer``, its HF names where the checkpoint stores the MTP layer's decoder layer
+        (``MtpRules.layer_hf_prefix``), in the expert layout this spec already chose."""
         if self.mtp is None:
             raise ValueError("this architecture declares no multi-token-prediction rules")
+        prefix = self.mtp.layer_hf_prefix
+
+        def rehomed(name: str) -> str:
+            if prefix == _L:
+                return name
+            if not name.startswith(_L):
+                raise ValueError(f"{name}: a decoder-layer HF name outside {_L!r} cannot be moved under the MTP "
+                                 f"layers' {prefix!r}")
+            return prefix + name[len(_L):]
+
         layer = tuple(dataclasses.replace(r, mcore_name=MTP_PREFIX + "transformer_layer."
-                                          + r.mcore_name[len(DECODER_PREFIX):])
+                                          + r.mcore_name[len(DECODER_PREFIX):],
+                                          hf_names=tuple(rehomed(n) for n in r.hf_names))
                       for r in self.rules if r.mcore_name.startswith(DECODER_PREFIX))
-        return dataclasses.replace(self, rules=self.rules + self.mtp.rules + layer)
+        return self.mtp.rules + layer
 
     @property
     def uses_grouped_experts(self) -> bool:
@@ -207,20 +221,78 @@ class McoreSpec:
 
 @dataclass(frozen=True)
 class MtpRules:
-    """The multi-token-prediction part of a spec (DeepSeek-V3's ``model.layers.{num_hidden_layers + i}.*``).
+    """The multi-token-prediction part of a spec: how the checkpoint stores the MTP layers and what they are built as.
 
-    ``rules``: the MTP-only parameters (norms, projection, head norm). The MTP layer's decoder layer reuses the
-    spec's decoder-layer rules (``McoreSpec.with_mtp``). ``shared``: HF tensors that the checkpoint stores as
-    copies of main-model tensors (``(copy pattern, source HF name)``): Megatron's MTP shares the embedding and
-    output layer with the main model, so loading checks that each copy equals its source bitwise, and export
-    writes the source again under the copy's name.
+    Two layouts exist. DeepSeek-V3 / GLM-4.5 store MTP layer ``i`` as one more decoder layer,
+    ``model.layers.{num_hidden_layers + i}.*``, holding its norms, projection and head norm beside the decoder layer
+    (and copies of the embedding and head). Qwen3-Next / Qwen3.5 store one head under ``mtp.``: ``fc``,
+    ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm`` around the decoder layer ``mtp.layers.{i}.*``.
+
+    ``rules``: the MTP-only parameters (norms, projection, head norm), ``{layer}`` being the MTP layer's HF index
+    (``hf_layers``). ``layer_hf_prefix``: where the checkpoint stores an MTP layer's decoder layer; the spec's
+    decoder-layer rules are re-rooted there (``McoreSpec.mtp_layer_rules``). ``first_hf_layer``: the HF index of MTP
+    layer 0 (None: ``num_hidden_layers``, right after the decoder). ``hf_prefix``: every checkpoint tensor under it
+    belongs to the MTP head (dropped with a warning when the model is built without MTP layers); None: the tensors
+    the rules name in the MTP layers' indices. ``shared``: HF tensors that the checkpoint stores as copies of
+    main-model tensors (``(copy pattern, source HF name)``): Megatron's MTP shares the embedding and output layer
+    with the main model, so loading checks that each copy equals its source bitwise, and export writes the source
+    again under the copy's name.
+
+    ``count_fields``: the HF config fields giving the number of MTP layers (the first one present), else
+    ``default_count``. ``max_layers``: the most the layout can express (``max_layers_reason`` says why).
+    ``refused_fields``: ``(HF config field, reason)`` pairs: a config that sets the field cannot build its MTP layers.
+    ``decoder_layer_like``: the main decoder layer whose kind (dense or MoE MLP) an MTP layer's full-attention decoder
+    layer has; None: the last one (Megatron's own choice).
     """
 
     rules: tuple[WeightRule, ...]
     shared: tuple[tuple[str, str], ...] = ()
+    layer_hf_prefix: str = "model.layers.{layer}."
+    first_hf_layer: int | None = None
+    hf_prefix: str | None = None
+    count_fields: tuple[str, ...] = ("num_nextn_predict_layers",)
+    default_count: int = 0
+    max_layers: int | None = None
+    max_layers_reason: str = ""
+    refused_fields: tuple[tuple[str, str], ...] = ()
+    decoder_layer_like: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.count_fields:
+            raise ValueError("MtpRules.count_fields names at least one HF config field")
+        if self.max_layers is not None and not self.max_layers_reason:
+            raise ValueError("MtpRules.max_layers needs max_layers_reason (what the refusal says)")
 
     def shared_names(self, layer: int) -> list[tuple[str, str]]:
         return [(copy.format(layer=layer), source) for copy, source in self.shared]
+
+    def count_field(self, hf_config: Any) -> tuple[str, int]:
+        """(the config field that gives the number of MTP layers, that number): the first of ``count_fields``
+        present, else the first one with ``default_count``."""
+        for name in self.count_fields:
+            value = getattr(hf_config, name, None)
+            if value is not None:
+                return name, int(value)
+        return self.count_fields[0], self.default_count
+
+    def count(self, hf_config: Any) -> int:
+        """The number of MTP layers the HF config declares."""
+        return self.count_field(hf_config)[1]
+
+    def hf_layers(self, num_hidden_layers: int, count: int) -> range:
+        """HF indices of the ``count`` MTP layers of a model with ``num_hidden_layers`` decoder layers."""
+        first = num_hidden_layers if self.first_hf_layer is None else self.first_hf_layer
+        return range(first, first + count)
+
+    def refusal(self, hf_config: Any) -> str | None:
+        """Why this config's MTP layers cannot be built (None: they can)."""
+        for name, reason in self.refused_fields:
+            if getattr(hf_config, name, None):
+                return f"{name}={getattr(hf_config, name)!r}: {reason}"
+        name, count = self.count_field(hf_config)
+        if self.max_layers is not None and count > self.max_layers:
+            return f"{name}={count} (at most {self.max_layers}): {self.max_layers_reason}"
+        return None
 
 
 # ---- Rule sets shared by the spec files (compose them with tuple concatenation). ----------------------
@@ -379,6 +451,29 @@ DEEPSEEK_MTP_RULES = MtpRules(
 
 
 # ---- Hybrid Gated DeltaNet / gated attention (Qwen3-Next, Qwen3.5): see mcore/linear_attention.py. ------------
+
+# Qwen3-Next / Qwen3.5's multi-token-prediction head, as vLLM's ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py`` load and run
+# it: h' = fc(cat(pre_fc_norm_embedding(emb(t+1)), pre_fc_norm_hidden(h))) -> the decoder layer mtp.layers.{i} (full
+# attention; its MLP of the kind of main layer i) -> norm -> the main model's head, the norms zero-centred as the
+# model's. Megatron's MTP concatenates in the same order ([embedding, hidden] before eh_proj): fc is eh_proj as stored.
+QWEN_MTP_RULES = MtpRules(
+    rules=(
+        WeightRule(MTP_PREFIX + "enorm.weight", ("mtp.pre_fc_norm_embedding.weight",)),
+        WeightRule(MTP_PREFIX + "hnorm.weight", ("mtp.pre_fc_norm_hidden.weight",)),
+        WeightRule(MTP_PREFIX + "eh_proj.weight", ("mtp.fc.weight",), parallel="column"),
+        WeightRule(MTP_PREFIX + "final_layernorm.weight", ("mtp.norm.weight",)),
+    ),
+    layer_hf_prefix="mtp.layers.{layer}.", first_hf_layer=0, hf_prefix="mtp.",
+    count_fields=("mtp_num_hidden_layers",), default_count=1, max_layers=1,
+    max_layers_reason="the checkpoint holds one fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm for all its "
+                      "mtp.layers.{i} (vLLM runs layer i at draft step i with the same ones), while each of Megatron's "
+                      "MTP depths has its own enorm / hnorm / eh_proj / final_layernorm, trained apart; build with "
+                      "mtp=False, or from a config with one MTP layer (as the releases have)",
+    refused_fields=(("mtp_use_dedicated_embeddings", "the MTP head has an embedding of its own, and Megatron's MTP "
+                     "always uses the main model's; build with mtp=False"),),
+    decoder_layer_like=0,
+)
+
 
 # Full-attention layers: q_proj yields the query and the sigmoid output gate (Megatron's attention_output_gate);
 # q/k norms. The norms of these families are zero-centred (stored weight w scales by 1 + w): same tensors.

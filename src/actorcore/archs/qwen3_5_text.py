@@ -6,11 +6,12 @@ partial RoPE (``self_attn``: the module applies its output gate around the atten
 Megatron route: the linear-attention layers run actorcore's ``PackedGatedDeltaNet`` (``mcore/linear_attention.py``);
 the full-attention layers Megatron's attention with ``attention_output_gate`` and q/k norms; every RMSNorm but the
 DeltaNet's gated one is zero-centred (``1 + w``); RoPE on the first ``partial_rotary_factor`` of each head (the
-config's M-RoPE sections see one text position, i.e. plain RoPE). Checkpoints' ``mtp.*`` tensors (the MTP head, which
-transformers does not build either) are dropped on load."""
+config's M-RoPE sections see one text position, i.e. plain RoPE). The checkpoints' multi-token-prediction head
+(``mtp.*``, ``mtp_num_hidden_layers`` layers; transformers does not build it) is Megatron's MTP when the model is built
+with ``mtp=True`` (``QWEN_MTP_RULES``), and dropped on load otherwise."""
 
 from actorcore.archs.megatron_rules import (DENSE_MLP_RULES, GATED_ATTENTION_RULES, GDN_SEPARATE_RULES,
-                                            CAUSAL_LM_EMBEDDING_RULES, McoreSpec)
+                                            QWEN_MTP_RULES, CAUSAL_LM_EMBEDDING_RULES, McoreSpec)
 from actorcore.archs.spec import ArchSpec, LinearAttentionSpec
 
 # The TransformerConfig fields every Qwen3.5 / Qwen3-Next model fixes.
@@ -21,5 +22,5 @@ SPEC = ArchSpec(
     linear_attention=LinearAttentionSpec(module="linear_attn", projections="separate"),
     mcore=McoreSpec(rules=CAUSAL_LM_EMBEDDING_RULES + GATED_ATTENTION_RULES + GDN_SEPARATE_RULES + DENSE_MLP_RULES,
                     config_overrides=HYBRID_OVERRIDES, partial_rotary=True, text_mrope=True,
-                    ignored_hf_prefixes=("mtp.",)),
+                    mtp=QWEN_MTP_RULES),
 )

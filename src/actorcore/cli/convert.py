@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
     to_mcore.add_argument("--mtp", action="store_true",
                           help="keep the multi-token-prediction layers (DeepSeek-V3's model.layers.{num_hidden_layers}"
-                               ".*); without it they are dropped (logged)")
+                               ".*, Qwen3-Next's / Qwen3.5's mtp.*); without it they are dropped (logged)")
     to_mcore.add_argument("--vocab-multiple", type=int, default=128,
                           help="pad the vocabulary to a multiple of this (must be divisible by every TP size used)")
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors + config")
@@ -239,7 +239,8 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     with atomic_output(args.dst) as out, _megatron_runtime(0, 1, free_port()):
         initialize_megatron(McoreParallel())
         model = build_gpt_model(hf_config, McoreParallel(), dtype, vocab_multiple=int(meta["vocab_multiple"]),
-                                mtp=bool(meta.get("mtp_layers")), perform_initialization=False)  # the load fills all
+                                mtp=bool(meta.get("mtp_layers")), expert_layout=meta.get("expert_layout"),
+                                perform_initialization=False)  # the load fills all; export writes the source's layout
         fault_points.reach("loading")
         load_mcore_checkpoint(model, src)
         copy_hf_side_files(os.path.join(src, HF_DIR), out)

@@ -2,7 +2,8 @@
 
 The checkpoint directory holds Megatron's sharded tensors (global shapes, loadable at any TP / PP / EP
 layout) plus ``hf/``: the source HF config and tokenizer files, and ``actorcore.json``: what is needed to
-rebuild the model (model type, vocabulary padding, the number of MTP layers it was built with).
+rebuild the model (model type, vocabulary padding, the number of MTP layers and the expert layout it was built
+with).
 
 Saving writes the shards in the calling process (``_InProcessSaveStrategy``): megatron-core's default writer
 forks worker processes and a manager process, which a signal can kill while the parent waits on them for
@@ -78,7 +79,7 @@ def _in_process_save_strategy() -> Any:
 
 def save_mcore_checkpoint(model: McoreModel, directory: str, hf_dir: str) -> None:
     """Collective: every rank calls it with its model; rank 0 also writes the HF side files (from ``hf_dir``)
-    and the metadata (the vocabulary padding and MTP layers the model was built with)."""
+    and the metadata (the vocabulary padding, MTP layers and expert layout the model was built with)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -89,7 +90,8 @@ def save_mcore_checkpoint(model: McoreModel, directory: str, hf_dir: str) -> Non
     if not dist.is_initialized() or dist.get_rank() == 0:
         copy_hf_side_files(hf_dir, os.path.join(directory, HF_DIR))
         meta = {"format": "actorcore-mcore/1", "model_type": model.hf_config.model_type,
-                "vocab_multiple": model.vocab_multiple, "mtp_layers": model.mtp_layers}
+                "vocab_multiple": model.vocab_multiple, "mtp_layers": model.mtp_layers,
+                "expert_layout": model.expert_layout}
         with open(os.path.join(directory, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
 

@@ -62,6 +62,13 @@ class McoreModel:
         return self.config.mtp_num_layers or 0
 
     @property
+    def mtp_hf_layers(self) -> range:
+        """HF indices of the MTP layers (``MtpRules.hf_layers``: ``num_hidden_layers + i`` or ``i``); empty without."""
+        if not self.mtp_layers:
+            return range(0)
+        return self.spec.mtp.hf_layers(self.config.num_layers, self.mtp_layers)
+
+    @property
     def token_multiple(self) -> int:
         """What a packed batch's token count is padded to before the forward (``McoreParallel.token_multiple``)."""
         return self.parallel.token_multiple(bool(self.config.sequence_parallel))

@@ -75,19 +75,17 @@ def _check_shared_copies(reader: SafetensorsReader, copies: dict[str, list[str]]
 
 
 def _mtp_tensors(spec: McoreSpec, names: set[str], hf_config: Any) -> list[str]:
-    """The checkpoint's MTP tensors: named by the spec's MTP rules, in the layers ``num_hidden_layers + i`` for
-    ``i < num_nextn_predict_layers`` (any other extra layer stays an error)."""
-    layers = range(hf_config.num_hidden_layers,
-                   hf_config.num_hidden_layers + (getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
-    if spec.mtp is None or not layers:
+    """The checkpoint's MTP tensors: those under the MTP head's own prefix (``MtpRules.hf_prefix``), and those the
+    spec's MTP rules name in the MTP layers' HF indices (any other extra layer stays an error)."""
+    if spec.mtp is None:
         return []
-    with_mtp = spec.with_mtp()
-    copies = [WeightRule(copy, (copy,)) for copy, _ in spec.mtp.shared]
+    layers = spec.mtp.hf_layers(hf_config.num_hidden_layers, spec.mtp.count(hf_config))
+    rules = spec.mtp_layer_rules() + tuple(WeightRule(copy, (copy,)) for copy, _ in spec.mtp.shared)
     found = []
     for name in names:
-        hits = [idx for _, idx in with_mtp.rules_for_hf(name)]
-        hits += [idx for copy in copies if (idx := copy.match_hf(name)) is not None]
-        if any(idx.get("layer") in layers for idx in hits):
+        if spec.mtp.hf_prefix is not None and name.startswith(spec.mtp.hf_prefix):
+            found.append(name)
+        elif any((idx := rule.match_hf(name)) is not None and idx.get("layer") in layers for rule in rules):
             found.append(name)
     return sorted(found)
 
@@ -122,7 +120,7 @@ def _load_parameter(model: McoreModel, reader: SafetensorsReader, rules: McoreSp
                     param: torch.Tensor, consumed: set[str]) -> list[str]:
     """Fill one local parameter from its HF tensors; returns the problems found (then it is left as it was)."""
     context, hf_config = model.context, model.hf_config
-    name = global_mcore_name(chunk, local_name, context)
+    name = global_mcore_name(chunk, local_name, context, model.mtp_hf_layers)
     try:
         rule, indices = rules.rule_for_mcore(name)
     except KeyError as exc:
@@ -170,7 +168,7 @@ def load_hf_into_mcore(model: McoreModel, hf_dir: str, *, progress: bool = False
     for chunk, local_name, param in items:
         problems += _load_parameter(model, reader, rules, chunk, local_name, param, consumed)
     if model.mtp_layers:
-        problems += _check_shared_copies(reader, shared_copies(rules, model.config, hf_config), consumed)
+        problems += _check_shared_copies(reader, shared_copies(rules, model.mtp_hf_layers, hf_config), consumed)
     everything = collectives.all_gather_object((sorted(consumed), problems), dist.group.WORLD)
     used = set().union(*(set(c) for c, _ in everything))
     problems = sorted(set(p for _, ps in everything for p in ps))
@@ -180,12 +178,7 @@ def load_hf_into_mcore(model: McoreModel, hf_dir: str, *, progress: bool = False
         logger.warning("%s: dropping the %d multi-token-prediction tensors (e.g. %s): the model is built without MTP "
                        "layers (build_gpt_model(..., mtp=True) or `convert hf-to-mcore --mtp` keeps them)", hf_dir,
                        len(dropped), dropped[0])
-    ignored = [n for n in extra if n.startswith(model.spec.ignored_hf_prefixes)] if model.spec.ignored_hf_prefixes \
-        else []
-    if ignored and (not dist.is_initialized() or dist.get_rank() == 0):
-        logger.warning("%s: dropping %d tensors the %s model does not use (e.g. %s)", hf_dir, len(ignored),
-                       hf_config.model_type, ignored[0])
-    extra = sorted(set(extra) - set(dropped) - set(ignored))
+    extra = sorted(set(extra) - set(dropped))
     if extra:
         problems.append(f"unexpected tensors not used by the {hf_config.model_type} model: {', '.join(extra)}")
     if problems:

@@ -7,7 +7,8 @@ swapped for ``SequenceParallelTorchNorm``, so sequence parallelism (needed to tr
 too. The model returns the final hidden states instead of logits: log-probs are computed by the fused
 vocabulary-parallel kernel from the output-layer weight, and a critic (``value_head=True``) has a
 replicated ``value_head`` [1, D] instead of an output layer. With ``mtp=True`` the last stage also holds the
-multi-token-prediction layers (DeepSeek-V3); the forward then returns their hidden states after the main ones.
+multi-token-prediction layers (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5); the forward then returns their hidden states
+after the main ones.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from actorcore.archs import get_spec, registered_model_types
 from actorcore.archs.spec import UnsupportedArchitectureError
+from actorcore.errors import UnsupportedConfigError
 from actorcore.mcore._megatron import require_megatron
 from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config, uses_interleaved_mrope
@@ -85,13 +87,18 @@ def _return_hidden(hidden_states: torch.Tensor, weight: Any = None, runtime_gath
     return hidden_states, None
 
 
-def _mtp_block_spec(config: Any, block: Any, vp_stage: int | None) -> Any:
-    """Megatron's MTP block spec over this model's last decoder-layer spec (packed core attention included),
-    with every norm the sequence-parallel-capable torch norm (Megatron picks its fused or wrapped one)."""
-    from actorcore.mcore.norm import SequenceParallelTorchNorm
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+def _mtp_block_spec(config: Any, mtp: Any, core_attention: type, vp_stage: int | None) -> Any:
+    """Megatron's MTP block spec: each MTP layer's decoder layer is the full-attention spec of the main decoder layer
+    ``mtp.decoder_layer_like`` (the last when None; its dense or MoE MLP) with the packed core attention, and every
+    norm the sequence-parallel-capable torch norm (Megatron picks its fused or wrapped one)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
 
-    spec = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, vp_stage=vp_stage)
+    from actorcore.mcore.norm import SequenceParallelTorchNorm
+
+    layers = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization="RMSNorm")
+    like = config.num_layers - 1 if mtp.decoder_layer_like is None else mtp.decoder_layer_like
+    layer = with_sequence_parallel_norms(_with_core_attention(layers[like], core_attention))
+    spec = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False, vp_stage=vp_stage)
     if spec is None:
         return None
     norms = dict(enorm=SequenceParallelTorchNorm, hnorm=SequenceParallelTorchNorm,
@@ -127,13 +134,17 @@ def mtp_layer_count(hf_config: Any, mtp: bool) -> int | None:
     """``mtp_num_layers`` for a model built with (``mtp=True``) or without MTP layers; refuses what cannot have them."""
     if not mtp:
         return None
-    count = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
-    if mcore_spec_for(hf_config).mtp is None:
+    rules = mcore_spec_for(hf_config).mtp
+    if rules is None:
         raise UnsupportedArchitectureError(f"{hf_config.model_type} has no multi-token-prediction rules on the "
                                            "Megatron route: drop mtp=True (--mtp)")
+    field, count = rules.count_field(hf_config)
     if count < 1:
-        raise ValueError(f"mtp=True (--mtp) needs num_nextn_predict_layers >= 1 in the {hf_config.model_type} "
-                         f"config (it is {count}): the checkpoint has no MTP layers to build")
+        raise ValueError(f"mtp=True (--mtp) needs {field} >= 1 in the {hf_config.model_type} config (it is "
+                         f"{count}): the checkpoint has no MTP layers to build")
+    refusal = rules.refusal(hf_config)
+    if refusal is not None:
+        raise UnsupportedConfigError(f"{hf_config.model_type}: multi-token prediction with {refusal}")
     return count
 
 
@@ -154,8 +165,9 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     is on by default for MoE models at tp > 1 (megatron-core trains MoE under TP only with it);
     ``sequence_parallel=True`` / ``False`` in ``config_overrides`` chooses it for any model at tp > 1.
     ``dtype`` defaults to the checkpoint's (``checkpoint_dtype``), which keeps conversion bit-exact.
-    ``mtp=True`` builds the ``num_nextn_predict_layers`` multi-token-prediction layers on the last stage
-    (DeepSeek-V3); by default they are left out (a checkpoint's MTP tensors are then dropped on load).
+    ``mtp=True`` builds the config's multi-token-prediction layers (``num_nextn_predict_layers``; Qwen3.5's
+    ``mtp_num_hidden_layers``) on the last stage; by default they are left out (a checkpoint's MTP tensors are then
+    dropped on load).
     ``overlap_moe_expert_parallel_comm=True`` (a config override): forward-backward under Megatron's combined 1F1B
     schedule, the expert-parallel all-to-alls overlapped with compute on CUDA (``mcore/ep_overlap.py`` says what
     it needs and refuses).
@@ -268,7 +280,8 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
         block = with_sequence_parallel_norms(block)
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-        mtp_spec = _mtp_block_spec(config, block, stage) if config.mtp_num_layers else None
+        mtp_spec = (_mtp_block_spec(config, mcore_spec_for(hf_config).mtp, core_attention, stage)
+                    if config.mtp_num_layers else None)
         with te_absent_fixes():
             model = GPTModel(config, block, pre_process=pre, post_process=post, vp_stage=stage,
                              mtp_block_spec=mtp_spec, **model_args)

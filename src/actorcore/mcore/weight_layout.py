@@ -39,16 +39,20 @@ def with_local_expert(local_name: str, index: int) -> str:
     return _EXPERT.sub(f".local_experts.{index}.", local_name, count=1)
 
 
-def global_mcore_name(chunk: Any, local_name: str, context: ParallelContext) -> str:
-    """Local parameter name -> name with global layer and expert indices (what the rules match)."""
+def global_mcore_name(chunk: Any, local_name: str, context: ParallelContext, mtp_layers: range = range(0)) -> str:
+    """Local parameter name -> name with global layer and expert indices (what the rules match); an MTP layer's
+    index is its HF index (``mtp_layers``: ``McoreModel.mtp_hf_layers``)."""
     found = _LAYER.match(local_name)
     if found:
         layer = chunk.decoder.layers[int(found.group(1))].layer_number - 1
         local_name = f"decoder.layers.{layer}." + local_name[found.end():]
     found = _MTP_LAYER.match(local_name)
-    if found:  # MTP layer i is the checkpoint's layer num_hidden_layers + i
-        layer = chunk.config.num_layers + chunk.mtp.layers[int(found.group(1))].layer_number - 1
-        local_name = f"mtp.layers.{layer}." + local_name[found.end():]
+    if found:
+        index = chunk.mtp.layers[int(found.group(1))].layer_number - 1  # Megatron's global MTP index
+        if index >= len(mtp_layers):
+            raise ValueError(f"{local_name}: MTP layer {index} of a model with {len(mtp_layers)} (pass the model's "
+                             "mtp_hf_layers)")
+        local_name = f"mtp.layers.{mtp_layers[index]}." + local_name[found.end():]
     found = _EXPERT.search(local_name)
     if found:
         num_experts = chunk.config.num_moe_experts
@@ -93,17 +97,11 @@ def is_tied(rule: WeightRule, hf_config: Any) -> bool:
     return bool(rule.tied_hf_name and getattr(hf_config, "tie_word_embeddings", False))
 
 
-def mtp_hf_layers(config: Any) -> range:
-    """HF layer indices of the model's MTP layers (``num_hidden_layers + i``) from Megatron's config; empty
-    without MTP."""
-    return range(config.num_layers, config.num_layers + (config.mtp_num_layers or 0))
-
-
-def shared_copies(rules: McoreSpec, config: Any, hf_config: Any) -> dict[str, list[str]]:
-    """{source HF name: [names of its MTP copies]}, the source resolved through tied embeddings (a tied model
-    stores its head only as the embedding)."""
+def shared_copies(rules: McoreSpec, layers: range, hf_config: Any) -> dict[str, list[str]]:
+    """{source HF name: [names of its copies in the MTP layers ``layers``]}, the source resolved through tied
+    embeddings (a tied model stores its head only as the embedding)."""
     copies: dict[str, list[str]] = {}
-    for layer in mtp_hf_layers(config):
+    for layer in layers:
         for copy, source in rules.mtp.shared_names(layer):
             found = rules.rules_for_hf(source)
             if found and is_tied(found[0][0], hf_config):

@@ -74,7 +74,7 @@ def _stage_sources(model: McoreModel, dtype: torch.dtype | None) -> tuple[list[_
     hf_config, context = model.hf_config, model.context
     spec = model.weight_rules  # in the expert layout the model was built for
     # MTP: the checkpoint stores the shared embedding / head again under the MTP layer's names.
-    copies = shared_copies(spec, model.config, hf_config) if model.mtp_layers else {}
+    copies = shared_copies(spec, model.mtp_hf_layers, hf_config) if model.mtp_layers else {}
     metas: list[_Meta] = []
     sources: list[_Source] = []
 
@@ -90,7 +90,7 @@ def _stage_sources(model: McoreModel, dtype: torch.dtype | None) -> tuple[list[_
         for local_name, tensor in local.items():
             if local_name.startswith("embedding.") and not chunk.pre_process:
                 continue  # the MTP stage's replica of the first stage's embedding
-            rule, indices = spec.rule_for_mcore(global_mcore_name(chunk, local_name, context))
+            rule, indices = spec.rule_for_mcore(global_mcore_name(chunk, local_name, context, model.mtp_hf_layers))
             if is_tied(rule, hf_config):
                 continue  # HF stores the tied lm_head only as the embedding
             shapes = hf_part_shapes(rule, tensor.shape, chunk.config, context.tp_size, hf_config.vocab_size)
