@@ -1,6 +1,7 @@
-"""The actor step side by side: actorcore (before: eager decoder + full checkpointing; after: fused decoder +
-budgeted checkpointing) against plain transformers (padded micro-batches; its own packing) and transformers with
-Liger-Kernel's patches, on one GPU, in one run.
+"""The actor step side by side: actorcore (before: eager decoder + full checkpointing + transformers' experts; after:
+fused decoder + budgeted checkpointing + on MoE models actorcore's experts path, and the same with transformers'
+experts) against plain transformers (padded micro-batches; its own packing) and transformers with Liger-Kernel's
+patches, on one GPU, in one run.
 
 The step: forward+backward of a token-wise policy loss (-log p x advantage) over the RL batch (32 sequences of
 256-6144 tokens, seed 1: 91,213 tokens), actorcore in packs of at most 32K tokens (``ac.compute_loss``),
@@ -45,8 +46,10 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      tie_word_embeddings=False, rope_theta=1e6)
 MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B),
           "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B), "tiny": ("qwen2", TINY)}
-PATHS = ("actorcore before", "actorcore fused", "actorcore fused no-ckpt", "transformers padded",
-         "transformers packed", "transformers+liger padded")
+PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-experts", "actorcore fused no-ckpt",
+         "transformers padded", "transformers packed", "transformers+liger padded")
+# "actorcore fused transformers-experts": the fused path with the MoE experts on transformers' own grouped_mm forward
+# (``moe_experts=False``), beside "actorcore fused" (``moe_experts="auto"``: actorcore's gather-only experts path).
 
 
 def build(model_type, shape, dtype, device, layers):
@@ -293,8 +296,10 @@ def main() -> None:
         if name.startswith("actorcore"):
             fused = name != "actorcore before"
             ckpt = "full" if name == "actorcore before" else ("selective" if "no-ckpt" in name else "auto")
+            experts = "auto" if fused and "transformers-experts" not in name else False
             handle = ac.patch_model(model, fused_decoder="auto" if fused else False, checkpointing=ckpt,
-                                    memory_budget_gib=args.budget_gib if ckpt == "auto" else None)
+                                    memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
+                                    moe_experts=experts)
             step = actorcore_step(model, packs, pack_advs, device)
         else:
             if "liger" in name:
@@ -314,7 +319,8 @@ def main() -> None:
             else:
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_seq))
         if handle is not None:
-            row["trace"] = {k: v for k, v in step.trace.items() if k.split(":")[0] in ("fused_decoder", "checkpoint")}
+            row["trace"] = {k: v for k, v in step.trace.items()
+                            if k.split(":")[0] in ("fused_decoder", "checkpoint", "moe_experts")}
             handle.revert()
         rows.append(row)
     if fsdp:

@@ -208,9 +208,9 @@ def apply_monkey_patch(model: torch.nn.Module, ulysses_sp_size: int = 1, use_rem
         raise ValueError(f"{type(model).__name__} is a value model (critic / reward model): it has no log-probs, so "
                          "use_fused_kernels=True does not apply; patch it with use_fused_kernels=False")
     shards = tiled_mlp_shards if use_tiled_mlp else None
-    # The eager decoder: verl wraps the model in FSDP1 / FSDP2 itself, and the compiled layers have not been
-    # measured under verl's wrapping on the GPU.
-    handle = patch_model(model, parallel=ctx, tiled_mlp_shards=shards, fused_decoder=False)
+    # The eager decoder and transformers' own MoE experts: verl wraps the model in FSDP1 / FSDP2 itself, and neither
+    # the compiled layers nor actorcore's experts path have been measured under verl's wrapping on the GPU.
+    handle = patch_model(model, parallel=ctx, tiled_mlp_shards=shards, fused_decoder=False, moe_experts=False)
     if use_remove_padding or use_fused_kernels:
         kind = "values" if critic else "log_probs" if use_fused_kernels else "logits"
         _install_forward(handle, model, ctx, kind, padded=not use_remove_padding)

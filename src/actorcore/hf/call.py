@@ -84,6 +84,7 @@ class PatchState:
     recompute_norms: bool = False
     fused_layers: tuple[int, ...] = ()  # decoder layers that run the fused (compiled) forward (hf.features.fused_decoder)
     checkpointing: Any = None  # an hf.features.checkpointing.CheckpointPlan, or None: the model's own checkpointing
+    moe_experts: tuple[str, ...] = ()  # experts modules (names in the decoder) on hf.features.moe_experts' path
     trace: TraceRef = field(default_factory=lambda: TraceRef(None), compare=False, repr=False)
 
 

@@ -1,4 +1,4 @@
-"""``patch_model``: per-instance, reversible, self-checking patches for Ulysses SP and tiled MLP.
+"""``patch_model``: per-instance, reversible, self-checking patches for Ulysses SP, tiled MLP and the rest below.
 
 What a patch changes, all on this model instance only:
 - Ulysses SP (``parallel.sp_size > 1``): ``_attn_implementation`` of the configs this model's attention
@@ -19,6 +19,9 @@ What a patch changes, all on this model instance only:
 - Fused decoder (``fused_decoder``, CUDA and 16-bit models only): each attention decoder layer gets an instance
   ``forward`` (``hf.features.fused_decoder.FusedLayerForward``) that runs the layer's compiled forward in actorcore's calls;
   every call checks that it ran in each such layer.
+- MoE experts (``moe_experts``): each experts module of the MoE layers gets an instance ``forward``
+  (``hf.features.moe_experts.SortedExpertsForward``) that runs grouped GEMMs over tokens moved with gathers only in
+  actorcore's calls; every call checks that each ran.
 - Checkpointing (``checkpointing``, ``memory_budget_gib``): nothing is installed; the plan in ``PatchState`` sets
   each layer's checkpointing for every training call (``hf.features.checkpointing``).
 - ``model._actorcore_patch`` records the patch (a ``PatchState``), with the trace slot the installed forwards
@@ -45,6 +48,7 @@ from actorcore.hf.call import PATCH_ATTR, DecoderParts, PatchState, patch_state
 from actorcore.hf.features.checkpointing import check_checkpointing
 from actorcore.hf.features import DECODER_FEATURES
 from actorcore.hf.features.fused_decoder import auto_fusion_refusal, fused_layer_indices
+from actorcore.hf.features.moe_experts import check_moe_experts_request, moe_experts_names
 from actorcore.hf.features.offload import check_offload_layers
 from actorcore.hf.features.packed_attention import require_sequence_parallel_patch  # noqa: F401 (re-exported)
 from actorcore.hf.features.tiled_mlp import TiledMLPForward  # noqa: F401 (re-exported)
@@ -110,7 +114,7 @@ def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None, recom
 def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: int | None = None,
                 offload_activations: bool | int = False, recompute_norms: bool = False,
                 fused_decoder: bool | str = "auto", checkpointing: str | None = None,
-                memory_budget_gib: float | None = None) -> PatchHandle:
+                memory_budget_gib: float | None = None, moe_experts: bool | str = "auto") -> PatchHandle:
     """Patch this model instance for Ulysses SP (``parallel.sp_size > 1``), tiled MLP, activation offload and/or
     recomputed norms.
 
@@ -129,6 +133,14 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     recomputed norms (the combinations not measured on the GPU), else eager; ``True`` refuses where it cannot run
     and fuses with the other patches too; ``False`` keeps the eager forward.
 
+    ``moe_experts``: the MoE layers' experts (transformers' standard experts class) run actorcore's path in its
+    calls (``hf.features.moe_experts``): the same grouped GEMMs and gate activation, with the tokens moved to their
+    experts and back by gathers in both directions instead of indexing whose backward is a scatter-add
+    (deterministic; each token's sum over its experts in fp32, rounded once). ``"auto"`` (default): on a CUDA model
+    with 16-bit weights whose experts run one of transformers' own implementations, else the model's own experts
+    code; ``"grouped"`` installs it on any device and dtype (float32 on the CPU too) and refuses a model it does
+    not cover (no MoE layers, another experts class, expert parallelism); ``False`` keeps the model's own code.
+
     ``checkpointing``: ``None`` (default) keeps the model's own setting; ``"full"`` checkpoints every layer;
     ``"selective"`` keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the
     gradients of ``"full"``; a fused layer is not checkpointed, its compiled backward recomputes the fused
@@ -144,6 +156,7 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
         raise ValueError(f"{type(model).__name__} is already patched by actorcore (patching twice would stack); "
                          "call handle.revert() first to patch it differently")
     _check_request(spec, parallel, tiled_mlp_shards, recompute_norms)
+    check_moe_experts_request(moe_experts)
     parts = DecoderParts.of(model, spec)
     offload_layers = check_offload_layers(offload_activations, len(parts.layers), type(model).__name__)
     plan = check_checkpointing(checkpointing, memory_budget_gib)
@@ -151,7 +164,8 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     fused = fused_layer_indices(model, parts, fused_decoder,
                                 auto_fusion_refusal(sp, tiled_mlp_shards, offload_layers, recompute_norms))
     state = PatchState(sp_size=sp, tiled_mlp_shards=tiled_mlp_shards, offload_layers=offload_layers,
-                       recompute_norms=recompute_norms, fused_layers=fused, checkpointing=plan)
+                       recompute_norms=recompute_norms, fused_layers=fused, checkpointing=plan,
+                       moe_experts=moe_experts_names(model, parts, spec, moe_experts))
     handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards, spec=spec, parts=parts,
                          state=state)
     try:
@@ -164,6 +178,7 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
             handle._undo.pop()()
         raise
     logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d recompute_norms=%s "
-                "fused_layers=%d checkpointing=%s", type(model).__name__, handle.sp_size, tiled_mlp_shards,
-                offload_layers, len(parts.layers), recompute_norms, len(state.fused_layers), checkpointing)
+                "fused_layers=%d checkpointing=%s moe_experts=%d", type(model).__name__, handle.sp_size,
+                tiled_mlp_shards, offload_layers, len(parts.layers), recompute_norms, len(state.fused_layers),
+                checkpointing, len(state.moe_experts))
     return handle

@@ -8,8 +8,9 @@ enters it in every call where it is ``active`` and checks it after the forward, 
 The modules: ``base`` (the protocol), ``attention`` / ``ulysses_attention`` (actorcore's attention functions
 registered with transformers) and ``packed_attention`` (their feature), ``linear_attention`` (hybrid models'
 Gated DeltaNet), ``offload``, ``batch_invariant``, ``vision_inputs``, ``tiled_mlp``, ``norm_recompute``,
-``finite``, ``checkpointing`` (full / selective / budgeted activation checkpointing), ``fused_decoder``
-(compiled decoder layers on CUDA), and ``instance_forwards`` (how features install per-instance forwards and undo them).
+``finite``, ``checkpointing`` (full / selective / budgeted activation checkpointing), ``moe_experts`` (MoE
+experts on grouped GEMMs with gather-only token moves), ``fused_decoder`` (compiled decoder layers on CUDA), and
+``instance_forwards`` (how features install per-instance forwards and undo them).
 
 Order: the VLM inputs are built before anything else is in force (as the plain model builds them); the call's
 checkpointing sets the layers' checkpoint functions before the offload wraps them; the offload
@@ -24,6 +25,7 @@ from actorcore.hf.features.checkpointing import Checkpointing
 from actorcore.hf.features.finite import FiniteChecks
 from actorcore.hf.features.fused_decoder import FusedDecoder
 from actorcore.hf.features.linear_attention import LinearAttention
+from actorcore.hf.features.moe_experts import MoeExperts
 from actorcore.hf.features.norm_recompute import RecomputedNorms
 from actorcore.hf.features.offload import ActivationOffload
 from actorcore.hf.features.packed_attention import PackedAttention
@@ -38,6 +40,7 @@ DECODER_FEATURES = (
     LinearAttention(),
     BatchInvariant(),
     TiledMLP(),
+    MoeExperts(),
     RecomputedNorms(),
     FusedDecoder(),
     FiniteChecks(),

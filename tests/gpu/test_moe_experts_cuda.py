@@ -1,0 +1,119 @@
+"""CUDA: the MoE experts path (``patch_model(moe_experts=...)``, grouped GEMMs over tokens moved with gathers only)
+against the same bf16 model on transformers' own eager experts, per element: one experts module's output and
+gradients within bf16 rounding of fp32 math from the same bf16 values, and no further from it than the eager bf16
+experts; the whole model's log-probs, entropies and parameter gradients, with the eager decoder and with the fused
+decoder. The default ("auto") installs it on a bf16 CUDA model; two runs are bitwise equal (the experts module's
+outputs and gradients, the model's log-probs); the trace proves it ran in every MoE layer; ``verify`` still passes.
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from test_fused_decoder_cuda import _step
+
+import actorcore as ac
+from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tolerances import TOL
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+COVERED = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "qwen3_next",
+           "qwen3_5_moe_text")
+LENGTHS = (7, 64, 1, 33, 90)
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return ac.pack([torch.randint(3, 131, (n,), generator=g) for n in LENGTHS]).to("cuda")
+
+
+def _model(model_type):
+    model = build_tiny_model(model_type, seed=1, dtype=torch.bfloat16).cuda().train()
+    model.set_experts_implementation("eager")  # transformers' per-expert loop (what "False" keeps)
+    return model
+
+
+def _compare(eager, path):
+    (lp_e, ent_e, g_e), (lp_p, ent_p, g_p) = eager, path
+    tol = TOL["moe_experts_vs_eager_bf16"]
+    assert (lp_e - lp_p).abs().max().item() < tol and (ent_e - ent_p).abs().max().item() < tol
+    assert g_e.keys() == g_p.keys()
+    rel = TOL["grad_moe_experts_vs_eager_bf16_rel_norm"]
+    for name in g_e:
+        assert (g_e[name] - g_p[name]).norm().item() <= rel * g_e[name].norm().item() + 1e-6, name
+
+
+def _routing(num_tokens, top_k, num_experts, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)]).cuda()
+
+
+@pytest.mark.parametrize("model_type", COVERED)
+def test_experts_module_within_bf16_rounding_of_eager(model_type):
+    model = _model(model_type)
+    handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=False)
+    experts = model.model.get_submodule(handle.state.moe_experts[0])
+    reference = copy.deepcopy(experts).float()  # fp32 math from the same bf16 values: the yardstick
+    reference.__dict__.pop("forward")
+    tokens, hidden = 301, model.config.hidden_size
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
+    index = _routing(tokens, 2, experts.num_experts, seed=3)
+    weights = torch.rand(tokens, 2, generator=g).to("cuda", torch.bfloat16)
+    grad = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
+
+    def run(module, forward, dtype):
+        inputs = [x.to(dtype).requires_grad_(True), weights.to(dtype).requires_grad_(True)]
+        out = forward(inputs[0], index, inputs[1])
+        grads = torch.autograd.grad(out, [*inputs, *module.parameters()], grad.to(dtype))
+        return [t.float() for t in (out, *grads)]
+
+    want = run(reference, reference.forward, torch.float32)
+    eager = run(experts, type(experts).forward.__get__(experts), torch.bfloat16)
+    handle.state.trace.counts = Counter()  # as inside an actorcore call
+    try:
+        path = run(experts, experts, torch.bfloat16)
+        assert experts.forward.ran
+        again = run(experts, experts, torch.bfloat16)
+    finally:
+        handle.state.trace.counts = None
+    names = ["out", "x", "weights", *[n for n, _ in experts.named_parameters()]]
+    for name, a, b in zip(names, path, again):
+        assert torch.equal(a, b), f"two runs differ in {name}"
+    for name, w, e, p in zip(names, want, eager, path):
+        scale = w.abs().max().item()
+        err_eager, err_path = (e - w).abs().max().item(), (p - w).abs().max().item()
+        assert err_path <= TOL["moe_experts_module_vs_fp32_bf16_rel"] * scale, (name, err_path, scale)
+        assert err_path <= 2 * err_eager + 1e-3 * scale, (name, err_path, err_eager)  # not worse than eager
+    handle.revert()
+
+
+@pytest.mark.parametrize("model_type", COVERED)
+@pytest.mark.parametrize("fused", [False, True])
+def test_model_matches_eager_experts_and_ran(model_type, fused):
+    if fused:
+        pytest.importorskip("triton")
+    from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY
+
+    model = _model(model_type)
+    batch = _batch()
+    handle = ac.patch_model(model, moe_experts=False, fused_decoder=False)  # eager decoder, eager experts
+    eager = _step(model, batch, Counter())
+    handle.revert()
+    handle = ac.patch_model(model, fused_decoder=fused)  # moe_experts="auto": on, bf16 on CUDA
+    modules = len(handle.state.moe_experts)
+    assert modules >= 1
+    trace = Counter()
+    path = _step(model, batch, trace)
+    assert trace[MOE_EXPERTS_KEY] == modules
+    _compare(eager, path)
+    again = _step(model, batch, Counter())  # forward bitwise (flash attention's backward accumulates with atomics)
+    for a, b in zip(path[:2], again[:2]):
+        assert torch.equal(a, b), "two runs differ"
+    report = ac.verify(model, batch)  # the model's own forward keeps its own experts code
+    assert report.ok, report
+    handle.revert()

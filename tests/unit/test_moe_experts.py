@@ -1,0 +1,393 @@
+"""The MoE experts path (``patch_model(moe_experts="grouped")``, ``hf.features.moe_experts``), forced on the CPU in
+fp32: per token and per gradient element (every parameter: experts, routers, embeddings) against the model's own
+forward with transformers' eager experts, one sequence at a time, for every registered MoE architecture with
+transformers' standard experts class; the gather-only ``permute`` / ``combine`` / ``expert_bias`` Functions against
+plain torch indexing (float64, and ``gradcheck``); two runs bitwise equal; router logits as the model's own; the
+recomputation of checkpointed layers runs the path too; the trace proves it ran (a bypassed path raises); the
+model's own forward keeps its own experts code; ``revert`` and ``copy.deepcopy``; the option's values and
+refusals; the experts forward traced by ``torch.compile(dynamic=True)`` without a graph break, and compiled in the
+fused decoder on the CPU."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from test_offload import checkpointed
+
+import actorcore as ac
+import actorcore.hf.features.fused_decoder as fused_decoder
+from actorcore.archs import spec_for_model
+from actorcore.errors import PatchNotAppliedError
+from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
+import actorcore.hf.features.moe_experts as moe_experts
+from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, SortedExpertsForward, sorted_experts_forward
+from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
+from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tolerances import TOL
+
+# Every registered text MoE architecture (the VLMs share these experts classes: see test_vlm_moe_experts_found).
+COVERED = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "qwen3_next",
+           "qwen3_5_moe_text")
+LENGTHS = (7, 19, 1, 12)
+TEMPERATURE = 0.9
+
+
+def _sequences(seed=0, vocab=131):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in LENGTHS]
+
+
+def _weights(n):
+    return torch.linspace(0.5, 1.5, n)
+
+
+def _loss(log_probs, entropy):
+    return -(log_probs * _weights(log_probs.numel())).sum() - 0.1 * entropy.sum()
+
+
+def _grads(model):
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _own_forward_step(model, sequences):
+    """The model's own forward, one sequence at a time: fp32 log-probs and entropies of the next token, the loss's
+    parameter gradients."""
+    log_probs, entropies = [], []
+    for ids in sequences:
+        logp = torch.log_softmax(model(input_ids=ids[None], use_cache=False).logits[0].float() / TEMPERATURE, -1)
+        log_probs.append(torch.cat([logp.new_zeros(1), logp[:-1].gather(-1, ids[1:, None])[:, 0]]))
+        entropies.append(torch.cat([logp.new_zeros(1), -(logp[:-1].exp() * logp[:-1]).sum(-1)]))
+    lp, ent = torch.cat(log_probs), torch.cat(entropies)
+    _loss(lp, ent).backward()
+    return lp.detach(), ent.detach(), _grads(model)
+
+
+def _actorcore_step(model, sequences, trace):
+    out = ac.compute_logprobs(model, ac.pack(sequences), temperature=TEMPERATURE, trace=trace)
+    _loss(out.log_probs, out.entropy).backward()
+    return out.log_probs.detach(), out.entropy.detach(), _grads(model)
+
+
+def _assert_close(want, got, lp_tol, grad_tol):
+    (lp_w, ent_w, g_w), (lp_g, ent_g, g_g) = want, got
+    assert (lp_w - lp_g).abs().max().item() < lp_tol and (ent_w - ent_g).abs().max().item() < lp_tol
+    assert g_w.keys() == g_g.keys()
+    for name in g_w:
+        scale = g_w[name].abs().max().item()
+        assert (g_w[name] - g_g[name]).abs().max().item() <= grad_tol * scale, name
+
+
+def _assert_bitwise(a, b):
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = a, b
+    assert torch.equal(lp_a, lp_b) and torch.equal(ent_a, ent_b) and g_a.keys() == g_b.keys()
+    for name in g_a:
+        assert torch.equal(g_a[name], g_b[name]), name
+
+
+def _moe_model(model_type, seed=1, **overrides):
+    model = build_tiny_model(model_type, seed=seed, **overrides).train()
+    model.set_experts_implementation("eager")  # the reference: transformers' per-expert loop
+    return model
+
+
+def _grad_tolerance(model):
+    """Parameter gradients vs the model's own forward, relative to the max magnitude (the hybrids' decay parameters
+    sum over the recurrence)."""
+    hybrid = spec_for_model(model).linear_attention is not None
+    return TOL["grad_hybrid_moe_vs_hf_fp32_rel" if hybrid else "grad_packed_vs_hf_fp32_rel"]
+
+
+def _experts(model, handle):
+    return [model.model.get_submodule(name) for name in handle.state.moe_experts]
+
+
+# --- the Functions against plain torch indexing ------------------------------------------------------------------
+
+def _plain_moe_moves(x, rows_fn, weights, top_k_index):
+    """Plain indexing (as transformers' grouped forward moves tokens): sorted rows, ``rows_fn``, unsorted, summed."""
+    num_tokens, top_k = top_k_index.shape
+    perm = torch.sort(top_k_index.reshape(-1), stable=True).indices
+    rows = rows_fn(x[perm // top_k], top_k_index.reshape(-1)[perm])
+    inverse = torch.argsort(perm)
+    weighted = rows[inverse].view(num_tokens, top_k, -1) * weights[..., None]
+    return weighted.sum(1)
+
+
+def _routing(num_tokens, top_k, num_experts, seed):
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)])
+    index[:3] = index[0].clone()  # tokens routed alike (ties in the sort)
+    return index
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(9, 2, 4), (13, 3, 7), (1, 1, 3)])
+def test_sort_permute_combine_match_plain_indexing_fp64(num_tokens, top_k, num_experts):
+    torch.manual_seed(num_tokens)
+    index = _routing(num_tokens, top_k, num_experts, seed=num_tokens)
+    order = sort_by_expert(index, num_experts)
+    counts = torch.bincount(index.reshape(-1), minlength=num_experts)
+    assert torch.equal(order.offsets, counts.cumsum(0).to(torch.int32))
+    assert torch.equal(order.expert_of_row, index.reshape(-1)[order.pair_of_row])
+    assert torch.equal(order.pair_of_row.reshape(-1)[order.row_of_pair.reshape(-1)], torch.arange(index.numel()))
+    for e in range(num_experts):  # stable: within an expert, in token order
+        pairs = order.pair_of_row[order.expert_of_row == e]
+        assert torch.equal(pairs, pairs.sort().values)
+
+    dims = 6
+    x = torch.randn(num_tokens, dims, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(num_tokens, top_k, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(num_experts, dims, dtype=torch.float64, requires_grad=True)
+    scale = torch.randn(dims, dtype=torch.float64)
+
+    def rows_fn(rows, experts):  # something per row and expert, with a bias of its expert
+        return torch.tanh(rows * scale) + bias[experts]
+
+    want = _plain_moe_moves(x, rows_fn, weights, index)
+    rows = permute(x, order)
+    got = combine(torch.tanh(rows * scale) + expert_bias(bias, order), weights, order, torch.float64)
+    grad = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, (x, weights, bias), grad)
+    got_grads = torch.autograd.grad(got, (x, weights, bias), grad)
+    tol = TOL["moe_moves_fp64_vs_plain"]
+    assert (want - got).abs().max().item() < tol
+    for w, g in zip(want_grads, got_grads):
+        assert (w - g).abs().max().item() < tol
+
+
+def test_functions_pass_gradcheck():
+    index = _routing(5, 2, 3, seed=3)
+    order = sort_by_expert(index, 3)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    rows = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(5, 2, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    opts = dict(eps=TOL["gradcheck_fp64"], atol=TOL["gradcheck_fp64"])
+    assert torch.autograd.gradcheck(lambda t: permute(t, order), (x,), **opts)
+    assert torch.autograd.gradcheck(lambda r, w: combine(r, w, order, torch.float64), (rows, weights), **opts)
+    assert torch.autograd.gradcheck(lambda b: expert_bias(b, order), (bias,), **opts)
+
+
+def test_combine_rounds_once_from_fp32():
+    index = _routing(8, 3, 4, seed=5)
+    order = sort_by_expert(index, 4)
+    rows = torch.randn(24, 16).to(torch.bfloat16)
+    weights = torch.rand(8, 3).to(torch.bfloat16)
+    want = (rows.double()[order.row_of_pair] * weights.double()[..., None]).sum(1).to(torch.bfloat16)
+    assert torch.equal(combine(rows, weights, order, torch.bfloat16), want)
+
+
+# --- the path in models against their own forward ----------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", COVERED)
+def test_matches_the_models_own_forward_and_ran(model_type):
+    model = _moe_model(model_type)
+    sequences = _sequences()
+    want = _own_forward_step(model, sequences)
+    handle = ac.patch_model(model, moe_experts="grouped")
+    experts = _experts(model, handle)
+    assert experts and all(isinstance(m.forward, SortedExpertsForward) for m in experts)
+    trace = Counter()
+    got = _actorcore_step(model, sequences, trace)
+    assert trace[MOE_EXPERTS_KEY] == len(experts)
+    assert any(n.startswith("model.embed_tokens") for n in got[2])
+    assert sum(".experts." in n for n in got[2]) >= 2 * len(experts)
+    _assert_close(want, got, TOL["packed_vs_hf_fp32"], _grad_tolerance(model))
+    _assert_bitwise(got, _actorcore_step(model, sequences, Counter()))  # deterministic
+    handle.revert()
+    assert not any("forward" in m.__dict__ for m in experts)
+
+
+def test_checkpointed_layers_recompute_on_the_path(monkeypatch):
+    model = checkpointed(_moe_model("qwen2_moe"))
+    sequences = _sequences(1)
+    handle = ac.patch_model(model, moe_experts="grouped")
+    plain = _actorcore_step(model, sequences, Counter())
+    handle.revert()
+    runs = []
+
+    def counting(*args):  # the forward and its recomputation in backward
+        runs.append(1)
+        return sorted_experts_forward(*args)
+
+    monkeypatch.setattr(moe_experts, "sorted_experts_forward", counting)
+    for mode in ("full", "selective"):
+        runs.clear()
+        handle = ac.patch_model(model, moe_experts="grouped", checkpointing=mode)
+        got = _actorcore_step(model, sequences, Counter())
+        assert len(runs) == 2 * len(handle.state.moe_experts), mode
+        _assert_close(plain, got, TOL["packed_vs_hf_fp32"], _grad_tolerance(model))
+        handle.revert()
+
+
+def test_router_logits_are_the_models_own():
+    model = _moe_model("mixtral")  # every layer MoE: the second router reads the first layer's experts' output
+    sequences = _sequences(2)
+    routers = [layer.mlp.gate for layer in model.model.layers]
+    seen: list[list[torch.Tensor]] = [[] for _ in routers]
+    hooks = [r.register_forward_hook(lambda m, a, out, i=i: seen[i].append(out[0].detach().clone()))
+             for i, r in enumerate(routers)]
+    with torch.no_grad():
+        for ids in sequences:
+            model(input_ids=ids[None], use_cache=False)
+        want = [torch.cat(s) for s in seen]
+        for s in seen:
+            s.clear()
+        handle = ac.patch_model(model, moe_experts="grouped")
+        ac.compute_logprobs(model, ac.pack(sequences))
+    got = [torch.cat(s) for s in seen]
+    for h in hooks:
+        h.remove()
+    handle.revert()
+    for w, g in zip(want, got):
+        assert w.shape == g.shape and (w - g).abs().max().item() < TOL["packed_vs_hf_fp32"]
+
+
+def test_own_forward_bypassed_path_deepcopy_and_revert():
+    model = _moe_model("qwen2_moe")
+    sequences = _sequences(3)
+    handle = ac.patch_model(model, moe_experts="grouped")
+    forwards = [m.forward for m in _experts(model, handle)]
+    with torch.no_grad():
+        model(input_ids=sequences[0][None])  # the model's own forward: its own experts code
+    assert not any(f.ran for f in forwards)
+
+    twin = copy.deepcopy(model)
+    twin_experts = [twin.model.get_submodule(n) for n in handle.state.moe_experts]
+    assert all(m.forward.experts is m for m in twin_experts)
+    with torch.no_grad():
+        twin_experts[0].down_proj.mul_(2.0)  # the copy computes with its own weights
+        trace = Counter()
+        twin_lp = ac.compute_logprobs(twin, ac.pack(sequences), trace=trace).log_probs
+        assert trace[MOE_EXPERTS_KEY] == len(twin_experts) and not any(f.ran for f in forwards)
+        twin_experts[0].down_proj.div_(2.0)
+        twin_own = ac.compute_logprobs(twin, ac.pack(sequences)).log_probs
+        assert (twin_lp - twin_own).abs().max().item() > TOL["logprob_changed_at_least"]
+        assert torch.equal(twin_own, ac.compute_logprobs(model, ac.pack(sequences)).log_probs)
+
+    del model.model.get_submodule(handle.state.moe_experts[0]).__dict__["forward"]  # bypassed
+    with pytest.raises(PatchNotAppliedError, match=r"MoE experts path ran in 1 of 2"):
+        ac.compute_logprobs(model, ac.pack(sequences))
+    handle.revert()
+    assert not any("forward" in m.__dict__ for m in _experts(model, handle))
+
+
+# --- the option ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [True, "yes", "Grouped", 1, None, 0])
+def test_bad_values_are_refused(value):
+    model = _moe_model("qwen3_moe")
+    with pytest.raises(ValueError, match=r"moe_experts must be 'auto', 'grouped' or False"):
+        ac.patch_model(model, moe_experts=value)
+    assert not ac.hf.patch.is_patched(model)
+
+
+def test_misspelt_keyword_is_an_error():
+    with pytest.raises(TypeError):
+        ac.patch_model(_moe_model("qwen3_moe"), moe_expert="grouped")
+
+
+def test_auto_keeps_cpu_and_fp32_on_the_models_own_code():
+    model = _moe_model("qwen3_moe")
+    handle = ac.patch_model(model)  # "auto" is the default
+    assert handle.state.moe_experts == ()
+    assert "forward" not in model.model.layers[0].mlp.experts.__dict__
+    handle.revert()
+    assert ac.patch_model(build_tiny_model("llama"), moe_experts="auto").state.moe_experts == ()
+
+
+def test_grouped_refusals():
+    with pytest.raises(ValueError, match=r"llama has no MoE layers"):
+        ac.patch_model(build_tiny_model("llama"), moe_experts="grouped")
+    model = _moe_model("qwen2_moe")
+    experts = model.model.layers[1].mlp.experts
+    experts._is_expert_parallel = True
+    with pytest.raises(ValueError, match=r"expert-parallel"):
+        ac.patch_model(model, moe_experts="grouped")
+    assert ac.patch_model(model).state.moe_experts == ()  # "auto": the model's own code, no error
+    model = _moe_model("qwen2_moe")
+    model.model.layers[0].mlp.experts.__dict__["forward"] = lambda *a: None
+    with pytest.raises(ValueError, match=r"already has an instance forward"):
+        ac.patch_model(model, moe_experts="grouped")
+    assert "forward" not in model.model.layers[1].mlp.experts.__dict__  # nothing stayed installed
+
+    model = _moe_model("qwen3_moe")
+    custom = type("CustomExperts", (type(model.model.layers[0].mlp.experts),),
+                  {"forward": lambda self, h, i, w: torch.zeros_like(h)})
+    model.model.layers[0].mlp.experts.__class__ = custom
+    with pytest.raises(ValueError, match=r"CustomExperts is not transformers' standard experts class"):
+        ac.patch_model(model, moe_experts="grouped")
+    model = _moe_model("qwen3_moe").double()
+    with pytest.raises(ValueError, match=r"torch.float64"):
+        ac.patch_model(model, moe_experts="grouped")
+    model = _moe_model("qwen3_moe")
+    model._tp_size = 2  # as transformers' tp_plan loading records it
+    with pytest.raises(ValueError, match=r"tensor-parallel through transformers' tp_plan"):
+        ac.patch_model(model, moe_experts="grouped")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "kimi_k25"])
+def test_vlm_language_models_take_the_path(model_type):
+    from actorcore.testing.tiny_vlm import TEXT_VOCAB, build_tiny_vlm
+
+    model = build_tiny_vlm(model_type, seed=1).train()
+    model.set_experts_implementation("eager")
+    sequences = _sequences(4, vocab=TEXT_VOCAB)  # text only: the language model's experts are what is tested
+    want = _own_forward_step(model, sequences)
+    handle = ac.patch_model(model, moe_experts="grouped")
+    assert handle.state.moe_experts
+    trace = Counter()
+    got = _actorcore_step(model, sequences, trace)
+    assert trace[MOE_EXPERTS_KEY] == len(handle.state.moe_experts)
+    _assert_close(want, got, TOL["packed_vs_hf_fp32"], _grad_tolerance(model))
+    handle.revert()
+
+
+# --- torch.compile ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_forward_traces_without_graph_breaks(dtype):
+    model = _moe_model("gpt_oss", dtype=dtype)  # biases, transposed weights, its own clamped gate
+    handle = ac.patch_model(model, moe_experts="grouped")
+    experts = _experts(model, handle)[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 64, generator=g).to(dtype).requires_grad_(True)
+    index = _routing(11, 2, 4, seed=6)
+    weights = torch.rand(11, 2, generator=g).to(dtype).requires_grad_(True)
+    handle.state.trace.counts = Counter()  # as inside an actorcore call
+    try:
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(lambda *a: experts(*a))(x, index, weights)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        torch._dynamo.reset()
+    finally:
+        handle.state.trace.counts = None
+    handle.revert()
+
+
+@pytest.mark.slow
+def test_compiled_in_the_fused_decoder_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    model = _moe_model("qwen2_moe")
+    sequences = _sequences(5)
+    handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=False)
+    eager = _actorcore_step(model, sequences, Counter())
+    handle.revert()
+    handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=True)
+    trace = Counter()
+    fused = _actorcore_step(model, sequences, trace)
+    assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers
+    assert trace[MOE_EXPERTS_KEY] == len(handle.state.moe_experts) == model.config.num_hidden_layers
+    _assert_close(eager, fused, TOL["fused_decoder_vs_eager_fp32"], TOL["grad_fused_decoder_vs_eager_fp32_rel"])
+    from torch._dynamo.utils import counters
+
+    graphs = int(counters["stats"]["unique_graphs"])
+    trace = Counter()
+    _actorcore_step(model, _sequences(6)[:3], trace)  # another pack (a new trace, other lengths): no recompilation
+    assert int(counters["stats"]["unique_graphs"]) == graphs
+    assert trace[MOE_EXPERTS_KEY] == model.config.num_hidden_layers
+    handle.revert()
