@@ -10,7 +10,9 @@ Layouts: Qwen2.5-VL at TP=1 and TP=2; Qwen3-VL at TP=2 and PP=2 (both deepstack 
 Qwen3-VL-MoE at EP=2, PP=2 and TP=2 (with sequence parallelism, which Megatron needs to train MoE under TP: the
 decoder input and the deepstack additions are split over the TP ranks); Kimi-K2.5 at TP=2 (sequence
 parallelism), PP=2 and EP=2. Every case runs in one two-rank spawn (``world2``). A Qwen2.5-VL checkpoint that
-stores the in-memory names (``model.language_model.*``, ``model.visual.*``) loads the same weights."""
+stores the in-memory names (``model.language_model.*``, ``model.visual.*``) loads the same weights. Kimi-K2.5's
+checkpoint has the release's names (``testing/kimi_release``), which the export writes back; the same weights under
+transformers' save_pretrained names load the same."""
 
 from __future__ import annotations
 
@@ -135,8 +137,8 @@ def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
     reader = SafetensorsReader(directory)
     roundtrip_exact = set(exported) == reader.names() and all(
         torch.equal(exported[n], reader.read(n)) and exported[n].dtype == reader.dtype(n) for n in reader.names())
-    stored = os.path.join(directory, "in_memory_names")
-    if os.path.exists(stored):  # the same weights under the in-memory names load the same
+    stored = os.path.join(directory, "other_names")
+    if os.path.exists(stored):  # the same weights under other names load the same
         again = build_gpt_model(hf.config, parallel)
         with torch.no_grad():
             for param in again.chunks[0].parameters():
@@ -195,15 +197,21 @@ def world2(tmp_path_factory):
     """Every case of this file in one two-rank spawn."""
     from safetensors.torch import save_file
 
+    from actorcore.testing.kimi_release import save_release_checkpoint
+
     root = str(tmp_path_factory.mktemp("mcore_vlm"))
     for model_type in {m for m, *_ in CASES}:
         model = _tiny_vlm(model_type)
         directory = os.path.join(root, model_type)
+        if model_type == "kimi_k25":  # the release's names; transformers' save_pretrained writes three otherwise
+            save_release_checkpoint(model, directory)
+            model.save_pretrained(os.path.join(directory, "other_names"))
+            continue
         model.save_pretrained(directory)
         if model_type == "qwen2_5_vl":  # transformers 4.52-4.57's save_pretrained wrote the in-memory names
-            os.makedirs(os.path.join(directory, "in_memory_names"))
+            os.makedirs(os.path.join(directory, "other_names"))
             save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-                      os.path.join(directory, "in_memory_names", "model.safetensors"), metadata={"format": "pt"})
+                      os.path.join(directory, "other_names", "model.safetensors"), metadata={"format": "pt"})
     return spawn_cases(2, [(_name(*case), _case, (*case, os.path.join(root, case[0]))) for case in CASES])
 
 

@@ -156,34 +156,146 @@ def test_spec_states_the_kimi_facts():
     assert not spec.vision.token_types_input
 
 
-def test_save_pretrained_writes_the_names_the_megatron_rules_read(tmp_path):
-    """The Megatron rules' checkpoint layout is what the installed transformers writes: the tower's attention
-    fused (``wqkv`` = q and k with their RoPE rows interleaved per head, then v), not q/k/v, and the language
-    model under ``language_model.model.blocks.*``; every saved tensor is named by exactly one rule."""
-    from safetensors.torch import load_file
-
-    kimi = build_tiny_vlm("kimi_k25", seed=5)
-    with torch.no_grad():  # the attention biases start at 0; random ones show their permutation too
+def _kimi_with_random_biases(**overrides):
+    """The tiny Kimi-K2.5 with random attention biases (they start at 0; random ones show their permutation)."""
+    kimi = build_tiny_vlm("kimi_k25", seed=5, **overrides)
+    with torch.no_grad():
         for name, param in kimi.named_parameters():
             if name.endswith("_proj.bias"):
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
-    kimi.save_pretrained(tmp_path)
-    saved = load_file(str(tmp_path / "model.safetensors"))
-    assert not any(".q_proj." in n and "vision_tower" in n for n in saved)
-    assert any(n.startswith("language_model.model.blocks.0.") for n in saved)
-    heads = kimi.config.vision_config.num_attention_heads
+    return kimi
 
-    def interleave(t):  # rows [h, (half, half)] -> [h, (pairs)]: each head's two rotary halves zipped
-        head_dim = t.shape[0] // heads
-        return t.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(t.shape)
 
-    for i, block in enumerate(kimi.model.vision_tower.layers):
-        attn = block.attn
-        for kind in ("weight", "bias"):
-            q, k, v = (getattr(getattr(attn, p), kind) for p in ("q_proj", "k_proj", "v_proj"))
-            fused = saved[f"vision_tower.encoder.blocks.{i}.wqkv.{kind}"]
-            assert torch.equal(fused, torch.cat([interleave(q), interleave(k), v]).reshape(fused.shape))
-            assert not torch.equal(fused, torch.cat([q, k, v]))  # the permutation is not the identity here
+def _interleave(t, heads):
+    """Rows [h, (half, half)] -> [h, (pairs)]: each head's two rotary halves zipped (the checkpoint's q/k rows)."""
+    head_dim = t.shape[0] // heads
+    return t.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(t.shape)
+
+
+def test_the_megatron_rules_name_the_release_tensors(tmp_path):
+    """The Megatron rules read and write the release's names (``testing/kimi_release.RELEASE_NAMES``, read off vLLM's,
+    SGLang's and Megatron-Bridge's loaders, not off the rules): every tensor of a tiny checkpoint under those names,
+    the untied output layer included, is named by exactly one rule, every rule names one of them, and the
+    checkpoint needs no renaming (export writes what the rules name). The tower's attention is the fused ``wqkv``:
+    q and k with their rotary rows interleaved per head, then v."""
+    from safetensors.torch import load_file
+
+    from actorcore.testing.kimi_release import RELEASE_NAMES, name_pattern, save_release_checkpoint
+
+    kimi = _kimi_with_random_biases(tie_word_embeddings=False)
+    names = save_release_checkpoint(kimi, str(tmp_path))
+    assert {name_pattern(n) for n in names} == RELEASE_NAMES  # the tiny model has every kind of tensor
     rules = get_spec("kimi_k25").mcore
-    assert not rules.refused
-    assert all(len(rules.rules_for_hf(n)) == 1 for n in saved), [n for n in saved if len(rules.rules_for_hf(n)) != 1]
+    assert rules.for_checkpoint(names) is rules
+    assert [n for n in names if len(rules.rules_for_hf(n)) != 1] == []
+    assert [r.mcore_name for r in rules.rules if not any(r.match_hf(n) is not None for n in names)] == []
+    saved, heads = load_file(str(tmp_path / "model.safetensors")), kimi.config.vision_config.num_attention_heads
+    for i, block in enumerate(kimi.model.vision_tower.layers):
+        for kind in ("weight", "bias"):
+            q, k, v = (getattr(getattr(block.attn, p), kind) for p in ("q_proj", "k_proj", "v_proj"))
+            fused = saved[f"vision_tower.encoder.blocks.{i}.wqkv.{kind}"]
+            assert torch.equal(fused, torch.cat([_interleave(q, heads), _interleave(k, heads), v]).reshape(fused.shape))
+            assert not torch.equal(fused, torch.cat([q, k, v]))  # the permutation is not the identity here
+
+
+def test_the_megatron_rules_read_save_pretrained_names_too(tmp_path):
+    """transformers' save_pretrained writes three prefixes otherwise than the release (``language_model.model.blocks``,
+    ``vision_tower.encoder.patch_embed.proj``, ``model.mm_projector.pre_norm``); such a checkpoint is read under those
+    names (every tensor by exactly one rule), and they are exactly the release's names renamed."""
+    from safetensors.torch import load_file
+
+    from actorcore.testing.kimi_release import release_name
+
+    build_tiny_vlm("kimi_k25", seed=5).save_pretrained(str(tmp_path))
+    saved = sorted(load_file(str(tmp_path / "model.safetensors")))
+    assert any(n.startswith("language_model.model.blocks.0.") for n in saved)
+    rules = get_spec("kimi_k25").mcore.for_checkpoint(saved)
+    assert [n for n in saved if len(rules.rules_for_hf(n)) != 1] == []
+    release = {r.mcore_name: r for r in get_spec("kimi_k25").mcore.rules}
+    for name in saved:
+        (rule, indices), = rules.rules_for_hf(name)
+        assert release_name(name) in release[rule.mcore_name].hf_names_for(indices), name
+
+
+def test_transformers_loads_the_release_names(tmp_path):
+    """The HF route loads the release through transformers' own from_pretrained (its kimi_k25 conversion mapping):
+    a tiny checkpoint under the release's names gives every parameter bitwise, nothing missing or unexpected, and
+    actorcore's packed log-probs equal the original model's own forward, one sequence at a time."""
+    from transformers import AutoModelForImageTextToText
+
+    from actorcore.testing.kimi_release import save_release_checkpoint
+    from actorcore.testing.reference_vlm import reference_logprobs_vlm
+
+    kimi = _kimi_with_random_biases(tie_word_embeddings=False)
+    save_release_checkpoint(kimi, str(tmp_path))
+    loaded, info = AutoModelForImageTextToText.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                               output_loading_info=True)
+    assert not any(info.values()), info
+    want = dict(kimi.named_parameters())
+    assert sorted(want) == sorted(n for n, _ in loaded.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in loaded.named_parameters())
+    samples = mixed_samples(kimi, seed=10)
+    batch = _pack(loaded.eval(), samples)
+    with torch.no_grad():
+        got = ac.compute_logprobs(loaded, batch)
+        ref = torch.cat([reference_logprobs_vlm(kimi, [s])[0] for s in samples])
+    torch.testing.assert_close(got.log_probs, ref, atol=TOL["vlm_packed_vs_hf_fp32"], rtol=0)
+
+
+@pytest.mark.parametrize("config_holder", ["both", "text"])
+def test_the_int4_release_is_refused_on_the_megatron_route(tmp_path, config_holder):
+    """The release's INT4 experts are not dequantized on the Megatron route: the reader refuses the checkpoint,
+    naming the packed tensors and what to do, instead of reporting each expert as missing."""
+    from actorcore.errors import CheckpointError
+    from actorcore.mcore.safetensors_reader import SafetensorsReader
+    from actorcore.testing.kimi_release import save_release_checkpoint, with_int4_experts
+
+    save_release_checkpoint(build_tiny_vlm("kimi_k25", seed=5, tie_word_embeddings=False), str(tmp_path))
+    with_int4_experts(str(tmp_path), config_holder)
+    with pytest.raises(CheckpointError, match=r"12 weights are stored quantized and packed by compressed-tensors "
+                       r"\(quantization_config: quant_method 'compressed-tensors', format 'pack-quantized'; e\.g\. "
+                       r"language_model\.model\.layers\.1\.mlp\.experts\.0\.down_proj\.weight_packed .*"
+                       r"dequantize the checkpoint first .*CompressedTensorsConfig\(dequantize=True\)"):
+        SafetensorsReader(str(tmp_path))
+
+
+def test_a_model_left_compressed_by_compressed_tensors_is_refused(kimi):
+    """transformers with compressed-tensors loads the INT4 release compressed unless asked to dequantize; it then
+    holds a ``hf_quantizer`` whose config says so (seen with compressed-tensors 0.20 on a tiny INT4 checkpoint: the
+    vision tower and projector came out at their random initialisation, the load report listing them MISSING).
+    The HF route refuses such a model; a dequantized one has no quantizer left and runs."""
+    from types import SimpleNamespace
+
+    batch = _pack(kimi, mixed_samples(kimi, seed=6, video=False))
+    method = SimpleNamespace(value="compressed-tensors")  # transformers' QuantizationMethod.COMPRESSED_TENSORS
+    for dequantize in (False, True):
+        config = SimpleNamespace(quant_method=method, dequantize=dequantize, is_quantization_compressed=True)
+        kimi.hf_quantizer = SimpleNamespace(quantization_config=config)
+        try:
+            if dequantize:
+                with torch.no_grad():
+                    ac.compute_logprobs(kimi, batch)
+            else:
+                with pytest.raises(ValueError, match=r"holds compressed-tensors quantized weights .*"
+                                   r"CompressedTensorsConfig\(dequantize=True\)"):
+                    ac.compute_logprobs(kimi, batch)
+        finally:
+            del kimi.hf_quantizer
+
+
+def test_an_export_config_claims_no_quantization(tmp_path):
+    """transformers, dequantizing the release on load, drops its top-level quantization_config but keeps
+    text_config's, which vLLM's Kimi-K2.5 config takes as the model's: the export of unquantized weights writes
+    neither."""
+    from transformers import AutoConfig
+
+    from actorcore.export.mxfp4 import without_quantization_config
+    from actorcore.testing.kimi_release import save_release_checkpoint, with_int4_experts
+
+    save_release_checkpoint(build_tiny_vlm("kimi_k25", seed=5), str(tmp_path))
+    with_int4_experts(str(tmp_path), "text")
+    config = AutoConfig.from_pretrained(str(tmp_path))
+    assert "quantization_config" in config.to_dict()["text_config"]
+    exported = without_quantization_config(config).to_dict()
+    assert "quantization_config" not in exported and "quantization_config" not in exported["text_config"]
+    assert "quantization_config" in config.to_dict()["text_config"]  # a copy: the caller's config is unchanged

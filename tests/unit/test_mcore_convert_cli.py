@@ -61,6 +61,48 @@ def test_cli_roundtrip_is_bit_exact(tmp_path, model_type, layout, overrides, cap
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no temporary directory left
 
 
+@pytest.mark.slow
+def test_cli_kimi_k25_release_names_roundtrip_and_load(tmp_path):
+    """Kimi-K2.5 under the release's tensor names (``testing/kimi_release``): hf-to-mcore -> mcore-to-hf gives the
+    same names and tensors bitwise, and transformers loads the export with every parameter of the model it came from,
+    so the log-probs are the model's own. A checkpoint under save_pretrained's names converts too and exports under
+    the release's names, the same tensors."""
+    from transformers import AutoModelForImageTextToText
+
+    import actorcore as ac
+    from actorcore.testing.checkpoints import load_checkpoint_tensors
+    from actorcore.testing.kimi_release import release_name, save_release_checkpoint
+    from actorcore.testing.reference_vlm import reference_logprobs_vlm
+    from actorcore.testing.tiny_vlm import build_tiny_vlm, mixed_samples
+    from actorcore.testing.tolerances import TOL
+
+    kimi = build_tiny_vlm("kimi_k25", seed=11, tie_word_embeddings=False)
+    src = str(tmp_path / "release")
+    save_release_checkpoint(kimi, src)
+    mcore, back = str(tmp_path / "mcore"), str(tmp_path / "back")
+    assert _convert(["hf-to-mcore", src, mcore]) == 0
+    assert _convert(["mcore-to-hf", mcore, back]) == 0
+    _assert_same_checkpoint(src, back)
+    loaded, info = AutoModelForImageTextToText.from_pretrained(back, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    want = dict(kimi.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in loaded.named_parameters())
+    samples = mixed_samples(kimi, seed=12)
+    batch = ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples], model=loaded.eval())
+    with torch.no_grad():
+        got = ac.compute_logprobs(loaded, batch).log_probs
+        ref = torch.cat([reference_logprobs_vlm(kimi, [s])[0] for s in samples])
+    torch.testing.assert_close(got, ref, atol=TOL["vlm_packed_vs_hf_fp32"], rtol=0)
+
+    saved = str(tmp_path / "save_pretrained")
+    kimi.save_pretrained(saved)
+    assert _convert(["hf-to-mcore", saved, str(tmp_path / "mcore2")]) == 0
+    assert _convert(["mcore-to-hf", str(tmp_path / "mcore2"), str(tmp_path / "back2")]) == 0
+    written, exported = load_checkpoint_tensors(saved), load_checkpoint_tensors(str(tmp_path / "back2"))
+    assert sorted(exported) == sorted(release_name(n) for n in written)
+    assert all(torch.equal(exported[release_name(n)], t) for n, t in written.items())
+
+
 def _rewrite(directory: str, change) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -126,6 +168,18 @@ def test_cli_damaged_mcore_checkpoint(tmp_path, capsys):
 def test_cli_not_an_mcore_checkpoint(tmp_path, capsys):
     src = _tiny(tmp_path, "llama")
     _expect_error(tmp_path, capsys, ["mcore-to-hf", src, str(tmp_path / "back")], "not an actorcore Megatron checkpoint")
+
+
+def test_cli_int4_kimi_k25_release(tmp_path, capsys):
+    """The Kimi-K2.5 release's INT4 experts (compressed-tensors): one line naming them and what to do, exit 2."""
+    from actorcore.testing.kimi_release import save_release_checkpoint, with_int4_experts
+    from actorcore.testing.tiny_vlm import build_tiny_vlm
+
+    src = str(tmp_path / "hf")
+    save_release_checkpoint(build_tiny_vlm("kimi_k25", seed=11, tie_word_embeddings=False), src)
+    with_int4_experts(src, "both")
+    _expect_error(tmp_path, capsys, ["hf-to-mcore", src, str(tmp_path / "out")], "stored quantized and packed by "
+                  "compressed-tensors", "weight_packed", "dequantize the checkpoint first")
 
 
 def test_cli_refused_architecture(tmp_path, capsys):

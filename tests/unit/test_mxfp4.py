@@ -60,7 +60,7 @@ def test_bad_shapes_are_refused():
 def test_export_stream_and_config():
     """The export re-quantises only the named fused-expert weights ([E, in, out] -> blocks along ``in``), and a bf16
     export of a model from an MXFP4 checkpoint drops the checkpoint's quantization_config."""
-    from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config, without_mxfp4_config
+    from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config, without_quantization_config
     from actorcore.testing.tiny_configs import tiny_config
 
     weight = _weights().transpose(-1, -2)  # the model's [E, in, out]
@@ -75,7 +75,7 @@ def test_export_stream_and_config():
         quantize_stream_mxfp4([], ())
     config = with_mxfp4_config(tiny_config("gpt_oss"))
     assert config.to_dict()["quantization_config"]["quant_method"] == "mxfp4"
-    assert "quantization_config" not in without_mxfp4_config(config).to_dict()
+    assert "quantization_config" not in without_quantization_config(config).to_dict()
     assert "quantization_config" in config.to_dict()  # copies, never the caller's config
 
 

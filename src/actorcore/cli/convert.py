@@ -231,7 +231,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-shard-size must be a positive number of bytes, got {args.max_shard_size}")
     meta, hf_config, dtype = read_mcore_metadata(src)
     from actorcore.archs import get_spec
-    from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config, without_mxfp4_config
+    from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config, without_quantization_config
 
     if args.mxfp4 and not get_spec(hf_config.model_type).mcore.mxfp4_weights:
         raise ValueError(f"--mxfp4: {hf_config.model_type} names no MXFP4 weights (its releases store none); "
@@ -246,11 +246,11 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
         copy_hf_side_files(os.path.join(src, HF_DIR), out)
         # One process holds the whole model; the shards are written as the buckets come (one shard in memory).
         stream = mcore_weight_stream(model, bucket_bytes=min(args.max_shard_size, 512 * 1024**2))
+        # The weights go out unquantized (MXFP4 experts on request): no config from the source may say otherwise.
+        hf_config = without_quantization_config(hf_config)
         if args.mxfp4:
             stream = quantize_stream_mxfp4(stream, model.spec.mxfp4_weights)
             hf_config = with_mxfp4_config(hf_config)
-        else:  # bf16 experts: a config from an MXFP4 checkpoint must not say otherwise
-            hf_config = without_mxfp4_config(hf_config)
         _save_sharded(tqdm(_exporting(stream), desc="export Megatron -> HF", unit="bucket"), hf_config, out,
                       args.max_shard_size)
 

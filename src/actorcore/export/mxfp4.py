@@ -53,14 +53,18 @@ def with_mxfp4_config(hf_config: Any) -> Any:
     return config
 
 
-def without_mxfp4_config(hf_config: Any) -> Any:
-    """``hf_config``, or a copy without an MXFP4 ``quantization_config`` when it has one: what a bf16 export of a
-    model loaded from an MXFP4 checkpoint writes (its config.json must not claim MXFP4 tensors)."""
-    quantization = getattr(hf_config, "quantization_config", None)
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-        getattr(quantization, "quant_method", None)
-    if str(getattr(method, "value", method)) != "mxfp4":
+def without_quantization_config(hf_config: Any) -> Any:
+    """``hf_config``, or a copy without ``quantization_config`` (its own and its ``text_config``'s) when it has one:
+    what an unquantized export writes. The source's config may claim quantized tensors the export does not hold: an
+    MXFP4 checkpoint's, or the compressed-tensors entry that transformers keeps in ``text_config`` after dequantizing
+    on load, which loaders trust (vLLM's Kimi-K2.5 config takes ``text_config.quantization_config``)."""
+    def holders(config: Any) -> list[Any]:
+        text = getattr(config, "text_config", None)
+        return [c for c in (config, text) if c is not None and getattr(c, "quantization_config", None) is not None]
+
+    if not holders(hf_config):
         return hf_config
     config = copy.deepcopy(hf_config)
-    del config.quantization_config
+    for holder in holders(config):
+        del holder.quantization_config
     return config

@@ -4,7 +4,11 @@ index), so each rank reads only its slice of each tensor (``safe_open(...).get_s
 MXFP4 checkpoints (``config.json``'s ``quantization_config.quant_method == "mxfp4"``, the gpt-oss releases) store a
 fused-experts weight ``X`` ``[E, in, out]`` as ``X_blocks`` ``[E, out, in / 32, 16]`` and ``X_scales``
 ``[E, out, in / 32]`` (``kernels/mxfp4.py``); the reader shows them as the one bf16 tensor ``X`` in the model's
-layout, dequantised when read (only the experts asked for)."""
+layout, dequantised when read (only the experts asked for).
+
+compressed-tensors' packed integer weights (``X.weight_packed`` int32 beside ``X.weight_scale`` / ``X.weight_shape``;
+the Kimi-K2.5 release stores its routed experts so, INT4 in groups of 32) are not dequantised: the reader refuses
+such a checkpoint, naming them, rather than report every expert as a missing tensor."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 from actorcore.errors import CheckpointError
 from actorcore.kernels.mxfp4 import MXFP4_BLOCKS, MXFP4_SCALES, dequantize_mxfp4
 
+_PACKED = ".weight_packed"  # compressed-tensors' pack-quantized weights
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -59,6 +64,9 @@ class SafetensorsReader:
                 raise CheckpointError(f"{directory}: tensors listed in the index are not in their files: "
                                       f"{', '.join(absent[:10])}")
 
+        packed = sorted(n for n in self.file_of if n.endswith(_PACKED))
+        if packed:
+            raise CheckpointError(_packed_weights_message(directory, packed))
         # MXFP4 pairs: the weight's name -> (blocks, scales) names.
         self.mxfp4: dict[str, tuple[str, str]] = {}
         if _quant_method(directory) == "mxfp4":
@@ -121,17 +129,37 @@ class SafetensorsReader:
 
 
 
-def _quant_method(directory: str) -> str | None:
-    """``quantization_config.quant_method`` of the directory's ``config.json`` (None without one)."""
+def _quantization_config(directory: str) -> dict:
+    """``quantization_config`` of the directory's ``config.json``, or of its ``text_config`` (a VLM's language model,
+    e.g. Kimi-K2.5's); empty without one."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        return None
+        return {}
     try:
         with open(path) as f:
-            quantization = json.load(f).get("quantization_config") or {}
+            config = json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: not readable JSON ({exc})") from None
-    return quantization.get("quant_method") if isinstance(quantization, dict) else None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    quantization = config.get("quantization_config") or text.get("quantization_config") or {}
+    return quantization if isinstance(quantization, dict) else {}
+
+
+def _quant_method(directory: str) -> str | None:
+    """``quantization_config.quant_method`` of the directory's ``config.json`` (None without one)."""
+    return _quantization_config(directory).get("quant_method")
+
+
+def _packed_weights_message(directory: str, packed: list[str]) -> str:
+    quantization = _quantization_config(directory)
+    declared = (f"quantization_config: quant_method {quantization.get('quant_method')!r}, format "
+                f"{quantization.get('format')!r}; " if quantization else "")
+    example = packed[0][: -len(_PACKED)]
+    return (f"{directory}: {len(packed)} weights are stored quantized and packed by compressed-tensors ({declared}e.g. "
+            f"{example}.weight_packed with its .weight_scale / .weight_shape); the Megatron route reads unquantized "
+            "weights only: dequantize the checkpoint first (e.g. transformers with the compressed-tensors package: "
+            "from_pretrained(..., quantization_config=CompressedTensorsConfig(dequantize=True)), then "
+            "save_pretrained), then convert that")
 
 
 def safetensors_dtype(hf_dir: str) -> torch.dtype:
