@@ -57,8 +57,11 @@ def test_experts_module_within_bf16_rounding_of_eager(model_type):
     model = _model(model_type)
     handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=False)
     experts = model.model.get_submodule(handle.state.moe_experts[0])
+    from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, TRACE_ATTR
+
     reference = copy.deepcopy(experts).float()  # fp32 math from the same bf16 values: the yardstick
-    reference.__dict__.pop("forward")
+    reference.__class__ = reference._actorcore_base  # transformers' own experts class
+    reference.__dict__.pop(TRACE_ATTR)
     tokens, hidden = 301, model.config.hidden_size
     g = torch.Generator().manual_seed(2)
     x = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
@@ -73,11 +76,11 @@ def test_experts_module_within_bf16_rounding_of_eager(model_type):
         return [t.float() for t in (out, *grads)]
 
     want = run(reference, reference.forward, torch.float32)
-    eager = run(experts, type(experts).forward.__get__(experts), torch.bfloat16)
+    eager = run(experts, experts._actorcore_base.forward.__get__(experts), torch.bfloat16)
     handle.state.trace.counts = Counter()  # as inside an actorcore call
     try:
         path = run(experts, experts, torch.bfloat16)
-        assert experts.forward.ran
+        assert handle.state.trace.counts[MOE_EXPERTS_KEY] == 1
         again = run(experts, experts, torch.bfloat16)
     finally:
         handle.state.trace.counts = None
@@ -97,6 +100,9 @@ def test_experts_module_within_bf16_rounding_of_eager(model_type):
 def test_model_matches_eager_experts_and_ran(model_type, fused):
     if fused:
         pytest.importorskip("triton")
+    from torch._dynamo.utils import guard_failures
+
+    from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
     from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY
 
     model = _model(model_type)
@@ -109,7 +115,16 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
     assert modules >= 1
     trace = Counter()
     path = _step(model, batch, trace)
-    assert trace[MOE_EXPERTS_KEY] == modules
+    if fused:  # compiled layers take the path by construction, with one compilation for every layer
+        from actorcore.hf.features.moe_experts import _names_inside
+
+        compiled = _names_inside(handle.parts.decoder, [handle.parts.layers[i] for i in handle.state.fused_layers],
+                                 handle.state.moe_experts)
+        assert compiled and trace[FUSED_TRACE_KEY] == len(handle.state.fused_layers)
+        assert trace[MOE_EXPERTS_KEY] == modules - len(compiled)  # the hybrids' linear-attention layers stay eager
+        assert not [r for reasons in guard_failures.values() for r in reasons if "experts" in str(r)], guard_failures
+    else:
+        assert trace[MOE_EXPERTS_KEY] == modules
     _compare(eager, path)
     again = _step(model, batch, Counter())  # forward bitwise (flash attention's backward accumulates with atomics)
     for a, b in zip(path[:2], again[:2]):

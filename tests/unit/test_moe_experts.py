@@ -23,7 +23,7 @@ from actorcore.archs import spec_for_model
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
 import actorcore.hf.features.moe_experts as moe_experts
-from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, SortedExpertsForward, sorted_experts_forward
+from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, TRACE_ATTR, SortedExperts, sorted_experts_forward
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
@@ -190,7 +190,8 @@ def test_matches_the_models_own_forward_and_ran(model_type):
     want = _own_forward_step(model, sequences)
     handle = ac.patch_model(model, moe_experts="grouped")
     experts = _experts(model, handle)
-    assert experts and all(isinstance(m.forward, SortedExpertsForward) for m in experts)
+    assert experts and all(isinstance(m, SortedExperts) for m in experts)
+    assert len({type(m) for m in experts}) == 1  # one class for all layers: one compiled layer serves them
     trace = Counter()
     got = _actorcore_step(model, sequences, trace)
     assert trace[MOE_EXPERTS_KEY] == len(experts)
@@ -199,7 +200,7 @@ def test_matches_the_models_own_forward_and_ran(model_type):
     _assert_close(want, got, TOL["packed_vs_hf_fp32"], _grad_tolerance(model))
     _assert_bitwise(got, _actorcore_step(model, sequences, Counter()))  # deterministic
     handle.revert()
-    assert not any("forward" in m.__dict__ for m in experts)
+    assert not any(isinstance(m, SortedExperts) or TRACE_ATTR in m.__dict__ for m in experts)
 
 
 def test_checkpointed_layers_recompute_on_the_path(monkeypatch):
@@ -247,33 +248,41 @@ def test_router_logits_are_the_models_own():
         assert w.shape == g.shape and (w - g).abs().max().item() < TOL["packed_vs_hf_fp32"]
 
 
-def test_own_forward_bypassed_path_deepcopy_and_revert():
+def test_own_forward_bypassed_path_deepcopy_and_revert(monkeypatch):
     model = _moe_model("qwen2_moe")
     sequences = _sequences(3)
     handle = ac.patch_model(model, moe_experts="grouped")
-    forwards = [m.forward for m in _experts(model, handle)]
+    runs = []
+
+    def counted(experts, *args):
+        runs.append(experts)
+        return sorted_experts_forward(experts, *args)
+
+    monkeypatch.setattr(moe_experts, "sorted_experts_forward", counted)
     with torch.no_grad():
         model(input_ids=sequences[0][None])  # the model's own forward: its own experts code
-    assert not any(f.ran for f in forwards)
+    assert not runs
 
     twin = copy.deepcopy(model)
     twin_experts = [twin.model.get_submodule(n) for n in handle.state.moe_experts]
-    assert all(m.forward.experts is m for m in twin_experts)
+    assert all(isinstance(m, SortedExperts) for m in twin_experts)
     with torch.no_grad():
         twin_experts[0].down_proj.mul_(2.0)  # the copy computes with its own weights
         trace = Counter()
         twin_lp = ac.compute_logprobs(twin, ac.pack(sequences), trace=trace).log_probs
-        assert trace[MOE_EXPERTS_KEY] == len(twin_experts) and not any(f.ran for f in forwards)
+        assert trace[MOE_EXPERTS_KEY] == len(twin_experts)
+        assert [id(m) for m in runs] == [id(m) for m in twin_experts]  # the copy's modules, not the original's
         twin_experts[0].down_proj.div_(2.0)
         twin_own = ac.compute_logprobs(twin, ac.pack(sequences)).log_probs
         assert (twin_lp - twin_own).abs().max().item() > TOL["logprob_changed_at_least"]
         assert torch.equal(twin_own, ac.compute_logprobs(model, ac.pack(sequences)).log_probs)
 
-    del model.model.get_submodule(handle.state.moe_experts[0]).__dict__["forward"]  # bypassed
+    bypassed = model.model.get_submodule(handle.state.moe_experts[0])
+    bypassed.__class__ = bypassed._actorcore_base  # as if another patch had put its own class back
     with pytest.raises(PatchNotAppliedError, match=r"MoE experts path ran in 1 of 2"):
         ac.compute_logprobs(model, ac.pack(sequences))
     handle.revert()
-    assert not any("forward" in m.__dict__ for m in _experts(model, handle))
+    assert not any(isinstance(m, SortedExperts) or TRACE_ATTR in m.__dict__ for m in _experts(model, handle))
 
 
 # --- the option ------------------------------------------------------------------------------------------------
@@ -295,7 +304,7 @@ def test_auto_keeps_cpu_and_fp32_on_the_models_own_code():
     model = _moe_model("qwen3_moe")
     handle = ac.patch_model(model)  # "auto" is the default
     assert handle.state.moe_experts == ()
-    assert "forward" not in model.model.layers[0].mlp.experts.__dict__
+    assert not isinstance(model.model.layers[0].mlp.experts, SortedExperts)
     handle.revert()
     assert ac.patch_model(build_tiny_model("llama"), moe_experts="auto").state.moe_experts == ()
 
@@ -313,7 +322,7 @@ def test_grouped_refusals():
     model.model.layers[0].mlp.experts.__dict__["forward"] = lambda *a: None
     with pytest.raises(ValueError, match=r"already has an instance forward"):
         ac.patch_model(model, moe_experts="grouped")
-    assert "forward" not in model.model.layers[1].mlp.experts.__dict__  # nothing stayed installed
+    assert not isinstance(model.model.layers[1].mlp.experts, SortedExperts)  # nothing stayed installed
 
     model = _moe_model("qwen3_moe")
     custom = type("CustomExperts", (type(model.model.layers[0].mlp.experts),),
@@ -377,11 +386,17 @@ def test_compiled_in_the_fused_decoder_on_the_cpu(monkeypatch):
     handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=False)
     eager = _actorcore_step(model, sequences, Counter())
     handle.revert()
+    torch._dynamo.reset()
     handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=True)
     trace = Counter()
     fused = _actorcore_step(model, sequences, trace)
-    assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers
-    assert trace[MOE_EXPERTS_KEY] == len(handle.state.moe_experts) == model.config.num_hidden_layers
+    assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers == len(handle.state.moe_experts)
+    # compiled layers take the path by construction (counted by the fused decoder, not per module); one compilation
+    # serves every layer: an object per module in the graph recompiled the layer for each, on a guard on it
+    from torch._dynamo.utils import guard_failures
+
+    assert trace[MOE_EXPERTS_KEY] == 0
+    assert not [r for reasons in guard_failures.values() for r in reasons if "experts" in str(r)], guard_failures
     _assert_close(eager, fused, TOL["fused_decoder_vs_eager_fp32"], TOL["grad_fused_decoder_vs_eager_fp32_rel"])
     from torch._dynamo.utils import counters
 
@@ -389,5 +404,10 @@ def test_compiled_in_the_fused_decoder_on_the_cpu(monkeypatch):
     trace = Counter()
     _actorcore_step(model, _sequences(6)[:3], trace)  # another pack (a new trace, other lengths): no recompilation
     assert int(counters["stats"]["unique_graphs"]) == graphs
-    assert trace[MOE_EXPERTS_KEY] == model.config.num_hidden_layers
+    assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers
+    bypassed = model.model.get_submodule(handle.state.moe_experts[0])
+    bypassed.__class__ = bypassed._actorcore_base  # as if another patch had put its own class back
+    with pytest.raises(PatchNotAppliedError, match=r"MoE experts path ran in 1 of 2"):
+        _actorcore_step(model, sequences, Counter())
+    bypassed.__class__ = moe_experts.sorted_experts_class(type(bypassed))  # back, so that revert restores it
     handle.revert()

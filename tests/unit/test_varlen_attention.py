@@ -60,3 +60,26 @@ def test_attention_sinks_per_sequence_and_refused_elsewhere():
         varlen_causal_attention(q_TNH, k_TKH, v_TKH, cu, 7, sinks=sinks_N, backend="torch_varlen")
     with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
         varlen_causal_attention(q_TNH, k_TKH, v_TKH, cu, 7, sinks=sinks_N[:2])
+
+
+def test_unequal_head_dims_are_padded_exactly():
+    """Flash kernels take one head dim for q, k and v; latent attention (DeepSeek-V3) gives v its own. The padding
+    that makes them equal changes no output (both directions: v narrower and v wider than q / k)."""
+    from actorcore.kernels.attention.varlen import _with_equal_head_dims
+
+    g = torch.Generator().manual_seed(1)
+    lengths = [4, 2, 5]
+    cu = torch.tensor([0, 4, 6, 11], dtype=torch.int32)
+    for qk_dim, v_dim in ((12, 8), (8, 12)):
+        q, k = (torch.randn(sum(lengths), heads, qk_dim, generator=g, dtype=torch.float64) for heads in (4, 2))
+        v = torch.randn(sum(lengths), 2, v_dim, generator=g, dtype=torch.float64)
+        want = varlen_causal_attention(q, k, v, cu, 5, scale=0.3, backend="segments")
+        seen = []
+
+        def attend(q_, k_, v_):
+            seen.append((q_.shape[-1], k_.shape[-1], v_.shape[-1]))
+            return varlen_causal_attention(q_, k_, v_, cu, 5, scale=0.3, backend="segments")
+
+        got = _with_equal_head_dims(q, k, v, attend)
+        assert seen == [(max(qk_dim, v_dim),) * 3] and got.shape == want.shape
+        assert (got - want).abs().max().item() < 1e-12

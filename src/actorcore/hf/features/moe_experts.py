@@ -12,12 +12,12 @@ gate activation (``_apply_gate`` / ``act_fn``), biases and post-expert norm. It 
 without graph breaks, so the fused decoder compiles it into the layer.
 
 How: each experts module of the MoE layers (transformers' standard experts class, the one its
-``use_experts_implementation`` decorator makes) gets, for the patch's lifetime, an instance ``forward``: a
-``SortedExpertsForward`` holding its module (a deep copy of the model runs the copy's experts) and the patch's trace
-slot. It runs this path in actorcore's calls only; any other call (the model's own forward, ``verify``'s reference)
-runs the module's own forward. A forward that ran sets its ``ran`` flag (a store, so a compiled layer replays it
-without guarding on a count); the ``MoeExperts`` feature clears the flags before the decoder runs, counts the
-modules that ran under ``MOE_EXPERTS_KEY`` and requires every installed module to have run.
+``use_experts_implementation`` decorator makes) runs, for the patch's lifetime, as a subclass of its own class
+(``SortedExperts`` in front; one per experts class, so the fused decoder's one compiled layer serves every layer)
+holding the patch's trace slot; a deep copy of the model is a copy of those modules. It runs this path in
+actorcore's calls only; any other call (the model's own forward, ``verify``'s reference) runs the class's own
+forward. Eager runs count under ``MOE_EXPERTS_KEY``; a layer the fused decoder ran compiled took the path by
+construction; the ``MoeExperts`` feature requires every installed module to have run one way or the other.
 
 Where (``"auto"``, the default): CUDA, bf16 / fp16 weights, transformers' standard experts class under one of
 transformers' own implementations (``eager``, ``batched_mm``, ``grouped_mm``; a kernel chosen with
@@ -29,10 +29,9 @@ ids) is refused.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -40,7 +39,7 @@ from actorcore.archs import submodule
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall, TraceRef
 from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
-from actorcore.hf.features.instance_forwards import install_forwards
+from actorcore.hf.features.fused_decoder import FusedDecoder
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 
 logger = logging.getLogger(__name__)
@@ -120,22 +119,59 @@ def sorted_experts_forward(experts: torch.nn.Module, hidden_states_TD: torch.Ten
     return combine(rows, top_k_weights_TK, order, hidden_states_TD.dtype)
 
 
-class SortedExpertsForward:
-    """The instance ``forward`` of an experts module: ``sorted_experts_forward`` in actorcore's calls, else the
-    module's own forward. Holds its module (not a closure) and the patch's trace slot."""
+TRACE_ATTR = "_actorcore_moe_trace"  # the patch's trace slot, on each installed experts module
 
-    def __init__(self, experts: torch.nn.Module, trace: TraceRef, grouped_mm: Callable) -> None:
-        self.experts = experts
-        self.grouped_mm = grouped_mm  # transformers' grouped GEMM dispatcher
-        self.trace = trace  # the patch's trace slot: the call's trace inside actorcore's calls, else None
-        self.ran = False  # set by each run of the path; cleared by the feature before each call
 
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if self.trace.counts is None:
-            return type(self.experts).forward(self.experts, hidden_states, top_k_index, top_k_weights)
-        self.ran = True
-        return sorted_experts_forward(self.experts, hidden_states, top_k_index, top_k_weights, self.grouped_mm)
+class SortedExperts:
+    """Put in front of an experts module's own class for the patch's lifetime (``sorted_experts_class``): its
+    ``forward`` runs ``sorted_experts_forward`` in actorcore's calls, else the class's own forward.
+
+    A class, not an instance ``forward``: the fused decoder compiles one layer forward for all layers of a class,
+    and Dynamo guards on the identity of what a layer calls; one object per experts module recompiled the layer for
+    every layer (and past Dynamo's recompile limit, ran it uncompiled). Every installed module of one experts class
+    shares this class, and nothing per module is read inside a compiled layer: compiled layers run only inside
+    actorcore's calls, so there the path is taken without reading the trace slot (``is_compiling``). Eager runs
+    count into the trace; compiled ones are proven by the fused decoder's own count (``MoeExperts.check``).
+    """
+
+    _actorcore_base: type  # the module's own class
+    _actorcore_grouped_mm: Callable  # transformers' grouped GEMM dispatcher
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        cls = type(self)
+        if not torch.compiler.is_compiling():
+            trace = self.__dict__[TRACE_ATTR]
+            if trace.counts is None:  # not an actorcore call: the model's own experts code
+                return cls._actorcore_base.forward(self, hidden_states, top_k_index, top_k_weights)
+            trace.counts[MOE_EXPERTS_KEY] += 1
+        return sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights, cls._actorcore_grouped_mm)
+
+
+@functools.cache
+def sorted_experts_class(base: type) -> type:
+    """The class an installed experts module of class ``base`` runs as (one per experts class)."""
+    return type(base.__name__, (SortedExperts, base), {
+        "_actorcore_base": base, "_actorcore_grouped_mm": staticmethod(_grouped_mm_dispatcher()),
+        "__module__": base.__module__, "__qualname__": base.__qualname__})
+
+
+def install_sorted_experts(modules: list[torch.nn.Module], trace: TraceRef) -> Callable[[], None]:
+    """Run each experts module as ``sorted_experts_class`` of its class; returns the undo."""
+    installed: list[tuple[torch.nn.Module, type]] = []
+
+    def restore() -> None:
+        for module, base in reversed(installed):
+            module.__class__ = base
+            module.__dict__.pop(TRACE_ATTR, None)
+        installed.clear()
+
+    for module in modules:
+        base = type(module)
+        module.__dict__[TRACE_ATTR] = trace
+        module.__class__ = sorted_experts_class(base)
+        installed.append((module, base))
+    return restore
 
 
 def moe_experts_modules(parts: Any, spec: Any) -> list[tuple[str, torch.nn.Module]]:
@@ -152,6 +188,8 @@ def moe_experts_modules(parts: Any, spec: Any) -> list[tuple[str, torch.nn.Modul
 def _module_refusal(module: torch.nn.Module) -> str | None:
     """Why this experts module cannot run the path (None: it can)."""
     name = type(module).__name__
+    if "forward" in module.__dict__ or isinstance(module, SortedExperts):
+        return f"{name} already has an instance forward or the MoE experts path: revert the other patch first"
     if _grouped_mm_dispatcher() is None:
         return "the installed transformers has no grouped GEMM dispatcher (transformers.integrations.moe._grouped_mm)"
     if not is_standard_experts(module):
@@ -172,8 +210,6 @@ def _module_refusal(module: torch.nn.Module) -> str | None:
                 "split over ranks), which this path refuses")
     if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"{name}'s weights are {weight.dtype}; grouped_mm runs float32, bf16 and fp16"
-    if "forward" in module.__dict__:
-        return f"{name} already has an instance forward ({module.__dict__['forward']!r}): revert the other patch first"
     return None
 
 
@@ -243,30 +279,34 @@ class MoeExperts(DecoderFeature):
     def install(self, handle: Any) -> None:
         names = handle.state.moe_experts
         if names:
-            trace, grouped_mm = handle.state.trace, _grouped_mm_dispatcher()
             modules = [handle.parts.decoder.get_submodule(name) for name in names]
-            _, restore = install_forwards(modules, lambda module, _: SortedExpertsForward(module, trace, grouped_mm))
-            handle.add_undo(restore)
+            handle.add_undo(install_sorted_experts(modules, handle.state.trace))
 
     def active(self, call: DecoderCall) -> bool:
         return call.patch is not None and bool(call.patch.moe_experts)
 
     def enter(self, call: DecoderCall) -> Any:
-        return self._counted(call)
-
-    @contextlib.contextmanager
-    def _counted(self, call: DecoderCall) -> Iterator[None]:
-        forwards = [call.parts.decoder.get_submodule(name).__dict__.get("forward") for name in call.patch.moe_experts]
-        forwards = [f for f in forwards if isinstance(f, SortedExpertsForward)]
-        for forward in forwards:
-            forward.ran = False
-        with patch_trace_bound(call):
-            yield
-        call.trace[MOE_EXPERTS_KEY] += sum(forward.ran for forward in forwards)
+        return patch_trace_bound(call)
 
     def check(self, call: DecoderCall) -> None:
-        ran, modules = call.ran(MOE_EXPERTS_KEY), len(call.patch.moe_experts)
-        if ran < modules:
+        """Every installed module still runs as its sorted class and ran: counted by its eager runs, or inside a
+        layer the fused decoder ran compiled (that feature checks its own count)."""
+        decoder, in_fused = call.parts.decoder, set()
+        if FusedDecoder().active(call):
+            in_fused = _names_inside(decoder, [call.parts.layers[i] for i in call.patch.fused_layers],
+                                     call.patch.moe_experts)
+        bypassed = [name for name in call.patch.moe_experts
+                    if not isinstance(decoder.get_submodule(name), SortedExperts)]
+        ran, modules = call.ran(MOE_EXPERTS_KEY) + len(in_fused), len(call.patch.moe_experts)
+        if bypassed or ran < modules:
             raise PatchNotAppliedError(
-                f"actorcore's MoE experts path ran in {ran} of {modules} experts modules of {call.model_name}: the "
-                "installed transformers bypassed their instance forward; refusing to continue on another path")
+                f"actorcore's MoE experts path ran in {min(ran, modules - len(bypassed))} of {modules} experts "
+                f"modules of {call.model_name}: the installed transformers (or another patch) bypassed their class; "
+                "refusing to continue on another path")
+
+
+def _names_inside(decoder: torch.nn.Module, layers: list[torch.nn.Module], names: tuple[str, ...]) -> set[str]:
+    """Those of ``names`` (submodules of the decoder) that lie inside one of ``layers``."""
+    ids = {id(layer) for layer in layers}
+    prefixes = tuple(name + "." for name, module in decoder.named_modules() if id(module) in ids)
+    return {name for name in names if name.startswith(prefixes)}

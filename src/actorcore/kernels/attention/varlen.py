@@ -94,6 +94,10 @@ def varlen_causal_attention(
     elif sinks is not None and backend != "segments":
         raise ValueError(f"the {backend} backend cannot apply attention sinks; use backend='segments' (or 'auto')")
     add(trace, f"varlen_attention:{backend}")
+    if backend in ("flash_attn", "torch_varlen") and v_TKH.shape[-1] != H:
+        return _with_equal_head_dims(q_TNH, k_TKH, v_TKH, lambda q, k, v: varlen_causal_attention(
+            q, k, v, cu_seqlens, max_seqlen, scale=scale, sliding_window=sliding_window, softcap=softcap,
+            dropout=dropout, backend=backend))
     if backend == "flash_attn":
         return _flash_attn(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window, softcap, dropout)
     if backend == "torch_varlen":
@@ -101,6 +105,16 @@ def varlen_causal_attention(
             raise ValueError("the torch_varlen backend supports neither softcap nor dropout; use 'segments'")
         return _torch_varlen(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window)
     return _segments(q_TNH, k_TKH, v_TKH, cu_seqlens, scale, sliding_window, softcap, dropout, sinks)
+
+
+def _with_equal_head_dims(q, k, v, attend):
+    """Flash kernels take one head dim for q, k and v; multi-head latent attention (DeepSeek-V3, Kimi) has a value
+    head dim of its own. Zero columns change no dot product and produce zero output columns, so the smaller side is
+    padded and the output cut back to v's head dim (the scale was fixed from q's head dim before)."""
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    if v_dim < qk_dim:
+        return attend(q, k, F.pad(v, (0, qk_dim - v_dim)))[..., :v_dim]
+    return attend(F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim)), v)
 
 
 def _flash_attn(q, k, v, cu, max_seqlen, scale, window, softcap, dropout):
