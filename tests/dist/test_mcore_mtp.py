@@ -5,7 +5,9 @@ converts HF -> Megatron -> HF bit-exact at TP=2, PP=2 (the MTP layer on the last
 and with the CLI (``hf-to-mcore --mtp`` and ``mcore-to-hf``); the MTP depth's per-token log-probs, loss and projection
 gradient (``eh_proj``, the releases' ``eh_proj`` / ``fc``) equal an independent plain-torch MTP forward run on each
 packed sequence alone (targets never cross into the next sequence); the main head's log-probs are bitwise those of
-the model built without MTP, which drops the MTP tensors (the default), and equal transformers' fp32 forward."""
+the model built without MTP, which drops the MTP tensors (the default), and equal transformers' fp32 forward. Also:
+tiny Qwen3.5 with tied embeddings (its small releases), the same checks, the MTP depth scored with the tied head; a bf16
+build against the fp32 reference; and the CLI on checkpoints whose MTP tensors do not fit (extra ones, none at all)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ pytest.importorskip("megatron.core")
 LENGTHS = (9, 2, 12, 5, 3)  # a 2-token sequence has no MTP target, a 3-token one a single target
 MTP_SCALE = 0.3
 LAYERS = 2  # the tiny configs' decoder layers
+TIED = "qwen3_5_text-tied"  # the small Qwen3.5 releases tie the embeddings: no lm_head.weight stored
+BF16 = "qwen3_5_text"  # the case also built in bf16 (TP=2)
 
 
 def _sequences() -> list[torch.Tensor]:
@@ -36,21 +40,25 @@ def _mtp_archs() -> list[str]:
     return [m for m in megatron_model_types() if get_spec(m).mcore.mtp is not None]
 
 
+def _mtp_cases() -> dict[str, tuple[str, dict]]:
+    """{case: (model_type, config overrides)}: every MTP architecture as its releases are, and Qwen3.5 tied."""
+    return {**{m: (m, {}) for m in _mtp_archs()}, TIED: ("qwen3_5_text", dict(tie_word_embeddings=True))}
+
+
 def _layouts(model_type: str) -> list[str]:
     from actorcore.archs import get_spec
 
     return ["tp2", "pp2"] + (["ep2"] if get_spec(model_type).mlp_kind == "moe" else [])
 
 
-def _worker(rank: int, world_size: int, dirs: dict[str, tuple[str, str]]) -> dict:
-    return {model_type: _arch_layouts(model_type, mtp_dir, saved_dir) for model_type, (mtp_dir, saved_dir) in
-            dirs.items()}
+def _worker(rank: int, world_size: int, dirs: dict[str, tuple[str, str, str]]) -> dict:
+    return {case: _arch_layouts(case, *case_dirs) for case, case_dirs in dirs.items()}
 
 
-def _arch_layouts(model_type: str, mtp_dir: str, saved_dir: str) -> dict:
+def _arch_layouts(case: str, model_type: str, mtp_dir: str, saved_dir: str) -> dict:
     """TP=2, PP=2 (the MTP layer on the last stage), EP=2 (its experts split): load, export, log-probs with the
     MTP loss (forward and backward); at TP=2 also the default build (MTP dropped), at PP=2 a Megatron checkpoint
-    for the CLI."""
+    for the CLI; for the ``BF16`` case a bf16 build at TP=2 (forward)."""
     import actorcore as ac
     from megatron.core import parallel_state
     from transformers import AutoConfig
@@ -97,65 +105,79 @@ def _arch_layouts(model_type: str, mtp_dir: str, saved_dir: str) -> dict:
                 save_mcore_checkpoint(model, saved_dir, mtp_dir)
             out[name] = got
             parallel_state.destroy_model_parallel()
+        if case == BF16:
+            initialize_megatron(McoreParallel(tp=2))
+            model = build_gpt_model(hf_config, McoreParallel(tp=2), torch.bfloat16, mtp=True, expert_layout=layout)
+            load_hf_into_mcore(model, mtp_dir)
+            result = compute_logprobs(model, batch, mtp_loss_scale=MTP_SCALE)
+            out["bf16"] = dict(log_probs=result.log_probs, mtp=result.mtp_log_probs,
+                               dtypes={p.dtype for chunk in model.chunks for p in chunk.parameters()})
+            parallel_state.destroy_model_parallel()
     return out
 
 
 @pytest.fixture(scope="module")
 def mtp_world(tmp_path_factory):
-    """Every MTP architecture's checkpoint, the two-rank results, and the CLI's conversions (both ways, and back
-    from the PP=2 Megatron checkpoint)."""
+    """Every case's checkpoint, its plain-torch reference, the two-rank results, and the CLI's conversions (both ways,
+    and back from the PP=2 Megatron checkpoint)."""
     from actorcore.cli.convert import main as convert
     from actorcore.testing.checkpoints import load_checkpoint_tensors
 
     root = str(tmp_path_factory.mktemp("mcore_mtp"))
-    archs = _mtp_archs()
-    dirs, donors = {}, {}
-    for model_type in archs:
-        os.makedirs(os.path.join(root, model_type))
-        mtp_dir, donors[model_type] = write_mtp_checkpoint(os.path.join(root, model_type), model_type)
-        dirs[model_type] = (mtp_dir, os.path.join(root, model_type, "mcore-pp2"))
+    dirs, references = {}, {}
+    for case, (model_type, overrides) in _mtp_cases().items():
+        os.makedirs(os.path.join(root, case))
+        mtp_dir, donor_dir = write_mtp_checkpoint(os.path.join(root, case), model_type, **overrides)
+        dirs[case] = (model_type, mtp_dir, os.path.join(root, case, "mcore-pp2"))
+        references[case] = reference_mtp(mtp_dir, donor_dir, _sequences(), MTP_SCALE)
     results = run_distributed(_worker, 2, args=(dirs,))
     exported = {}
-    for model_type, (mtp_dir, saved) in dirs.items():
-        base = os.path.join(root, model_type)
+    for case, (_, mtp_dir, saved) in dirs.items():
+        base = os.path.join(root, case)
         assert convert(["mcore-to-hf", saved, os.path.join(base, "back-pp2")]) == 0
         assert convert(["hf-to-mcore", mtp_dir, os.path.join(base, "mcore-cli"), "--mtp"]) == 0
         assert convert(["mcore-to-hf", os.path.join(base, "mcore-cli"), os.path.join(base, "back-cli")]) == 0
-        exported[model_type] = {k: load_checkpoint_tensors(os.path.join(base, k)) for k in ("back-pp2", "back-cli")}
-    return dict(archs=archs, dirs=dirs, donors=donors, results=results, exported=exported)
+        exported[case] = {k: load_checkpoint_tensors(os.path.join(base, k)) for k in ("back-pp2", "back-cli")}
+    return dict(archs=_mtp_archs(), dirs=dirs, references=references, results=results, exported=exported)
 
 
 def test_mtp_archs_include_both_release_layouts(mtp_world):
     assert {"deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"} <= set(mtp_world["archs"])
 
 
-@pytest.mark.parametrize("model_type", _mtp_archs())
-def test_mtp_roundtrip_loss_and_packing(mtp_world, model_type):
+@pytest.mark.parametrize("case", _mtp_cases())
+def test_mtp_roundtrip_loss_and_packing(mtp_world, case):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     from actorcore.archs import get_spec
     from actorcore.testing.tolerances import TOL
 
-    mtp_dir, _ = mtp_world["dirs"][model_type]
+    model_type, mtp_dir, _ = mtp_world["dirs"][case]
     reference = load_file(os.path.join(mtp_dir, "model.safetensors"))
-    for how, exported in mtp_world["exported"][model_type].items():  # the CLI, both ways: bit-exact
-        assert sorted(exported) == sorted(reference), (model_type, how, set(exported) ^ set(reference))
+    # A tied checkpoint stores no head (the MTP depth's is the embedding), and none may be written back.
+    assert ("lm_head.weight" in reference) == (case != TIED)
+    for how, exported in mtp_world["exported"][case].items():  # the CLI, both ways: bit-exact
+        assert sorted(exported) == sorted(reference), (case, how, set(exported) ^ set(reference))
         assert all(torch.equal(exported[k], v) and exported[k].dtype == v.dtype for k, v in reference.items()), how
         back = AutoConfig.from_pretrained(os.path.join(os.path.dirname(mtp_dir), how))
-        assert all(getattr(back, k) == v for k, v in MTP_CONFIG_FIELDS[model_type].items()), how
-    main_ref, mtp_rows, ref_loss, ref_grad = reference_mtp(mtp_dir, mtp_world["donors"][model_type], _sequences(),
-                                                           MTP_SCALE)
+        # the MTP fields the release declares carried, none made up (Qwen3-Next's declares none)
+        fields = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")
+        assert all(getattr(back, k, None) == MTP_CONFIG_FIELDS[model_type].get(k) for k in fields), how
+        assert back.tie_word_embeddings == (case == TIED), how
+    main_ref, mtp_rows, ref_loss, ref_grad = mtp_world["references"][case]
     mtp_names = mtp_tensor_names(model_type, reference, LAYERS)
     moe = get_spec(model_type).mlp_kind == "moe"
     # The MTP layer is a MoE layer in the MoE models (one tensor per expert, or stacked per layer).
     assert moe == any(".mlp.experts." in n for n in mtp_names), model_type
     ref_mtp = torch.cat(mtp_rows)
-    results = [r[model_type] for r in mtp_world["results"]]
+    results = [r[case] for r in mtp_world["results"]]
     for result in results:
-        assert sorted(result) == sorted(_layouts(model_type))
+        assert sorted(set(result) - {"bf16"}) == sorted(_layouts(model_type))
         for layout, got in result.items():
-            name = f"{model_type} {layout}"
+            if layout == "bf16":
+                continue  # test_mtp_bf16_close_to_the_fp32_reference
+            name = f"{case} {layout}"
             state = got["state"]
             assert got["stapled"] == [], got["stapled"]  # nothing of ours on Megatron's modules, MTP included
             assert sorted(state) == sorted(reference), (name, set(state) ^ set(reference))
@@ -185,7 +207,22 @@ def test_mtp_roundtrip_loss_and_packing(mtp_world, model_type):
                 torch.testing.assert_close(grad / scale, expected / scale, atol=TOL["grad_mcore_vs_hf_fp32_rel"],
                                            rtol=0)
     assert any(r["pp2"]["grads"] and r["pp2"]["mtp_blocks"] for r in results)  # the last stage's
-    assert all(r[layout]["grads"] and r[layout]["mtp_blocks"] for r in results for layout in r if layout != "pp2")
+    assert all(r[layout]["grads"] and r[layout]["mtp_blocks"] for r in results for layout in r
+               if layout not in ("pp2", "bf16"))
+
+
+def test_mtp_bf16_close_to_the_fp32_reference(mtp_world):
+    """A bf16 build with MTP (TP=2) runs, in bf16, and its main and MTP log-probs (float32) agree per token with the
+    fp32 reference within the bf16 decoder's rounding."""
+    from actorcore.testing.tolerances import TOL
+
+    main_ref, mtp_rows, _, _ = mtp_world["references"][BF16]
+    for result in mtp_world["results"]:
+        got = result[BF16]["bf16"]
+        assert got["dtypes"] == {torch.bfloat16}
+        assert got["log_probs"].dtype == got["mtp"].dtype == torch.float32 and got["mtp"].shape == (1, sum(LENGTHS))
+        torch.testing.assert_close(got["log_probs"], main_ref, atol=TOL["mcore_bf16_vs_hf_fp32"], rtol=0)
+        torch.testing.assert_close(got["mtp"][0], torch.cat(mtp_rows), atol=TOL["mcore_bf16_vs_hf_fp32"], rtol=0)
 
 
 def test_mtp_copy_that_differs_is_refused(tmp_path):
@@ -248,3 +285,73 @@ def test_mtp_refusals():
         _check_mtp(model(cp=2), 0.5)
     with pytest.raises(ValueError, match="non-negative"):
         _check_mtp(model(cp=1), -1.0)
+
+
+def _with_tensors(src: str, dst: str, tensors: dict[str, torch.Tensor]) -> str:
+    """A copy of the checkpoint ``src`` (config and all) holding ``tensors`` instead of its weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert "Traceback" not in err and len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.mark.parametrize("what", ["unconsumed", "none"])
+def test_mtp_tensors_that_do_not_fit_are_refused_leaving_nothing(mtp_world, tmp_path, capsys, what):
+    """``hf-to-mcore --mtp`` (mtp=True) on a checkpoint whose ``mtp.*`` tensors do not fit the model: one nobody consumes
+    (a second MTP layer, a misspelled fc) is an unexpected tensor, named; no MTP tensor at all (a checkpoint saved
+    again by transformers) is refused saying so, naming what is missing, instead of building a random MTP head.
+    Either way exit 2, one error line, and no output (nor a temporary one) left behind."""
+    from safetensors.torch import load_file
+
+    from actorcore.cli.convert import main as convert
+    from actorcore.lifecycle import temp_prefix
+
+    mtp_dir = mtp_world["dirs"]["qwen3_5_text"][1]
+    state = load_file(os.path.join(mtp_dir, "model.safetensors"))
+    if what == "unconsumed":
+        tensors = {**state, "mtp.fcc.weight": state["mtp.fc.weight"].clone(),
+                   "mtp.layers.1.input_layernorm.weight": state["mtp.layers.0.input_layernorm.weight"].clone()}
+        expected = ["unexpected tensors", "mtp.fcc.weight", "mtp.layers.1.input_layernorm.weight"]
+    else:
+        tensors = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+        expected = ["holds no multi-token-prediction tensors", "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight",
+                    "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight", "mtp_num_hidden_layers=1", "drop --mtp"]
+    src = _with_tensors(mtp_dir, str(tmp_path / what), tensors)
+    dst = str(tmp_path / "out")
+    assert convert(["hf-to-mcore", src, dst, "--mtp"]) == 2
+    line = _error_line(capsys)
+    assert all(fragment in line for fragment in expected), line
+    assert not os.path.exists(dst) and not [n for n in os.listdir(tmp_path) if n.startswith(temp_prefix(dst))]
+
+
+def test_mtp_tensors_dropped_with_a_warning_without_mtp(mtp_world, tmp_path, caplog):
+    """Without --mtp (mtp=False) the checkpoint's MTP tensors are dropped with one warning naming them; the rest
+    converts both ways bit-exact. (The main log-probs of that build are those of the MTP build, bitwise, and
+    transformers': test_mtp_roundtrip_loss_and_packing, layout tp2.)"""
+    from safetensors.torch import load_file
+
+    from actorcore.cli.convert import main as convert
+    from actorcore.testing.checkpoints import load_checkpoint_tensors
+
+    model_type, mtp_dir, _ = mtp_world["dirs"]["qwen3_5_text"]
+    state = load_file(os.path.join(mtp_dir, "model.safetensors"))
+    dropped = mtp_tensor_names(model_type, state, LAYERS)
+    with caplog.at_level("WARNING", logger="actorcore.mcore.load"):
+        assert convert(["hf-to-mcore", mtp_dir, str(tmp_path / "mcore")]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "actorcore.mcore.load"]
+    assert len(warnings) == 1 and f"dropping the {len(dropped)} multi-token-prediction tensors" in warnings[0], warnings
+    assert "mtp=True" in warnings[0] and "--mtp" in warnings[0]
+    assert convert(["mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "back")]) == 0
+    back = load_checkpoint_tensors(str(tmp_path / "back"))
+    assert sorted(back) == sorted(set(state) - dropped)
+    assert all(torch.equal(back[k], state[k]) for k in back)

@@ -122,6 +122,18 @@ def test_deepseek_v3_mla(caplog):
     assert "seq_aux" in warnings[0] and "aux_loss_alpha" in warnings[0]
 
 
+def test_mtp_config_fields_are_not_reported_unknown():
+    """The fields ``build_gpt_model(..., mtp=True)`` reads (the MTP layer count, the refused dedicated embedding) are
+    understood, for every architecture with MTP rules; a field nobody reads still is reported."""
+    from actorcore.mcore.config import warn_unknown_fields
+    from actorcore.testing.mtp import MTP_CONFIG_FIELDS
+    from actorcore.testing.tiny_configs import tiny_config
+
+    every_qwen3_next_field = dict(num_nextn_predict_layers=1, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    for model_type, fields in [*MTP_CONFIG_FIELDS.items(), ("qwen3_next", every_qwen3_next_field)]:
+        assert warn_unknown_fields(tiny_config(model_type, **fields, made_up_field=3)) == ["made_up_field"], model_type
+
+
 @pytest.mark.parametrize("model_type", [m for m in megatron_model_types() if get_spec(m).vision is None])
 def test_tiny_configs_two_way(model_type):
     from actorcore.testing.tiny_configs import tiny_config

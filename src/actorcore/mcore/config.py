@@ -357,7 +357,10 @@ def warn_unknown_fields(hf: Any) -> list[str]:
     """HF fields this converter does not understand (logged as a warning)."""
     from transformers import PretrainedConfig
 
-    spec_fields = {name for name, _ in get_spec(hf.model_type).mcore.config_fields}
+    mcore = get_spec(hf.model_type).mcore
+    spec_fields = {name for name, _ in mcore.config_fields}
+    if mcore.mtp is not None:  # read by build_gpt_model(..., mtp=True): the count, and what it refuses
+        spec_fields |= set(mcore.mtp.count_fields) | {name for name, _ in mcore.mtp.refused_fields}
     known = set(IRRELEVANT) | set(CONSUMED) | spec_fields | {n for f in FIELDS for n in f.hf_names}
     base = set(PretrainedConfig().to_dict())
     unknown = sorted(k for k in hf.to_dict() if k not in known and k not in base)

@@ -90,6 +90,24 @@ def _mtp_tensors(spec: McoreSpec, names: set[str], hf_config: Any) -> list[str]:
     return sorted(found)
 
 
+def _check_has_mtp_tensors(model: McoreModel, rules: McoreSpec, names: set[str], hf_dir: str) -> None:
+    """A model built with MTP layers needs a checkpoint that has them: one holding no MTP tensor at all (a checkpoint
+    that transformers saved again, say: it drops them on load) is refused with that reason, before anything is read.
+    The same on every rank (a fact of the file names), so no rank waits on another."""
+    if not model.mtp_layers or _mtp_tensors(rules, names, model.hf_config):
+        return
+    layer = model.mtp_hf_layers[0]
+    expected = [n for rule in rules.mtp.rules for n in rule.hf_names_for({"layer": layer})]
+    field, count = rules.mtp.count_field(model.hf_config)
+    declared = f"{field}={count}" if getattr(model.hf_config, field, None) is not None else \
+        f"{count}, the default where the config sets no {field}"
+    raise CheckpointMismatchError(
+        f"{hf_dir} holds no multi-token-prediction tensors (missing {', '.join(expected)} and the MTP decoder layer's "
+        f"tensors), but the model was built with mtp=True (MTP layers: {declared}): the checkpoint was saved without "
+        "them (transformers drops the MTP layers on load, so a checkpoint it saved again has none): build without "
+        "mtp=True (drop --mtp), or load a checkpoint that still has them")
+
+
 def _read_part(reader: SafetensorsReader, name: str, rule: WeightRule, context: ParallelContext,
                local_rows: int, indices: dict[str, int], sections: list[int]) -> torch.Tensor:
     if rule.grouped:
@@ -158,6 +176,7 @@ def load_hf_into_mcore(model: McoreModel, hf_dir: str, *, progress: bool = False
     hf_config = model.hf_config
     reader = SafetensorsReader(hf_dir)
     rules = _checkpoint_rules(model, reader.names(), hf_dir)
+    _check_has_mtp_tensors(model, rules, reader.names(), hf_dir)
     problems: list[str] = []
     consumed: set[str] = set()
     items = [(chunk, name, tensor) for chunk in model.chunks for name, tensor in mcore_tensors(chunk)]

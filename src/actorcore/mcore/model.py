@@ -225,6 +225,17 @@ def _fix_expert_output_biases(chunk: Any) -> None:
             module.bias.sequence_parallel = False
 
 
+def _drop_unused_output_weight(chunk: Any) -> None:
+    """Tied embeddings with MTP on a last stage that is not the first (PP > 1): Megatron's shared weight there is the
+    MTP stage's embedding replica (``shared_embedding_or_output_weight``), yet megatron-core 0.16.1 still allocates
+    an output-layer weight beside it (only the first stage skips it), which nothing reads and which its own
+    ``sharded_state_dict`` then refuses (it asserts the MTP stage has no ``output_layer.weight``). The unused weight
+    is taken off, as the first stage's never exists."""
+    if chunk.share_embeddings_and_output_weights and chunk.mtp_process and not chunk.pre_process \
+            and chunk.output_layer.weight is not None:
+        chunk.output_layer.weight = None
+
+
 def _check_expert_layout(hf_config: Any, spec: Any, expert_layout: str) -> None:
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
@@ -299,6 +310,7 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
             else:
                 # Per-instance: the fused kernel consumes hidden states and the output weight directly.
                 model.output_layer.forward = _return_hidden
+                _drop_unused_output_weight(model)
         # Megatron's local norms are created in float32; every parameter takes the model dtype (as Float16Module does).
         chunks.append(model.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=dtype))
     return chunks

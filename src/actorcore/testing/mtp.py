@@ -18,6 +18,7 @@ Two release layouts (``MTP_LAYOUTS``):
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -29,11 +30,12 @@ MTP_LAYOUTS = {
     "qwen3_5_text": "mtp_head",
     "qwen3_5_moe_text": "mtp_head",
 }
-# The config fields the releases declare the MTP layers with (vLLM reads Qwen3-Next's as num_nextn_predict_layers).
+# The config fields the releases declare the MTP layers with. Qwen3-Next's release declares none (its one MTP layer is
+# the default: vLLM reads num_nextn_predict_layers, 1 when absent; docs/megatron.md says where this was seen).
 MTP_CONFIG_FIELDS = {
     "deepseek_v3": dict(num_nextn_predict_layers=1),
     "glm4_moe": dict(num_nextn_predict_layers=1),
-    "qwen3_next": dict(num_nextn_predict_layers=1, mtp_use_dedicated_embeddings=False),
+    "qwen3_next": {},
     "qwen3_5_text": dict(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False),
     "qwen3_5_moe_text": dict(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False),
 }
@@ -77,22 +79,23 @@ def _grouped_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_mtp_checkpoint(root: str, model_type: str = "deepseek_v3") -> tuple[str, str]:
+def write_mtp_checkpoint(root: str, model_type: str = "deepseek_v3", **overrides: Any) -> tuple[str, str]:
     """(MTP checkpoint dir, donor dir) under ``root``. The donor is the tiny ``model_type`` with one more layer (a
     full-attention one for the hybrids), whose last layer becomes the MTP layer's decoder layer; the MTP-only
     tensors are random (norm weights too), the embedding and head copies of the ``extra_layer`` layout equal the main
-    model's (as in the releases)."""
+    model's (as in the releases). ``overrides``: config fields of both (``tie_word_embeddings=True``: no
+    ``lm_head.weight`` is stored, as in the small Qwen3.5 releases)."""
     from safetensors.torch import load_file, save_file
 
     from actorcore.testing.tiny_configs import build_tiny_model, tiny_config
 
     layout = MTP_LAYOUTS[model_type]
-    config = tiny_config(model_type, **MTP_CONFIG_FIELDS[model_type])
+    config = tiny_config(model_type, **MTP_CONFIG_FIELDS[model_type], **overrides)
     layers = config.num_hidden_layers
     extra = {}
     if getattr(config, "layer_types", None) is not None:
         extra["layer_types"] = [*config.layer_types, "full_attention"]
-    donor = build_tiny_model(model_type, seed=5, num_hidden_layers=layers + 1, **extra)
+    donor = build_tiny_model(model_type, seed=5, num_hidden_layers=layers + 1, **extra, **overrides)
     donor_dir, mtp_dir = os.path.join(root, "donor"), os.path.join(root, "mtp")
     donor.save_pretrained(donor_dir)
     state = load_file(os.path.join(donor_dir, "model.safetensors"))
@@ -108,7 +111,7 @@ def write_mtp_checkpoint(root: str, model_type: str = "deepseek_v3") -> tuple[st
             layer + "eh_proj.weight": 0.05 * torch.randn(hidden, 2 * hidden, generator=gen),
             layer + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
             layer + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
-            layer + "shared_head.head.weight": state["lm_head.weight"].clone(),
+            layer + "shared_head.head.weight": state[_head_name(config)].clone(),
         })
     else:  # the decoder layer moves under mtp.layers.0; the zero-centred norms scatter around 0
         state = {("mtp.layers.0." + k[len(layer):] if k.startswith(layer) else k): v for k, v in state.items()}
@@ -130,15 +133,20 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _mtp_parameters(layout: str, state: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
-    """The MTP-only tensors by role (``enorm``, ``hnorm``, ``proj``, ``norm``: the scales the norms apply; ``head``),
-    from the checkpoint as the release names them."""
+def _head_name(config: Any) -> str:
+    """The checkpoint tensor of the output head: the embedding when the config ties them (no lm_head is stored)."""
+    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+
+
+def _mtp_parameters(layout: str, state: dict[str, torch.Tensor], layers: int, head: str) -> dict[str, torch.Tensor]:
+    """The MTP-only tensors by role (``enorm``, ``hnorm``, ``proj``, ``norm``: the scales the norms apply; ``head``,
+    the checkpoint's ``head`` tensor), from the checkpoint as the release names them."""
     if layout == "extra_layer":
         p = f"model.layers.{layers}."
         return dict(enorm=state[p + "enorm.weight"], hnorm=state[p + "hnorm.weight"], proj=state[p + "eh_proj.weight"],
                     norm=state[p + "shared_head.norm.weight"], head=state[p + "shared_head.head.weight"])
     return dict(enorm=1 + state["mtp.pre_fc_norm_embedding.weight"], hnorm=1 + state["mtp.pre_fc_norm_hidden.weight"],
-                proj=state["mtp.fc.weight"], norm=1 + state["mtp.norm.weight"], head=state["lm_head.weight"])
+                proj=state["mtp.fc.weight"], norm=1 + state["mtp.norm.weight"], head=state[head])
 
 
 def reference_mtp(mtp_dir: str, donor_dir: str, sequences: list[torch.Tensor], scale: float):
@@ -156,7 +164,7 @@ def reference_mtp(mtp_dir: str, donor_dir: str, sequences: list[torch.Tensor], s
     donor = AutoModelForCausalLM.from_pretrained(donor_dir, attn_implementation="eager").eval()
     layers, eps = main.config.num_hidden_layers, main.config.rms_norm_eps
     p = _mtp_parameters(MTP_LAYOUTS[main.config.model_type], load_file(os.path.join(mtp_dir, "model.safetensors")),
-                        layers)
+                        layers, _head_name(main.config))
     proj = p["proj"].clone().requires_grad_(True)
     with torch.no_grad():
         main_ref = reference_logprobs(main, *right_padded(sequences))[0]
