@@ -48,8 +48,8 @@ MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B)
           "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B), "tiny": ("qwen2", TINY)}
 PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-experts", "actorcore fused no-ckpt",
          "transformers padded", "transformers packed", "transformers+liger padded")
-# "actorcore fused transformers-experts": the fused path with the MoE experts on transformers' own grouped_mm forward
-# (``moe_experts=False``), beside "actorcore fused" (``moe_experts="auto"``: actorcore's gather-only experts path).
+# On MoE models "actorcore fused" and "actorcore fused no-ckpt" run actorcore's gather-only experts path
+# (``moe_experts="grouped"``, opt-in), "actorcore fused transformers-experts" transformers' own grouped_mm forward.
 
 
 def build(model_type, shape, dtype, device, layers):
@@ -296,7 +296,8 @@ def main() -> None:
         if name.startswith("actorcore"):
             fused = name != "actorcore before"
             ckpt = "full" if name == "actorcore before" else ("selective" if "no-ckpt" in name else "auto")
-            experts = "auto" if fused and "transformers-experts" not in name else False
+            moe = bool(getattr(model.config, "num_experts", None))
+            experts = "grouped" if moe and fused and "transformers-experts" not in name else False
             handle = ac.patch_model(model, fused_decoder="auto" if fused else False, checkpointing=ckpt,
                                     memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
                                     moe_experts=experts)

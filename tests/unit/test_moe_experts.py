@@ -300,7 +300,7 @@ def test_misspelt_keyword_is_an_error():
         ac.patch_model(_moe_model("qwen3_moe"), moe_expert="grouped")
 
 
-def test_auto_keeps_cpu_and_fp32_on_the_models_own_code():
+def test_auto_keeps_the_models_own_code():  # everywhere (the GPU case: tests/gpu/test_moe_experts_cuda.py)
     model = _moe_model("qwen3_moe")
     handle = ac.patch_model(model)  # "auto" is the default
     assert handle.state.moe_experts == ()
