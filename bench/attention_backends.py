@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import traceback
 
 import torch
@@ -125,17 +124,9 @@ def accuracy(fn, nq, nk, hd):
 
 
 def timed(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    from logprob import median_ms  # bench/logprob.py, beside this script
+
+    return median_ms(fn, reps)
 
 
 def speed(fn, nq, nk, hd, pack):
