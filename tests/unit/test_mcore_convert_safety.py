@@ -147,6 +147,48 @@ def test_mixed_dtypes_are_refused(tmp_path, capsys):
     _nothing_left(dst)
 
 
+
+def _release_layout_deepseek_v3(directory: str, **keep: torch.dtype) -> tuple[str, dict]:
+    """A tiny deepseek_v3 saved as its release is stored: bf16, the router's correction bias float32 (transformers'
+    own save_pretrained writes the router's gate weight in float32 too); ``keep``: more names kept in float32."""
+    from safetensors.torch import load_file, save_file
+
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    build_tiny_model("deepseek_v3", seed=5, dtype=torch.bfloat16).save_pretrained(directory)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32  # as transformers saves
+    tensors = {n: t if n.endswith("e_score_correction_bias") or n in keep.values() else t.bfloat16()
+               for n, t in tensors.items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    return directory, tensors
+
+
+def test_float32_expert_bias_in_a_bf16_checkpoint_round_trips_bit_exact(tmp_path):
+    from actorcore.testing.checkpoints import load_checkpoint_tensors
+
+    src, ref = _release_layout_deepseek_v3(str(tmp_path / "hf"))
+    assert {t.dtype for t in ref.values()} == {torch.bfloat16, torch.float32}
+    mcore, back = str(tmp_path / "mcore"), str(tmp_path / "back")
+    assert _convert(["hf-to-mcore", src, mcore]) == 0
+    assert _convert(["mcore-to-hf", mcore, back]) == 0
+    got = load_checkpoint_tensors(back)
+    assert sorted(ref) == sorted(got)
+    for name, tensor in ref.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor), name
+
+
+def test_float32_router_weight_in_a_bf16_checkpoint_is_refused(tmp_path, capsys):
+    """Only the expert bias is exempt: Megatron holds the router's weight in the model dtype, so transformers' own
+    float32 ``gate.weight`` would be rounded, and is refused."""
+    src, _ = _release_layout_deepseek_v3(str(tmp_path / "hf"), gate="model.layers.1.mlp.gate.weight")
+    dst = str(tmp_path / "out")
+    assert _convert(["hf-to-mcore", src, dst]) == 2
+    _one_error(capsys, "several dtypes", "model.layers.1.mlp.gate.weight", "expert bias")
+    _nothing_left(dst)
+
 # ---- 3. side files: links must resolve inside the model ----------------------------------------------
 
 

@@ -65,6 +65,10 @@ class WeightRule:
     grouped: bool = False
     # Blocks along dim 0 split over TP one by one (names of SECTION_SIZES); only for column rules.
     sections: tuple[str, ...] = ()
+    # Megatron holds this tensor in float32 whatever the model's dtype (the router's expert bias, a float32 buffer),
+    # and releases store it so beside 16-bit weights: a checkpoint may hold it in float32 (it is loaded bit-exact),
+    # and export writes it in float32.
+    keeps_fp32: bool = False
 
     def __post_init__(self) -> None:
         if self.parallel not in PARALLEL_STYLES:
@@ -217,6 +221,18 @@ class McoreSpec:
 
     def rules_for_hf(self, name: str) -> list[tuple[WeightRule, dict[str, int]]]:
         return [(r, idx) for r in self.rules if (idx := r.match_hf(name)) is not None]
+
+    def _fp32_rules(self) -> tuple[WeightRule, ...]:
+        rules = self.rules + (self.mtp_layer_rules() if self.mtp is not None else ())
+        return tuple(r for r in rules if r.keeps_fp32)
+
+    def keeps_fp32_hf(self, name: str) -> bool:
+        """Whether HF tensor ``name`` (MTP layers included) is one Megatron keeps in float32 (``keeps_fp32``)."""
+        return any(r.match_hf(name) is not None for r in self._fp32_rules())
+
+    def keeps_fp32_mcore(self, name: str) -> bool:
+        """Whether Megatron tensor ``name`` (any layer index, MTP layers included) is kept in float32."""
+        return any(r.match_mcore(name) is not None for r in self._fp32_rules())
 
 
 @dataclass(frozen=True)
@@ -407,9 +423,10 @@ MLA_ATTENTION_RULES = (
     WeightRule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",)),
 )
 
-# Sigmoid router with a per-expert score-correction bias (used for choosing experts, not for weighting).
+# Sigmoid router with a per-expert score-correction bias (used for choosing experts, not for weighting). Megatron's
+# router keeps it in float32; the releases (DeepSeek-V3, Kimi-K2.5) and transformers store it in float32.
 EXPERT_BIAS_RULES = (
-    WeightRule(_M + "mlp.router.expert_bias", (_L + "mlp.gate.e_score_correction_bias",)),
+    WeightRule(_M + "mlp.router.expert_bias", (_L + "mlp.gate.e_score_correction_bias",), keeps_fp32=True),
 )
 
 SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.shared_experts.")

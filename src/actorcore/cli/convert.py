@@ -89,12 +89,13 @@ def _hf_to_mcore_rank(rank: int, world_size: int, port: int, src: str, out: str,
                       vocab_multiple: int, mtp: bool = False) -> None:
     from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
     from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.model import build_gpt_model, mcore_spec_for
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.mcore.safetensors_reader import safetensors_dtype
 
     hf_config = _read_hf_config(src)
-    dtype = safetensors_dtype(src)  # the tensors' own dtype, whatever config.json declares: no re-typing
+    # The tensors' own dtype, whatever config.json declares: no re-typing (the router's float32 expert bias aside).
+    dtype = safetensors_dtype(src, mcore_spec_for(hf_config))
     tp, pp, ep = sizes
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     with _megatron_runtime(rank, world_size, port):

@@ -17,6 +17,8 @@ import os
 import shutil
 from typing import Any
 
+import torch
+
 from actorcore.errors import CheckpointError, CheckpointMismatchError
 from actorcore.mcore import fault_points
 from actorcore.mcore.handle import McoreModel, require_model
@@ -115,7 +117,11 @@ def read_mcore_metadata(directory: str) -> tuple[dict[str, Any], Any, Any]:
         hf_config = AutoConfig.from_pretrained(os.path.join(directory, HF_DIR))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{directory}/{HF_DIR}: cannot read the HF config ({exc})") from None
-    dtypes = tensor_dtypes(check_checkpoint_pickles(directory))
+    # What Megatron keeps in float32 whatever the model dtype (the router's expert bias) does not decide the dtype.
+    from actorcore.mcore.model import mcore_spec_for
+
+    spec = mcore_spec_for(hf_config)
+    dtypes = tensor_dtypes(check_checkpoint_pickles(directory), exempt=spec.keeps_fp32_mcore) or {torch.float32}
     if len(dtypes) != 1:
         raise CheckpointError(f"{directory}: the checkpoint's tensors have dtypes {sorted(map(str, dtypes))}; "
                               "actorcore writes one dtype per checkpoint: this one was not written by it")

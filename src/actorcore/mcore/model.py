@@ -312,5 +312,16 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
                 model.output_layer.forward = _return_hidden
                 _drop_unused_output_weight(model)
         # Megatron's local norms are created in float32; every parameter takes the model dtype (as Float16Module does).
-        chunks.append(model.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=dtype))
+        model = model.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=dtype)
+        _restore_fp32_tensors(model, mcore_spec_for(hf_config))
+        chunks.append(model)
     return chunks
+
+
+def _restore_fp32_tensors(model: Any, spec: Any) -> None:
+    """Back to float32 what Megatron keeps in float32 whatever the model dtype (``WeightRule.keeps_fp32``: the
+    router's expert bias, which its router re-casts before each forward and checkpoint): loaded before that, a
+    float32 checkpoint tensor would be rounded to the model dtype."""
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.Tensor) and tensor.dtype != torch.float32 and spec.keeps_fp32_mcore(name):
+            tensor.data = tensor.data.float()

@@ -80,8 +80,10 @@ def check_checkpoint_pickles(directory: str) -> Any:
     return metadata
 
 
-def tensor_dtypes(metadata: Any) -> set[torch.dtype]:
-    """The dtypes of the tensors a checkpoint's metadata lists (its bytes items aside)."""
+def tensor_dtypes(metadata: Any, exempt: Any = lambda key: False) -> set[torch.dtype]:
+    """The dtypes of the tensors a checkpoint's metadata lists (its bytes items aside), those whose key ``exempt``
+    accepts left out when float32."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    return {m.properties.dtype for m in metadata.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)}
+    return {m.properties.dtype for key, m in metadata.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata) and not (m.properties.dtype == torch.float32 and exempt(key))}

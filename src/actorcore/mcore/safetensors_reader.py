@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from actorcore.archs.megatron_rules import McoreSpec
 from actorcore.errors import CheckpointError
 from actorcore.kernels.mxfp4 import MXFP4_BLOCKS, MXFP4_SCALES, dequantize_mxfp4
 
@@ -162,20 +163,28 @@ def _packed_weights_message(directory: str, packed: list[str]) -> str:
             "save_pretrained), then convert that")
 
 
-def safetensors_dtype(hf_dir: str) -> torch.dtype:
+def safetensors_dtype(hf_dir: str, spec: McoreSpec | None = None) -> torch.dtype:
     """The one dtype of an HF checkpoint's tensors, from the safetensors headers.
 
     Conversion builds the Megatron model in this dtype, not in the one ``config.json`` declares: a model
-    saved in float32 with a config saying bfloat16 must come back float32, bit for bit.
+    saved in float32 with a config saying bfloat16 must come back float32, bit for bit. Tensors that Megatron
+    keeps in float32 anyway (``keeps_fp32(name)``: the spec's ``WeightRule.keeps_fp32``, the router's expert bias)
+    may be float32 beside 16-bit weights, as the releases store them.
     """
     reader = SafetensorsReader(hf_dir)
     by_dtype: dict[torch.dtype, list[str]] = {}
+    exempt = []
     for name in sorted(reader.names()):
-        by_dtype.setdefault(reader.dtype(name), []).append(name)
+        dtype = reader.dtype(name)
+        if dtype == torch.float32 and spec is not None and spec.keeps_fp32_hf(name):
+            exempt.append(name)
+        else:
+            by_dtype.setdefault(dtype, []).append(name)
     if len(by_dtype) > 1:
         found = ", ".join(f"{len(names)} in {dtype} (e.g. {names[0]})" for dtype, names in by_dtype.items())
-        raise CheckpointError(f"{hf_dir}: the tensors have several dtypes ({found}); a Megatron model holds one: "
-                              "cast the checkpoint to one dtype first")
-    if not by_dtype:
+        raise CheckpointError(f"{hf_dir}: the tensors have several dtypes ({found}); a Megatron model holds one "
+                              "(only the router's expert bias may stay float32): cast the checkpoint to one dtype "
+                              "first")
+    if not by_dtype and not exempt:
         raise CheckpointError(f"{hf_dir}: the checkpoint holds no tensors")
-    return next(iter(by_dtype))
+    return next(iter(by_dtype)) if by_dtype else torch.float32
