@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 
+import pytest
 import torch
 
 from actorcore.export import TransportError, hf_weight_stream, ipc_receive, ipc_send
@@ -194,3 +195,23 @@ def test_sigterm_in_the_sender_frees_its_shared_memory_and_still_ends_the_proces
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_an_interrupt_while_a_buffer_is_created_leaves_no_file(monkeypatch):
+    """The window the SIGTERM test can hit by chance: the shared-memory file exists, the buffer is not yet held by the
+    sender (here the interrupt lands in ``torch.from_file``, after the file was created and sized). Nothing stays."""
+    from actorcore.export import ipc_buffers
+    from actorcore.export.ipc_buffers import SendBuffer
+    from actorcore.lifecycle import Interrupted
+
+    def interrupted(*args, **kwargs):
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(ipc_buffers.torch, "from_file", interrupted)
+    prefix = f"actorcore-ipc-{os.getpid()}-"
+    before = {f for f in os.listdir(shm_dir()) if f.startswith(prefix)}
+    named = []
+    with pytest.raises(Interrupted):
+        SendBuffer("shm", 4096, torch.device("cpu"), named=named.append)
+    assert len(named) == 1 and not os.path.exists(named[0])
+    assert {f for f in os.listdir(shm_dir()) if f.startswith(prefix)} == before

@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from actorcore.export.ipc_buffers import ALIGN, ReceiveBuffer, SendBuffer
+from actorcore.export.ipc_buffers import ALIGN, ReceiveBuffer, SendBuffer, remove_file
 from actorcore.export.stream import DEFAULT_BUCKET_BYTES, Bucket
 from actorcore.errors import TransportError  # noqa: F401 (re-exported)
 from actorcore.lifecycle import pid_alive, process_identity, signals_forwarded
@@ -193,6 +193,7 @@ class _Sender:
         self.slot = 0
         self.layout: list[list] = []
         self.used = 0
+        self.files: list[str] = []  # every shared-memory file a buffer was created under (removed by release)
 
     def _wait_ack(self) -> None:
         slot, seq = self.in_flight[0]
@@ -219,7 +220,7 @@ class _Sender:
             if self.kind == "cuda" and self.stats.retired:
                 torch.cuda.ipc_collect()  # frees retired buffers whose tensors the receiver has let go of since
             self.buffers[slot] = buffer = SendBuffer(self.kind, _aligned(max(need, self.capacity, ALIGN)),
-                                                     self.device)
+                                                     self.device, named=self.files.append)
             self.announced[slot] = False
             self.stats.buffer_bytes = max(self.stats.buffer_bytes, buffer.nbytes)
         return buffer
@@ -287,6 +288,9 @@ class _Sender:
             if buffer is not None:
                 buffer.release()
         self.buffers = [None] * len(self.buffers)
+        for path in self.files:  # also a file whose buffer an interrupt kept from reaching self.buffers
+            remove_file(path)
+        self.files.clear()
         if self.kind == "cuda":
             torch.cuda.ipc_collect()  # frees the blocks the receiver has let go of
 

@@ -26,7 +26,7 @@ import os
 import re
 import tempfile
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -44,11 +44,21 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def remove_file(path: str) -> None:
+    """Unlink ``path`` if it is there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class SendBuffer:
     """A flat ``uint8`` buffer of the sending side: ``tensor``, its plain-data ``description``, and the hooks the
     protocol calls around a bucket (``mark_written`` after packing, ``mark_mapped`` once the receiver has it)."""
 
-    def __init__(self, kind: str, nbytes: int, device: torch.device):
+    def __init__(self, kind: str, nbytes: int, device: torch.device, named: Callable[[str], None] | None = None):
+        """``named(path)`` is called with a shared-memory buffer's file before the file exists: whoever holds the
+        buffer can remove the file even when an interrupt lands between its creation and the buffer being held."""
         self.kind = kind
         self.nbytes = nbytes
         self._path: str | None = None
@@ -66,12 +76,18 @@ class SendBuffer:
         elif kind == "shm":
             name = f"actorcore-ipc-{os.getpid()}-{uuid.uuid4().hex}"
             self._path = os.path.join(shm_dir(), name)
-            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            if named is not None:
+                named(self._path)
             try:
-                os.ftruncate(fd, max(nbytes, 1))
-            finally:
-                os.close(fd)
-            self.tensor = torch.from_file(self._path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)[:nbytes]
+                fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.ftruncate(fd, max(nbytes, 1))
+                finally:
+                    os.close(fd)
+                self.tensor = torch.from_file(self._path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)[:nbytes]
+            except BaseException:
+                remove_file(self._path)
+                raise
             self.description = dict(kind="shm", nbytes=nbytes, name=name)
         else:
             raise ValueError(f"buffer kind must be 'cuda' or 'shm', got {kind!r}")
@@ -84,10 +100,7 @@ class SendBuffer:
     def mark_mapped(self) -> None:
         """The receiver has mapped the buffer: its name is no longer needed (shared memory stays until unmapped)."""
         if self._path is not None:
-            try:
-                os.unlink(self._path)
-            except FileNotFoundError:
-                pass
+            remove_file(self._path)
             self._path = None
 
     def release(self) -> None:
