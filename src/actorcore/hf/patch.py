@@ -19,8 +19,8 @@ What a patch changes, all on this model instance only:
 - Fused decoder (``fused_decoder``, CUDA and 16-bit models only): each attention decoder layer gets an instance
   ``forward`` (``hf.features.fused_decoder.FusedLayerForward``) that runs the layer's compiled forward in actorcore's calls;
   every call checks that it ran in each such layer.
-- MoE experts (``moe_experts``): each experts module of the MoE layers gets an instance ``forward``
-  (``hf.features.moe_experts.SortedExpertsForward``) that runs grouped GEMMs over tokens moved with gathers only in
+- MoE experts (``moe_experts="grouped"``): each experts module of the MoE layers runs as a subclass of its own class
+  (``hf.features.moe_experts.SortedExperts``) whose forward runs grouped GEMMs over tokens moved with gathers only in
   actorcore's calls; every call checks that each ran.
 - Checkpointing (``checkpointing``, ``memory_budget_gib``): nothing is installed; the plan in ``PatchState`` sets
   each layer's checkpointing for every training call (``hf.features.checkpointing``).
@@ -136,10 +136,10 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     ``moe_experts``: the MoE layers' experts (transformers' standard experts class) run actorcore's path in its
     calls (``hf.features.moe_experts``): the same grouped GEMMs and gate activation, with the tokens moved to their
     experts and back by gathers in both directions instead of indexing whose backward is a scatter-add
-    (deterministic; each token's sum over its experts in fp32, rounded once). ``"auto"`` (default): on a CUDA model
-    with 16-bit weights whose experts run one of transformers' own implementations, else the model's own experts
-    code; ``"grouped"`` installs it on any device and dtype (float32 on the CPU too) and refuses a model it does
-    not cover (no MoE layers, another experts class, expert parallelism); ``False`` keeps the model's own code.
+    (deterministic; each token's sum over its experts in fp32, rounded once). ``"grouped"`` installs it on any device
+    and dtype (float32 on the CPU too) and refuses a model it does not cover (no MoE layers, another experts class,
+    expert parallelism); ``"auto"`` (default) and ``False`` keep the model's own experts code (why ``"auto"`` does
+    not install it yet: ``hf.features.moe_experts.AUTO_REFUSAL``).
 
     ``checkpointing``: ``None`` (default) keeps the model's own setting; ``"full"`` checkpoints every layer;
     ``"selective"`` keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the

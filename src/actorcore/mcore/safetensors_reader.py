@@ -173,11 +173,11 @@ def safetensors_dtype(hf_dir: str, spec: McoreSpec | None = None) -> torch.dtype
     """
     reader = SafetensorsReader(hf_dir)
     by_dtype: dict[torch.dtype, list[str]] = {}
-    exempt = []
+    exempt = False  # some tensor is one Megatron keeps in float32
     for name in sorted(reader.names()):
         dtype = reader.dtype(name)
         if dtype == torch.float32 and spec is not None and spec.keeps_fp32_hf(name):
-            exempt.append(name)
+            exempt = True
         else:
             by_dtype.setdefault(dtype, []).append(name)
     if len(by_dtype) > 1:

@@ -287,7 +287,12 @@ class MoeExperts(DecoderFeature):
 
 
 def _names_inside(decoder: torch.nn.Module, layers: list[torch.nn.Module], names: tuple[str, ...]) -> set[str]:
-    """Those of ``names`` (submodules of the decoder) that lie inside one of ``layers``."""
+    """Those of ``names`` (submodules of the decoder) that lie inside one of ``layers`` (by their dotted prefixes:
+    a few lookups per name each call, not a walk over every module)."""
     ids = {id(layer) for layer in layers}
-    prefixes = tuple(name + "." for name, module in decoder.named_modules() if id(module) in ids)
-    return {name for name in names if name.startswith(prefixes)}
+
+    def inside(name: str) -> bool:
+        parts = name.split(".")
+        return any(id(decoder.get_submodule(".".join(parts[:n]))) in ids for n in range(1, len(parts)))
+
+    return {name for name in names if inside(name)}
