@@ -1,9 +1,11 @@
 """CUDA: the MoE experts path (``patch_model(moe_experts=...)``, grouped GEMMs over tokens moved with gathers only)
 against the same bf16 model on transformers' own eager experts, per element: one experts module's output and
 gradients within bf16 rounding of fp32 math from the same bf16 values, and no further from it than the eager bf16
-experts; the whole model's log-probs, entropies and parameter gradients, with the eager decoder and with the fused
-decoder (there the log-probs and entropies only: its gradients were measured further from eager than bf16 rounding
-on two of the models, which is why the default ``"auto"`` keeps the model's own experts, asserted here); two runs are
+experts; the whole model's log-probs, entropies and parameter gradients with the eager decoder; under the fused
+decoder (where ``"auto"``, the default, installs it: asserted here) the log-probs and entropies within bf16 rounding
+of eager, and every parameter's gradient as close to the fp32 model's as transformers' own ``grouped_mm`` experts
+under the same fused decoder are (the yardstick: on two of the tiny models the bf16 eager model itself is 11-21% of
+a gradient's norm from fp32, so bf16 paths are compared by their distance to fp32, not to each other); two runs are
 bitwise equal (the experts module's outputs and gradients, the model's log-probs); the trace proves it ran in every
 MoE layer; ``verify`` still passes.
 Skipped without CUDA."""
@@ -112,8 +114,8 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
     handle = ac.patch_model(model, moe_experts=False, fused_decoder=False)  # eager decoder, eager experts
     eager = _step(model, batch, Counter())
     handle.revert()
-    handle = ac.patch_model(model, fused_decoder=fused)
-    assert handle.state.moe_experts == ()  # "auto", the default: the model's own experts, also on a bf16 CUDA model
+    handle = ac.patch_model(model, fused_decoder=fused)  # "auto", the default: the path where the decoder is fused
+    assert bool(handle.state.moe_experts) == fused
     handle.revert()
     handle = ac.patch_model(model, fused_decoder=fused, moe_experts="grouped")
     modules = len(handle.state.moe_experts)
@@ -130,7 +132,7 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
         assert not [r for reasons in guard_failures.values() for r in reasons if "experts" in str(r)], guard_failures
     else:
         assert trace[MOE_EXPERTS_KEY] == modules
-    if fused:  # log-probs and entropies within bf16 rounding; the gradients: see the module docstring
+    if fused:  # log-probs and entropies within bf16 rounding; the gradients: test_fused_path_as_close_to_fp32_...
         tol = TOL["moe_experts_vs_eager_bf16"]
         assert (eager[0] - path[0]).abs().max().item() < tol and (eager[1] - path[1]).abs().max().item() < tol
     else:
@@ -143,43 +145,41 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
     handle.revert()
 
 
-def _routed(model, calls):
-    """Record each MoE layer's chosen experts (sorted per token) as its experts module is called."""
-    def record(index):
-        def hook(module, args, kwargs):
-            chosen = args[1] if len(args) > 1 else next(iter(v for k, v in kwargs.items() if "index" in k))
-            calls.setdefault(index, []).append(chosen.detach().sort(-1).values)
+def _fp32_reference(model, batch):
+    """The same bf16 values in fp32, eager decoder, transformers' eager experts: log-probs, entropies, gradients."""
+    reference = copy.deepcopy(model).float()
+    reference.set_experts_implementation("eager")
+    handle = ac.patch_model(reference, moe_experts=False, fused_decoder=False)
+    out = _step(reference, batch, Counter())
+    handle.revert()
+    return out
 
-        return hook
 
-    return [layer.mlp.experts.register_forward_pre_hook(record(i), with_kwargs=True)
-            for i, layer in enumerate(model.model.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
+def _distance(run, reference):
+    """Max |Δ log-prob| and each parameter's gradient distance as a fraction of the reference gradient's norm."""
+    grads = {n: ((run[2][n] - g).norm() / (g.norm() + 1e-12)).item() for n, g in reference[2].items()}
+    return (run[0] - reference[0]).abs().max().item(), grads
 
 
 @pytest.mark.parametrize("model_type", COVERED)
-def test_fused_path_matches_fused_transformers_experts(model_type):
-    """Under the fused decoder, the experts path against transformers' own grouped_mm experts under the same fused
-    decoder: the decoder's rounding upstream of the router is the same, so where both choose the same experts for
-    every token the gradients must agree within bf16 rounding too. Where the routing differs (a token near a tie
-    between two experts, decided otherwise by the two roundings), the gradients of a discrete choice cannot be
-    compared: then the log-probs are, and the number of tokens routed differently is in the message."""
+def test_fused_path_as_close_to_fp32_as_transformers_experts(model_type):
+    """Under the fused decoder, the path against transformers' own ``grouped_mm`` experts under the same fused
+    decoder, both measured by their distance to the fp32 model (same values, eager): per token in log-probs and per
+    parameter in gradients the path is no further from fp32 than transformers' experts, up to the table's factor
+    and floor."""
     pytest.importorskip("triton")
     model = _model(model_type)
-    model.set_experts_implementation("grouped_mm")
     batch = _batch()
-    runs, routes = [], []
+    reference = _fp32_reference(model, batch)
+    model.set_experts_implementation("grouped_mm")
+    distances = {}
     for experts in (False, "grouped"):
-        calls = {}
-        hooks = _routed(model, calls)
         handle = ac.patch_model(model, fused_decoder=True, moe_experts=experts)
-        runs.append(_step(model, batch, Counter()))
+        assert bool(handle.state.moe_experts) == (experts == "grouped")
+        distances[experts] = _distance(_step(model, batch, Counter()), reference)
         handle.revert()
-        for hook in hooks:
-            hook.remove()
-        routes.append({i: c[0] for i, c in calls.items()})
-    flips = {i: int((routes[0][i] != routes[1][i]).any(-1).sum()) for i in routes[0]}
-    if any(flips.values()):
-        tol = TOL["moe_experts_vs_eager_bf16"]
-        assert (runs[0][0] - runs[1][0]).abs().max().item() < tol, f"routing differs per layer: {flips}"
-        pytest.skip(f"tokens routed differently per layer: {flips}; gradients not comparable")
-    _compare(*runs)
+    (lp_t, grads_t), (lp_p, grads_p) = distances[False], distances["grouped"]
+    factor, floor = TOL["moe_path_vs_fp32_over_transformers_factor"], TOL["moe_path_vs_fp32_over_transformers_floor"]
+    assert lp_p <= factor * lp_t + floor, (lp_p, lp_t)
+    worse = {n: (round(grads_p[n], 4), round(grads_t[n], 4)) for n in grads_t if grads_p[n] > factor * grads_t[n] + floor}
+    assert not worse, f"gradients further from fp32 than transformers' experts (path, transformers): {worse}"

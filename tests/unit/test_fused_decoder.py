@@ -2,7 +2,7 @@
 fp32 (the product enables it only on CUDA for 16-bit models; this test lifts that refusal): per token and per
 gradient element against the eager packed path, with layer checkpointing (transformers >= 5.24 checkpoints inside
 the class's forward, which the instance forward takes over) and with ``checkpointing="selective"`` (fused layers
-not checkpointed); the trace proves the compiled layers ran; a pack of another length compiles nothing new; the
+not checkpointed, and saving gate and up but not their SwiGLU product); the trace proves the compiled layers ran; a pack of another length compiles nothing new; the
 model's own forward stays eager; a deep copy runs its own layers; ``revert`` restores the layers; bypassed layers raise."""
 
 from __future__ import annotations
@@ -73,9 +73,13 @@ def test_fused_layers_on_the_cpu(monkeypatch):
 
     model.zero_grad(set_to_none=True)
     handle = ac.patch_model(model, fused_decoder=True, checkpointing="selective")
-    trace = Counter()
-    _close(eager, _train_step(model, batch, trace))
+    trace, saved = Counter(), []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        _close(eager, _train_step(model, batch, trace))
     assert trace[UNCHECKPOINTED_LAYERS] == layers and trace[FUSED_TRACE_KEY] == layers  # no recompute
+    # The partitioner keeps gate and up, and recomputes act(gate) * up for the down projection's weight gradient.
+    inner = [s for s in saved if s.numel() == batch.num_tokens * model.config.intermediate_size]
+    assert len(inner) == 2 * layers, inner
     handle.revert()
 
 

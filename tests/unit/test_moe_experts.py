@@ -300,13 +300,33 @@ def test_misspelt_keyword_is_an_error():
         ac.patch_model(_moe_model("qwen3_moe"), moe_expert="grouped")
 
 
-def test_auto_keeps_the_models_own_code():  # everywhere (the GPU case: tests/gpu/test_moe_experts_cuda.py)
+def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch, caplog):
+    """``"auto"`` (the default) installs the path where the decoder is fused (on the GPU; here the fused decoder's
+    refusal is lifted to show the choice), and keeps the model's own experts code elsewhere, saying why; the GPU
+    case: tests/gpu/test_moe_experts_cuda.py."""
     model = _moe_model("qwen3_moe")
-    handle = ac.patch_model(model)  # "auto" is the default
-    assert handle.state.moe_experts == ()
+    with caplog.at_level("INFO", logger="actorcore.hf.features.moe_experts"):
+        handle = ac.patch_model(model)  # the CPU: no fused decoder, the model's own experts
+    assert handle.state.moe_experts == () and "the decoder is not fused here" in caplog.text
     assert not isinstance(model.model.layers[0].mlp.experts, SortedExperts)
     handle.revert()
     assert ac.patch_model(build_tiny_model("llama"), moe_experts="auto").state.moe_experts == ()
+
+    import actorcore.hf.features.fused_decoder as fused_decoder
+
+    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    handle = ac.patch_model(model)
+    assert handle.state.fused_layers and handle.state.moe_experts == ("layers.0.mlp.experts",)
+    assert isinstance(model.model.layers[0].mlp.experts, SortedExperts)
+    handle.revert()
+    handle = ac.patch_model(model, fused_decoder=False)  # eager decoder: the model's own experts
+    assert handle.state.moe_experts == ()
+    handle.revert()
+    model.model.layers[0].mlp.experts._is_expert_parallel = True  # a model the path refuses: "auto" keeps its code
+    with caplog.at_level("INFO", logger="actorcore.hf.features.moe_experts"):
+        handle = ac.patch_model(model)
+    assert handle.state.moe_experts == () and "expert-parallel" in caplog.text
+    handle.revert()
 
 
 def test_grouped_refusals():

@@ -138,8 +138,9 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     experts and back by gathers in both directions instead of indexing whose backward is a scatter-add
     (deterministic; each token's sum over its experts in fp32, rounded once). ``"grouped"`` installs it on any device
     and dtype (float32 on the CPU too) and refuses a model it does not cover (no MoE layers, another experts class,
-    expert parallelism); ``"auto"`` (default) and ``False`` keep the model's own experts code (why ``"auto"`` does
-    not install it yet: ``hf.features.moe_experts.AUTO_REFUSAL``).
+    expert parallelism); ``"auto"`` (default) installs it where the decoder is fused (measured faster there, as
+    close to the fp32 model as transformers' experts) and the path covers the model, else keeps the model's own
+    experts code; ``False`` keeps the model's own experts code.
 
     ``checkpointing``: ``None`` (default) keeps the model's own setting; ``"full"`` checkpoints every layer;
     ``"selective"`` keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the
@@ -165,7 +166,7 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
                                 auto_fusion_refusal(sp, tiled_mlp_shards, offload_layers, recompute_norms))
     state = PatchState(sp_size=sp, tiled_mlp_shards=tiled_mlp_shards, offload_layers=offload_layers,
                        recompute_norms=recompute_norms, fused_layers=fused, checkpointing=plan,
-                       moe_experts=moe_experts_names(model, parts, spec, moe_experts))
+                       moe_experts=moe_experts_names(model, parts, spec, moe_experts, fused=bool(fused)))
     handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards, spec=spec, parts=parts,
                          state=state)
     try:

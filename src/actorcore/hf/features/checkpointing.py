@@ -81,11 +81,10 @@ def layer_bytes_per_token(config: Any, element_bytes: int, fused: bool) -> tuple
         routed = 2 * experts * d  # tokens permuted to their experts and the experts' outputs
     else:
         inner, routed = config.intermediate_size, 0
-    # Fused: the compiled graph's saved tensors (66 KiB per token measured on the Qwen2.5-1.5B shape; 2d + 2q + 2kv
-    # + 3 inner counts 67). The estimate keeps 4d more: counted exactly, the plan kept 13 of 28 layers at 40 GiB (35.3
-    # GiB peak) and the step took 2.64 s against 2.21 s with 9 kept (30.1 GiB), unexplained (kernel time 2.10 s):
-    # the plan that measured faster stays. Selective: the matmul and attention outputs.
-    widths = (6 * d + 2 * q + 2 * kv + 3 * inner + routed) if fused else (3 * d + 2 * q + 2 * kv + 2 * inner + routed)
+    # Fused: the compiled graph's saved tensors (its partitioner recomputing the pointwise work: 49.3 KB per token
+    # measured on the Qwen2.5-1.5B shape, 2d + 2q + 2kv + 2 inner counts 49.2; 126.8 KB on the Qwen3-30B-A3B
+    # shape, counted 116.7): 2d more as slack. Selective: the matmul and attention outputs.
+    widths = (4 * d + 2 * q + 2 * kv + 2 * inner + routed) if fused else (3 * d + 2 * q + 2 * kv + 2 * inner + routed)
     return float(widths * element_bytes + 4 * heads), float(d * element_bytes)
 
 

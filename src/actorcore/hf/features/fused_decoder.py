@@ -116,6 +116,22 @@ def compiled_forward(forward: Callable) -> Callable:
     return torch.compile(forward, dynamic=True)
 
 
+def recompute_pointwise() -> contextlib.AbstractContextManager:
+    """AOTAutograd's partitioner setting for the compiled layers: keep the matmul outputs, recompute the pointwise
+    work in backward even where backward needs its result as a matmul operand.
+
+    By default the partitioner saves such a result (``ban_recompute_materialized_backward``): SwiGLU's
+    ``act(gate) * up`` (the down projection's weight-gradient operand) beside gate and up, and each RMSNorm's
+    output beside its input, about a third of a dense layer's saved bytes. Recomputing them costs one fused
+    pointwise pass in backward. Active while a compiled layer runs (where it compiles), so it holds for exactly
+    these graphs; a torch without the setting compiles with its defaults.
+    """
+    config = torch._functorch.config
+    if not hasattr(config, "ban_recompute_materialized_backward"):
+        return contextlib.nullcontext()
+    return config.patch(ban_recompute_materialized_backward=False)
+
+
 class FusedLayerForward:
     """The instance ``forward`` of a decoder layer: its compiled forward in actorcore's calls, else the eager one.
 
@@ -144,7 +160,8 @@ class FusedLayerForward:
         ref = kwargs.get(TRACE_KWARG)
         if ref is not None:
             ref.counts[FUSED_TRACE_KEY] += 1
-        return compiled_forward(self.forward)(self.layer, *args, **kwargs)
+        with recompute_pointwise():
+            return compiled_forward(self.forward)(self.layer, *args, **kwargs)
 
 
 def install_fused_layers(layers: list[torch.nn.Module]) -> tuple[list[FusedLayerForward], Callable[[], None]]:

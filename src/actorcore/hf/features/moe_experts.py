@@ -20,11 +20,12 @@ forward. Eager runs count under ``MOE_EXPERTS_KEY``; a layer the fused decoder r
 construction; the ``MoeExperts`` feature requires every installed module to have run one way or the other.
 
 Where: ``"grouped"`` installs it on any device and dtype it runs in (float32 on the CPU too), refusing what it does
-not cover (expert parallelism, other experts classes); ``False`` and ``"auto"`` (the default) keep the model's own
-experts code. ``"auto"`` stays off because, measured on the H200 (``tests/gpu/test_moe_experts_cuda.py``), the
-path under the fused decoder gives gradients further from the eager model's than bf16 rounding explains on two of
-the tiny models (Qwen3-MoE and Qwen2-MoE: 8.7% of one model's first-layer experts gradient norm, 21% of the other's router
-gradient; forward log-probs within tolerance, every gradient within it without the fused decoder); not explained yet.
+not cover (expert parallelism, other experts classes); ``False`` keeps the model's own experts code; ``"auto"`` (the
+default) installs it where the fused decoder runs (a CUDA model with 16-bit weights), the combination measured
+faster side by side on the H200 (``bench/actor_step.py``), and keeps the model's own experts elsewhere or where the
+path refuses the model. Exactness, measured there per parameter (``tests/gpu/test_moe_experts_cuda.py``): under the
+fused decoder the path is as close to the fp32 model as transformers' ``grouped_mm`` experts under the same decoder;
+with the eager decoder within bf16 rounding of transformers' eager experts.
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ logger = logging.getLogger(__name__)
 
 MOE_EXPERTS_KEY = "moe_experts:modules"
 MOE_EXPERTS_CHOICES = ("auto", "grouped", False)
-AUTO_REFUSAL = ("under the fused decoder its gradients were measured further from the eager model's than bf16 "
-                "rounding on the GPU (not explained yet)")
+AUTO_REFUSAL = "the decoder is not fused here (the path was measured faster only inside the fused decoder)"
 
 
 @functools.cache
@@ -232,21 +232,21 @@ def _model_refusal(model: torch.nn.Module, spec: Any, found: list[tuple[str, tor
     return next((why for why in (_module_refusal(module) for _, module in found) if why is not None), None)
 
 
-def moe_experts_names(model: torch.nn.Module, parts: Any, spec: Any, request: Any) -> tuple[str, ...]:
+def moe_experts_names(model: torch.nn.Module, parts: Any, spec: Any, request: Any, fused: bool = False
+                      ) -> tuple[str, ...]:
     """The experts modules (names relative to the decoder) to install the path on for ``patch_model(moe_experts=)``.
-    ``"grouped"`` raises ``ValueError`` with the reason where it cannot; ``"auto"`` installs nothing
-    (``AUTO_REFUSAL``)."""
+    ``"grouped"`` raises ``ValueError`` with the reason where it cannot; ``"auto"`` installs it where the decoder is
+    ``fused`` and the path covers the model, else nothing (and logs why)."""
     check_moe_experts_request(request)
-    if request is False:
-        return ()
-    if request == "auto":
-        if spec.mlp_kind == "moe":
-            logger.info("moe_experts='auto' keeps %s's own experts code: actorcore's experts path is opt-in "
-                        "(moe_experts='grouped'): %s", type(model).__name__, AUTO_REFUSAL)
+    if request is False or spec.mlp_kind != "moe" and request == "auto":
         return ()
     found = moe_experts_modules(parts, spec)
-    why = _model_refusal(model, spec, found)
+    why = AUTO_REFUSAL if request == "auto" and not fused else _model_refusal(model, spec, found)
     if why is not None:
+        if request == "auto":
+            logger.info("moe_experts='auto' keeps %s's own experts code: %s (moe_experts='grouped' installs "
+                        "actorcore's path anyway where it can)", type(model).__name__, why)
+            return ()
         raise ValueError(f"moe_experts='grouped': {why}; pass moe_experts=False (the model's own experts code)")
     return tuple(name for name, _ in found)
 
