@@ -49,7 +49,8 @@ MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B)
 PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-experts", "actorcore fused no-ckpt",
          "transformers padded", "transformers packed", "transformers+liger padded")
 # On MoE models "actorcore fused" and "actorcore fused no-ckpt" run actorcore's gather-only experts path
-# (``moe_experts="grouped"``, opt-in), "actorcore fused transformers-experts" transformers' own grouped_mm forward.
+# (``moe_experts="grouped"``, the default under the fused decoder), "actorcore fused transformers-experts" transformers'
+# own grouped_mm forward.
 
 
 def build(model_type, shape, dtype, device, layers):
