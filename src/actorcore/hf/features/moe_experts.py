@@ -232,13 +232,13 @@ def _model_refusal(model: torch.nn.Module, spec: Any, found: list[tuple[str, tor
     return next((why for why in (_module_refusal(module) for _, module in found) if why is not None), None)
 
 
-def moe_experts_names(model: torch.nn.Module, parts: Any, spec: Any, request: Any, fused: bool = False
+def moe_experts_names(model: torch.nn.Module, parts: Any, spec: Any, request: Any, *, fused: bool
                       ) -> tuple[str, ...]:
     """The experts modules (names relative to the decoder) to install the path on for ``patch_model(moe_experts=)``.
     ``"grouped"`` raises ``ValueError`` with the reason where it cannot; ``"auto"`` installs it where the decoder is
     ``fused`` and the path covers the model, else nothing (and logs why)."""
     check_moe_experts_request(request)
-    if request is False or spec.mlp_kind != "moe" and request == "auto":
+    if request is False or (request == "auto" and spec.mlp_kind != "moe"):
         return ()
     found = moe_experts_modules(parts, spec)
     why = AUTO_REFUSAL if request == "auto" and not fused else _model_refusal(model, spec, found)
