@@ -3,7 +3,8 @@ kernel-time breakdown by category from torch.profiler.
 
 Categories (by kernel name): ``matmul`` (cuBLAS / CUTLASS / nvjet GEMMs, grouped GEMMs), ``attention`` (flash
 kernels), ``head`` (actorcore's fused log-prob kernels), ``copies`` (copies, memsets, concatenation, index
-copies), ``elementwise`` (everything else: pointwise, reductions, Inductor's and Liger's fused kernels).
+copies, outside Inductor's fused kernels), ``elementwise`` (everything else: pointwise, reductions, Inductor's and
+Liger's fused kernels).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ _CATEGORIES = (
     ("attention", re.compile(r"flash|fmha|attn_fwd|attn_bwd|_attn", re.I)),
     ("head", re.compile(r"(fwd_stats|bwd_grad_logits|shifted_to_grad|rows_stats|rows_grad)\w*kernel")),
     ("matmul", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|wgmma|grouped_mm|_mm_|matmul|s16816|splitK", re.I)),
+    # Inductor's fused pointwise / reduction kernels are named after their ops (``_to_copy``, ``cat``, ``gather``):
+    # the work of each is elementwise, whatever its name holds.
+    ("elementwise", re.compile(r"^triton_(poi|red|per)_")),
     ("copies", re.compile(r"copy|memset|memcpy|CatArray|cat_|index_put|scatter|gather|Memcpy|Memset|fill", re.I)),
 )
 
@@ -74,8 +78,8 @@ def timed(fn, repeats: int = 3, warmup: int = 1) -> dict:
     return {"seconds": sorted(times)[len(times) // 2], "peak_gib": peak, "warmup_s": first}
 
 
-def kernel_breakdown(fn) -> tuple[dict, list]:
-    """Kernel milliseconds per category for one call of ``fn``, and the 15 kernels with the most time."""
+def kernel_breakdown(fn, top: int = 40) -> tuple[dict, list]:
+    """Kernel milliseconds per category for one call of ``fn``, and the ``top`` kernels with the most time."""
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
@@ -90,7 +94,7 @@ def kernel_breakdown(fn) -> tuple[dict, list]:
     per_category = Counter()
     for name, ms in per_kernel.items():
         per_category[category(name)] += ms
-    return dict(per_category), [(name[:90], round(ms, 1)) for name, ms in per_kernel.most_common(15)]
+    return dict(per_category), [(name[:90], category(name), round(ms, 1)) for name, ms in per_kernel.most_common(top)]
 
 
 def mfu(params_active: float, tokens: int, seconds: float) -> float:

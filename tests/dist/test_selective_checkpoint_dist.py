@@ -1,5 +1,5 @@
-"""Selective checkpointing (``patch_model(checkpointing="selective")`` and ``"auto"`` with a budget that keeps one
-layer) composed with Ulysses SP (sp=2) + tiled MLP + activation offload, and with FSDP2 (dp=2) + offload, on 2 gloo
+"""Selective checkpointing (``patch_model(checkpointing="selective")`` and ``"auto"`` with a budget that keeps two
+of three layers) composed with Ulysses SP (sp=2) + tiled MLP + activation offload, and with FSDP2 (dp=2) + offload, on 2 gloo
 processes: log-probs, entropies and every parameter gradient bitwise those of the same setup under
 ``checkpointing="full"``, and the selective checkpoints ran in the planned layers on every rank."""
 
@@ -40,14 +40,15 @@ def _bitwise(a, b):
             and all(torch.equal(x, y) for x, y in zip(a[2], b[2])))
 
 
-def _one_layer_budget(model, tokens):
-    """A budget (GiB) with room for exactly one kept layer above a fully checkpointed step (the planner's rule)."""
+def _two_layer_budget(model, tokens):
+    """A budget (GiB) with room for exactly two kept layers (the planner's rule: the checkpointed inputs and 1 GiB
+    of slack, then the kept layers and the gradients of one)."""
     from actorcore.hf.features.checkpointing import layer_bytes_per_token
 
     config = model.config
     kept, inputs = layer_bytes_per_token(config, 4, fused=False)
-    base = config.num_hidden_layers * inputs * tokens + 3 * kept * tokens + 2**30
-    return (base + 1.5 * kept * tokens) / 2**30
+    base = config.num_hidden_layers * inputs * tokens + 2**30
+    return (base + 3.5 * kept * tokens) / 2**30
 
 
 def _worker(rank, world_size):
@@ -62,13 +63,13 @@ def _worker(rank, world_size):
     shard_tokens = -(-_batch(0).num_tokens // world_size)
     runs = []
     for mode in ("full", "selective", "auto"):
-        model = build_tiny_model("llama", seed=3)
-        budget = _one_layer_budget(model, shard_tokens) if mode == "auto" else None
+        model = build_tiny_model("llama", seed=3, num_hidden_layers=3)
+        budget = _two_layer_budget(model, shard_tokens) if mode == "auto" else None
         ac.patch_model(model, parallel=ctx, tiled_mlp_shards=3, offload_activations=True, checkpointing=mode,
                        memory_budget_gib=budget)
         runs.append(_step(model, _batch(0), ctx))
     sp = {"selective": _bitwise(runs[0], runs[1]), "auto": _bitwise(runs[0], runs[2]),
-          "counts": [r[3] for r in runs]}
+          "counts": [r[3] for r in runs], "layers": model.config.num_hidden_layers}
 
     runs = []
     for mode in ("full", "selective"):
@@ -78,15 +79,17 @@ def _worker(rank, world_size):
             fully_shard(layer)
         fully_shard(model)
         runs.append(_step(model, _batch(rank), None))
-    fsdp = {"selective": _bitwise(runs[0], runs[1]), "counts": [r[3] for r in runs]}
-    return {"sp": sp, "fsdp": fsdp, "layers": model.config.num_hidden_layers}
+    fsdp = {"selective": _bitwise(runs[0], runs[1]), "counts": [r[3] for r in runs],
+            "layers": model.config.num_hidden_layers}
+    return {"sp": sp, "fsdp": fsdp}
 
 
 @pytest.mark.dist
 def test_selective_checkpointing_with_sequence_parallel_tiled_mlp_offload_and_fsdp2():
     for rank, r in enumerate(run_distributed(_worker, 2)):
-        n = r["layers"]
+        n = r["sp"]["layers"]
         assert r["sp"]["selective"] and r["sp"]["auto"], f"rank {rank} sp: selective changed the results"
-        assert r["sp"]["counts"] == [(n, 0, 0, n), (0, n, n, n), (n - 1, 1, 1, n)], r["sp"]["counts"]
+        assert r["sp"]["counts"] == [(n, 0, 0, n), (0, n, n, n), (n - 2, 2, 2, n)], r["sp"]["counts"]
         assert r["fsdp"]["selective"], f"rank {rank} fsdp: selective changed the results"
+        n = r["fsdp"]["layers"]
         assert r["fsdp"]["counts"] == [(n, 0, 0, n), (0, n, n, n)], r["fsdp"]["counts"]

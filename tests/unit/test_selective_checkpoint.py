@@ -53,20 +53,23 @@ def test_selective_is_bitwise_full_checkpointing(model_type, dtype):
 
 
 def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
-    model = build_tiny_model("qwen3", seed=4, dtype=torch.bfloat16).train()
+    model = build_tiny_model("qwen3", seed=4, dtype=torch.bfloat16, num_hidden_layers=4).train()
     batch = _batch()
     config, layers = model.config, model.config.num_hidden_layers
     kept, _ = layer_bytes_per_token(config, 2, fused=False)
     base = plan_layer_modes(CheckpointPlan("auto", 0.0), [False] * layers, batch.num_tokens, config, 2, 0)
     assert base == ["full"] * layers  # no room: all fully checkpointed
-    # Room for exactly one kept layer above a fully checkpointed step: the last layer runs selectively.
+    # Room for 3 layers above the checkpointed inputs and the slack: a fully checkpointed step's recompute, or
+    # two kept layers and the gradients of the one in backward. The last two layers run selectively.
     ckpt_inputs = layers * config.hidden_size * 2 * batch.num_tokens
-    budget = ckpt_inputs + 4 * kept * batch.num_tokens + 2**30 + 1
+    budget = ckpt_inputs + 2**30 + 3 * kept * batch.num_tokens + 1
     modes = plan_layer_modes(CheckpointPlan("auto", budget), [False] * layers, batch.num_tokens, config, 2, 0)
-    assert modes == ["full"] * (layers - 1) + ["selective"]
+    assert modes == ["full"] * (layers - 2) + ["selective"] * 2
+    tight = plan_layer_modes(CheckpointPlan("auto", budget - 2), [False] * layers, batch.num_tokens, config, 2, 0)
+    assert tight == ["full"] * layers  # under 3 layers of room nothing is kept
     full, auto, trace = _full_then(model, batch, checkpointing="auto", memory_budget_gib=budget / 2**30)
     _assert_bitwise(full, auto)
-    assert trace[SELECTIVE_LAYERS] == 1 and trace[FULL_LAYERS] == layers - 1
+    assert trace[SELECTIVE_LAYERS] == 2 and trace[FULL_LAYERS] == layers - 2
     roomy = plan_layer_modes(CheckpointPlan("auto", 1e15), [False] * layers, batch.num_tokens, config, 2, 0)
     assert roomy == ["selective"] * layers
     fused = plan_layer_modes(CheckpointPlan("auto", 1e15), [True] * layers, batch.num_tokens, config, 2, 0)
@@ -74,7 +77,9 @@ def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
 
 
 def test_layers_to_keep_and_the_policy():
-    assert layers_to_keep(10.0, 4.0, 2.0, 8) == 3
+    assert layers_to_keep(10.0, 4.0, 2.0, 8) == 2  # room for 3: two kept and the gradients of one
+    assert layers_to_keep(12.0, 4.0, 2.0, 8) == 3
+    assert layers_to_keep(9.0, 4.0, 2.0, 8) == 0  # room for 2: not even a recompute fits
     assert layers_to_keep(10.0, 12.0, 2.0, 8) == 0
     assert layers_to_keep(1e9, 0.0, 2.0, 8) == 8
     assert is_expensive(torch.ops.aten.mm.default) and is_expensive(torch.ops.aten.addmm.default)

@@ -67,9 +67,13 @@ def selective_checkpoint_function(trace: Counter | None = None) -> Callable:
 
 
 def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: float, layers: int) -> int:
-    """How many of ``layers`` may keep their activations (``kept_layer_bytes`` each beyond a checkpointed
-    layer) when a fully checkpointed step needs ``base_bytes``: ``0 <= keep <= layers``."""
+    """How many of ``layers`` may keep their activations (``kept_layer_bytes`` each beyond a checkpointed layer)
+    within ``budget_bytes`` above ``base_bytes`` (weights, gradients, the checkpointed inputs, slack): ``0 <= keep
+    <= layers``. Backward frees the kept layers, the last first, before it recomputes a checkpointed one, so the
+    two peaks do not add: a fully checkpointed step needs 3 layers' bytes (one recomputed layer, its gradients), a
+    step that keeps k layers k + 1 (the gradients of the layer in backward). Up to two kept layers cost nothing
+    over full checkpointing; where not even that fits, none is kept."""
     if kept_layer_bytes <= 0:
         return layers
-    room = budget_bytes - base_bytes
-    return max(0, min(layers, int(room // kept_layer_bytes)))
+    room = (budget_bytes - base_bytes) // kept_layer_bytes
+    return 0 if room < 3 else min(layers, int(room) - 1)

@@ -98,8 +98,8 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], tokens: int, confi
         return kept
     per_layer = [layer_bytes_per_token(config, element_bytes, f) for f in fused]
     ckpt_input = sum(inp for _, inp in per_layer) * tokens
-    # A fully checkpointed step: the layers' inputs, one layer recomputed with its gradients, and 1 GiB of slack.
-    base = allocated_bytes + ckpt_input + 3 * max(k for k, _ in per_layer) * tokens + 2**30
+    # Beside the kept layers: the layers' checkpointed inputs and 1 GiB of slack (the head's chunk workspace).
+    base = allocated_bytes + ckpt_input + 2**30
     keep = layers_to_keep(plan.budget_bytes, base, max(k for k, _ in per_layer) * tokens, len(fused))
     return ["full"] * (len(fused) - keep) + kept[len(fused) - keep:]
 
