@@ -102,8 +102,8 @@ def actorcore_step(model, packs, advs, device):
         for b, a in zip(batches, args):
             res = ac.compute_loss(model, b, lambda lp, ent, adv: -(lp * adv), (a,), entropy=False, trace=trace)
             res.loss.backward()
-            out.append(res.logprob.detach().float().cpu())
-        return out
+            out.append(res.logprob.detach().float())
+        return [lp.cpu() for lp in out]  # after the last pack: no host sync between packs
     step.trace = trace  # the last step's kernels, fused layers and checkpointing modes
     return step
 
@@ -123,7 +123,7 @@ def transformers_step(model, sequences, advs, device, micro, packed):
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
         (-(logp * adv[:, 1:])).sum().backward()
-        return [logp[i, : s.numel() - 1].detach().cpu() for i, s in enumerate(seqs)]
+        return [logp[i, : s.numel() - 1].detach() for i, s in enumerate(seqs)]
 
     def packed_call(seqs, ads):
         ids = torch.cat(seqs).to(device)[None]
@@ -135,7 +135,7 @@ def transformers_step(model, sequences, advs, device, micro, packed):
         (-(logp * adv * keep)).sum().backward()
         bounds, out, start = [s.numel() for s in seqs], [], 0
         for n in bounds:
-            out.append(logp[start: start + n - 1].detach().cpu())
+            out.append(logp[start: start + n - 1].detach())
             start += n
         return out
 
@@ -145,7 +145,7 @@ def transformers_step(model, sequences, advs, device, micro, packed):
         out = []
         for g in groups:
             out.extend((packed_call if packed else padded_call)([sequences[i] for i in g], [advs[i] for i in g]))
-        return out
+        return [lp.cpu() for lp in out]
     return step
 
 

@@ -275,7 +275,7 @@ def next_token_labels(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     labels = torch.full_like(batch.input_ids, IGNORE_INDEX)
     labels[:-1] = batch.input_ids[1:]
     ends = batch.cu_seqlens[1:].long() - 1
-    labels[ends] = IGNORE_INDEX
+    labels.index_fill_(0, ends, IGNORE_INDEX)  # the indexed assignment synchronised with the GPU (bench/host_syncs.py)
     if batch.num_padding:
         labels[batch.num_real_tokens :] = IGNORE_INDEX
     return labels, labels != IGNORE_INDEX
