@@ -103,11 +103,12 @@ def main() -> None:
     for setting in ("recompute pointwise", "partitioner default"):
         torch._dynamo.reset()
         fused_decoder.compiled_forward.cache_clear()
-        fused_decoder.recompute_pointwise = library_setting if setting == "recompute pointwise" else contextlib.nullcontext
+        on = setting == "recompute pointwise"
+        fused_decoder.recompute_pointwise = library_setting if on else contextlib.nullcontext
         try:
             kept, tokens = forward_bytes(ac, model, first, first_adv, "selective", device)
             full, _ = forward_bytes(ac, model, first, first_adv, "full", device)
-            sizes = [int(n) for n in args.packs.split(",")] if setting == "recompute pointwise" else [32768]
+            sizes = [int(n) for n in args.packs.split(",")] if on else [32768]
             for max_tokens in sizes:
                 row = {"setting": setting, "bytes_per_token_layer": (kept - full) / tokens / layers,
                        **step_row(ac, model, sequences, advantages, max_tokens, active, device)}

@@ -1,6 +1,6 @@
 """Selective checkpointing (``patch_model(checkpointing="selective")`` and ``"auto"`` with a budget that keeps two
-of three layers) composed with Ulysses SP (sp=2) + tiled MLP + activation offload, and with FSDP2 (dp=2) + offload, on 2 gloo
-processes: log-probs, entropies and every parameter gradient bitwise those of the same setup under
+of three layers) composed with Ulysses SP (sp=2) + tiled MLP + activation offload, and with FSDP2 (dp=2) + offload,
+on 2 gloo processes: log-probs, entropies and every parameter gradient bitwise those of the same setup under
 ``checkpointing="full"``, and the selective checkpoints ran in the planned layers on every rank."""
 
 from collections import Counter

@@ -183,5 +183,6 @@ def test_fused_path_as_close_to_fp32_as_transformers_experts(model_type):
     (lp_t, grads_t), (lp_p, grads_p) = distances[False], distances["grouped"]
     factor, floor = TOL["moe_path_vs_fp32_over_transformers_factor"], TOL["moe_path_vs_fp32_over_transformers_floor"]
     assert lp_p <= factor * lp_t + floor, (lp_p, lp_t)
-    worse = {n: (round(grads_p[n], 4), round(grads_t[n], 4)) for n in grads_t if grads_p[n] > factor * grads_t[n] + floor}
+    worse = {n: (round(grads_p[n], 4), round(grads_t[n], 4))
+             for n in grads_t if grads_p[n] > factor * grads_t[n] + floor}
     assert not worse, f"gradients further from fp32 than transformers' experts (path, transformers): {worse}"

@@ -3,7 +3,8 @@ fp32 (the product enables it only on CUDA for 16-bit models; this test lifts tha
 gradient element against the eager packed path, with layer checkpointing (transformers >= 5.24 checkpoints inside
 the class's forward, which the instance forward takes over) and with ``checkpointing="selective"`` (fused layers
 not checkpointed, saving gate and up but not their SwiGLU product); the trace proves the compiled layers ran; a
-pack of another length compiles nothing new; the model's own forward stays eager; a deep copy runs its own layers; ``revert`` restores the layers; bypassed layers raise."""
+pack of another length compiles nothing new; the model's own forward stays eager; a deep copy runs its own layers;
+``revert`` restores the layers; bypassed layers raise."""
 
 from __future__ import annotations
 
