@@ -6,9 +6,9 @@
 Correctness first (fresh random inputs, N=2048 at the same H and V): log-prob / entropy against the fp32
 reference and both gradients against fp32 autograd (relative to their largest magnitude), for every
 variant. Then the median of CUDA-event timed forward+backward runs at N tokens; TFLOP/s at 6NHV.
-Variants: the loss-fused path (``linear_logprob_loss``'s engine) with the fused Triton kernel's options;
-the per-token path with the one-tile-per-program recompute kernel and the persistent one's options; the
-parts of the loss-fused chunk alone (cuBLAS rates for its gradient products); Liger's fused linear
+Variants: the loss-fused path (``linear_logprob_loss``'s engine) at its chunk size and at twice it; the
+per-token path with its backward blocked in other ways (tokens x vocabulary rows within the workspace, and
+two rows with more workspace); the parts of the loss-fused chunk alone (cuBLAS rates for its gradient products); Liger's fused linear
 cross-entropy with reduction="sum" and "none".
 """
 
@@ -29,27 +29,22 @@ DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 
 
 def _engines():
-    """(loss-fused variants, per-token variants): label -> engine."""
-    from dataclasses import replace
-
-    from actorcore.kernels.logprob.triton_blocking import BWD_CONFIG, FWD_CONFIG, LOSS_CONFIG
+    """(loss-fused variants, per-token variants): label -> engine. The per-token variants sweep the backward's
+    blocking (tokens x vocabulary rows per block within the workspace); two rows show what more memory would buy."""
+    from actorcore.kernels.logprob.triton_blocking import FUSED_LOSS_WORKSPACE_BYTES
     from actorcore.kernels.logprob.triton_engine import TritonEngine
 
     loss = {
-        "loss: default (fused kernel, TMA store, flatten)": TritonEngine(loss=LOSS_CONFIG),
-        "loss: warp-specialised, 8 warps": TritonEngine(loss=replace(LOSS_CONFIG, flatten=False,
-                                                                     warp_specialize=True)),
-        "loss: warp-specialised, 4 warps": TritonEngine(loss=replace(LOSS_CONFIG, flatten=False,
-                                                                     warp_specialize=True, num_warps=4)),
-        "loss: warp-specialised, flatten": TritonEngine(loss=replace(LOSS_CONFIG, warp_specialize=True)),
+        "loss: default (2048-token chunks, 640 MiB)": TritonEngine(),
+        "loss: 4096-token chunks (1280 MiB: more memory)": TritonEngine(
+            loss_workspace_bytes=2 * FUSED_LOSS_WORKSPACE_BYTES),
     }
-    token = {
-        "token: default (persistent TMA recompute)": TritonEngine(fwd=FWD_CONFIG, bwd=BWD_CONFIG),
-        "token: warp-specialised recompute": TritonEngine(bwd=replace(BWD_CONFIG, warp_specialize=True)),
-        "token: warp-specialised recompute, 4 warps": TritonEngine(
-            bwd=replace(BWD_CONFIG, warp_specialize=True, num_warps=4)),
-        "token: warp-specialised forward": TritonEngine(fwd=replace(FWD_CONFIG, warp_specialize=True)),
-    }
+    token = {"token: default (vocab block 8192, 64 MiB)": TritonEngine()}
+    for block in (2048, 4096, 16384, 32768):
+        token[f"token: vocab block {block}, 64 MiB"] = TritonEngine(vocab_block=block)
+    token["token: vocab block 8192, 128 MiB (more memory)"] = TritonEngine(workspace_bytes=128 << 20)
+    token["token: one vocab block, 640 MiB (the loss path's memory)"] = TritonEngine(
+        vocab_block=1 << 20, workspace_bytes=FUSED_LOSS_WORKSPACE_BYTES)
     return loss, token
 
 
