@@ -22,13 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-
-@triton.jit
-def _tile_ids(tile, num_m, num_n, GROUP: tl.constexpr):
-    per_group = GROUP * num_n
-    first_m = (tile // per_group) * GROUP
-    group_size = tl.minimum(num_m - first_m, GROUP)
-    return first_m + (tile % per_group) % group_size, (tile % per_group) // group_size
+from actorcore.kernels.logprob.triton_kernels import _tile_ids  # the head's grouped tile order
 
 
 @triton.jit
