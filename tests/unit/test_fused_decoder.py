@@ -125,3 +125,64 @@ def test_auto_is_the_default_and_fuses_only_measured_combinations(monkeypatch, c
     assert fused_decoder.auto_fusion_refusal(2, None, 0, False).startswith("the fused decoder with Ulysses SP")
     assert "tiled MLP" in fused_decoder.auto_fusion_refusal(1, 4, 0, False)
     assert fused_decoder.auto_fusion_refusal(1, None, 0, False) is None
+
+
+def test_packed_attention_traces_into_a_compiled_layer_only_when_asked(monkeypatch):
+    """The packed attention inside a layer the fused decoder compiles (``IN_GRAPH_KWARG``, traced under its settings
+    with a symbolic token count) is traced into the layer's one graph: torch's varlen op, its scale a number (the
+    module's float attributes specialised). Without that keyword (a user's own ``torch.compile``), or where the
+    backend is not traceable, it leaves the graph, so it still counts itself. The CPU has no varlen kernel: the
+    backend is declared traceable here and the graph is captured, not run."""
+    import actorcore.hf.features.attention as attention
+
+    monkeypatch.setattr(attention, "traceable_backend", torch.compiler.assume_constant_result(
+        lambda device_type, dtype: True))
+    graphs = []
+
+    class Captured(Exception):
+        pass
+
+    def capture(gm, example_inputs):
+        graphs.append(gm.graph)
+        raise Captured
+
+    class Attention(torch.nn.Module):  # calls the interface function as transformers' attention modules do
+        def __init__(self):
+            super().__init__()
+            self.scaling, self.attention_dropout = 0.3, 0.0
+
+        def forward(self, q, k, v, **kwargs):
+            out, _ = attention.packed_attention_forward(
+                self, q, k, v, None, scaling=self.scaling, dropout=self.attention_dropout if self.training else 0.0,
+                **kwargs)
+            return out * 2
+
+    module = Attention().train()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 10, 8, generator=g) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    packing = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+
+    def compiled_call(**flag):
+        torch._dynamo.reset()
+        with fused_decoder.compile_settings():
+            torch.compile(module, fullgraph=True, dynamic=True, backend=capture)(q, k, v, **packing, **flag)
+
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="Captured"):
+        compiled_call(**{attention.IN_GRAPH_KWARG: True})
+    assert len(graphs) == 1 and attention.holds_packed_attention(graphs[0])
+    (varlen,) = [n for n in graphs[0].nodes if attention.VARLEN_OP_NAME in str(n.target)]
+    assert 0.3 in varlen.args, varlen.args  # the scale as a number, not a graph input
+    with pytest.raises(torch._dynamo.exc.Unsupported):  # fullgraph refuses the break around the eager attention
+        compiled_call()
+    monkeypatch.setattr(attention, "traceable_backend", torch.compiler.assume_constant_result(
+        lambda device_type, dtype: False))  # no varlen kernel here
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        compiled_call(**{attention.IN_GRAPH_KWARG: True})
+    module.attention_dropout = 0.1  # dropout in training: not the traced path either
+    monkeypatch.setattr(attention, "traceable_backend", torch.compiler.assume_constant_result(
+        lambda device_type, dtype: True))
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        compiled_call(**{attention.IN_GRAPH_KWARG: True})
+    assert len(graphs) == 1
+    torch._dynamo.reset()

@@ -19,7 +19,8 @@ import torch
 from actorcore.errors import PackingNotAppliedError  # noqa: F401 (re-exported)
 from actorcore.hf.call import TRACE_KWARG
 from actorcore.hf.features.base import switched_for_call
-from actorcore.kernels.attention.varlen import varlen_causal_attention
+from actorcore.kernels.attention.varlen import (traceable_backend, varlen_causal_attention,
+                                               varlen_causal_attention_traced)
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +53,60 @@ def packed_attention_forward(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """``AttentionInterface`` function: q/k/v ``[1, heads, T, H]`` -> ``([1, T, N, H], None)``."""
+    """``AttentionInterface`` function: q/k/v ``[1, heads, T, H]`` -> ``([1, T, N, H], None)``.
+
+    Inside a layer the fused decoder compiles (it passes ``IN_GRAPH_KWARG``) the attention is traced into the
+    layer's graph where its backend allows (``in_graph_attention``); everywhere else (eager calls, a user's own
+    ``torch.compile``) it runs outside any graph and counts itself in the call's trace."""
+    args = (module, query, key, value, scaling, dropout, sliding_window, softcap, kwargs)
+    if kwargs.get(IN_GRAPH_KWARG) and torch.compiler.is_compiling():
+        out = in_graph_attention(*args)
+        if out is not None:
+            return out, None
+    return _attention_outside_graph(*args), None
+
+
+# A keyword argument the fused decoder passes to its compiled layers: trace the attention into the layer's graph.
+IN_GRAPH_KWARG = "actorcore_attention_in_graph"
+
+
+def in_graph_attention(module, query, key, value, scaling, dropout, sliding_window, softcap,
+                       kwargs) -> torch.Tensor | None:
+    """The packed attention as traced ops of a compiled layer (``[1, T, N, H]``), or None where its backend is not
+    traceable (sinks, softcap or dropout, no ``torch_varlen``: the call then leaves the graph as before). Not
+    counted here: the fused decoder counts the layers whose compiled graphs hold it (``holds_packed_attention``)."""
+    if softcap is not None or attention_sinks(kwargs) is not None or (module.training and dropout):
+        return None
+    if not traceable_backend(query.device.type, query.dtype) or query.shape[0] != 1:
+        return None
+    cu_seqlens, max_seqlen = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_seqlens is None or max_seqlen is None or (cu_k is not None and cu_k is not cu_seqlens):
+        return None  # left to the checks of the eager path
+    q_TNH, k_TKH, v_TKH = (x[0].transpose(0, 1) for x in (query, key, value))
+    out_TNH = varlen_causal_attention_traced(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale=scaling,
+                                             sliding_window=sliding_window)
+    return out_TNH.unsqueeze(0)
+
+
+def holds_packed_attention(graph: torch.fx.Graph) -> bool:
+    """Whether a graph Dynamo captured calls the packed attention's op (``varlen_causal_attention_traced``)."""
+    return any(node.op == "call_function" and VARLEN_OP_NAME in str(node.target) for node in graph.nodes)
+
+
+VARLEN_OP_NAME = "torch_attn._varlen_attn"  # torch.nn.attention.varlen's custom op, as a graph node names it
+
+
+@torch.compiler.disable
+def _attention_outside_graph(module, query, key, value, scaling, dropout, sliding_window, softcap,
+                             kwargs) -> torch.Tensor:
+    """Left out of a compiled graph: it reads per-call kwargs on the host and counts itself in the call's trace."""
     record_call(kwargs, PACKED_ATTENTION)
     cu_seqlens, max_seqlen = packing_kwargs(kwargs)
     out_TNH = attend_packed(query, key, value, cu_seqlens, max_seqlen, scaling=scaling, dropout=dropout,
                             sliding_window=sliding_window, softcap=softcap, sinks=attention_sinks(kwargs),
                             module=module, kwargs=kwargs)
-    return out_TNH.unsqueeze(0), None
+    return out_TNH.unsqueeze(0)
 
 
 def packing_kwargs(kwargs: dict[str, Any]) -> tuple[torch.Tensor, int]:
@@ -119,9 +167,8 @@ def register_attention(name: str = PACKED_ATTENTION, fn: Any = packed_attention_
     check_transformers_version(transformers.__version__)
     from transformers.masking_utils import AttentionMaskInterface
 
-    # Left out of a compiled graph (the fused decoder, a user's torch.compile): it reads per-call kwargs and counts
-    # itself in the call's trace; outside compilation the wrapper only calls it.
-    AttentionInterface.register(name, torch.compiler.disable(fn))
+    # Each function decides itself what of it a compiled graph may hold (``torch.compiler.disable`` inside).
+    AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, _no_mask)
     return name
 

@@ -8,9 +8,11 @@ measurement (``bench/fusion_candidates.py``) over Liger-Kernel's RMSNorm + SwiGL
 
 How: each decoder layer gets an instance ``forward`` (a ``FusedLayerForward`` holding its layer) that runs one
 ``torch.compile(..., dynamic=True)`` of the layer class's original forward, shared by the layers of a class (one
-compilation, symbolic token count: no recompilation per pack length). Attention functions registered by
-actorcore are left out of the graph (``torch.compiler.disable``), as are instance forwards other patches install
-in a layer (tiled MLP, recomputed norms). A layer runs compiled only in actorcore's own decoder calls, which
+compilation, symbolic token count: no recompilation per pack length). The packed attention is traced into the
+layer's graph where its backend is torch's varlen op (``IN_GRAPH_KWARG``): Inductor then fuses the q/k/v layouts
+and the residual stream's gradients around it. Other attention (Ulysses, sinks, softcap, flash-attn) stays out of
+the graph (``torch.compiler.disable``), as do instance forwards other patches install in a layer (tiled MLP,
+recomputed norms). A layer runs compiled only in actorcore's own decoder calls, which
 pass ``FUSED_KWARG``; any other call (the model's own forward, ``verify``'s reference, batch-invariant calls)
 runs the original eager forward. Each compiled layer call counts under ``FUSED_TRACE_KEY`` in the call's trace.
 
@@ -25,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from actorcore.errors import PatchNotAppliedError
-from actorcore.hf.call import TRACE_KWARG, DecoderCall
+from actorcore.hf.call import TRACE_KWARG, DecoderCall, parallel_from_kwargs
+from actorcore.hf.features.attention import IN_GRAPH_KWARG, PACKED_ATTENTION, holds_packed_attention, trace_key
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.instance_forwards import install_forwards
 
@@ -110,10 +113,34 @@ def original_forward(layer_class: type) -> Callable:
     return forward
 
 
+class CompiledLayer:
+    """``torch.compile`` of one layer class's forward (Inductor, symbolic token count), shared by all its layers
+    (they are its first argument). Its backend notes whether the graphs Dynamo captured call the packed attention
+    (``holds_packed_attention``): a layer whose attention was traced into its graph cannot count that call itself
+    at run time, so the fused layer counts it for the graph (``FusedLayerForward``)."""
+
+    def __init__(self, forward: Callable) -> None:
+        self.graphs = 0
+        self.graphs_with_attention = 0
+        self.fn = torch.compile(forward, dynamic=True, backend=self._inductor)
+
+    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        self.graphs_with_attention += holds_packed_attention(gm.graph)
+        return compile_fx(gm, example_inputs)
+
+    @property
+    def attention_in_graph(self) -> bool:
+        """Whether the attention runs inside this forward's compiled graphs (then it does not count itself)."""
+        return self.graphs_with_attention > 0
+
+
 @functools.cache
-def compiled_forward(forward: Callable) -> Callable:
-    """One compilation per layer class's forward, shared by all its layers (they are its first argument)."""
-    return torch.compile(forward, dynamic=True)
+def compiled_forward(forward: Callable) -> CompiledLayer:
+    """One compilation per layer class's forward."""
+    return CompiledLayer(forward)
 
 
 def recompute_pointwise() -> contextlib.AbstractContextManager:
@@ -130,6 +157,18 @@ def recompute_pointwise() -> contextlib.AbstractContextManager:
     if not hasattr(config, "ban_recompute_materialized_backward"):
         return contextlib.nullcontext()
     return config.patch(ban_recompute_materialized_backward=False)
+
+
+@contextlib.contextmanager
+def compile_settings() -> Iterator[None]:
+    """What the compiled layers are traced and run under: the partitioner recomputing pointwise work
+    (``recompute_pointwise``), and floats specialised (Dynamo's ``specialize_float``): a layer's float attributes
+    (norm eps, attention scale, dropout) are constants of its graph, guarded, rather than graph inputs, so the
+    attention traced into the graph hands torch's varlen op its scale as a number."""
+    dynamo = torch._dynamo.config
+    floats = dynamo.patch(specialize_float=True) if hasattr(dynamo, "specialize_float") else contextlib.nullcontext()
+    with recompute_pointwise(), floats:
+        yield
 
 
 class FusedLayerForward:
@@ -158,10 +197,15 @@ class FusedLayerForward:
             return self.forward(self.layer, *args, **kwargs)
         self.calls += 1
         ref = kwargs.get(TRACE_KWARG)
-        if ref is not None:
+        if ref is not None:  # before the call: a checkpoint's recompute may stop inside it
             ref.counts[FUSED_TRACE_KEY] += 1
-        with recompute_pointwise():
-            return compiled_forward(self.forward)(self.layer, *args, **kwargs)
+        compiled = compiled_forward(self.forward)
+        with compile_settings():
+            out = compiled.fn(self.layer, *args, **kwargs, **{IN_GRAPH_KWARG: True})
+        parallel = parallel_from_kwargs(kwargs)
+        if ref is not None and compiled.attention_in_graph and (parallel is None or parallel.sp_size == 1):
+            ref.counts[trace_key(PACKED_ATTENTION)] += 1  # known once compiled; Ulysses counts itself
+        return out
 
 
 def install_fused_layers(layers: list[torch.nn.Module]) -> tuple[list[FusedLayerForward], Callable[[], None]]:

@@ -24,6 +24,7 @@ from actorcore.errors import PatchNotAppliedError  # noqa: F401 (re-exported)
 ULYSSES_ATTENTION = "actorcore_ulysses"
 
 
+@torch.compiler.disable  # left out of compiled graphs: collectives, host reads, counts itself in the trace
 def ulysses_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

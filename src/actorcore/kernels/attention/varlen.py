@@ -107,6 +107,41 @@ def varlen_causal_attention(
     return _segments(q_TNH, k_TKH, v_TKH, cu_seqlens, scale, sliding_window, softcap, dropout, sinks)
 
 
+@torch.compiler.assume_constant_result
+def traceable_backend(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``auto`` resolves to ``torch_varlen`` for plain attention (no softcap, dropout or sinks: the caller
+    checks those) on this device and dtype: a custom op that ``torch.compile`` traces, so
+    ``varlen_causal_attention_traced`` can run inside a compiled graph. A constant where Dynamo traces it (it
+    reads only the arguments, which the tensors' guards fix, and the installed packages)."""
+    return choose_backend(torch.device(device_type), dtype, None, 0.0, False) == "torch_varlen"
+
+
+@torch.compiler.assume_constant_result
+def _gqa_kwargs_needed() -> bool:
+    return _varlen_takes_enable_gqa()
+
+
+def varlen_causal_attention_traced(q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
+                                   cu_seqlens: torch.Tensor, max_seqlen: int, *, scale: float | None = None,
+                                   sliding_window: int | None = None) -> torch.Tensor:
+    """``varlen_causal_attention`` on the ``torch_varlen`` backend, written to be traced by ``torch.compile``
+    (no host reads, no trace counting, no cached probes called inside the graph): a compiled decoder layer then
+    holds its attention, and Inductor fuses the layouts and the residual stream around it. Callers check
+    ``traceable_backend`` first; ``max_seqlen`` may be symbolic."""
+    H = q_TNH.shape[-1]
+    scale = H**-0.5 if scale is None else scale
+    if v_TKH.shape[-1] != H:
+        return _with_equal_head_dims(q_TNH, k_TKH, v_TKH, lambda q, k, v: varlen_causal_attention_traced(
+            q, k, v, cu_seqlens, max_seqlen, scale=scale, sliding_window=sliding_window))
+    from torch.nn.attention.varlen import varlen_attn
+
+    gqa = {"enable_gqa": True} if k_TKH.shape[1] != q_TNH.shape[1] and _gqa_kwargs_needed() else {}
+    window_size = (sliding_window - 1 if sliding_window else -1, 0)
+    cu = cu_seqlens.to(torch.int32)
+    return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size,
+                       **gqa)
+
+
 def _with_equal_head_dims(q, k, v, attend):
     """Flash kernels take one head dim for q, k and v; multi-head latent attention (DeepSeek-V3, Kimi) has a value
     head dim of its own. Zero columns change no dot product and produce zero output columns, so the smaller side is
