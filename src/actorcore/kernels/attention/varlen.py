@@ -136,7 +136,7 @@ def varlen_causal_attention_traced(q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_T
     from torch.nn.attention.varlen import varlen_attn
 
     gqa = {"enable_gqa": True} if k_TKH.shape[1] != q_TNH.shape[1] and _gqa_kwargs_needed() else {}
-    window_size = (sliding_window - 1 if sliding_window else -1, 0)
+    window_size = (sliding_window - 1 if sliding_window else -1, 0)  # causal: a window with no right context
     cu = cu_seqlens.to(torch.int32)
     return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size,
                        **gqa)
@@ -163,13 +163,7 @@ def _flash_attn(q, k, v, cu, max_seqlen, scale, window, softcap, dropout):
 
 
 def _torch_varlen(q, k, v, cu, max_seqlen, scale, window):
-    from torch.nn.attention.varlen import varlen_attn
-
-    cu = cu.to(torch.int32)
-    # Causality is expressed as a window with no right context.
-    window_size = (window - 1 if window else -1, 0)
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] and _varlen_takes_enable_gqa() else {}
-    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size, **gqa)
+    return varlen_causal_attention_traced(q, k, v, cu, max_seqlen, scale=scale, sliding_window=window)
 
 
 @functools.cache
