@@ -19,7 +19,7 @@ import torch
 from actorcore.errors import PackingNotAppliedError  # noqa: F401 (re-exported)
 from actorcore.hf.call import TRACE_KWARG
 from actorcore.hf.features.base import switched_for_call
-from actorcore.kernels.attention.varlen import (traceable_backend, varlen_causal_attention,
+from actorcore.kernels.attention.varlen import (VARLEN_OP_NAME, traceable_backend, varlen_causal_attention,
                                                varlen_causal_attention_traced)
 
 logger = logging.getLogger(__name__)
@@ -92,9 +92,6 @@ def in_graph_attention(module, query, key, value, scaling, dropout, sliding_wind
 def holds_packed_attention(graph: torch.fx.Graph) -> bool:
     """Whether a graph Dynamo captured calls the packed attention's op (``varlen_causal_attention_traced``)."""
     return any(node.op == "call_function" and VARLEN_OP_NAME in str(node.target) for node in graph.nodes)
-
-
-VARLEN_OP_NAME = "torch_attn._varlen_attn"  # torch.nn.attention.varlen's custom op, as a graph node names it
 
 
 @torch.compiler.disable

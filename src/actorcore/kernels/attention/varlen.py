@@ -107,6 +107,11 @@ def varlen_causal_attention(
     return _segments(q_TNH, k_TKH, v_TKH, cu_seqlens, scale, sliding_window, softcap, dropout, sinks)
 
 
+# The op ``varlen_causal_attention_traced`` leaves in a captured graph (torch.nn.attention.varlen's custom op), as
+# the graph's node names it.
+VARLEN_OP_NAME = "torch_attn._varlen_attn"
+
+
 @torch.compiler.assume_constant_result
 def traceable_backend(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``auto`` resolves to ``torch_varlen`` for plain attention (no softcap, dropout or sinks: the caller
