@@ -8,6 +8,7 @@ each size: s/step, tokens/s, MFU, peak. The setting is switched off for its row 
 with a null one (a benchmark-only toggle: the library has no switch for it).
 
     PYTHONPATH=src python3 bench/activation_bytes.py --model qwen2.5-1.5b [--layers N] [--packs 32768,20480]
+    PYTHONPATH=src python3 bench/activation_bytes.py --model qwen2.5-1.5b --bytes-only    # the library's setting, bytes only
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--packs", default="32768,20480", help="pack sizes of the steps with the setting on")
+    parser.add_argument("--bytes-only", action="store_true",
+                        help="only the library's setting, only the bytes per token and layer (no steps)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to check the script (--model tiny)
@@ -100,7 +103,8 @@ def main() -> None:
     sequences, advantages = batch_sequences(shape["vocab_size"], args.model == "tiny")
     first, first_adv = (p[0] for p in packs_of(sequences, advantages, 32768))
     library_setting, rows = fused_decoder.recompute_pointwise, []
-    for setting in ("recompute pointwise", "partitioner default"):
+    settings = ("recompute pointwise",) if args.bytes_only else ("recompute pointwise", "partitioner default")
+    for setting in settings:
         torch._dynamo.reset()
         fused_decoder.compiled_forward.cache_clear()
         on = setting == "recompute pointwise"
@@ -108,6 +112,12 @@ def main() -> None:
         try:
             kept, tokens = forward_bytes(ac, model, first, first_adv, "selective", device)
             full, _ = forward_bytes(ac, model, first, first_adv, "full", device)
+            if args.bytes_only:
+                row = {"setting": setting, "bytes_per_token_layer": (kept - full) / tokens / layers,
+                       "full_bytes_per_token": full / tokens}
+                print(f"[row] {json.dumps(row)}", flush=True)
+                rows.append(row)
+                continue
             sizes = [int(n) for n in args.packs.split(",")] if on else [32768]
             for max_tokens in sizes:
                 row = {"setting": setting, "bytes_per_token_layer": (kept - full) / tokens / layers,
@@ -121,6 +131,10 @@ def main() -> None:
     write_json(args.out, f"activation_bytes_{args.model}.json", {"meta": meta, "rows": rows})
     print(json.dumps(meta))
     for r in rows:
+        if "seconds" not in r:
+            print(f"{r['setting']:<22} {r['bytes_per_token_layer']:>9.0f} B per token and layer kept, "
+                  f"{r['full_bytes_per_token']:>9.0f} B per token with full checkpointing")
+            continue
         print(f"{r['setting']:<22} {r['pack_tokens']:>6} {r['bytes_per_token_layer']:>9.0f} B {r['seconds']:7.3f} s "
               f"{r['tokens_per_s']:8.0f} tok/s {100 * r['mfu']:5.1f}% {r['peak_gib']:6.1f} GiB")
 

@@ -163,12 +163,16 @@ def _distance(run, reference):
     return (run[0] - reference[0]).abs().max().item(), grads
 
 
-@pytest.mark.parametrize("model_type", COVERED)
+@pytest.mark.parametrize("model_type", [
+    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="measured further from fp32 on the DeltaNet decay "
+                                            "gradients: its spec keeps transformers' experts under 'auto'"))
+    if m == "qwen3_next" else m for m in COVERED])
 def test_fused_path_as_close_to_fp32_as_transformers_experts(model_type):
     """Under the fused decoder, the path against transformers' own ``grouped_mm`` experts under the same fused
     decoder, both measured by their distance to the fp32 model (same values, eager): per token in log-probs and per
     parameter in gradients the path is no further from fp32 than transformers' experts, up to the table's factor
-    and floor."""
+    and floor. Where it is not (qwen3_next: strict xfail), the spec keeps the model's own experts under ``"auto"``,
+    and the xfail turns into a failure the day the path is as close."""
     pytest.importorskip("triton")
     model = _model(model_type)
     batch = _batch()

@@ -322,6 +322,14 @@ def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch, caplog):
     handle = ac.patch_model(model, fused_decoder=False)  # eager decoder: the model's own experts
     assert handle.state.moe_experts == ()
     handle.revert()
+    next_model = _moe_model("qwen3_next")  # its spec keeps its own experts under "auto" (a measured reason)
+    with caplog.at_level("INFO", logger="actorcore.hf.features.moe_experts"):
+        handle = ac.patch_model(next_model)
+    assert handle.state.fused_layers and handle.state.moe_experts == () and "A_log" in caplog.text
+    handle.revert()
+    handle = ac.patch_model(next_model, moe_experts="grouped")  # asked for: installed
+    assert handle.state.moe_experts
+    handle.revert()
     model.model.layers[0].mlp.experts._is_expert_parallel = True  # a model the path refuses: "auto" keeps its code
     with caplog.at_level("INFO", logger="actorcore.hf.features.moe_experts"):
         handle = ac.patch_model(model)

@@ -76,12 +76,57 @@ def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
     assert fused == ["none"] * layers  # a fused layer keeps its compiled graph's tensors instead
 
 
+def test_auto_plans_with_what_the_kept_layers_were_measured_to_hold(monkeypatch):
+    """A call measures, per kept layer, the allocator's bytes held after its forward (the CUDA allocator's count;
+    here a counter each layer's MLP advances); the next call plans with the measurement instead of the estimate,
+    the recompute in backward is not measured, and no hook is left on the layers."""
+    import actorcore.hf.features.checkpointing as checkpointing
+
+    model = build_tiny_model("qwen3", seed=4, dtype=torch.bfloat16, num_hidden_layers=4).train()
+    batch = _batch()
+    config, layers, tokens = model.config, model.config.num_hidden_layers, batch.num_tokens
+    estimate, _ = layer_bytes_per_token(config, 2, fused=False)
+    holds = estimate / 4  # what each layer holds beyond a checkpointed layer, per token
+    counter = {"bytes": 0, "mlp_calls": 0}
+
+    def hold(module, args, output):  # the layer's output (a checkpointed layer holds it too) and its activations
+        counter["bytes"] += int((holds + config.hidden_size * 2) * tokens)
+        counter["mlp_calls"] += 1
+
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(hold)
+    monkeypatch.setattr(checkpointing, "allocated_bytes_counter", lambda device: lambda: counter["bytes"])
+    budget = layers * config.hidden_size * 2 * tokens + 2**30 + 3 * estimate * tokens + 1
+    handle = ac.patch_model(model, checkpointing="auto", memory_budget_gib=budget / 2**30)
+    first, second = Counter(), Counter()
+    _train_step(model, batch, first)
+    assert first[SELECTIVE_LAYERS] == 2 and first[FULL_LAYERS] == layers - 2  # the estimate: room for 3 layers
+    assert counter["mlp_calls"] >= layers  # the forward (the recompute may stop early, before the MLP's hook)
+    measured = patch_state(model).measured_layer_bytes
+    assert measured.keys() == {(2, "selective"), (3, "selective")}
+    for value in measured.values():
+        assert value == pytest.approx(holds * 1.05, rel=1e-3)  # the recompute in backward did not add to it
+    _train_step(model, batch, second)
+    # Layers 2 and 3 measured at a quarter of the estimate, 0 and 1 (not yet measured) at the estimate: in
+    # backward at layer 1, layers 0 and 1 and layer 1's gradients, 3 estimates: all four fit.
+    assert second[SELECTIVE_LAYERS] == layers
+    assert measured.keys() == {(i, "selective") for i in range(layers)}
+    assert all(not layer._forward_pre_hooks and len(layer._forward_hooks) == 0 for layer in model.model.layers)
+    handle.revert()
+
+
 def test_layers_to_keep_and_the_policy():
-    assert layers_to_keep(10.0, 4.0, 2.0, 8) == 2  # room for 3: two kept and the gradients of one
-    assert layers_to_keep(12.0, 4.0, 2.0, 8) == 3
-    assert layers_to_keep(9.0, 4.0, 2.0, 8) == 0  # room for 2: not even a recompute fits
-    assert layers_to_keep(10.0, 12.0, 2.0, 8) == 0
-    assert layers_to_keep(1e9, 0.0, 2.0, 8) == 8
+    assert layers_to_keep(10.0, 4.0, [2.0] * 8) == 2  # room for 3: two kept and the gradients of one
+    assert layers_to_keep(12.0, 4.0, [2.0] * 8) == 3
+    assert layers_to_keep(9.0, 4.0, [2.0] * 8) == 0  # room for 2: not even a recompute fits
+    assert layers_to_keep(10.0, 12.0, [2.0] * 8) == 0
+    assert layers_to_keep(1e9, 0.0, [2.0] * 8) == 8
+    # Layers of unequal bytes (a hybrid's two kinds, or measured ones): at each kept layer in backward, the kept
+    # layers before it and its gradients.
+    assert layers_to_keep(4.0 + 9, 4.0, [3.0, 3.0, 1.0, 1.0]) == 4  # 3 + 3 + 1 + 1 + 1; at the second: 3 + 3 + 3
+    assert layers_to_keep(4.0 + 9, 4.0, [1.0, 1.0, 3.0, 3.0]) == 2  # 3 + 3 + 3; one more: 1 + 3 + 3 + 3
+    assert layers_to_keep(4.0 + 9, 4.0, [1.0, 3.0, 1.0, 3.0]) == 2  # one more: 3 + 1 + 3, and 3
+    assert layers_to_keep(4.0 + 8.9, 4.0, [3.0, 3.0, 1.0, 1.0]) == 0  # under 3 of the largest
     assert is_expensive(torch.ops.aten.mm.default) and is_expensive(torch.ops.aten.addmm.default)
     assert not is_expensive(torch.ops.aten.mul.Tensor) and not is_expensive(torch.ops.aten._softmax.default)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -66,14 +66,27 @@ def selective_checkpoint_function(trace: Counter | None = None) -> Callable:
     return functools.partial(checkpoint, use_reentrant=False, context_fn=SelectiveContexts(trace))
 
 
-def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: float, layers: int) -> int:
-    """How many of ``layers`` may keep their activations (``kept_layer_bytes`` each beyond a checkpointed layer)
-    within ``budget_bytes`` above ``base_bytes`` (weights, gradients, the checkpointed inputs, slack): ``0 <= keep
-    <= layers``. Backward frees the kept layers, the last first, before it recomputes a checkpointed one, so the
-    two peaks do not add: a fully checkpointed step needs 3 layers' bytes (one recomputed layer, its gradients), a
-    step that keeps k layers k + 1 (the gradients of the layer in backward). Up to two kept layers cost nothing
-    over full checkpointing; where not even that fits, none is kept."""
-    if kept_layer_bytes <= 0:
-        return layers
-    room = (budget_bytes - base_bytes) // kept_layer_bytes
-    return 0 if room < 3 else min(layers, int(room) - 1)
+def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: Sequence[float]) -> int:
+    """How many of the last layers may keep their activations within ``budget_bytes`` above ``base_bytes``
+    (weights, gradients, the checkpointed inputs, slack); ``kept_layer_bytes[i]``: what layer ``i`` keeps beyond a
+    checkpointed layer. Backward runs the kept layers first, the last first, freeing each: at kept layer j the kept
+    layers up to j are alive, with j's gradients on top (about j's bytes again); a checkpointed layer then needs
+    3 of its bytes (its recompute, its gradients) after the kept ones are gone, so the two peaks do not add. With
+    equal layers: k kept cost k + 1 layers, up to two kept layers nothing over full checkpointing; where not even
+    that fits, none is kept."""
+    room = budget_bytes - base_bytes
+    if max(kept_layer_bytes, default=0.0) <= 0:
+        return len(kept_layer_bytes)
+    if room < 3 * max(kept_layer_bytes):
+        return 0
+    keep = 0
+    for k in range(1, len(kept_layer_bytes) + 1):
+        kept = kept_layer_bytes[len(kept_layer_bytes) - k:]
+        alive, peak = 0.0, 0.0
+        for layer_bytes in kept:  # backward reaches them last to first; at each, those before it are alive
+            alive += layer_bytes
+            peak = max(peak, alive + layer_bytes)
+        if peak > room:
+            break
+        keep = k
+    return keep

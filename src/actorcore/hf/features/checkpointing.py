@@ -6,9 +6,12 @@ Modes (``None`` leaves the model's own setting, the behaviour before this option
   (``kernels.selective_checkpoint``; bitwise the gradients of ``"full"``). A fused layer (``hf.features.fused_decoder``)
   is not checkpointed at all instead: its compiled graph already keeps the matmul outputs and recomputes the
   fused pointwise work in its backward.
-- ``"auto"``: as many of the LAST layers as fit ``memory_budget_gib`` (an estimate from the config, the call's
-  token count and the memory already allocated) run as in ``"selective"``, the others as in ``"full"``. The last
-  ones, because backward reaches them first and activation offload (``hf.features.offload``) moves the first ones.
+- ``"auto"``: as many of the LAST layers as fit ``memory_budget_gib`` (from the call's token count, the memory
+  already allocated and each layer's bytes per token) run as in ``"selective"``, the others as in ``"full"``. The
+  last ones, because backward reaches them first and activation offload (``hf.features.offload``) moves the first
+  ones. A layer's bytes per token are estimated from the config until a CUDA call has measured what the layer
+  keeps (``LayerBytesMeter``; kept on the patch), then the measurement plans: the estimate errs on the safe side
+  (it cannot know which norms and casts the compiled graph keeps), the measurement fills the budget.
 
 The ``Checkpointing`` decoder feature sets, for each training call, the layers' ``gradient_checkpointing`` /
 ``_gradient_checkpointing_func`` and restores them afterwards (the functions travel with the autograd graph into
@@ -22,10 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils.checkpoint
@@ -35,6 +39,8 @@ from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY, layers_to_keep, selective_checkpoint_function
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_MODES = ("full", "selective", "auto")
 FULL_LAYERS = "checkpoint:full_layers"
@@ -89,19 +95,66 @@ def layer_bytes_per_token(config: Any, element_bytes: int, fused: bool) -> tuple
 
 
 def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], tokens: int, config: Any, element_bytes: int,
-                     allocated_bytes: float) -> list[str]:
-    """Each layer's mode for one call: ``"full"``, ``"selective"`` or ``"none"`` (a fused layer, not checkpointed)."""
+                     allocated_bytes: float, measured: dict[tuple[int, str], float] | None = None) -> list[str]:
+    """Each layer's mode for one call: ``"full"``, ``"selective"`` or ``"none"`` (a fused layer, not checkpointed).
+
+    ``measured``: bytes per token that layer ``i`` was measured to keep in mode ``m`` beyond a checkpointed layer
+    (``LayerBytesMeter``, earlier calls), used for ``"auto"`` in place of the estimate from the config."""
     kept = ["none" if f else "selective" for f in fused]
     if plan.mode == "full":
         return ["full"] * len(fused)
     if plan.mode == "selective":
         return kept
+    measured = measured or {}
     per_layer = [layer_bytes_per_token(config, element_bytes, f) for f in fused]
+    kept_per_token = [measured.get((i, mode), estimate) for i, (mode, (estimate, _)) in enumerate(zip(kept, per_layer))]
     ckpt_input = sum(inp for _, inp in per_layer) * tokens
     # Beside the kept layers: the layers' checkpointed inputs and 1 GiB of slack (the head's chunk workspace).
     base = allocated_bytes + ckpt_input + 2**30
-    keep = layers_to_keep(plan.budget_bytes, base, max(k for k, _ in per_layer) * tokens, len(fused))
+    keep = layers_to_keep(plan.budget_bytes, base, [b * tokens for b in kept_per_token])
     return ["full"] * (len(fused) - keep) + kept[len(fused) - keep:]
+
+
+MEASURE_MARGIN = 1.05  # on a measured layer's bytes: allocator rounding and packs of other lengths
+
+
+class LayerBytesMeter:
+    """Measures, in a CUDA training call, the activation bytes each kept layer holds after its forward: the
+    allocator's count after the layer minus before it, less the layer's output (a checkpointed layer holds that
+    too). Kept layers only, once per call (a selective layer's recompute in backward runs after the meter is
+    removed); hooks run in the order that leaves an FSDP2 layer's gathered parameters outside the window."""
+
+    def __init__(self, layers: list[torch.nn.Module], modes: list[str], tokens: int, output_bytes_per_token: float,
+                 allocated: Callable[[], int]) -> None:
+        self.tokens, self.output_bytes, self.allocated = tokens, output_bytes_per_token, allocated
+        self.per_token: dict[tuple[int, str], float] = {}
+        self._before: dict[int, int] = {}
+        self._handles = []
+        for i, (layer, mode) in enumerate(zip(layers, modes)):
+            if mode == "full" or tokens == 0:
+                continue
+            self._handles.append(layer.register_forward_pre_hook(functools.partial(self._enter, i)))
+            self._handles.append(layer.register_forward_hook(functools.partial(self._exit, i, mode), prepend=True))
+
+    def _enter(self, index: int, module: Any, args: Any) -> None:
+        self._before.setdefault(index, self.allocated())
+
+    def _exit(self, index: int, mode: str, module: Any, args: Any, output: Any) -> None:
+        if (index, mode) in self.per_token or index not in self._before:
+            return
+        held = self.allocated() - self._before[index]
+        self.per_token[(index, mode)] = max(0.0, held / self.tokens - self.output_bytes) * MEASURE_MARGIN
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def record_into(self, measured: dict[tuple[int, str], float]) -> None:
+        """Keep the largest measurement of each (layer, mode) in the patch's ``measured``."""
+        for key, value in self.per_token.items():
+            if value > measured.get(key, 0.0):
+                measured[key] = value
 
 
 @contextlib.contextmanager
@@ -142,6 +195,13 @@ def check_selective_ran(ran: int, selective_layers: int, model_name: str) -> Non
             "call model.train()); refusing to continue without the checkpointing that was asked for")
 
 
+def allocated_bytes_counter(device: torch.device) -> Callable[[], int] | None:
+    """The allocator's count of allocated bytes on ``device`` (read on the host, no sync); None where there is none."""
+    if device.type != "cuda":
+        return None
+    return functools.partial(torch.cuda.memory_allocated, device)
+
+
 class Checkpointing(DecoderFeature):
     """``patch_model(checkpointing=..., memory_budget_gib=...)``: the layers' checkpointing of each training call,
     planned per call; ``check`` requires every selective layer to have entered its selective checkpoint. Entered
@@ -159,9 +219,31 @@ class Checkpointing(DecoderFeature):
         fused = set(call.patch.fused_layers) if not call.batch_invariant else set()
         tokens = call.batch.num_tokens // call.sp_size  # this rank's shard
         config = text_config(call.model.config)
-        call.checkpoint_modes = plan_layer_modes(call.patch.checkpointing, [i in fused for i in range(len(
-            call.parts.layers))], tokens, config, param.element_size(), allocated)
-        return checkpointing_for_call(call.parts.layers, call.checkpoint_modes, call.trace)
+        plan, measured = call.patch.checkpointing, call.patch.measured_layer_bytes
+        call.checkpoint_modes = plan_layer_modes(plan, [i in fused for i in range(len(call.parts.layers))], tokens,
+                                                 config, param.element_size(), allocated, measured)
+        allocated_now = allocated_bytes_counter(param.device)
+        meter = None
+        if plan.mode == "auto" and allocated_now is not None:
+            meter = LayerBytesMeter(call.parts.layers, call.checkpoint_modes, tokens,
+                                    config.hidden_size * param.element_size(), allocated_now)
+        return self._planned(call, meter)
+
+    @contextlib.contextmanager
+    def _planned(self, call: DecoderCall, meter: LayerBytesMeter | None) -> Iterator[None]:
+        try:
+            with checkpointing_for_call(call.parts.layers, call.checkpoint_modes, call.trace):
+                yield
+            if meter is not None:
+                before = dict(call.patch.measured_layer_bytes)
+                meter.record_into(call.patch.measured_layer_bytes)
+                if call.patch.measured_layer_bytes != before:
+                    logger.info("checkpointing='auto' on %s: measured %s bytes per token kept per layer; the next "
+                                "calls plan with them", call.model_name,
+                                sorted({round(v) for v in call.patch.measured_layer_bytes.values()}))
+        finally:
+            if meter is not None:
+                meter.remove()
 
     def check(self, call: DecoderCall) -> None:
         check_selective_ran(call.ran(SELECTIVE_TRACE_KEY), call.checkpoint_modes.count("selective"), call.model_name)

@@ -241,7 +241,9 @@ def moe_experts_names(model: torch.nn.Module, parts: Any, spec: Any, request: An
     if request is False or (request == "auto" and spec.mlp_kind != "moe"):
         return ()
     found = moe_experts_modules(parts, spec)
-    why = AUTO_REFUSAL if request == "auto" and not fused else _model_refusal(model, spec, found)
+    why = _model_refusal(model, spec, found)
+    if request == "auto":
+        why = AUTO_REFUSAL if not fused else spec.moe_experts_auto_refusal or why
     if why is not None:
         if request == "auto":
             logger.info("moe_experts='auto' keeps %s's own experts code: %s (moe_experts='grouped' installs "

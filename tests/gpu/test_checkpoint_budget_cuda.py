@@ -1,0 +1,55 @@
+"""CUDA: ``checkpointing="auto"`` plans its first call from the config's estimate and measures what each kept
+(fused) layer holds; the next call plans with the measurement, keeps more layers in the same budget, and its
+peak stays within it. Skipped without CUDA / triton."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import actorcore as ac
+from actorcore.testing.tiny_configs import build_tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_auto_plans_with_the_measured_layers_within_the_budget():
+    pytest.importorskip("triton")
+    from actorcore.hf.features.checkpointing import FULL_LAYERS, UNCHECKPOINTED_LAYERS, layer_bytes_per_token
+    from actorcore.hf.patch import patch_state
+
+    model = build_tiny_model("llama", seed=0, dtype=torch.bfloat16, hidden_size=1024, intermediate_size=2816,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_hidden_layers=8,
+                             vocab_size=4096).cuda().train()
+    config, layers = model.config, model.config.num_hidden_layers
+    g = torch.Generator().manual_seed(0)
+    batch = ac.pack([torch.randint(3, 4096, (int(n),), generator=g)
+                     for n in torch.randint(300, 1500, (16,), generator=g)]).to("cuda")
+    tokens = batch.num_tokens
+    estimate, checkpointed_input = layer_bytes_per_token(config, 2, fused=True)
+    allocated = torch.cuda.memory_allocated()
+    # Room for 4.8 estimated layers: the estimate keeps 3 (3 + the gradients of one), a measurement under 0.95 of
+    # it keeps 4.
+    budget = allocated + layers * checkpointed_input * tokens + 2**30 + 4.8 * estimate * tokens
+    handle = ac.patch_model(model, checkpointing="auto", memory_budget_gib=budget / 2**30)
+
+    def step():
+        trace = Counter()
+        out = ac.compute_logprobs(model, batch, trace=trace)
+        (-(out.log_probs * torch.linspace(0.5, 1.5, tokens, device="cuda")).sum()).backward()
+        model.zero_grad(set_to_none=True)
+        return trace
+
+    first = step()
+    assert first[UNCHECKPOINTED_LAYERS] == 3 and first[FULL_LAYERS] == layers - 3
+    measured = patch_state(model).measured_layer_bytes
+    assert measured.keys() == {(i, "none") for i in range(layers - 3, layers)}
+    for value in measured.values():  # the estimate errs on the safe side, not by more than 2x
+        assert 0.5 * estimate < value < 0.95 * estimate, (value, estimate)
+    torch.cuda.reset_peak_memory_stats()
+    second = step()
+    assert second[UNCHECKPOINTED_LAYERS] == 4 and second[FULL_LAYERS] == layers - 4
+    assert torch.cuda.max_memory_allocated() <= budget
+    handle.revert()
