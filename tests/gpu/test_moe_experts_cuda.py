@@ -106,6 +106,7 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
         pytest.importorskip("triton")
     from torch._dynamo.utils import guard_failures
 
+    from actorcore.archs import get_spec
     from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
     from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY
 
@@ -117,7 +118,8 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
     eager = _step(model, batch, Counter())
     handle.revert()
     handle = ac.patch_model(model, fused_decoder=fused)  # "auto", the default: the path where the decoder is fused
-    assert bool(handle.state.moe_experts) == fused
+    refused = get_spec(model_type).moe_experts_auto_refusal is not None  # unless the spec says why not
+    assert bool(handle.state.moe_experts) == (fused and not refused)
     handle.revert()
     handle = ac.patch_model(model, fused_decoder=fused, moe_experts="grouped")
     modules = len(handle.state.moe_experts)
