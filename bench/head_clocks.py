@@ -7,10 +7,15 @@ samples every 100 ms: whether a sustained run is slower than one call because of
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_logprob import head_inputs, make_path  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -20,17 +25,7 @@ def main(argv=None) -> None:
     ap.add_argument("--h", type=int, default=4096)
     ap.add_argument("--v", type=int, default=151936)
     args = ap.parse_args(argv)
-    from actorcore.kernels.logprob import linear_logprob_loss
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(args.n, args.h, generator=g, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(args.v, args.h, generator=g, device="cuda") * (3.0 / args.h**0.5)).to(torch.bfloat16)
-    y = torch.randint(0, args.v, (args.n,), generator=g, device="cuda")
-
-    def run() -> None:
-        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
-        linear_logprob_loss(hh, ww, y, lambda lp, ent: lp + ent, backend="triton").loss.backward()
-
+    run = make_path("triton_loss", *head_inputs(args.n, args.h, args.v))  # what profile_logprob.py times
     run()  # compiles
     torch.cuda.synchronize()
     time.sleep(3)  # let the clock come back up

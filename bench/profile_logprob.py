@@ -49,12 +49,17 @@ def make_path(path: str, h, w, y):
     return run
 
 
-def profile(path: str, n: int, d: int, v: int) -> tuple[float, dict[str, tuple[float, int]], list]:
+def head_inputs(n: int, d: int, v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded bf16 hidden states [n, d], weight [v, d] (logits of RL-like spread) and labels [n] on the GPU."""
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(n, d, generator=g, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(v, d, generator=g, device="cuda") * (3.0 / d**0.5)).to(torch.bfloat16)
     y = torch.randint(0, v, (n,), generator=g, device="cuda")
-    run = make_path(path, h, w, y)
+    return h, w, y
+
+
+def profile(path: str, n: int, d: int, v: int) -> tuple[float, dict[str, tuple[float, int]], list]:
+    run = make_path(path, *head_inputs(n, d, v))
     run()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -88,12 +93,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.ncu:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        h = torch.randn(args.n, args.h, generator=g, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(args.v, args.h, generator=g, device="cuda") * (3.0 / args.h**0.5)).to(torch.bfloat16)
-        y = torch.randint(0, args.v, (args.n,), generator=g, device="cuda")
+        inputs = head_inputs(args.n, args.h, args.v)
         for path in args.paths.split(","):
-            make_path(path, h, w, y)()
+            make_path(path, *inputs)()
         torch.cuda.synchronize()
         return
     flop = 2 * args.n * args.h * args.v

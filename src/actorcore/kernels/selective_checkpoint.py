@@ -79,14 +79,12 @@ def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: Seq
         return len(kept_layer_bytes)
     if room < 3 * max(kept_layer_bytes):
         return 0
-    keep = 0
-    for k in range(1, len(kept_layer_bytes) + 1):
-        kept = kept_layer_bytes[len(kept_layer_bytes) - k:]
-        alive, peak = 0.0, 0.0
-        for layer_bytes in kept:  # backward reaches them last to first; at each, those before it are alive
-            alive += layer_bytes
-            peak = max(peak, alive + layer_bytes)
+    keep, peak = 0, 0.0
+    for layer_bytes in reversed(kept_layer_bytes):
+        # One more kept layer in front: it is alive at every kept layer after it, and its own peak is its bytes
+        # and its gradients.
+        peak = max(peak + layer_bytes, 2 * layer_bytes)
         if peak > room:
             break
-        keep = k
+        keep += 1
     return keep

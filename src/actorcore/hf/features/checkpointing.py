@@ -130,8 +130,8 @@ class LayerBytesMeter:
         self.per_token: dict[tuple[int, str], float] = {}
         self._before: dict[int, int] = {}
         self._handles = []
-        for i, (layer, mode) in enumerate(zip(layers, modes)):
-            if mode == "full" or tokens == 0:
+        for i, (layer, mode) in enumerate(zip(layers, modes) if tokens else ()):
+            if mode == "full":
                 continue
             self._handles.append(layer.register_forward_pre_hook(functools.partial(self._enter, i)))
             self._handles.append(layer.register_forward_hook(functools.partial(self._exit, i, mode), prepend=True))
@@ -150,11 +150,13 @@ class LayerBytesMeter:
             handle.remove()
         self._handles.clear()
 
-    def record_into(self, measured: dict[tuple[int, str], float]) -> None:
-        """Keep the largest measurement of each (layer, mode) in the patch's ``measured``."""
+    def record_into(self, measured: dict[tuple[int, str], float]) -> bool:
+        """Keep the largest measurement of each (layer, mode) in the patch's ``measured``; whether one grew."""
+        grew = False
         for key, value in self.per_token.items():
             if value > measured.get(key, 0.0):
-                measured[key] = value
+                measured[key], grew = value, True
+        return grew
 
 
 @contextlib.contextmanager
@@ -215,14 +217,14 @@ class Checkpointing(DecoderFeature):
 
     def enter(self, call: DecoderCall) -> Any:
         param = next(call.model.parameters())
-        allocated = torch.cuda.memory_allocated(param.device) if param.is_cuda else 0
+        allocated_now = allocated_bytes_counter(param.device)
+        allocated = allocated_now() if allocated_now is not None else 0
         fused = set(call.patch.fused_layers) if not call.batch_invariant else set()
         tokens = call.batch.num_tokens // call.sp_size  # this rank's shard
         config = text_config(call.model.config)
         plan, measured = call.patch.checkpointing, call.patch.measured_layer_bytes
         call.checkpoint_modes = plan_layer_modes(plan, [i in fused for i in range(len(call.parts.layers))], tokens,
                                                  config, param.element_size(), allocated, measured)
-        allocated_now = allocated_bytes_counter(param.device)
         meter = None
         if plan.mode == "auto" and allocated_now is not None:
             meter = LayerBytesMeter(call.parts.layers, call.checkpoint_modes, tokens,
@@ -234,13 +236,10 @@ class Checkpointing(DecoderFeature):
         try:
             with checkpointing_for_call(call.parts.layers, call.checkpoint_modes, call.trace):
                 yield
-            if meter is not None:
-                before = dict(call.patch.measured_layer_bytes)
-                meter.record_into(call.patch.measured_layer_bytes)
-                if call.patch.measured_layer_bytes != before:
-                    logger.info("checkpointing='auto' on %s: measured %s bytes per token kept per layer; the next "
-                                "calls plan with them", call.model_name,
-                                sorted({round(v) for v in call.patch.measured_layer_bytes.values()}))
+            if meter is not None and meter.record_into(call.patch.measured_layer_bytes):
+                logger.info("checkpointing='auto' on %s: measured %s bytes per token kept per layer; the next calls "
+                            "plan with them", call.model_name,
+                            sorted({round(v) for v in call.patch.measured_layer_bytes.values()}))
         finally:
             if meter is not None:
                 meter.remove()
