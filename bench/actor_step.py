@@ -47,10 +47,11 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
 MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B),
           "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B), "tiny": ("qwen2", TINY)}
 PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-experts", "actorcore fused no-ckpt",
+         "actorcore fused quack-experts", "actorcore fused quack-experts no-ckpt",
          "transformers padded", "transformers packed", "transformers+liger padded")
 # On MoE models "actorcore fused" and "actorcore fused no-ckpt" run actorcore's gather-only experts path
 # (``moe_experts="grouped"``, the default under the fused decoder), "actorcore fused transformers-experts" transformers'
-# own grouped_mm forward.
+# own grouped_mm forward, "... quack-experts" that path with quack's fused GEMMs (``moe_experts="quack"``).
 
 
 def build(model_type, shape, dtype, device, layers):
@@ -299,6 +300,7 @@ def main() -> None:
             ckpt = "full" if name == "actorcore before" else ("selective" if "no-ckpt" in name else "auto")
             moe = bool(getattr(model.config, "num_experts", None))
             experts = "grouped" if moe and fused and "transformers-experts" not in name else False
+            experts = "quack" if "quack-experts" in name else experts
             handle = ac.patch_model(model, fused_decoder="auto" if fused else False, checkpointing=ckpt,
                                     memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
                                     moe_experts=experts)

@@ -290,7 +290,7 @@ def test_own_forward_bypassed_path_deepcopy_and_revert(monkeypatch):
 @pytest.mark.parametrize("value", [True, "yes", "Grouped", 1, None, 0])
 def test_bad_values_are_refused(value):
     model = _moe_model("qwen3_moe")
-    with pytest.raises(ValueError, match=r"moe_experts must be 'auto', 'grouped' or False"):
+    with pytest.raises(ValueError, match=r"moe_experts must be 'auto', 'grouped', 'quack' or False"):
         ac.patch_model(model, moe_experts=value)
     assert not ac.hf.patch.is_patched(model)
 
@@ -365,6 +365,49 @@ def test_grouped_refusals():
     model._tp_size = 2  # as transformers' tp_plan loading records it
     with pytest.raises(ValueError, match=r"tensor-parallel through transformers' tp_plan"):
         ac.patch_model(model, moe_experts="grouped")
+
+
+def test_quack_refusals():
+    """``moe_experts="quack"`` refuses with the reason where its fused GEMMs cannot run (here: no Hopper GPU) and
+    for experts whose MLP is not a concatenated SiLU-gated one without biases; nothing stays installed."""
+    from actorcore.hf.features.moe_experts import quack_module_refusal
+
+    model = _moe_model("qwen3_moe")
+    with pytest.raises(ValueError, match=r"moe_experts='quack': .*(Hopper|not installed).* or 'grouped'"):
+        ac.patch_model(model, moe_experts="quack")
+    assert not ac.hf.patch.is_patched(model) and not isinstance(model.model.layers[0].mlp.experts, SortedExperts)
+    assert "no concatenated [gate; up]" in quack_module_refusal(_moe_model("gpt_oss").model.layers[0].mlp.experts)
+    module = _moe_model("qwen3_moe").model.layers[0].mlp.experts
+    module.has_bias = True
+    assert "has biases" in quack_module_refusal(module)
+    module = _moe_model("qwen3_moe").model.layers[0].mlp.experts
+    assert "not a 16-bit CUDA module" in quack_module_refusal(module)  # the math is covered, the device is not
+    module.act_fn = torch.nn.GELU()
+    assert "not SiLU" in quack_module_refusal(module)
+
+
+def test_auto_takes_quack_where_it_runs_and_covers_the_model(monkeypatch):
+    """``"auto"`` runs the path with quack's kernels where ``quack_refusal`` and every installed module's
+    ``quack_module_refusal`` pass (here faked: the CPU has no Hopper GPU), the grouped kernels where either refuses;
+    ``"grouped"`` stays grouped."""
+    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)  # as on CUDA: "auto" installs the path
+    monkeypatch.setattr(moe_experts, "quack_refusal", lambda: None)
+    monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: None)
+    model = _moe_model("qwen3_moe")
+    for request, kernel in (("auto", "quack"), ("grouped", "grouped")):
+        handle = ac.patch_model(model, moe_experts=request)
+        assert handle.state.moe_experts and handle.state.moe_experts_kernel == kernel
+        assert all(m._actorcore_quack == (kernel == "quack") for m in _experts(model, handle))
+        handle.revert()
+    monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: "Experts has biases")
+    handle = ac.patch_model(model)
+    assert handle.state.moe_experts and handle.state.moe_experts_kernel == "grouped"
+    handle.revert()
+    monkeypatch.setattr(moe_experts, "quack_refusal", lambda: "not installed")
+    monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: None)
+    handle = ac.patch_model(model)
+    assert handle.state.moe_experts_kernel == "grouped"
+    handle.revert()
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "kimi_k25"])

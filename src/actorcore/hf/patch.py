@@ -48,7 +48,7 @@ from actorcore.hf.call import PATCH_ATTR, DecoderParts, PatchState, patch_state
 from actorcore.hf.features.checkpointing import check_checkpointing
 from actorcore.hf.features import DECODER_FEATURES
 from actorcore.hf.features.fused_decoder import auto_fusion_refusal, fused_layer_indices
-from actorcore.hf.features.moe_experts import check_moe_experts_request, moe_experts_names
+from actorcore.hf.features.moe_experts import check_moe_experts_request, moe_experts_kernel, moe_experts_names
 from actorcore.hf.features.offload import check_offload_layers
 from actorcore.hf.features.packed_attention import require_sequence_parallel_patch  # noqa: F401 (re-exported)
 from actorcore.hf.features.tiled_mlp import TiledMLPForward  # noqa: F401 (re-exported)
@@ -140,7 +140,10 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     and dtype (float32 on the CPU too) and refuses a model it does not cover (no MoE layers, another experts class,
     expert parallelism); ``"auto"`` (default) installs it where the decoder is fused (measured faster there, as
     close to the fp32 model as transformers' experts) and the path covers the model, else keeps the model's own
-    experts code; ``False`` keeps the model's own experts code.
+    experts code; ``"quack"`` runs that path's SwiGLU MLP as quack's Hopper GEMMs with the token gather and the
+    activation inside them (``kernels.moe_quack``; needs ``quack-kernels`` with the CuTe DSL it pins and a Hopper
+    GPU, refuses other expert MLPs), which ``"auto"`` also takes where they run and cover the model;
+    ``False`` keeps the model's own experts code.
 
     ``checkpointing``: ``None`` (default) keeps the model's own setting; ``"full"`` checkpoints every layer;
     ``"selective"`` keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the
@@ -164,9 +167,10 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     sp = sp_size(parallel)
     fused = fused_layer_indices(model, parts, fused_decoder,
                                 auto_fusion_refusal(sp, tiled_mlp_shards, offload_layers, recompute_norms))
+    experts = moe_experts_names(model, parts, spec, moe_experts, fused=bool(fused))
     state = PatchState(sp_size=sp, tiled_mlp_shards=tiled_mlp_shards, offload_layers=offload_layers,
                        recompute_norms=recompute_norms, fused_layers=fused, checkpointing=plan,
-                       moe_experts=moe_experts_names(model, parts, spec, moe_experts, fused=bool(fused)))
+                       moe_experts=experts, moe_experts_kernel=moe_experts_kernel(parts, moe_experts, experts))
     handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards, spec=spec, parts=parts,
                          state=state)
     try:
@@ -179,7 +183,7 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
             handle._undo.pop()()
         raise
     logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d recompute_norms=%s "
-                "fused_layers=%d checkpointing=%s moe_experts=%d", type(model).__name__, handle.sp_size,
+                "fused_layers=%d checkpointing=%s moe_experts=%d (%s)", type(model).__name__, handle.sp_size,
                 tiled_mlp_shards, offload_layers, len(parts.layers), recompute_norms, len(state.fused_layers),
-                checkpointing, len(state.moe_experts))
+                checkpointing, len(state.moe_experts), state.moe_experts_kernel)
     return handle

@@ -65,11 +65,16 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows_SD):
         (row_of_pair,) = ctx.saved_tensors
-        acc = _accumulation_dtype(grad_rows_SD.dtype)
-        grad = grad_rows_SD.index_select(0, row_of_pair[:, 0]).to(acc)
-        for slot in range(1, row_of_pair.shape[1]):
-            grad = grad + grad_rows_SD.index_select(0, row_of_pair[:, slot]).to(acc)
-        return grad.to(grad_rows_SD.dtype), None, None
+        return sum_rows_per_token(grad_rows_SD, row_of_pair), None, None
+
+
+def sum_rows_per_token(rows_SD: torch.Tensor, row_of_pair_TK: torch.Tensor) -> torch.Tensor:
+    """``[T, D]``: each token's ``K`` sorted rows summed (gathers, float32 accumulation, rounded once)."""
+    acc = _accumulation_dtype(rows_SD.dtype)
+    out = rows_SD.index_select(0, row_of_pair_TK[:, 0]).to(acc)
+    for slot in range(1, row_of_pair_TK.shape[1]):
+        out = out + rows_SD.index_select(0, row_of_pair_TK[:, slot]).to(acc)
+    return out.to(rows_SD.dtype)
 
 
 class _Combine(torch.autograd.Function):

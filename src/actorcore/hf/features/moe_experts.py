@@ -42,11 +42,12 @@ from actorcore.hf.call import DecoderCall, TraceRef
 from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
 from actorcore.hf.features.fused_decoder import FusedDecoder
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
+from actorcore.kernels.moe_quack import gated_experts, quack_refusal
 
 logger = logging.getLogger(__name__)
 
 MOE_EXPERTS_KEY = "moe_experts:modules"
-MOE_EXPERTS_CHOICES = ("auto", "grouped", False)
+MOE_EXPERTS_CHOICES = ("auto", "grouped", "quack", False)
 AUTO_REFUSAL = "the decoder is not fused here (the path was measured faster only inside the fused decoder)"
 
 
@@ -93,13 +94,18 @@ def _expert_linear(grouped_mm: Callable, rows_SD: torch.Tensor, weight: torch.Te
 
 
 def sorted_experts_forward(experts: torch.nn.Module, hidden_states_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
-                           top_k_weights_TK: torch.Tensor, grouped_mm: Callable) -> torch.Tensor:
+                           top_k_weights_TK: torch.Tensor, grouped_mm: Callable, quack: bool = False) -> torch.Tensor:
     """transformers' experts math (``grouped_mm_experts_forward``) with the tokens moved by gathers both ways;
-    ``grouped_mm(x, weight, offsets)``: transformers' grouped GEMM dispatcher."""
+    ``grouped_mm(x, weight, offsets)``: transformers' grouped GEMM dispatcher. ``quack``: the SwiGLU MLP as quack's
+    GEMMs with the gather and the activation inside them (``kernels.moe_quack``; a module ``quack_module_refusal``
+    passes)."""
     if getattr(experts, "_is_expert_parallel", False):
         raise ValueError(f"{type(experts).__name__} is expert-parallel (experts split over ranks): actorcore's MoE "
                          "experts path does not handle its sentinel expert ids; patch with moe_experts=False")
     order = sort_by_expert(top_k_index_TK, experts.num_experts)
+    if quack:
+        rows = gated_experts(hidden_states_TD, experts.gate_up_proj, experts.down_proj, order)
+        return combine(rows, top_k_weights_TK, order, hidden_states_TD.dtype)
     rows = permute(hidden_states_TD, order)
     bias = None
     if experts.has_gate:
@@ -136,6 +142,7 @@ class SortedExperts:
 
     _actorcore_base: type  # the module's own class
     _actorcore_grouped_mm: Callable  # transformers' grouped GEMM dispatcher
+    _actorcore_quack: bool  # the SwiGLU MLP as quack's fused GEMMs (moe_experts="quack")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -145,18 +152,20 @@ class SortedExperts:
             if trace.counts is None:  # not an actorcore call: the model's own experts code
                 return cls._actorcore_base.forward(self, hidden_states, top_k_index, top_k_weights)
             trace.counts[MOE_EXPERTS_KEY] += 1
-        return sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights, cls._actorcore_grouped_mm)
+        return sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights, cls._actorcore_grouped_mm,
+                                      cls._actorcore_quack)
 
 
 @functools.cache
-def sorted_experts_class(base: type) -> type:
-    """The class an installed experts module of class ``base`` runs as (one per experts class)."""
+def sorted_experts_class(base: type, quack: bool = False) -> type:
+    """The class an installed experts module of class ``base`` runs as (one per experts class and kernel)."""
     return type(base.__name__, (SortedExperts, base), {
         "_actorcore_base": base, "_actorcore_grouped_mm": staticmethod(_grouped_mm_dispatcher()),
-        "__module__": base.__module__, "__qualname__": base.__qualname__})
+        "_actorcore_quack": quack, "__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
-def install_sorted_experts(modules: list[torch.nn.Module], trace: TraceRef) -> Callable[[], None]:
+def install_sorted_experts(modules: list[torch.nn.Module], trace: TraceRef, quack: bool = False
+                           ) -> Callable[[], None]:
     """Run each experts module as ``sorted_experts_class`` of its class; returns the undo."""
     installed: list[tuple[torch.nn.Module, type]] = []
 
@@ -169,7 +178,7 @@ def install_sorted_experts(modules: list[torch.nn.Module], trace: TraceRef) -> C
     for module in modules:
         base = type(module)
         module.__dict__[TRACE_ATTR] = trace
-        module.__class__ = sorted_experts_class(base)
+        module.__class__ = sorted_experts_class(base, quack)
         installed.append((module, base))
     return restore
 
@@ -213,10 +222,34 @@ def _module_refusal(module: torch.nn.Module) -> str | None:
     return None
 
 
+def quack_module_refusal(module: torch.nn.Module) -> str | None:
+    """Why quack's fused experts GEMMs do not cover this experts module's math (None: they do): a concatenated
+    ``[gate; up]`` projection, transformers' own gate function with a SiLU activation, no bias, no post-expert norm,
+    16-bit weights on a CUDA device."""
+    name = type(module).__name__
+    from transformers.integrations import moe
+
+    act = getattr(module, "act_fn", None)
+    checks = (
+        (module.has_gate and getattr(module, "is_concatenated", True), "has no concatenated [gate; up] projection"),
+        (not module.has_bias, "has biases"),
+        (not module.is_transposed, "stores its weights transposed"),
+        (not getattr(module, "has_post_expert_norm", False), "has a post-expert norm"),
+        (getattr(type(module), "_apply_gate", None) is getattr(moe, "_default_apply_gate", None),
+         "has its own gate function (_apply_gate)"),
+        (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation", f"gates with {act!r}, not SiLU"),
+        (module.gate_up_proj.is_cuda and module.gate_up_proj.dtype in (torch.bfloat16, torch.float16),
+         "is not a 16-bit CUDA module"),
+    )
+    why = next((reason for ok, reason in checks if not ok), None)
+    return None if why is None else f"{name} {why}: quack's fused experts GEMMs run SwiGLU experts only"
+
+
 def check_moe_experts_request(request: Any) -> None:
     if request not in MOE_EXPERTS_CHOICES or request is not False and not isinstance(request, str):
-        raise ValueError(f"moe_experts must be 'auto', 'grouped' or False, got {request!r} ('grouped' installs "
-                         "actorcore's experts path, False keeps the model's own experts code)")
+        raise ValueError(f"moe_experts must be 'auto', 'grouped', 'quack' or False, got {request!r} ('grouped' "
+                         "installs actorcore's experts path, 'quack' that path with quack's fused GEMMs, False keeps "
+                         "the model's own experts code)")
 
 
 def _model_refusal(model: torch.nn.Module, spec: Any, found: list[tuple[str, torch.nn.Module]]) -> str | None:
@@ -242,6 +275,8 @@ def moe_experts_names(model: torch.nn.Module, parts: Any, spec: Any, request: An
         return ()
     found = moe_experts_modules(parts, spec)
     why = _model_refusal(model, spec, found)
+    if request == "quack" and why is None:
+        why = quack_refusal() or next((r for r in (quack_module_refusal(m) for _, m in found) if r is not None), None)
     if request == "auto":
         why = AUTO_REFUSAL if not fused else spec.moe_experts_auto_refusal or why
     if why is not None:
@@ -249,8 +284,25 @@ def moe_experts_names(model: torch.nn.Module, parts: Any, spec: Any, request: An
             logger.info("moe_experts='auto' keeps %s's own experts code: %s (moe_experts='grouped' installs "
                         "actorcore's path anyway where it can)", type(model).__name__, why)
             return ()
-        raise ValueError(f"moe_experts='grouped': {why}; pass moe_experts=False (the model's own experts code)")
+        raise ValueError(f"moe_experts={request!r}: {why}; pass moe_experts=False (the model's own experts code)"
+                         + (" or 'grouped'" if request == "quack" else ""))
     return tuple(name for name, _ in found)
+
+
+def moe_experts_kernel(parts: Any, request: Any, names: tuple[str, ...]) -> str:
+    """The kernels of the installed path: ``"quack"`` when asked for, and under ``"auto"`` where quack's fused GEMMs
+    run here (``quack_refusal``) and cover every installed module (measured faster on the H200, with less memory
+    and as close to fp32); else ``"grouped"``."""
+    if request == "quack":
+        return "quack"
+    if request != "auto" or not names:
+        return "grouped"
+    why = quack_refusal() or next((r for r in (quack_module_refusal(parts.decoder.get_submodule(name))
+                                               for name in names) if r is not None), None)
+    if why is not None:
+        logger.debug("moe_experts='auto' runs the grouped_mm kernels: %s", why)
+        return "grouped"
+    return "quack"
 
 
 class MoeExperts(DecoderFeature):
@@ -263,7 +315,8 @@ class MoeExperts(DecoderFeature):
         names = handle.state.moe_experts
         if names:
             modules = [handle.parts.decoder.get_submodule(name) for name in names]
-            handle.add_undo(install_sorted_experts(modules, handle.state.trace))
+            handle.add_undo(install_sorted_experts(modules, handle.state.trace,
+                                                   quack=handle.state.moe_experts_kernel == "quack"))
 
     def active(self, call: DecoderCall) -> bool:
         return call.patch is not None and bool(call.patch.moe_experts)

@@ -1,0 +1,115 @@
+"""CUDA (Hopper), with quack-kernels installed: the MoE experts path with quack's fused GEMMs
+(``patch_model(moe_experts="quack")``, ``kernels.moe_quack``) per element against fp32 math from the same bf16
+values, no further from it than the sorted ``grouped_mm`` path; under the fused decoder the model's log-probs within
+bf16 rounding of eager and every parameter's gradient as close to the fp32 model as the grouped path's; the trace
+proves the fused layers ran; models whose experts are not SwiGLU are refused with the reason. Skipped without CUDA
+or quack."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from test_fused_decoder_cuda import _step
+from test_moe_experts_cuda import _batch, _distance, _fp32_reference, _model, _routing
+
+import actorcore as ac
+from actorcore.testing.tolerances import TOL
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SWIGLU_EXPERTS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
+
+
+@pytest.fixture(autouse=True)
+def _needs_quack():
+    pytest.importorskip("quack")
+    from actorcore.kernels.moe_quack import quack_refusal
+
+    why = quack_refusal()
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("hidden,intermediate,tokens", [(64, 40, 301), (512, 256, 2048)])
+def test_experts_module_within_bf16_rounding_of_fp32(hidden, intermediate, tokens):
+    model = _model("qwen3_moe", hidden_size=hidden, moe_intermediate_size=intermediate)
+    handle = ac.patch_model(model, moe_experts="quack", fused_decoder=False)
+    module = model.model.get_submodule(handle.state.moe_experts[0])
+    assert module._actorcore_quack
+    reference = copy.deepcopy(module).float()
+    reference.__class__ = reference._actorcore_base
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
+    index = _routing(tokens, 2, module.num_experts, seed=3)
+    weights = torch.rand(tokens, 2, generator=g).to("cuda", torch.bfloat16)
+    grad = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
+
+    def run(mod, forward, dtype):
+        inputs = [x.to(dtype).requires_grad_(True), weights.to(dtype).requires_grad_(True)]
+        out = forward(inputs[0], index, inputs[1])
+        grads = torch.autograd.grad(out, [*inputs, *mod.parameters()], grad.to(dtype))
+        return [t.float() for t in (out, *grads)]
+
+    from actorcore.hf.features.moe_experts import sorted_experts_forward
+
+    def grouped(xs, idx, w):
+        return sorted_experts_forward(module, xs, idx, w, type(module)._actorcore_grouped_mm, quack=False)
+
+    want = run(reference, reference.forward, torch.float32)
+    sorted_grouped = run(module, grouped, torch.bfloat16)
+    handle.state.trace.counts = Counter()  # as inside an actorcore call
+    try:
+        fused = run(module, module, torch.bfloat16)
+        again = run(module, module, torch.bfloat16)
+    finally:
+        handle.state.trace.counts = None
+    names = ["out", "x", "weights", *[n for n, _ in module.named_parameters()]]
+    for name, a, b in zip(names, fused, again):
+        assert torch.equal(a, b), f"two runs differ in {name}"
+    for name, w, s, f in zip(names, want, sorted_grouped, fused):
+        scale = w.abs().max().item()
+        err_sorted, err_fused = (s - w).abs().max().item(), (f - w).abs().max().item()
+        assert err_fused <= TOL["moe_experts_module_vs_fp32_bf16_rel"] * scale, (name, err_fused, scale)
+        assert err_fused <= 2 * err_sorted + 1e-3 * scale, (name, err_fused, err_sorted)
+    handle.revert()
+
+
+@pytest.mark.parametrize("model_type", SWIGLU_EXPERTS)
+def test_fused_decoder_with_quack_experts(model_type):
+    pytest.importorskip("triton")
+    from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
+
+    model = _model(model_type)
+    batch = _batch()
+    reference = _fp32_reference(model, batch)
+    handle = ac.patch_model(model, moe_experts=False, fused_decoder=False)
+    eager = _step(model, batch, Counter())
+    handle.revert()
+    distances = {}
+    for kernel in ("grouped", "quack"):
+        handle = ac.patch_model(model, fused_decoder=True, moe_experts=kernel)
+        trace = Counter()
+        run = _step(model, batch, trace)
+        assert trace[FUSED_TRACE_KEY] == len(handle.state.fused_layers) >= 1
+        distances[kernel] = _distance(run, reference)
+        if kernel == "quack":
+            tol = TOL["moe_experts_vs_eager_bf16"]
+            assert (eager[0] - run[0]).abs().max().item() < tol and (eager[1] - run[1]).abs().max().item() < tol
+            report = ac.verify(model, batch)
+            assert report.ok, report
+        handle.revert()
+    (lp_g, grads_g), (lp_q, grads_q) = distances["grouped"], distances["quack"]
+    factor, floor = TOL["moe_path_vs_fp32_over_transformers_factor"], TOL["moe_path_vs_fp32_over_transformers_floor"]
+    assert lp_q <= factor * lp_g + floor, (lp_q, lp_g)
+    worse = {n: (round(grads_q[n], 4), round(grads_g[n], 4))
+             for n in grads_g if grads_q[n] > factor * grads_g[n] + floor}
+    assert not worse, f"gradients further from fp32 than the grouped path (quack, grouped): {worse}"
+
+
+def test_refuses_experts_that_are_not_swiglu():
+    model = _model("gpt_oss")
+    with pytest.raises(ValueError, match="no concatenated|has biases|own gate function"):
+        ac.patch_model(model, moe_experts="quack")
