@@ -56,6 +56,24 @@ def _routing(num_tokens, top_k, num_experts, seed):
     return torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)]).cuda()
 
 
+def _module_runner(tokens, hidden, num_experts):
+    """``run(module, forward, dtype)``: an experts forward on fixed random inputs (top-2 routing) and its gradients
+    for the inputs, the routing weights and the module's parameters, all as float32."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
+    index = _routing(tokens, 2, num_experts, seed=3)
+    weights = torch.rand(tokens, 2, generator=g).to("cuda", torch.bfloat16)
+    grad = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
+
+    def run(module, forward, dtype):
+        inputs = [x.to(dtype).requires_grad_(True), weights.to(dtype).requires_grad_(True)]
+        out = forward(inputs[0], index, inputs[1])
+        grads = torch.autograd.grad(out, [*inputs, *module.parameters()], grad.to(dtype))
+        return [t.float() for t in (out, *grads)]
+
+    return run
+
+
 @pytest.mark.parametrize("model_type", COVERED)
 def test_experts_module_within_bf16_rounding_of_eager(model_type):
     model = _model(model_type)
@@ -66,19 +84,7 @@ def test_experts_module_within_bf16_rounding_of_eager(model_type):
     reference = copy.deepcopy(experts).float()  # fp32 math from the same bf16 values: the yardstick
     reference.__class__ = reference._actorcore_base  # transformers' own experts class
     reference.__dict__.pop(TRACE_ATTR)
-    tokens, hidden = 301, model.config.hidden_size
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
-    index = _routing(tokens, 2, experts.num_experts, seed=3)
-    weights = torch.rand(tokens, 2, generator=g).to("cuda", torch.bfloat16)
-    grad = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
-
-    def run(module, forward, dtype):
-        inputs = [x.to(dtype).requires_grad_(True), weights.to(dtype).requires_grad_(True)]
-        out = forward(inputs[0], index, inputs[1])
-        grads = torch.autograd.grad(out, [*inputs, *module.parameters()], grad.to(dtype))
-        return [t.float() for t in (out, *grads)]
-
+    run = _module_runner(301, model.config.hidden_size, experts.num_experts)
     want = run(reference, reference.forward, torch.float32)
     eager = run(experts, experts._actorcore_base.forward.__get__(experts), torch.bfloat16)
     handle.state.trace.counts = Counter()  # as inside an actorcore call

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 from test_fused_decoder_cuda import _step
-from test_moe_experts_cuda import _batch, _distance, _fp32_reference, _model, _routing
+from test_moe_experts_cuda import _batch, _distance, _fp32_reference, _model, _module_runner
 
 import actorcore as ac
 from actorcore.testing.tolerances import TOL
@@ -41,17 +41,7 @@ def test_experts_module_within_bf16_rounding_of_fp32(hidden, intermediate, token
     assert module._actorcore_quack
     reference = copy.deepcopy(module).float()
     reference.__class__ = reference._actorcore_base
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
-    index = _routing(tokens, 2, module.num_experts, seed=3)
-    weights = torch.rand(tokens, 2, generator=g).to("cuda", torch.bfloat16)
-    grad = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
-
-    def run(mod, forward, dtype):
-        inputs = [x.to(dtype).requires_grad_(True), weights.to(dtype).requires_grad_(True)]
-        out = forward(inputs[0], index, inputs[1])
-        grads = torch.autograd.grad(out, [*inputs, *mod.parameters()], grad.to(dtype))
-        return [t.float() for t in (out, *grads)]
+    run = _module_runner(tokens, hidden, module.num_experts)
 
     from actorcore.hf.features.moe_experts import sorted_experts_forward
 
