@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 from test_fused_decoder_cuda import _step
-from test_moe_experts_cuda import _batch, _distance, _fp32_reference, _model, _module_runner
+from test_moe_experts_cuda import _assert_module_runs, _batch, _distance, _fp32_reference, _model, _module_runner
 
 import actorcore as ac
 from actorcore.testing.tolerances import TOL
@@ -56,14 +56,7 @@ def test_experts_module_within_bf16_rounding_of_fp32(hidden, intermediate, token
         again = run(module, module, torch.bfloat16)
     finally:
         handle.state.trace.counts = None
-    names = ["out", "x", "weights", *[n for n, _ in module.named_parameters()]]
-    for name, a, b in zip(names, fused, again):
-        assert torch.equal(a, b), f"two runs differ in {name}"
-    for name, w, s, f in zip(names, want, sorted_grouped, fused):
-        scale = w.abs().max().item()
-        err_sorted, err_fused = (s - w).abs().max().item(), (f - w).abs().max().item()
-        assert err_fused <= TOL["moe_experts_module_vs_fp32_bf16_rel"] * scale, (name, err_fused, scale)
-        assert err_fused <= 2 * err_sorted + 1e-3 * scale, (name, err_fused, err_sorted)
+    _assert_module_runs(module, want, sorted_grouped, fused, again)
     handle.revert()
 
 
