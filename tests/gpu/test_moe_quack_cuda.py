@@ -2,8 +2,8 @@
 (``patch_model(moe_experts="quack")``, ``kernels.moe_quack``) per element against fp32 math from the same bf16
 values, no further from it than the sorted ``grouped_mm`` path; under the fused decoder the model's log-probs within
 bf16 rounding of eager and every parameter's gradient as close to the fp32 model as the grouped path's; the trace
-proves the fused layers ran; models whose experts are not SwiGLU are refused with the reason. Skipped without CUDA
-or quack."""
+proves the fused layers ran, the profiler that quack's kernels ran (and none on the grouped path); models whose
+experts are not SwiGLU are refused with the reason. Skipped without CUDA or quack."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ def _needs_quack():
         pytest.skip(why)
 
 
+def _quack_kernels_ran(fn):
+    """Run ``fn`` under the profiler; whether any CUDA kernel it launched is one of quack's (proof the path ran)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, any("quack" in event.name for event in prof.events())
+
+
 @pytest.mark.parametrize("hidden,intermediate,tokens", [(64, 40, 301), (512, 256, 2048)])
 def test_experts_module_within_bf16_rounding_of_fp32(hidden, intermediate, tokens):
     model = _model("qwen3_moe", hidden_size=hidden, moe_intermediate_size=intermediate)
@@ -52,7 +62,8 @@ def test_experts_module_within_bf16_rounding_of_fp32(hidden, intermediate, token
     sorted_grouped = run(module, grouped, torch.bfloat16)
     handle.state.trace.counts = Counter()  # as inside an actorcore call
     try:
-        fused = run(module, module, torch.bfloat16)
+        fused, ran = _quack_kernels_ran(lambda: run(module, module, torch.bfloat16))
+        assert ran, "no quack kernel ran"
         again = run(module, module, torch.bfloat16)
     finally:
         handle.state.trace.counts = None
@@ -75,7 +86,8 @@ def test_fused_decoder_with_quack_experts(model_type):
     for kernel in ("grouped", "quack"):
         handle = ac.patch_model(model, fused_decoder=True, moe_experts=kernel)
         trace = Counter()
-        run = _step(model, batch, trace)
+        run, ran = _quack_kernels_ran(lambda: _step(model, batch, trace))
+        assert ran == (kernel == "quack"), (kernel, ran)
         assert trace[FUSED_TRACE_KEY] == len(handle.state.fused_layers) >= 1
         distances[kernel] = _distance(run, reference)
         if kernel == "quack":

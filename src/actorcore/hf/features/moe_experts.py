@@ -245,6 +245,11 @@ def quack_module_refusal(module: torch.nn.Module) -> str | None:
     return None if why is None else f"{name} {why}: quack's fused experts GEMMs run SwiGLU experts only"
 
 
+def _quack_refusal_for(modules: list[torch.nn.Module]) -> str | None:
+    """Why quack's fused GEMMs cannot run these experts modules here (None: they can)."""
+    return quack_refusal() or next((r for r in map(quack_module_refusal, modules) if r is not None), None)
+
+
 def check_moe_experts_request(request: Any) -> None:
     if request not in MOE_EXPERTS_CHOICES or request is not False and not isinstance(request, str):
         raise ValueError(f"moe_experts must be 'auto', 'grouped', 'quack' or False, got {request!r} ('grouped' "
@@ -276,7 +281,7 @@ def moe_experts_names(model: torch.nn.Module, parts: Any, spec: Any, request: An
     found = moe_experts_modules(parts, spec)
     why = _model_refusal(model, spec, found)
     if request == "quack" and why is None:
-        why = quack_refusal() or next((r for r in (quack_module_refusal(m) for _, m in found) if r is not None), None)
+        why = _quack_refusal_for([module for _, module in found])
     if request == "auto":
         why = AUTO_REFUSAL if not fused else spec.moe_experts_auto_refusal or why
     if why is not None:
@@ -297,8 +302,7 @@ def moe_experts_kernel(parts: Any, request: Any, names: tuple[str, ...]) -> str:
         return "quack"
     if request != "auto" or not names:
         return "grouped"
-    why = quack_refusal() or next((r for r in (quack_module_refusal(parts.decoder.get_submodule(name))
-                                               for name in names) if r is not None), None)
+    why = _quack_refusal_for([parts.decoder.get_submodule(name) for name in names])
     if why is not None:
         logger.debug("moe_experts='auto' runs the grouped_mm kernels: %s", why)
         return "grouped"
