@@ -48,10 +48,12 @@ MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B)
           "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B), "tiny": ("qwen2", TINY)}
 PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-experts", "actorcore fused no-ckpt",
          "actorcore fused quack-experts", "actorcore fused quack-experts no-ckpt",
+         "actorcore fused quack-mlp", "actorcore fused quack-mlp no-ckpt",
          "transformers padded", "transformers packed", "transformers+liger padded")
 # On MoE models "actorcore fused" and "actorcore fused no-ckpt" run actorcore's gather-only experts path
 # (``moe_experts="grouped"``, the default under the fused decoder), "actorcore fused transformers-experts" transformers'
 # own grouped_mm forward, "... quack-experts" that path with quack's fused GEMMs (``moe_experts="quack"``).
+# The dense SwiGLU MLPs stay compiled (``dense_mlp=False``) except on the "... quack-mlp" paths (``dense_mlp="quack"``).
 
 
 def build(model_type, shape, dtype, device, layers):
@@ -303,7 +305,7 @@ def main() -> None:
             experts = "quack" if "quack-experts" in name else experts
             handle = ac.patch_model(model, fused_decoder="auto" if fused else False, checkpointing=ckpt,
                                     memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
-                                    moe_experts=experts)
+                                    moe_experts=experts, dense_mlp="quack" if "quack-mlp" in name else False)
             step = actorcore_step(model, packs, pack_advs, device)
         else:
             if "liger" in name:
@@ -324,7 +326,7 @@ def main() -> None:
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_seq))
         if handle is not None:
             row["trace"] = {k: v for k, v in step.trace.items()
-                            if k.split(":")[0] in ("fused_decoder", "checkpoint", "moe_experts")}
+                            if k.split(":")[0] in ("fused_decoder", "checkpoint", "moe_experts", "dense_mlp")}
             handle.revert()
         rows.append(row)
     if fsdp:

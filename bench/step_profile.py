@@ -22,10 +22,10 @@ PEAK_TFLOPS = 790.0  # bf16 dense matmul rate measured on the H200 (NOTES.md)
 _CATEGORIES = (
     ("attention", re.compile(r"flash|fmha|attn_fwd|attn_bwd|_attn", re.I)),
     ("head", re.compile(r"(fwd_stats|bwd_grad_logits|shifted_to_grad|rows_stats|rows_grad)\w*kernel")),
-    ("matmul", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|wgmma|grouped_mm|_mm_|matmul|s16816|splitK", re.I)),
-    # Inductor's fused pointwise / reduction kernels are named after their ops (``_to_copy``, ``cat``, ``gather``):
-    # the work of each is elementwise, whatever its name holds.
+    # Inductor's fused pointwise / reduction kernels are named after their ops (``_to_copy``, ``cat``, ``gather``,
+    # and the GEMM custom ops they are fused next to): the work of each is elementwise, whatever its name holds.
     ("elementwise", re.compile(r"^triton_(poi|red|per)_")),
+    ("matmul", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|wgmma|grouped_mm|_mm_|matmul|s16816|splitK", re.I)),
     ("copies", re.compile(r"copy|memset|memcpy|CatArray|cat_|index_put|scatter|gather|Memcpy|Memset|fill", re.I)),
 )
 

@@ -79,7 +79,8 @@ def test_experts_module_within_bf16_rounding_of_eager(model_type):
     model = _model(model_type)
     handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=False)
     experts = model.model.get_submodule(handle.state.moe_experts[0])
-    from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, TRACE_ATTR
+    from actorcore.hf.features.class_paths import TRACE_ATTR
+    from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY
 
     reference = copy.deepcopy(experts).float()  # fp32 math from the same bf16 values: the yardstick
     reference.__class__ = reference._actorcore_base  # transformers' own experts class
@@ -139,7 +140,7 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
     trace = Counter()
     path = _step(model, batch, trace)
     if fused:  # compiled layers take the path by construction, with one compilation for every layer
-        from actorcore.hf.features.moe_experts import _names_inside
+        from actorcore.hf.features.class_paths import names_inside as _names_inside
 
         compiled = _names_inside(handle.parts.decoder, [handle.parts.layers[i] for i in handle.state.fused_layers],
                                  handle.state.moe_experts)

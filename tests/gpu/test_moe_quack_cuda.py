@@ -26,7 +26,7 @@ SWIGLU_EXPERTS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"
 @pytest.fixture(autouse=True)
 def _needs_quack():
     pytest.importorskip("quack")
-    from actorcore.kernels.moe_quack import quack_refusal
+    from actorcore.kernels.quack_runtime import quack_refusal
 
     why = quack_refusal()
     if why is not None:
@@ -84,7 +84,7 @@ def test_fused_decoder_with_quack_experts(model_type):
     handle.revert()
     distances = {}
     for kernel in ("grouped", "quack"):
-        handle = ac.patch_model(model, fused_decoder=True, moe_experts=kernel)
+        handle = ac.patch_model(model, fused_decoder=True, moe_experts=kernel, dense_mlp=False)
         trace = Counter()
         run, ran = _quack_kernels_ran(lambda: _step(model, batch, trace))
         assert ran == (kernel == "quack"), (kernel, ran)

@@ -23,7 +23,8 @@ from actorcore.archs import spec_for_model
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
 import actorcore.hf.features.moe_experts as moe_experts
-from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, TRACE_ATTR, SortedExperts, sorted_experts_forward
+from actorcore.hf.features.class_paths import TRACE_ATTR
+from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, SortedExperts, sorted_experts_forward
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorcore.kernels.moe_quack import _dsl_requirement, quack_refusal
+from actorcore.kernels.quack_runtime import _dsl_requirement, quack_refusal
 
 
 @pytest.mark.parametrize("requires,want", [

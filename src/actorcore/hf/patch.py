@@ -46,6 +46,7 @@ from actorcore.archs import ArchSpec, spec_for_model
 from actorcore.errors import PatchNotAppliedError  # noqa: F401 (re-exported)
 from actorcore.hf.call import PATCH_ATTR, DecoderParts, PatchState, patch_state
 from actorcore.hf.features.checkpointing import check_checkpointing
+from actorcore.hf.features.dense_mlp import check_dense_mlp_request, dense_mlp_names
 from actorcore.hf.features import DECODER_FEATURES
 from actorcore.hf.features.fused_decoder import auto_fusion_refusal, fused_layer_indices
 from actorcore.hf.features.moe_experts import check_moe_experts_request, moe_experts_kernel, moe_experts_names
@@ -114,7 +115,8 @@ def _check_request(spec: Any, parallel: Any, tiled_mlp_shards: int | None, recom
 def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: int | None = None,
                 offload_activations: bool | int = False, recompute_norms: bool = False,
                 fused_decoder: bool | str = "auto", checkpointing: str | None = None,
-                memory_budget_gib: float | None = None, moe_experts: bool | str = "auto") -> PatchHandle:
+                memory_budget_gib: float | None = None, moe_experts: bool | str = "auto",
+                dense_mlp: bool | str = "auto") -> PatchHandle:
     """Patch this model instance for Ulysses SP (``parallel.sp_size > 1``), tiled MLP, activation offload and/or
     recomputed norms.
 
@@ -145,6 +147,12 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     GPU, refuses other expert MLPs), which ``"auto"`` also takes where they run and cover the model;
     ``False`` keeps the model's own experts code.
 
+    ``dense_mlp``: the SwiGLU MLPs (transformers' gated MLP with SiLU, plain projections; also MoE models' shared and
+    dense MLPs) run in actorcore's calls with SwiGLU and its backward inside quack's Hopper GEMMs, the other GEMMs
+    on cuBLAS (``hf.features.dense_mlp``). ``"auto"`` (default): the MLPs of the fused layers where quack runs here
+    (``quack-kernels`` with the CuTe DSL it pins, a Hopper GPU); ``"quack"`` every covered MLP, refusing where quack
+    cannot run; ``False`` keeps the model's own MLP code.
+
     ``checkpointing``: ``None`` (default) keeps the model's own setting; ``"full"`` checkpoints every layer;
     ``"selective"`` keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the
     gradients of ``"full"``; a fused layer is not checkpointed, its compiled backward recomputes the fused
@@ -161,6 +169,7 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
                          "call handle.revert() first to patch it differently")
     _check_request(spec, parallel, tiled_mlp_shards, recompute_norms)
     check_moe_experts_request(moe_experts)
+    check_dense_mlp_request(dense_mlp)
     parts = DecoderParts.of(model, spec)
     offload_layers = check_offload_layers(offload_activations, len(parts.layers), type(model).__name__)
     plan = check_checkpointing(checkpointing, memory_budget_gib)
@@ -170,7 +179,8 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     experts = moe_experts_names(model, parts, spec, moe_experts, fused=bool(fused))
     state = PatchState(sp_size=sp, tiled_mlp_shards=tiled_mlp_shards, offload_layers=offload_layers,
                        recompute_norms=recompute_norms, fused_layers=fused, checkpointing=plan,
-                       moe_experts=experts, moe_experts_kernel=moe_experts_kernel(parts, moe_experts, experts))
+                       moe_experts=experts, moe_experts_kernel=moe_experts_kernel(parts, moe_experts, experts),
+                       dense_mlps=dense_mlp_names(model, parts, spec, dense_mlp, fused_layers=fused))
     handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards, spec=spec, parts=parts,
                          state=state)
     try:
@@ -183,7 +193,8 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
             handle._undo.pop()()
         raise
     logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d recompute_norms=%s "
-                "fused_layers=%d checkpointing=%s moe_experts=%d (%s)", type(model).__name__, handle.sp_size,
-                tiled_mlp_shards, offload_layers, len(parts.layers), recompute_norms, len(state.fused_layers),
-                checkpointing, len(state.moe_experts), state.moe_experts_kernel)
+                "fused_layers=%d checkpointing=%s moe_experts=%d (%s) dense_mlps=%d", type(model).__name__,
+                handle.sp_size, tiled_mlp_shards, offload_layers, len(parts.layers), recompute_norms,
+                len(state.fused_layers), checkpointing, len(state.moe_experts), state.moe_experts_kernel,
+                len(state.dense_mlps))
     return handle

@@ -1,6 +1,8 @@
 """Kernel layer: model-agnostic compute, a folder per concern: the fused log-prob/entropy head (``logprob/``),
 packed and ring attention (``attention/``), packed linear attention (``linear_attention/``); one-file concerns
-beside them (``tiled_mlp``, ``batch_invariant``, ``precision``, ``trace``).
+beside them (``tiled_mlp``, ``batch_invariant``, ``precision``, ``trace``, the MoE token moves ``moe_permute``, and
+quack's Hopper GEMMs with fused epilogues for MoE experts and SwiGLU MLPs: ``quack_runtime``, ``moe_quack``,
+``gated_mlp_quack``).
 
 Nothing heavy is imported here; import the submodule you need, e.g.
 ``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch

@@ -77,6 +77,17 @@ def sum_rows_per_token(rows_SD: torch.Tensor, row_of_pair_TK: torch.Tensor) -> t
     return out.to(rows_SD.dtype)
 
 
+def weighted_rows_per_token(rows_SD: torch.Tensor, weights_TK: torch.Tensor, row_of_pair_TK: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    """``[T, D]``: each token's ``K`` sorted rows times its routing weights, summed (float32, rounded once)."""
+    acc = _accumulation_dtype(rows_SD.dtype, weights_TK.dtype)
+    weights = weights_TK.to(acc)
+    out = rows_SD.index_select(0, row_of_pair_TK[:, 0]).to(acc) * weights[:, 0:1]
+    for slot in range(1, row_of_pair_TK.shape[1]):
+        out = out + rows_SD.index_select(0, row_of_pair_TK[:, slot]).to(acc) * weights[:, slot:slot + 1]
+    return out.to(out_dtype)
+
+
 class _Combine(torch.autograd.Function):
     """``out[t] = sum_j weights[t, j] * rows[row_of_pair[t, j]]`` in float32, rounded once to ``out_dtype``.
 
@@ -86,12 +97,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_SD, weights_TK, token_of_row, pair_of_row, row_of_pair, out_dtype):
         ctx.save_for_backward(rows_SD, weights_TK, token_of_row, pair_of_row, row_of_pair)
-        acc = _accumulation_dtype(rows_SD.dtype, weights_TK.dtype)
-        weights = weights_TK.to(acc)
-        out = rows_SD.index_select(0, row_of_pair[:, 0]).to(acc) * weights[:, 0:1]
-        for slot in range(1, row_of_pair.shape[1]):
-            out = out + rows_SD.index_select(0, row_of_pair[:, slot]).to(acc) * weights[:, slot:slot + 1]
-        return out.to(out_dtype)
+        return weighted_rows_per_token(rows_SD, weights_TK, row_of_pair, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out_TD):

@@ -9,8 +9,9 @@ The modules: ``base`` (the protocol), ``attention`` / ``ulysses_attention`` (act
 registered with transformers) and ``packed_attention`` (their feature), ``linear_attention`` (hybrid models'
 Gated DeltaNet), ``offload``, ``batch_invariant``, ``vision_inputs``, ``tiled_mlp``, ``norm_recompute``,
 ``finite``, ``checkpointing`` (full / selective / budgeted activation checkpointing), ``moe_experts`` (MoE
-experts on grouped GEMMs with gather-only token moves), ``fused_decoder`` (compiled decoder layers on CUDA), and
-``instance_forwards`` (how features install per-instance forwards and undo them).
+experts on grouped GEMMs with gather-only token moves), ``dense_mlp`` (SwiGLU MLPs on quack's gated GEMMs),
+``fused_decoder`` (compiled decoder layers on CUDA), ``instance_forwards`` (how features install per-instance
+forwards and undo them) and ``class_paths`` (how features install a path by class and check it ran).
 
 Order: the VLM inputs are built before anything else is in force (as the plain model builds them); the call's
 checkpointing sets the layers' checkpoint functions before the offload wraps them; the offload
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from actorcore.hf.features.batch_invariant import BatchInvariant
 from actorcore.hf.features.checkpointing import Checkpointing
+from actorcore.hf.features.dense_mlp import DenseMLP
 from actorcore.hf.features.finite import FiniteChecks
 from actorcore.hf.features.fused_decoder import FusedDecoder
 from actorcore.hf.features.linear_attention import LinearAttention
@@ -41,6 +43,7 @@ DECODER_FEATURES = (
     BatchInvariant(),
     TiledMLP(),
     MoeExperts(),
+    DenseMLP(),
     RecomputedNorms(),
     FusedDecoder(),
     FiniteChecks(),

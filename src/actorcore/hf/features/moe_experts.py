@@ -38,11 +38,12 @@ import torch
 
 from actorcore.archs import submodule
 from actorcore.errors import PatchNotAppliedError
-from actorcore.hf.call import DecoderCall, TraceRef
+from actorcore.hf.call import DecoderCall
 from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
-from actorcore.hf.features.fused_decoder import FusedDecoder
+from actorcore.hf.features.class_paths import counted_call, install_classes, modules_that_ran
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
-from actorcore.kernels.moe_quack import gated_experts, quack_refusal
+from actorcore.kernels.moe_quack import gated_experts
+from actorcore.kernels.quack_runtime import quack_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,7 @@ def sorted_experts_forward(experts: torch.nn.Module, hidden_states_TD: torch.Ten
                          "experts path does not handle its sentinel expert ids; patch with moe_experts=False")
     order = sort_by_expert(top_k_index_TK, experts.num_experts)
     if quack:
-        rows = gated_experts(hidden_states_TD, experts.gate_up_proj, experts.down_proj, order)
-        return combine(rows, top_k_weights_TK, order, hidden_states_TD.dtype)
+        return gated_experts(hidden_states_TD, top_k_weights_TK, experts.gate_up_proj, experts.down_proj, order)
     rows = permute(hidden_states_TD, order)
     bias = None
     if experts.has_gate:
@@ -125,20 +125,10 @@ def sorted_experts_forward(experts: torch.nn.Module, hidden_states_TD: torch.Ten
     return combine(rows, top_k_weights_TK, order, hidden_states_TD.dtype)
 
 
-TRACE_ATTR = "_actorcore_moe_trace"  # the patch's trace slot, on each installed experts module
-
-
 class SortedExperts:
-    """Put in front of an experts module's own class for the patch's lifetime (``sorted_experts_class``): its
-    ``forward`` runs ``sorted_experts_forward`` in actorcore's calls, else the class's own forward.
-
-    A class, not an instance ``forward``: the fused decoder compiles one layer forward for all layers of a class,
-    and Dynamo guards on the identity of what a layer calls; one object per experts module recompiled the layer for
-    every layer (and past Dynamo's recompile limit, ran it uncompiled). Every installed module of one experts class
-    shares this class, and nothing per module is read inside a compiled layer: compiled layers run only inside
-    actorcore's calls, so there the path is taken without reading the trace slot (``is_compiling``). Eager runs
-    count into the trace; compiled ones are proven by the fused decoder's own count (``MoeExperts.check``).
-    """
+    """Put in front of an experts module's own class for the patch's lifetime (``sorted_experts_class``, installed
+    by ``class_paths``): its ``forward`` runs ``sorted_experts_forward`` in actorcore's calls, else the class's own
+    forward."""
 
     _actorcore_base: type  # the module's own class
     _actorcore_grouped_mm: Callable  # transformers' grouped GEMM dispatcher
@@ -147,11 +137,8 @@ class SortedExperts:
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         cls = type(self)
-        if not torch.compiler.is_compiling():
-            trace = self.__dict__[TRACE_ATTR]
-            if trace.counts is None:  # not an actorcore call: the model's own experts code
-                return cls._actorcore_base.forward(self, hidden_states, top_k_index, top_k_weights)
-            trace.counts[MOE_EXPERTS_KEY] += 1
+        if not counted_call(self, MOE_EXPERTS_KEY):  # not an actorcore call: the model's own experts code
+            return cls._actorcore_base.forward(self, hidden_states, top_k_index, top_k_weights)
         return sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights, cls._actorcore_grouped_mm,
                                       cls._actorcore_quack)
 
@@ -162,25 +149,6 @@ def sorted_experts_class(base: type, quack: bool = False) -> type:
     return type(base.__name__, (SortedExperts, base), {
         "_actorcore_base": base, "_actorcore_grouped_mm": staticmethod(_grouped_mm_dispatcher()),
         "_actorcore_quack": quack, "__module__": base.__module__, "__qualname__": base.__qualname__})
-
-
-def install_sorted_experts(modules: list[torch.nn.Module], trace: TraceRef, quack: bool = False
-                           ) -> Callable[[], None]:
-    """Run each experts module as ``sorted_experts_class`` of its class; returns the undo."""
-    installed: list[tuple[torch.nn.Module, type]] = []
-
-    def restore() -> None:
-        for module, base in reversed(installed):
-            module.__class__ = base
-            module.__dict__.pop(TRACE_ATTR, None)
-        installed.clear()
-
-    for module in modules:
-        base = type(module)
-        module.__dict__[TRACE_ATTR] = trace
-        module.__class__ = sorted_experts_class(base, quack)
-        installed.append((module, base))
-    return restore
 
 
 def moe_experts_modules(parts: Any, spec: Any) -> list[tuple[str, torch.nn.Module]]:
@@ -319,8 +287,9 @@ class MoeExperts(DecoderFeature):
         names = handle.state.moe_experts
         if names:
             modules = [handle.parts.decoder.get_submodule(name) for name in names]
-            handle.add_undo(install_sorted_experts(modules, handle.state.trace,
-                                                   quack=handle.state.moe_experts_kernel == "quack"))
+            quack = handle.state.moe_experts_kernel == "quack"
+            handle.add_undo(install_classes(modules, handle.state.trace,
+                                            lambda base: sorted_experts_class(base, quack)))
 
     def active(self, call: DecoderCall) -> bool:
         return call.patch is not None and bool(call.patch.moe_experts)
@@ -331,27 +300,11 @@ class MoeExperts(DecoderFeature):
     def check(self, call: DecoderCall) -> None:
         """Every installed module still runs as its sorted class and ran: counted by its eager runs, or inside a
         layer the fused decoder ran compiled (that feature checks its own count)."""
-        decoder, in_fused = call.parts.decoder, set()
-        if FusedDecoder().active(call):
-            in_fused = _names_inside(decoder, [call.parts.layers[i] for i in call.patch.fused_layers],
-                                     call.patch.moe_experts)
-        bypassed = [name for name in call.patch.moe_experts
-                    if not isinstance(decoder.get_submodule(name), SortedExperts)]
-        ran, modules = call.ran(MOE_EXPERTS_KEY) + len(in_fused), len(call.patch.moe_experts)
+        modules = len(call.patch.moe_experts)
+        ran, bypassed = modules_that_ran(call, call.patch.moe_experts, MOE_EXPERTS_KEY, SortedExperts)
         if bypassed or ran < modules:
             raise PatchNotAppliedError(
                 f"actorcore's MoE experts path ran in {min(ran, modules - len(bypassed))} of {modules} experts "
                 f"modules of {call.model_name}: the installed transformers (or another patch) bypassed their class; "
                 "refusing to continue on another path")
 
-
-def _names_inside(decoder: torch.nn.Module, layers: list[torch.nn.Module], names: tuple[str, ...]) -> set[str]:
-    """Those of ``names`` (submodules of the decoder) that lie inside one of ``layers`` (by their dotted prefixes:
-    a few lookups per name each call, not a walk over every module)."""
-    ids = {id(layer) for layer in layers}
-
-    def inside(name: str) -> bool:
-        parts = name.split(".")
-        return any(id(decoder.get_submodule(".".join(parts[:n]))) in ids for n in range(1, len(parts)))
-
-    return {name for name in names if inside(name)}

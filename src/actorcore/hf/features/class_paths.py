@@ -1,0 +1,75 @@
+"""Paths installed by class: a module runs, for the patch's lifetime, as a subclass of its own class put in front of
+it (the MoE experts path, quack's gated MLP), and the check that every installed module took the path in a call.
+
+A class, not an instance ``forward``: the fused decoder compiles one layer forward for all layers of a class, and
+Dynamo guards on the identity of what a layer calls; one object per module recompiled the layer for every layer
+(and past Dynamo's recompile limit, ran it uncompiled). Each installed module holds the patch's trace slot in its
+``__dict__`` (a deep copy of the model is a copy of those modules); nothing per module is read inside a compiled
+layer. Compiled layers run only inside actorcore's calls, so there the path is taken without reading the slot
+(``is_compiling``): eager runs count into the call's trace, compiled ones are proven by the fused decoder's own
+count (``modules_that_ran``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from actorcore.hf.call import DecoderCall, TraceRef
+from actorcore.hf.features.fused_decoder import FusedDecoder
+
+TRACE_ATTR = "_actorcore_path_trace"  # the patch's trace slot, on each installed module
+
+
+def install_classes(modules: list[torch.nn.Module], trace: TraceRef, class_for: Callable[[type], type]
+                    ) -> Callable[[], None]:
+    """Run each module as ``class_for(its class)`` holding the trace slot; returns the undo."""
+    installed: list[tuple[torch.nn.Module, type]] = []
+
+    def restore() -> None:
+        for module, base in reversed(installed):
+            module.__class__ = base
+            module.__dict__.pop(TRACE_ATTR, None)
+        installed.clear()
+
+    for module in modules:
+        base = type(module)
+        module.__dict__[TRACE_ATTR] = trace
+        module.__class__ = class_for(base)
+        installed.append((module, base))
+    return restore
+
+
+def counted_call(module: torch.nn.Module, key: str) -> bool:
+    """Whether this forward of an installed module takes the path (counting it under ``key`` when eager): inside
+    a compiled layer always, eager only inside actorcore's calls (the trace slot bound)."""
+    if torch.compiler.is_compiling():
+        return True
+    trace = module.__dict__[TRACE_ATTR]
+    if trace.counts is None:
+        return False
+    trace.counts[key] += 1
+    return True
+
+
+def modules_that_ran(call: DecoderCall, names: tuple[str, ...], key: str, path_class: type) -> tuple[int, list[str]]:
+    """``(how many of the installed modules ran the path, those no longer of the path's class)``: counted by
+    their eager runs under ``key``, or lying inside a layer the fused decoder ran compiled."""
+    decoder, in_fused = call.parts.decoder, set()
+    if FusedDecoder().active(call):
+        in_fused = names_inside(decoder, [call.parts.layers[i] for i in call.patch.fused_layers], names)
+    bypassed = [name for name in names if not isinstance(decoder.get_submodule(name), path_class)]
+    return call.ran(key) + len(in_fused), bypassed
+
+
+def names_inside(decoder: torch.nn.Module, layers: list[torch.nn.Module], names: tuple[str, ...]) -> set[str]:
+    """Those of ``names`` (submodules of the decoder) that lie inside one of ``layers`` (by their dotted prefixes:
+    a few lookups per name each call, not a walk over every module)."""
+    ids = {id(layer) for layer in layers}
+
+    def inside(name: str) -> bool:
+        parts = name.split(".")
+        return any(id(decoder.get_submodule(".".join(parts[:n]))) in ids for n in range(1, len(parts)))
+
+    return {name for name in names if inside(name)}

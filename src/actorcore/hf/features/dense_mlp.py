@@ -1,0 +1,180 @@
+"""quack's gated MLP (``patch_model(dense_mlp=...)``): the decoder's SwiGLU MLPs with the activation inside their
+GEMMs (``kernels.gated_mlp_quack``).
+
+Why: in the fused decoder the largest elementwise kernels left on a dense model's actor step are SwiGLU's forward
+and backward passes, at the HBM rate; quack's epilogues compute them from the GEMMs' accumulators instead.
+
+How: each covered MLP module runs, for the patch's lifetime, as a subclass of its own class (``class_paths``): in
+actorcore's calls ``gated_mlp``, in any other call (the model's own forward, ``verify``'s reference) the class's own
+forward. Eager runs count under ``DENSE_MLP_KEY``; an MLP inside a layer the fused decoder ran compiled took the path
+by construction; ``DenseMLP.check`` requires every installed module to have run one way or the other.
+
+Covered: transformers' gated MLP as Llama writes it (the same ``forward`` code: ``down_proj(act_fn(gate_proj(x)) *
+up_proj(x))``), plain ``nn.Linear`` projections without bias (a LoRA-wrapped projection is not covered), SiLU, 16-bit
+weights on a CUDA device: the MLPs of the decoder layers and the shared or dense MLPs of MoE models. ``"quack"``
+installs it on every covered MLP and refuses where quack cannot run or nothing is covered; ``"auto"`` (the default)
+installs it on the covered MLPs of fused layers where quack runs (``quack_runtime.quack_refusal``), else nothing;
+``False`` keeps the model's own MLP code.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from actorcore.archs import submodule
+from actorcore.errors import PatchNotAppliedError
+from actorcore.hf.call import DecoderCall
+from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
+from actorcore.hf.features.class_paths import counted_call, install_classes, modules_that_ran
+from actorcore.kernels.gated_mlp_quack import gated_mlp
+from actorcore.kernels.quack_runtime import quack_refusal
+
+logger = logging.getLogger(__name__)
+
+DENSE_MLP_KEY = "dense_mlp:modules"
+DENSE_MLP_CHOICES = ("auto", "quack", False)
+
+
+@functools.cache
+def _llama_mlp_code() -> Any:
+    """The code object of transformers' ``LlamaMLP.forward`` (None if this transformers has none)."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaMLP
+    except ImportError:
+        return None
+    return LlamaMLP.forward.__code__
+
+
+def is_standard_gated_mlp(module: torch.nn.Module) -> bool:
+    """Whether the module's class runs Llama's gated MLP ``forward`` (the same instructions, names and constants:
+    the families' copies of it are separate code objects)."""
+    code, reference = getattr(type(module).forward, "__code__", None), _llama_mlp_code()
+    return code is not None and reference is not None and all(
+        getattr(code, attr) == getattr(reference, attr) for attr in ("co_code", "co_names", "co_consts", "co_varnames"))
+
+
+def mlp_refusal(module: torch.nn.Module) -> str | None:
+    """Why quack's gated MLP does not cover this module (None: it does)."""
+    name = type(module).__name__
+    if "forward" in module.__dict__ or isinstance(module, QuackGatedMLP):
+        return f"{name} already has an instance forward or quack's gated MLP: revert the other patch first"
+    if not is_standard_gated_mlp(module):
+        return f"{name}'s forward is not transformers' gated MLP (down_proj(act_fn(gate_proj(x)) * up_proj(x)))"
+    projections = [getattr(module, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+    if not all(type(p) is torch.nn.Linear and p.bias is None for p in projections):
+        return f"{name}'s projections are not plain nn.Linear without bias (LoRA-wrapped or biased)"
+    act = getattr(module, "act_fn", None)
+    if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+        return f"{name} gates with {act!r}, not SiLU"
+    return _device_refusal(module)
+
+
+def _device_refusal(module: torch.nn.Module) -> str | None:
+    """Why quack cannot run this (covered) MLP's weights: 16-bit, one dtype, on a CUDA device."""
+    weights = [getattr(module, p).weight for p in ("gate_proj", "up_proj", "down_proj")]
+    if not weights[0].is_cuda or any(w.dtype not in (torch.bfloat16, torch.float16) or w.dtype != weights[0].dtype
+                                     for w in weights):
+        return f"{type(module).__name__} is not a 16-bit CUDA module"
+    return None
+
+
+class QuackGatedMLP:
+    """Put in front of a gated MLP's own class for the patch's lifetime (``quack_mlp_class``): its ``forward`` runs
+    ``gated_mlp`` in actorcore's calls, else the class's own forward."""
+
+    _actorcore_base: type  # the module's own class
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not counted_call(self, DENSE_MLP_KEY):  # not an actorcore call: the model's own MLP code
+            return type(self)._actorcore_base.forward(self, x)
+        out = gated_mlp(x.reshape(-1, x.shape[-1]), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+@functools.cache
+def quack_mlp_class(base: type) -> type:
+    """The class an installed MLP of class ``base`` runs as (one per MLP class)."""
+    return type(base.__name__, (QuackGatedMLP, base), {
+        "_actorcore_base": base, "__module__": base.__module__, "__qualname__": base.__qualname__})
+
+
+def _covered_mlps(parts: Any, spec: Any, layers: list[int]) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:
+    """``(covered (name in the decoder, module), why the others are not)`` among the gated MLPs under the MLP path
+    of the given decoder layers."""
+    names = {id(module): name for name, module in parts.decoder.named_modules()}
+    covered, refused = [], []
+    for index in layers:
+        for module in submodule(parts.layers[index], spec.mlp).modules():
+            if not all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
+                continue
+            why = mlp_refusal(module)
+            if why is None:
+                covered.append((names[id(module)], module))
+            else:
+                refused.append(why)
+    return covered, refused
+
+
+def check_dense_mlp_request(request: Any) -> None:
+    if request not in DENSE_MLP_CHOICES or request is not False and not isinstance(request, str):
+        raise ValueError(f"dense_mlp must be 'auto', 'quack' or False, got {request!r} ('quack' runs the SwiGLU MLPs "
+                         "as quack's GEMMs with the activation inside them, False keeps the model's own MLP code)")
+
+
+def dense_mlp_names(model: torch.nn.Module, parts: Any, spec: Any, request: Any, *, fused_layers: tuple[int, ...]
+                    ) -> tuple[str, ...]:
+    """The MLP modules (names in the decoder) to run quack's gated MLP for ``patch_model(dense_mlp=)``. ``"quack"``
+    raises ``ValueError`` with the reason where quack cannot run or covers none; ``"auto"`` takes the covered MLPs
+    of the fused layers where quack runs, else none (and logs why)."""
+    check_dense_mlp_request(request)
+    if request is False:
+        return ()
+    layers = list(range(len(parts.layers))) if request == "quack" else list(fused_layers)
+    if request == "auto" and not layers:
+        return ()
+    covered, refused = _covered_mlps(parts, spec, layers)
+    uncovered = f"no MLP of {type(model).__name__} is covered ({refused[0] if refused else 'no gated MLP'})"
+    why = quack_refusal() or (None if covered else uncovered)
+    if getattr(model, "_tp_size", None) not in (None, 1):
+        why = f"{type(model).__name__} is tensor-parallel through transformers' tp_plan (its MLPs hold shards)"
+    if why is not None:
+        if request == "auto":
+            logger.info("dense_mlp='auto' keeps %s's own MLP code: %s", type(model).__name__, why)
+            return ()
+        raise ValueError(f"dense_mlp='quack': {why}; pass dense_mlp=False (the model's own MLP code)")
+    if refused:
+        logger.info("dense_mlp=%r: %d MLPs of %s run quack's gated MLP, %d keep their own code (%s)", request,
+                    len(covered), type(model).__name__, len(refused), refused[0])
+    return tuple(name for name, _ in covered)
+
+
+class DenseMLP(DecoderFeature):
+    """``patch_model(dense_mlp=...)``: the MLPs named in the patch state run as ``quack_mlp_class`` for the patch's
+    lifetime; ``check`` requires each of them to have run the path in the call."""
+
+    name = "dense_mlp"
+
+    def install(self, handle: Any) -> None:
+        names = handle.state.dense_mlps
+        if names:
+            modules = [handle.parts.decoder.get_submodule(name) for name in names]
+            handle.add_undo(install_classes(modules, handle.state.trace, quack_mlp_class))
+
+    def active(self, call: DecoderCall) -> bool:
+        return call.patch is not None and bool(call.patch.dense_mlps)
+
+    def enter(self, call: DecoderCall) -> Any:
+        return patch_trace_bound(call)
+
+    def check(self, call: DecoderCall) -> None:
+        modules = len(call.patch.dense_mlps)
+        ran, bypassed = modules_that_ran(call, call.patch.dense_mlps, DENSE_MLP_KEY, QuackGatedMLP)
+        if bypassed or ran < modules:
+            raise PatchNotAppliedError(
+                f"quack's gated MLP ran in {min(ran, modules - len(bypassed))} of {modules} MLP modules of "
+                f"{call.model_name}: the installed transformers (or another patch) bypassed their class; refusing to "
+                "continue on another path")
