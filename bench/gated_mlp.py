@@ -17,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from logprob import median_ms  # noqa: E402  (bench/logprob.py, beside this script)
 from step_profile import format_breakdown, kernel_breakdown, write_json  # noqa: E402
 
 
@@ -52,18 +53,6 @@ def step(forward, x, grad):
     return run
 
 
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def errors(mlp, forward, x, grad) -> tuple[float, float]:
     """Max |Δ| of the output and the input gradient against fp32 math from the same bf16 values, relative."""
     reference = copy.deepcopy(mlp).float()
@@ -95,10 +84,9 @@ def main() -> None:
         flops = 6 * 3 * args.tokens * hidden * intermediate
         for name, forward in variants(mlp).items():
             run = step(forward, x, grad)
-            for _ in range(3):
+            for _ in range(2):
                 run()
-            mlp.zero_grad(set_to_none=True)
-            ms = median_ms(run, args.repeats)
+            ms = median_ms(run, args.repeats)  # one more warm-up call, then the median
             per_category, top = kernel_breakdown(run, top=8)
             err_out, err_dx = errors(mlp, forward, x, grad)
             mlp.zero_grad(set_to_none=True)

@@ -13,24 +13,14 @@ from collections import Counter
 import pytest
 import torch
 from test_fused_decoder_cuda import _step
-from test_moe_experts_cuda import _distance
-from test_moe_quack_cuda import _quack_kernels_ran
+from test_moe_experts_cuda import _assert_no_further_from_fp32, _distance
+from test_moe_quack_cuda import _needs_quack, _quack_kernels_ran  # noqa: F401 (the autouse skip without quack)
 
 import actorcore as ac
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(autouse=True)
-def _needs_quack():
-    pytest.importorskip("quack")
-    from actorcore.kernels.quack_runtime import quack_refusal
-
-    why = quack_refusal()
-    if why is not None:
-        pytest.skip(why)
 
 
 def _model(model_type, **overrides):
@@ -105,9 +95,4 @@ def test_fused_decoder_with_quack_mlp(model_type):
         elif model_type in ("llama", "qwen3"):  # no MoE experts that could run quack's kernels
             assert not ran
         handle.revert()
-    (lp_c, grads_c), (lp_q, grads_q) = distances[False], distances["auto"]
-    factor, floor = TOL["moe_path_vs_fp32_over_transformers_factor"], TOL["moe_path_vs_fp32_over_transformers_floor"]
-    assert lp_q <= factor * lp_c + floor, (lp_q, lp_c)
-    worse = {n: (round(grads_q[n], 4), round(grads_c[n], 4))
-             for n in grads_c if grads_q[n] > factor * grads_c[n] + floor}
-    assert not worse, f"gradients further from fp32 than the compiled MLP (quack, compiled): {worse}"
+    _assert_no_further_from_fp32(distances["auto"], distances[False], "the compiled MLP")

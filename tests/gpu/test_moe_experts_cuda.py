@@ -199,9 +199,15 @@ def test_fused_path_as_close_to_fp32_as_transformers_experts(model_type):
         assert bool(handle.state.moe_experts) == (experts == "grouped")
         distances[experts] = _distance(_step(model, batch, Counter()), reference)
         handle.revert()
-    (lp_t, grads_t), (lp_p, grads_p) = distances[False], distances["grouped"]
+    _assert_no_further_from_fp32(distances["grouped"], distances[False], "transformers' experts")
+
+
+def _assert_no_further_from_fp32(path, baseline, baseline_name):
+    """The path's ``_distance`` to the fp32 model within the table's factor (plus a floor) of the baseline's: its
+    max log-prob difference and every parameter's gradient distance."""
+    (lp_b, grads_b), (lp_p, grads_p) = baseline, path
     factor, floor = TOL["moe_path_vs_fp32_over_transformers_factor"], TOL["moe_path_vs_fp32_over_transformers_floor"]
-    assert lp_p <= factor * lp_t + floor, (lp_p, lp_t)
-    worse = {n: (round(grads_p[n], 4), round(grads_t[n], 4))
-             for n in grads_t if grads_p[n] > factor * grads_t[n] + floor}
-    assert not worse, f"gradients further from fp32 than transformers' experts (path, transformers): {worse}"
+    assert lp_p <= factor * lp_b + floor, (lp_p, lp_b)
+    worse = {n: (round(grads_p[n], 4), round(grads_b[n], 4))
+             for n in grads_b if grads_p[n] > factor * grads_b[n] + floor}
+    assert not worse, f"gradients further from fp32 than {baseline_name} (path, {baseline_name}): {worse}"

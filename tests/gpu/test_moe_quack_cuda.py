@@ -13,7 +13,8 @@ from collections import Counter
 import pytest
 import torch
 from test_fused_decoder_cuda import _step
-from test_moe_experts_cuda import _assert_module_runs, _batch, _distance, _fp32_reference, _model, _module_runner
+from test_moe_experts_cuda import (_assert_module_runs, _assert_no_further_from_fp32, _batch, _distance, _fp32_reference,
+                                   _model, _module_runner)
 
 import actorcore as ac
 from actorcore.testing.tolerances import TOL
@@ -96,12 +97,7 @@ def test_fused_decoder_with_quack_experts(model_type):
             report = ac.verify(model, batch)
             assert report.ok, report
         handle.revert()
-    (lp_g, grads_g), (lp_q, grads_q) = distances["grouped"], distances["quack"]
-    factor, floor = TOL["moe_path_vs_fp32_over_transformers_factor"], TOL["moe_path_vs_fp32_over_transformers_floor"]
-    assert lp_q <= factor * lp_g + floor, (lp_q, lp_g)
-    worse = {n: (round(grads_q[n], 4), round(grads_g[n], 4))
-             for n in grads_g if grads_q[n] > factor * grads_g[n] + floor}
-    assert not worse, f"gradients further from fp32 than the grouped path (quack, grouped): {worse}"
+    _assert_no_further_from_fp32(distances["quack"], distances["grouped"], "the grouped path")
 
 
 def test_refuses_experts_that_are_not_swiglu():

@@ -16,7 +16,9 @@ from typing import Any, Callable
 
 import torch
 
+from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall, TraceRef
+from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
 from actorcore.hf.features.fused_decoder import FusedDecoder
 
 TRACE_ATTR = "_actorcore_path_trace"  # the patch's trace slot, on each installed module
@@ -73,3 +75,37 @@ def names_inside(decoder: torch.nn.Module, layers: list[torch.nn.Module], names:
         return any(id(decoder.get_submodule(".".join(parts[:n]))) in ids for n in range(1, len(parts)))
 
     return {name for name in names if inside(name)}
+
+
+class ClassPathFeature(DecoderFeature):
+    """A decoder feature whose modules (named in the patch state's ``names_field``) run as ``class_for(state)(their
+    class)`` for the patch's lifetime; ``check`` requires each of them to have run the path in the call."""
+
+    names_field: str  # the PatchState field naming the installed modules (relative to the decoder)
+    key: str  # the trace key of their eager runs
+    path_class: type  # the class every installed module's class derives from
+    what: str  # the path and its modules, for the error: "quack's gated MLP ran in {ran} of {n} MLP modules"
+
+    def class_for(self, state: Any) -> Callable[[type], type]:
+        raise NotImplementedError
+
+    def install(self, handle: Any) -> None:
+        names = getattr(handle.state, self.names_field)
+        if names:
+            modules = [handle.parts.decoder.get_submodule(name) for name in names]
+            handle.add_undo(install_classes(modules, handle.state.trace, self.class_for(handle.state)))
+
+    def active(self, call: DecoderCall) -> bool:
+        return call.patch is not None and bool(getattr(call.patch, self.names_field))
+
+    def enter(self, call: DecoderCall) -> Any:
+        return patch_trace_bound(call)
+
+    def check(self, call: DecoderCall) -> None:
+        names = getattr(call.patch, self.names_field)
+        ran, bypassed = modules_that_ran(call, names, self.key, self.path_class)
+        if bypassed or ran < len(names):
+            raise PatchNotAppliedError(
+                self.what.format(ran=min(ran, len(names) - len(bypassed)), n=len(names))
+                + f" of {call.model_name}: the installed transformers (or another patch) bypassed their class; "
+                "refusing to continue on another path")

@@ -26,10 +26,7 @@ from typing import Any
 import torch
 
 from actorcore.archs import submodule
-from actorcore.errors import PatchNotAppliedError
-from actorcore.hf.call import DecoderCall
-from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
-from actorcore.hf.features.class_paths import counted_call, install_classes, modules_that_ran
+from actorcore.hf.features.class_paths import ClassPathFeature, counted_call
 from actorcore.kernels.gated_mlp_quack import gated_mlp
 from actorcore.kernels.quack_runtime import quack_refusal
 
@@ -152,29 +149,15 @@ def dense_mlp_names(model: torch.nn.Module, parts: Any, spec: Any, request: Any,
     return tuple(name for name, _ in covered)
 
 
-class DenseMLP(DecoderFeature):
+class DenseMLP(ClassPathFeature):
     """``patch_model(dense_mlp=...)``: the MLPs named in the patch state run as ``quack_mlp_class`` for the patch's
     lifetime; ``check`` requires each of them to have run the path in the call."""
 
     name = "dense_mlp"
+    names_field = "dense_mlps"
+    key = DENSE_MLP_KEY
+    path_class = QuackGatedMLP
+    what = "quack's gated MLP ran in {ran} of {n} MLP modules"
 
-    def install(self, handle: Any) -> None:
-        names = handle.state.dense_mlps
-        if names:
-            modules = [handle.parts.decoder.get_submodule(name) for name in names]
-            handle.add_undo(install_classes(modules, handle.state.trace, quack_mlp_class))
-
-    def active(self, call: DecoderCall) -> bool:
-        return call.patch is not None and bool(call.patch.dense_mlps)
-
-    def enter(self, call: DecoderCall) -> Any:
-        return patch_trace_bound(call)
-
-    def check(self, call: DecoderCall) -> None:
-        modules = len(call.patch.dense_mlps)
-        ran, bypassed = modules_that_ran(call, call.patch.dense_mlps, DENSE_MLP_KEY, QuackGatedMLP)
-        if bypassed or ran < modules:
-            raise PatchNotAppliedError(
-                f"quack's gated MLP ran in {min(ran, modules - len(bypassed))} of {modules} MLP modules of "
-                f"{call.model_name}: the installed transformers (or another patch) bypassed their class; refusing to "
-                "continue on another path")
+    def class_for(self, state: Any) -> Any:
+        return quack_mlp_class

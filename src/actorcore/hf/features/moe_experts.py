@@ -37,10 +37,7 @@ from typing import Any, Callable
 import torch
 
 from actorcore.archs import submodule
-from actorcore.errors import PatchNotAppliedError
-from actorcore.hf.call import DecoderCall
-from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
-from actorcore.hf.features.class_paths import counted_call, install_classes, modules_that_ran
+from actorcore.hf.features.class_paths import ClassPathFeature, counted_call
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.kernels.moe_quack import gated_experts
 from actorcore.kernels.quack_runtime import quack_refusal
@@ -277,34 +274,17 @@ def moe_experts_kernel(parts: Any, request: Any, names: tuple[str, ...]) -> str:
     return "quack"
 
 
-class MoeExperts(DecoderFeature):
-    """``patch_model(moe_experts=...)``: the experts' instance forwards for the patch's lifetime (on the modules named
-    in the patch state); ``check`` requires each of them to have run in the call."""
+class MoeExperts(ClassPathFeature):
+    """``patch_model(moe_experts=...)``: the experts modules named in the patch state run as ``sorted_experts_class``
+    for the patch's lifetime; ``check`` requires each of them to have run in the call: counted by its eager runs,
+    or inside a layer the fused decoder ran compiled (that feature checks its own count)."""
 
     name = "moe_experts"
+    names_field = "moe_experts"
+    key = MOE_EXPERTS_KEY
+    path_class = SortedExperts
+    what = "actorcore's MoE experts path ran in {ran} of {n} experts modules"
 
-    def install(self, handle: Any) -> None:
-        names = handle.state.moe_experts
-        if names:
-            modules = [handle.parts.decoder.get_submodule(name) for name in names]
-            quack = handle.state.moe_experts_kernel == "quack"
-            handle.add_undo(install_classes(modules, handle.state.trace,
-                                            lambda base: sorted_experts_class(base, quack)))
-
-    def active(self, call: DecoderCall) -> bool:
-        return call.patch is not None and bool(call.patch.moe_experts)
-
-    def enter(self, call: DecoderCall) -> Any:
-        return patch_trace_bound(call)
-
-    def check(self, call: DecoderCall) -> None:
-        """Every installed module still runs as its sorted class and ran: counted by its eager runs, or inside a
-        layer the fused decoder ran compiled (that feature checks its own count)."""
-        modules = len(call.patch.moe_experts)
-        ran, bypassed = modules_that_ran(call, call.patch.moe_experts, MOE_EXPERTS_KEY, SortedExperts)
-        if bypassed or ran < modules:
-            raise PatchNotAppliedError(
-                f"actorcore's MoE experts path ran in {min(ran, modules - len(bypassed))} of {modules} experts "
-                f"modules of {call.model_name}: the installed transformers (or another patch) bypassed their class; "
-                "refusing to continue on another path")
-
+    def class_for(self, state: Any) -> Callable[[type], type]:
+        quack = state.moe_experts_kernel == "quack"
+        return lambda base: sorted_experts_class(base, quack)
