@@ -1,7 +1,7 @@
 """The actor step side by side: actorcore (before: eager decoder + full checkpointing + transformers' experts; after:
 fused decoder + budgeted checkpointing + on MoE models actorcore's experts path, and the same with transformers'
-experts) against plain transformers (padded micro-batches; its own packing) and transformers with Liger-Kernel's
-patches, on one GPU, in one run.
+experts) against plain transformers (padded micro-batches; its own packing), transformers with Liger-Kernel's
+patches and actorcore's own Megatron-Core route (``megatron``), on one GPU, in one run.
 
 The step: forward+backward of a token-wise policy loss (-log p x advantage) over the RL batch (32 sequences of
 256-6144 tokens, seed 1: 91,213 tokens), actorcore in packs of at most 32K tokens (``ac.compute_loss``),
@@ -44,16 +44,20 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
                      tie_word_embeddings=False, rope_theta=1e6)
+TINY_MOE = dict(TINY, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                tie_word_embeddings=False)
 MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B),
-          "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B), "tiny": ("qwen2", TINY)}
+          "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B), "tiny": ("qwen2", TINY), "tiny-moe": ("qwen3_moe", TINY_MOE)}
 PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-experts", "actorcore fused no-ckpt",
          "actorcore fused quack-experts", "actorcore fused quack-experts no-ckpt",
          "actorcore fused quack-mlp", "actorcore fused quack-mlp no-ckpt",
-         "transformers padded", "transformers packed", "transformers+liger padded")
+         "transformers padded", "transformers packed", "transformers+liger padded", "megatron")
 # On MoE models "actorcore fused" and "actorcore fused no-ckpt" run actorcore's gather-only experts path
 # (``moe_experts="grouped"``, the default under the fused decoder), "actorcore fused transformers-experts" transformers'
 # own grouped_mm forward, "... quack-experts" that path with quack's fused GEMMs (``moe_experts="quack"``).
 # The dense SwiGLU MLPs stay compiled (``dense_mlp=False``) except on the "... quack-mlp" paths (``dense_mlp="quack"``).
+# "megatron": actorcore's Megatron-Core route on this one GPU (``megatron_step``); it runs last (it moves the HF model
+# off the GPU).
 
 
 def build(model_type, shape, dtype, device, layers):
@@ -150,6 +154,59 @@ def transformers_step(model, sequences, advs, device, micro, packed):
             out.extend((packed_call if packed else padded_call)([sequences[i] for i in g], [advs[i] for i in g]))
         return [lp.cpu() for lp in out]
     return step
+
+
+class MegatronChunks(torch.nn.ModuleList):
+    """The Megatron model's chunks as one module for ``run_path`` (its ``zero_grad`` clears ``main_grad`` too)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            p.grad = None
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad = None
+
+
+def megatron_step(model, packs, advs, device):
+    """actorcore's Megatron-Core route on this one device (TP = PP = EP = CP = 1), with the same weights: the HF
+    model written to a scratch checkpoint and loaded by ``load_hf_into_mcore`` (the HF model then leaves the GPU),
+    the packs through ``actorcore.mcore.compute_logprobs`` with the same token loss, forward+backward (Megatron's
+    schedule averages the loss over the packs: the gradients' scale differs, not the work). Returns the step and
+    the chunks (for ``run_path``)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import actorcore as ac
+    from actorcore.mcore import McoreParallel, build_gpt_model, initialize_megatron, load_hf_into_mcore
+    from actorcore.mcore.cpu_runtime import CpuRuntime
+    from actorcore.mcore.forward import compute_logprobs
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    runtime = CpuRuntime()  # megatron-core's CPU shims (no-op with CUDA)
+    with tempfile.TemporaryDirectory() as scratch, runtime:
+        model.save_pretrained(scratch)
+        model.to("cpu")
+        initialize_megatron(McoreParallel())
+        mcore_model = build_gpt_model(model.config, McoreParallel())
+        load_hf_into_mcore(mcore_model, scratch)
+    chunks = MegatronChunks(mcore_model.chunks).train()
+    batches = [ac.pack(p).to(device) for p in packs]
+    args = [torch.cat(pa).to(device) for pa in advs]
+
+    def step():
+        order = iter(args)  # the schedule runs the packs in order, one loss call each
+
+        def loss(out, batch):
+            adv = next(order)
+            return -(out.log_probs[: adv.numel()] * adv).sum()
+
+        with runtime:
+            outs = compute_logprobs(mcore_model, batches, entropy=False, loss_fn=loss)
+        return [o.log_probs[: b.num_tokens].float().cpu() for o, b in zip(outs, batches)]
+    return step, chunks
 
 
 def world() -> tuple[int, int]:
@@ -259,13 +316,13 @@ def main() -> None:
     parser.add_argument("--single-json", default=None, help="one-GPU results, for the FSDP2 scaling efficiency")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to check the script (--model tiny)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to check the script (--model tiny[-moe])
     fsdp = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if fsdp:
         device = init_fsdp(device)
     rank, ranks = world()
     model_type, shape = MODELS[args.model]
-    tiny = args.model == "tiny"
+    tiny = args.model.startswith("tiny")
     sequences, advs = batch_sequences(shape["vocab_size"], tiny)
     sequences, advs = sequences[rank::ranks], advs[rank::ranks]
     packs_idx = pack_greedy([torch.arange(s.numel()) for s in sequences], args.pack_tokens)
@@ -296,7 +353,7 @@ def main() -> None:
         raise SystemExit("under torchrun only the actorcore paths run (FSDP2); pass --paths 'actorcore ...'")
     for name in [p for p in PATHS if p in wanted]:
         profile = name in args.profile.split(",")
-        handle = None
+        handle, runner = None, model
         if name.startswith("actorcore"):
             fused = name != "actorcore before"
             ckpt = "full" if name == "actorcore before" else ("selective" if "no-ckpt" in name else "auto")
@@ -307,6 +364,8 @@ def main() -> None:
                                     memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
                                     moe_experts=experts, dense_mlp="quack" if "quack-mlp" in name else False)
             step = actorcore_step(model, packs, pack_advs, device)
+        elif name == "megatron":
+            step, runner = megatron_step(model, packs, pack_advs, device)
         else:
             if "liger" in name:
                 from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -316,11 +375,11 @@ def main() -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             packed = order if name == "transformers packed" else None
             step = transformers_step(model, sequences, advs, device, args.micro_batch, packed)
-        row = global_row(run_path(name, model, step, tokens, active, profile, args.repeats, args.first_timeout),
+        row = global_row(run_path(name, runner, step, tokens, active, profile, args.repeats, args.first_timeout),
                          total_tokens)
         if "_lp" in row:
             lp = row.pop("_lp")
-            if name.startswith("actorcore"):
+            if name.startswith("actorcore") or name == "megatron":  # per pack
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_packed))
             else:
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_seq))

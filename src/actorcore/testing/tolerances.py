@@ -79,9 +79,10 @@ TOL: dict[str, float] = {
     # log-probs / entropies absolute, parameter gradients as a relative L2 norm (the bf16 decoder floor, as for the
     # fused decoder; the fused decoder's gradients are compared by their distance to fp32, the key below).
     "moe_experts_module_vs_fp32_bf16_rel": 2e-2,
-    # quack's gated MLP (hf.features.dense_mlp): the arithmetic around quack's GEMMs on the CPU in fp32 (a stand-in
-    # for them) vs the model's own MLP, relative to the max magnitude (fp32 reassociation); on CUDA in bf16, one MLP's
-    # output and gradients vs fp32 math from the same bf16 values, relative to the max magnitude (bf16 rounding).
+    # quack's gated MLP (hf.features.dense_mlp) and experts (kernels.moe_quack): the arithmetic around quack's GEMMs
+    # on the CPU in fp32 (a stand-in for them) vs the model's own MLP / experts, relative to the max magnitude (fp32
+    # reassociation); on CUDA in bf16, one MLP's output and gradients vs fp32 math from the same bf16 values,
+    # relative to the max magnitude (bf16 rounding).
     "gated_mlp_arithmetic_fp32": 1e-5,
     "gated_mlp_quack_vs_fp32_bf16_rel": 2e-2,
     "moe_experts_vs_eager_bf16": 5e-2,
