@@ -199,3 +199,13 @@ def test_auto_takes_the_fused_layers_where_quack_runs(monkeypatch):
     assert dense_mlp_names(model, parts, spec, "auto", fused_layers=()) == ()
     monkeypatch.setattr(dense_mlp, "quack_refusal", lambda: "quack-kernels is not installed")
     assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(0, 1)) == ()
+
+
+def test_widths_quack_cannot_load_are_refused():
+    """quack's tile loads move 16-byte rows: 16-bit widths must be multiples of 8 (checked before the first GEMM,
+    so ``"auto"`` keeps the model's own code instead of failing in it)."""
+    from actorcore.kernels.quack_runtime import width_refusal
+
+    assert width_refusal("Qwen2MLP", hidden=1536, intermediate=8960) is None
+    why = width_refusal("Qwen2MLP", hidden=64, intermediate=90)
+    assert "intermediate=90" in why and "hidden" not in why.split("(")[1]

@@ -44,6 +44,15 @@ def quack_refusal() -> str | None:
     return None
 
 
+def width_refusal(name: str, **widths: int) -> str | None:
+    """Why quack's GEMMs cannot take these operand widths (None: they can): its tile loads move 16-byte rows, so
+    every width of a 16-bit operand must be a multiple of 8 elements."""
+    odd = [f"{key}={value}" for key, value in widths.items() if value % 8]
+    if odd:
+        return f"{name} has widths quack's 16-byte loads cannot take ({', '.join(odd)}: not multiples of 8)"
+    return None
+
+
 def gemm_interface() -> Any:
     """quack's GEMM module (``quack.gemm_interface``), imported on first use."""
     from quack import gemm_interface as interface

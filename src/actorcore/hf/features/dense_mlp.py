@@ -28,7 +28,7 @@ import torch
 from actorcore.archs import submodule
 from actorcore.hf.features.class_paths import ClassPathFeature, counted_call
 from actorcore.kernels.gated_mlp_quack import gated_mlp
-from actorcore.kernels.quack_runtime import quack_refusal
+from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +71,14 @@ def mlp_refusal(module: torch.nn.Module) -> str | None:
 
 
 def _device_refusal(module: torch.nn.Module) -> str | None:
-    """Why quack cannot run this (covered) MLP's weights: 16-bit, one dtype, on a CUDA device."""
+    """Why quack cannot run this (covered) MLP's weights: 16-bit, one dtype, on a CUDA device, widths multiples
+    of 8."""
     weights = [getattr(module, p).weight for p in ("gate_proj", "up_proj", "down_proj")]
     if not weights[0].is_cuda or any(w.dtype not in (torch.bfloat16, torch.float16) or w.dtype != weights[0].dtype
                                      for w in weights):
         return f"{type(module).__name__} is not a 16-bit CUDA module"
-    return None
+    intermediate, hidden = weights[0].shape
+    return width_refusal(type(module).__name__, hidden=hidden, intermediate=intermediate)
 
 
 class QuackGatedMLP:

@@ -40,7 +40,7 @@ from actorcore.archs import submodule
 from actorcore.hf.features.class_paths import ClassPathFeature, counted_call
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.kernels.moe_quack import gated_experts
-from actorcore.kernels.quack_runtime import quack_refusal
+from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def _module_refusal(module: torch.nn.Module) -> str | None:
 def quack_module_refusal(module: torch.nn.Module) -> str | None:
     """Why quack's fused experts GEMMs do not cover this experts module's math (None: they do): a concatenated
     ``[gate; up]`` projection, transformers' own gate function with a SiLU activation, no bias, no post-expert norm,
-    16-bit weights on a CUDA device."""
+    16-bit weights on a CUDA device, widths multiples of 8."""
     name = type(module).__name__
     from transformers.integrations import moe
 
@@ -207,7 +207,9 @@ def quack_module_refusal(module: torch.nn.Module) -> str | None:
          "is not a 16-bit CUDA module"),
     )
     why = next((reason for ok, reason in checks if not ok), None)
-    return None if why is None else f"{name} {why}: quack's fused experts GEMMs run SwiGLU experts only"
+    if why is not None:
+        return f"{name} {why}: quack's fused experts GEMMs run SwiGLU experts only"
+    return width_refusal(name, hidden=module.down_proj.shape[1], intermediate=module.down_proj.shape[2])
 
 
 def _quack_refusal_for(modules: list[torch.nn.Module]) -> str | None:
