@@ -1,7 +1,7 @@
 """quack's gated MLP (``patch_model(dense_mlp=...)``, ``hf.features.dense_mlp``, ``kernels.gated_mlp_quack``): what
 runs without a GPU. quack's kernels themselves run on the H200 (``tests/gpu/test_dense_mlp_quack_cuda.py``); here
-a stand-in for its two gated GEMMs, written from quack's documented reference semantics (gate and up interleaved
-column by column, SwiGLU and its gradient from the accumulators), checks the arithmetic around them in fp32 per
+a stand-in for its two gated GEMMs, written from quack's documented semantics (``testing.quack_stand_in``: gate and
+up interleaved column by column, SwiGLU and its gradient from the accumulators), checks the arithmetic around them in fp32 per
 element against the model's own MLP and per token against the model's own forward: the interleaved weight, the
 cuBLAS GEMMs, the gradients read back as the projections'. Also: which MLPs are covered, the option's values and
 refusals, ``"auto"`` with quack faked present, the trace proving the path ran (a bypassed class raises), the model's
@@ -14,7 +14,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import actorcore as ac
 import actorcore.hf.features.dense_mlp as dense_mlp
@@ -23,6 +22,7 @@ from actorcore.archs import spec_for_model
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderParts
 from actorcore.hf.features.dense_mlp import DENSE_MLP_KEY, QuackGatedMLP, dense_mlp_names, mlp_refusal
+from actorcore.testing.quack_stand_in import use_quack_stand_in
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 
@@ -30,34 +30,13 @@ COVERED = ("llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "deepseek_v
 TEMPERATURE = 0.9
 
 
-class _QuackStandIn:
-    """quack's ``gemm_gated`` / ``gemm_dgated`` as its reference implementations define them (not actorcore's code):
-    the gated activation's columns interleaved ``[g0, u0, g1, u1, ...]``."""
-
-    @staticmethod
-    def gemm_gated(A, B, activation, tuned):
-        assert activation == "swiglu" and not tuned
-        preact = A @ B
-        return preact, F.silu(preact[..., ::2]) * preact[..., 1::2]
-
-    @staticmethod
-    def gemm_dgated(A, B, PreAct, activation, tuned):
-        assert activation == "swiglu" and not tuned
-        grad_act, gate, up = A @ B, PreAct[..., ::2], PreAct[..., 1::2]
-        sig = torch.sigmoid(gate)
-        grad_gate = grad_act * up * sig * (1 + gate * (1 - sig))
-        grad_up = grad_act * gate * sig
-        return torch.stack([grad_gate, grad_up], dim=-1).reshape(PreAct.shape), gate * sig * up
-
-
 @pytest.fixture
-def quack_stand_in(monkeypatch):
-    """quack present (faked) and the path running in fp32 on the CPU: the stand-in GEMMs, the 16-bit CUDA checks
-    lifted."""
-    monkeypatch.setattr(gated_mlp_quack, "gemm_interface", lambda: _QuackStandIn)
-    monkeypatch.setattr(dense_mlp, "quack_refusal", lambda: None)
-    monkeypatch.setattr(dense_mlp, "_device_refusal", lambda module: None)
-    monkeypatch.setattr(dense_mlp, "gated_mlp", lambda x, g, u, d: gated_mlp_quack._GatedMLP.apply(x, g, u, d))
+def quack_stand_in():
+    """quack present (faked) and the path running in fp32 on the CPU: ``testing.quack_stand_in``'s GEMMs, the 16-bit
+    CUDA checks lifted."""
+    undo = use_quack_stand_in()
+    yield
+    undo()
 
 
 def _mlps(model, names):

@@ -2,7 +2,7 @@
 quack's kernels are tested on the H200 (``tests/gpu/test_moe_quack_cuda.py``); here, reading the DSL version quack
 pins, the refusal without a Hopper GPU, and the arithmetic around quack's GEMMs in fp32 per element against the
 experts module's own forward (transformers' eager experts): a stand-in for quack's GEMMs, written from their
-documented semantics (gate and up interleaved along a concatenated operand's non-contiguous dim, the token gather,
+documented semantics (``testing.quack_stand_in``: gate and up interleaved along a concatenated operand's non-contiguous dim, the token gather,
 variable-length M and K, the dgated epilogue's routing-weight scale and reduction), checks the gathers, the
 transposed weight-gradient output, the combine and its backward folded into the down projection's dgrad."""
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import actorcore.kernels.moe_quack as moe_quack
 from actorcore.kernels.moe_permute import sort_by_expert
 from actorcore.kernels.quack_runtime import _dsl_requirement, quack_refusal
+from actorcore.testing.quack_stand_in import QuackStandIn
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 
@@ -35,69 +35,10 @@ def test_refuses_without_a_hopper_gpu():
     assert "Hopper" in quack_refusal()
 
 
-def _noncontiguous_dim(t):
-    return -2 if t.stride(-1) == 1 else -1
-
-
-def _interleaved(t):
-    """``[first; second]`` along the non-contiguous dim, as alternating entries (how quack reads a concat operand)."""
-    dim = _noncontiguous_dim(t)
-    return t.unflatten(dim, (2, t.shape[dim] // 2)).transpose(dim - 1, dim).flatten(dim - 1, dim)
-
-
-def _segments(cu):
-    return [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
-
-
-class _QuackStandIn:
-    """quack's ``gemm`` / ``gemm_gated`` / ``gemm_dgated`` as documented (not actorcore's code), in fp32 on the CPU."""
-
-    @staticmethod
-    def _varlen_m(A, B, cu_seqlens_m, A_idx):
-        return torch.cat([(A[A_idx[a:b]] if A_idx is not None else A[a:b]) @ B[e]
-                          for e, (a, b) in enumerate(_segments(cu_seqlens_m))])
-
-    @classmethod
-    def gemm(cls, A, B, out=None, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, concat_layout=(), tuned=True):
-        concat_layout = concat_layout or ()
-        if "B" in concat_layout:
-            B = _interleaved(B)
-        if cu_seqlens_m is not None:
-            result = cls._varlen_m(A, B, cu_seqlens_m, A_idx)
-        else:
-            result = torch.stack([(A[:, A_idx[a:b]] if A_idx is not None else A[:, a:b]) @ B[a:b]
-                                  for a, b in _segments(cu_seqlens_k)])
-        if "out" in concat_layout:  # the rows come interleaved: written as [gate; up] along out's non-contiguous dim
-            dim = _noncontiguous_dim(out) if out is not None else -2
-            result = torch.cat([result[..., ::2, :], result[..., 1::2, :]] if dim == -2
-                               else [result[..., ::2], result[..., 1::2]], dim=dim)
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
-
-    @classmethod
-    def gemm_gated(cls, A, B, activation, cu_seqlens_m, A_idx, concat_layout, tuned):
-        assert activation == "swiglu" and concat_layout == ("B",)
-        preact = cls._varlen_m(A, _interleaved(B), cu_seqlens_m, A_idx)
-        return preact, F.silu(preact[..., ::2]) * preact[..., 1::2]
-
-    @classmethod
-    def gemm_dgated(cls, A, B, PreAct, activation, colvec_scale, colvec_reduce, cu_seqlens_m, A_idx, tuned):
-        assert activation == "swiglu" and colvec_reduce
-        acc = cls._varlen_m(A, B, cu_seqlens_m, A_idx)
-        gate, up = PreAct[..., ::2], PreAct[..., 1::2]
-        sig, grad_act = torch.sigmoid(gate), acc * colvec_scale[:, None]
-        act = gate * sig * up
-        grad_gate = grad_act * up * sig * (1 + gate * (1 - sig))
-        grad_preact = torch.stack([grad_gate, grad_act * gate * sig], dim=-1).reshape(PreAct.shape)
-        return grad_preact, act * colvec_scale[:, None], (act * acc).sum(-1)
-
-
 def test_gated_experts_match_the_modules_own_forward_per_element(monkeypatch):
     """Output and the gradients of the inputs, the routing weights and both weights, fp32, against transformers'
     eager experts of a tiny Qwen3-MoE (ties in the routing included)."""
-    monkeypatch.setattr(moe_quack, "gemm_interface", lambda: _QuackStandIn)
+    monkeypatch.setattr(moe_quack, "gemm_interface", lambda: QuackStandIn)
     model = build_tiny_model("qwen3_moe", seed=4)
     model.set_experts_implementation("eager")
     experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))

@@ -1,0 +1,110 @@
+"""A stand-in for quack's GEMMs on the CPU, so the arithmetic around them (``kernels.gated_mlp_quack``,
+``kernels.moe_quack``) can be tested without a Hopper GPU.
+
+Written from quack's documented semantics (``quack.gemm_interface``'s reference implementations and argument
+comments), not from actorcore's code: a concatenated ``[gate; up]`` operand is read with gate and up interleaved
+entry by entry along its non-contiguous dim, the gated activation's columns come interleaved ``[g0, u0, g1, ...]``,
+``A_idx`` gathers ``A``'s rows (variable-length M) or columns (variable-length K), ``cu_seqlens_m`` / ``cu_seqlens_k``
+give each expert's rows, a concat ``"out"`` is written ``[gate; up]`` along the output's non-contiguous dim, and the
+dgated epilogue scales the accumulator by ``colvec_scale`` and reduces ``sum(act * acc)`` per row.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def _noncontiguous_dim(t: torch.Tensor) -> int:
+    return -2 if t.stride(-1) == 1 else -1
+
+
+def _interleaved(t: torch.Tensor) -> torch.Tensor:
+    """``[first; second]`` along the non-contiguous dim, as alternating entries."""
+    dim = _noncontiguous_dim(t)
+    return t.unflatten(dim, (2, t.shape[dim] // 2)).transpose(dim - 1, dim).flatten(dim - 1, dim)
+
+
+def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _rows(A, B, cu_seqlens_m, A_idx):
+    """``A @ B``, per expert for variable-length M (``A``'s rows gathered by ``A_idx``)."""
+    if cu_seqlens_m is None:
+        return A @ B
+    return torch.cat([(A[A_idx[a:b]] if A_idx is not None else A[a:b]) @ B[e]
+                      for e, (a, b) in enumerate(_segments(cu_seqlens_m))])
+
+
+def _swiglu_backward(grad_act, gate, up):
+    sig = torch.sigmoid(gate)
+    grad_gate = grad_act * up * sig * (1 + gate * (1 - sig))
+    return torch.stack([grad_gate, grad_act * gate * sig], dim=-1).flatten(-2), gate * sig * up
+
+
+class QuackStandIn:
+    """``gemm``, ``gemm_gated`` and ``gemm_dgated`` (SwiGLU) as quack documents them, in plain torch."""
+
+    @staticmethod
+    def gemm(A, B, out=None, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, concat_layout=None, tuned=True):
+        concat_layout = concat_layout or ()
+        if "B" in concat_layout:
+            B = _interleaved(B)
+        if cu_seqlens_k is None:
+            result = _rows(A, B, cu_seqlens_m, A_idx)
+        else:
+            result = torch.stack([(A[:, A_idx[a:b]] if A_idx is not None else A[:, a:b]) @ B[a:b]
+                                  for a, b in _segments(cu_seqlens_k)])
+        if "out" in concat_layout:
+            dim = _noncontiguous_dim(out) if out is not None else -2
+            halves = (result[..., ::2, :], result[..., 1::2, :]) if dim == -2 else (result[..., ::2], result[..., 1::2])
+            result = torch.cat(halves, dim=dim)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    @staticmethod
+    def gemm_gated(A, B, activation, cu_seqlens_m=None, A_idx=None, concat_layout=None, tuned=True):
+        assert activation == "swiglu"
+        preact = _rows(A, _interleaved(B) if concat_layout == ("B",) else B, cu_seqlens_m, A_idx)
+        return preact, F.silu(preact[..., ::2]) * preact[..., 1::2]
+
+    @staticmethod
+    def gemm_dgated(A, B, PreAct, activation, colvec_scale=None, colvec_reduce=False, cu_seqlens_m=None, A_idx=None,
+                    tuned=True):
+        assert activation == "swiglu"
+        acc = _rows(A, B, cu_seqlens_m, A_idx)
+        scale = colvec_scale[:, None] if colvec_scale is not None else 1.0
+        grad_preact, act = _swiglu_backward(acc * scale, PreAct[..., ::2], PreAct[..., 1::2])
+        if not colvec_reduce:
+            return grad_preact, act * scale
+        return grad_preact, act * scale, (act * acc).sum(-1)
+
+
+def use_quack_stand_in() -> Callable[[], None]:
+    """Run actorcore's quack paths on the stand-in, in any dtype and on any device (quack's presence, its 16-bit
+    CUDA checks and the gated MLP's dtype check lifted), for this process; returns the undo."""
+    import actorcore.hf.features.dense_mlp as dense_mlp
+    import actorcore.hf.features.moe_experts as moe_experts
+    import actorcore.kernels.gated_mlp_quack as gated_mlp_quack
+    import actorcore.kernels.moe_quack as moe_quack
+
+    replaced = [(gated_mlp_quack, "gemm_interface", lambda: QuackStandIn),
+                (moe_quack, "gemm_interface", lambda: QuackStandIn),
+                (dense_mlp, "quack_refusal", lambda: None),
+                (moe_experts, "quack_refusal", lambda: None),
+                (dense_mlp, "_device_refusal", lambda module: None),
+                (dense_mlp, "gated_mlp", lambda x, g, u, d: gated_mlp_quack._GatedMLP.apply(x, g, u, d))]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in replaced]
+    for module, name, value in replaced:
+        setattr(module, name, value)
+
+    def undo() -> None:
+        for module, name, value in originals:
+            setattr(module, name, value)
+
+    return undo
