@@ -43,6 +43,13 @@ def install_classes(modules: list[torch.nn.Module], trace: TraceRef, class_for: 
     return restore
 
 
+def class_in_front(path_class: type, base: type, **attrs: Any) -> type:
+    """``base``'s class with ``path_class`` in front (named as ``base``, ``_actorcore_base`` pointing at it): one per
+    module class, so the fused decoder's one compiled layer serves every layer (cache it per ``base``)."""
+    return type(base.__name__, (path_class, base), {
+        "_actorcore_base": base, "__module__": base.__module__, "__qualname__": base.__qualname__, **attrs})
+
+
 def counted_call(module: torch.nn.Module, key: str) -> bool:
     """Whether this forward of an installed module takes the path (counting it under ``key`` when eager): inside
     a compiled layer always, eager only inside actorcore's calls (the trace slot bound)."""

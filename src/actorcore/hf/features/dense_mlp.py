@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from actorcore.archs import submodule
-from actorcore.hf.features.class_paths import ClassPathFeature, counted_call
+from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call
 from actorcore.kernels.gated_mlp_quack import gated_mlp
 from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
 
@@ -97,8 +97,7 @@ class QuackGatedMLP:
 @functools.cache
 def quack_mlp_class(base: type) -> type:
     """The class an installed MLP of class ``base`` runs as (one per MLP class)."""
-    return type(base.__name__, (QuackGatedMLP, base), {
-        "_actorcore_base": base, "__module__": base.__module__, "__qualname__": base.__qualname__})
+    return class_in_front(QuackGatedMLP, base)
 
 
 def _covered_mlps(parts: Any, spec: Any, layers: list[int]) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:

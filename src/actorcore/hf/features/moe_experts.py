@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from actorcore.archs import submodule
-from actorcore.hf.features.class_paths import ClassPathFeature, counted_call
+from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.kernels.moe_quack import gated_experts
 from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
@@ -143,9 +143,8 @@ class SortedExperts:
 @functools.cache
 def sorted_experts_class(base: type, quack: bool = False) -> type:
     """The class an installed experts module of class ``base`` runs as (one per experts class and kernel)."""
-    return type(base.__name__, (SortedExperts, base), {
-        "_actorcore_base": base, "_actorcore_grouped_mm": staticmethod(_grouped_mm_dispatcher()),
-        "_actorcore_quack": quack, "__module__": base.__module__, "__qualname__": base.__qualname__})
+    return class_in_front(SortedExperts, base, _actorcore_grouped_mm=staticmethod(_grouped_mm_dispatcher()),
+                          _actorcore_quack=quack)
 
 
 def moe_experts_modules(parts: Any, spec: Any) -> list[tuple[str, torch.nn.Module]]:
