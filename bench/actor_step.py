@@ -240,7 +240,7 @@ def shard_fsdp2(model) -> None:
 def all_ranks_tokens(tokens: int) -> int:
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:  # the megatron path's own one-rank group
         return tokens
     total = torch.tensor([tokens], dtype=torch.float64)
     dist.all_reduce(total)
@@ -251,7 +251,7 @@ def global_row(row: dict, total_tokens: int) -> dict:
     """Across the ranks: the slowest rank's seconds, all ranks' tokens, the largest peak."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or "error" in row:
+    if not dist.is_initialized() or dist.get_world_size() == 1 or "error" in row:
         return row
     seconds, peak = torch.tensor([row["seconds"]], dtype=torch.float64), torch.tensor([row["peak_gib"]])
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)

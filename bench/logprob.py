@@ -21,6 +21,9 @@ Implementations, side by side, all bf16 inputs:
   liger_rl  Liger's RL-shaped head (LigerFusedLinearScaledCrossEntropyFunction: per-token NLL and entropy,
           temperature; CuTe DSL kernels on SM90): n/a where its CuTe runtime does not import
   cce     cut-cross-entropy linear_cross_entropy (no entropy; temperature folded into hidden)
+  quack_lce  quack-kernels' chunked linear cross-entropy (CuTe DSL, SM90: bf16 exp(z - k) stored by the logits
+          GEMM's epilogue, the gradient GEMMs scale it in their operand load, fp32 weight gradient), reduction="sum"
+          for fwd+bwd (no entropy; temperature folded into hidden); forward-only cells: bf16 logits, per token
 
 Time: median of CUDA-event timed runs after a warm-up. TFLOP/s counts 2NHV (forward) or 6NHV
 (forward+backward: the matmul work without recompute). Extra peak memory: max allocated during one
@@ -57,10 +60,10 @@ HEAD_SWEEP_SHAPES = [
     (16384, 4096, 262144),
     (32768, 4096, 262144),
 ]
-HEAD_SWEEP_IMPLS = ("triton", "triton_loss", "liger", "liger_tok", "liger_rl")
+HEAD_SWEEP_IMPLS = ("triton", "triton_loss", "liger", "liger_tok", "liger_rl", "quack_lce")
 TEMPERATURES = (1.0, 0.7)
-IMPLS = ("naive", "torch", "triton", "triton_loss", "liger", "liger_tok", "liger_rl", "cce")
-NO_ENTROPY = {"liger", "liger_tok", "cce"}
+IMPLS = ("naive", "torch", "triton", "triton_loss", "liger", "liger_tok", "liger_rl", "cce", "quack_lce")
+NO_ENTROPY = {"liger", "liger_tok", "cce", "quack_lce"}
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -130,6 +133,16 @@ def _cce(h, w, y, temperature, loss_reduction):
     return -loss, None
 
 
+def _quack_lce(h, w, y, temperature, loss_reduction):
+    """quack's linear cross-entropy: its scaled-exp pipeline for a summed loss (auto-selected on SM90, bf16)."""
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy, linear_cross_entropy_func
+
+    hs = h if temperature == 1.0 else h * (1.0 / temperature)
+    if loss_reduction == "sum":
+        return -chunked_linear_cross_entropy(hs, w, y, chunk_size=4096, reduction="sum"), None
+    return -linear_cross_entropy_func(hs, w, None, y, reduction="none"), None
+
+
 def get_impl(name):
     return {
         "naive": _naive,
@@ -140,6 +153,7 @@ def get_impl(name):
         "liger_tok": _liger_per_token,
         "liger_rl": _liger_rl,
         "cce": _cce,
+        "quack_lce": _quack_lce,
     }[name]
 
 
@@ -153,6 +167,8 @@ def available(name) -> str | None:
             rl._resolve_implementation(torch.device("cuda"))  # SM90: imports its CuTe DSL kernels
         elif name == "cce":
             import cut_cross_entropy  # noqa: F401
+        elif name == "quack_lce":
+            import quack.linear_cross_entropy  # noqa: F401
         elif name in ("triton", "triton_loss"):
             import triton  # noqa: F401
     except Exception as err:  # noqa: BLE001 - reported in the table
@@ -397,8 +413,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="first shape only, temperature 1.0")
     ap.add_argument("--sweep", action="store_true", help="time Triton kernel configurations, then exit")
-    ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--shapes", default=None, help="N:H:V,... (default: the issue's five shapes)")
+    ap.add_argument("--impls", default=None, help=f"comma-separated (default: {','.join(IMPLS)})")
+    ap.add_argument("--shapes", default=None, help="N:H:V,... (default: the five shapes of SHAPES)")
     ap.add_argument("--temps", default=None, help="comma-separated temperatures (default 1.0,0.7)")
     ap.add_argument("--head-sweep", action="store_true",
                     help="fwd+bwd, T=1.0, Triton paths vs Liger's heads over the RL shapes (HEAD_SWEEP_SHAPES)")
@@ -415,16 +431,16 @@ def main(argv=None):
         if args.json:
             json.dump({"sweep": res}, open(args.json, "w"), indent=1)
         return
-    shapes = SHAPES
-    if args.shapes:
+    shapes, impls = (HEAD_SWEEP_SHAPES, HEAD_SWEEP_IMPLS) if args.head_sweep else (SHAPES, IMPLS)
+    if args.shapes:  # --shapes and --impls narrow the head sweep too
         shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")]
+    impls = args.impls.split(",") if args.impls else list(impls)
     temps = tuple(float(t) for t in args.temps.split(",")) if args.temps else TEMPERATURES
     if args.quick:
         shapes, temps = shapes[:1], (1.0,)
-    impls = args.impls.split(",")
     modes = tuple(args.modes.split(","))
     if args.head_sweep:
-        shapes, temps, impls, modes = HEAD_SWEEP_SHAPES, (1.0,), list(HEAD_SWEEP_IMPLS), ("fwd+bwd",)
+        temps, modes = (1.0,), ("fwd+bwd",)
     missing = {name: available(name) for name in impls}
     for name, why in missing.items():
         if why:
@@ -433,7 +449,7 @@ def main(argv=None):
     for n, d, v in shapes:
         h, w, y = make_inputs(n, d, v)
         for temperature in temps:
-            ref = reference(h, w, y, temperature)
+            ref = reference(h, w, y, temperature) if "fwd" in modes else None  # accuracy: forward cells
             _cleanup()
             for mode in modes:
                 for name in impls:
