@@ -15,6 +15,8 @@ Implementations, side by side, all bf16 inputs:
   triton_loss  actorcore linear_logprob_loss on the Triton backend: the same sum of log-probs and
           entropies as a token-wise loss, gradient formed in the forward (6NHV); forward-only cells run
           its no-grad path (the forward statistics kernel, then the loss chunk by chunk)
+  quack_stats_loss  the same engine with ``loss_gemm="quack"``: the statistics from quack's warp-specialised GEMM
+          epilogue (``kernels.logprob.quack_stats``) and grad_weight accumulated by quack's GEMM (Hopper, quack)
   liger   Liger-Kernel fused linear cross-entropy, reduction="sum" for fwd+bwd: the gradient is computed
           in the forward, which only a scalar loss allows (no entropy; temperature folded into hidden)
   liger_tok  the same with reduction="none": per-token losses and upstream grads, recompute in backward
@@ -60,9 +62,9 @@ HEAD_SWEEP_SHAPES = [
     (16384, 4096, 262144),
     (32768, 4096, 262144),
 ]
-HEAD_SWEEP_IMPLS = ("triton", "triton_loss", "liger", "liger_tok", "liger_rl", "quack_lce")
+HEAD_SWEEP_IMPLS = ("triton", "triton_loss", "quack_stats_loss", "liger", "liger_tok", "liger_rl", "quack_lce")
 TEMPERATURES = (1.0, 0.7)
-IMPLS = ("naive", "torch", "triton", "triton_loss", "liger", "liger_tok", "liger_rl", "cce", "quack_lce")
+IMPLS = ("naive", "torch", "triton", "triton_loss", "quack_stats_loss", "liger", "liger_tok", "liger_rl", "cce", "quack_lce")
 NO_ENTROPY = {"liger", "liger_tok", "cce", "quack_lce"}
 
 
@@ -86,12 +88,26 @@ def _ours(backend, **kw):
     return run
 
 
-def _ours_loss(h, w, y, temperature, loss_reduction):
+def _ours_loss(backend):
     """Our loss-fused head on the same objective as the other cells: sum of log-probs plus entropies."""
     from actorcore.kernels.logprob import linear_logprob_loss
 
-    out = linear_logprob_loss(h, w, y, lambda lp, ent: lp + ent, temperature=temperature, backend="triton")
-    return (out.loss, None) if loss_reduction == "sum" else (out.logprob, out.entropy)
+    def run(h, w, y, temperature, loss_reduction):
+        out = linear_logprob_loss(h, w, y, lambda lp, ent: lp + ent, temperature=temperature, backend=backend)
+        return (out.loss, None) if loss_reduction == "sum" else (out.logprob, out.entropy)
+
+    return run
+
+
+def _ours_quack_stats_loss(h, w, y, temperature, loss_reduction):
+    """The loss-fused head with its statistics from quack's GEMM epilogue (an engine option, not the default)."""
+    from actorcore.kernels.logprob.fused_loss import _ChunkedTokenLoss, _FusedLossFunction
+    from actorcore.kernels.logprob.triton_engine import TritonEngine
+
+    token_loss = _ChunkedTokenLoss(lambda lp, ent: lp + ent, (), True)
+    loss, lp, ent = _FusedLossFunction.apply(h, w, y, TritonEngine(loss_gemm="quack"), token_loss, temperature, None,
+                                             True, None, None)
+    return (loss, None) if loss_reduction == "sum" else (lp, ent)
 
 
 def _ours_engine(engine, chunk_size=None):
@@ -139,7 +155,10 @@ def _quack_lce(h, w, y, temperature, loss_reduction):
 
     hs = h if temperature == 1.0 else h * (1.0 / temperature)
     if loss_reduction == "sum":
-        return -chunked_linear_cross_entropy(hs, w, y, chunk_size=4096, reduction="sum"), None
+        # quack's default chunk of 4096 rows, 8192 where the hidden size is 4096: quack 0.6.4 cannot tell its dx
+        # GEMM's per-row operand from a per-column one when the chunk's rows equal the hidden size (ValueError)
+        chunk = 8192 if h.shape[1] == 4096 else 4096
+        return -chunked_linear_cross_entropy(hs, w, y, chunk_size=chunk, reduction="sum"), None
     return -linear_cross_entropy_func(hs, w, None, y, reduction="none"), None
 
 
@@ -148,7 +167,8 @@ def get_impl(name):
         "naive": _naive,
         "torch": _ours("torch"),
         "triton": _ours("triton"),
-        "triton_loss": _ours_loss,
+        "triton_loss": _ours_loss("triton"),
+        "quack_stats_loss": _ours_quack_stats_loss,
         "liger": _liger,
         "liger_tok": _liger_per_token,
         "liger_rl": _liger_rl,
@@ -169,7 +189,7 @@ def available(name) -> str | None:
             import cut_cross_entropy  # noqa: F401
         elif name == "quack_lce":
             import quack.linear_cross_entropy  # noqa: F401
-        elif name in ("triton", "triton_loss"):
+        elif name in ("triton", "triton_loss", "quack_stats_loss"):
             import triton  # noqa: F401
     except Exception as err:  # noqa: BLE001 - reported in the table
         return f"not importable: {type(err).__name__}: {err}"

@@ -21,6 +21,7 @@ Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``l
     logprob:triton_forward_tma    those of them that used TMA loads
     logprob:triton_backward       launches of the Triton grad_logits recompute kernel (one per backward block)
     logprob:triton_fused_loss     chunks run by the Triton loss-fused forward (``linear_logprob_loss``)
+    logprob:quack_loss_stats      those of them whose statistics came from quack's GEMM (``logprob.quack_stats``)
     varlen_attention:<backend>    calls per attention backend that ran: flash_attn, torch_varlen, segments
     varlen_attention:at_positions calls of ``causal_attention_at_positions`` (context-parallel query chunks) that
                                   ran one SDPA call per run of positions; ``...:at_positions:<backend>`` those that

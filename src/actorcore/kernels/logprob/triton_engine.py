@@ -23,6 +23,8 @@ Loss-fused forward (``fused_loss.py``), per chunk of up to 2048 tokens: one Trit
 logits, folds them into fp32 statistics and stores them as fp16 z - m (``triton_fused_kernels``); the
 caller gives the per-token loss gradients; a memory-bound pass turns the fp16 values into 16-bit
 grad_logits in place; cuBLAS forms grad_hidden = G @ W and grad_weight += G^T @ h: 6NHV instead of 8NHV.
+``loss_gemm="quack"`` / ``"auto"`` take the statistics from quack's warp-specialised GEMM instead (``quack_stats``):
+an option, not the default, as it measured no faster end to end (docs/bench_head.md).
 """
 
 from __future__ import annotations
@@ -50,7 +52,13 @@ from actorcore.kernels.logprob.triton_blocking import (
     padded_row,
     tma_compatible,
 )
+from actorcore.kernels.logprob.quack_stats import TILE_N as QUACK_TILE_N
+from actorcore.kernels.logprob.quack_stats import add_grad_weight as quack_add_grad_weight
+from actorcore.kernels.logprob.quack_stats import quack_stats_refusal
+from actorcore.kernels.logprob.quack_stats import stats_and_shifted_logits as quack_stats_and_shifted_logits
 from actorcore.kernels.trace import add
+
+LOSS_GEMMS = ("triton", "quack", "auto")
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,8 @@ class TritonEngine:
     ``vocab_block`` / ``workspace_bytes``: the backward's blocking (``triton_blocking.backward_blocks``).
     ``batch_invariant``: forward statistics that do not depend on the other tokens of the call (a vocabulary
     split fixed by the vocabulary; each token's row of a logits tile never depends on the other rows).
+    ``loss_gemm``: the loss-fused forward's statistics GEMM: "triton" (the Triton kernel), "quack" (quack's
+    warp-specialised GEMM, refused with the reason where it cannot run) or "auto" (quack where it runs).
     """
 
     fwd: Config = FWD_CONFIG
@@ -71,8 +81,22 @@ class TritonEngine:
     vocab_block: int = BACKWARD_VOCAB_BLOCK
     workspace_bytes: int = BACKWARD_WORKSPACE_BYTES
     batch_invariant: bool = False
+    loss_gemm: str = "triton"
 
     name = "triton"
+
+    def __post_init__(self):
+        if self.loss_gemm not in LOSS_GEMMS:
+            raise ValueError(f"loss_gemm={self.loss_gemm!r}; valid values are {', '.join(LOSS_GEMMS)}")
+
+    def _quack_loss(self, hidden_TD, weight_VD, softcap) -> bool:
+        """Whether this loss-fused call takes its statistics from quack's GEMM."""
+        if self.loss_gemm == "triton":
+            return False
+        why = quack_stats_refusal(hidden_TD, weight_VD, softcap, self.batch_invariant)
+        if why and self.loss_gemm == "quack":
+            raise ValueError(f"loss_gemm='quack' cannot run here: {why}; use 'auto' or 'triton'")
+        return why is None
 
     # ------------------------------------------------------------------ forward
     def forward_stats(self, hidden_TD, weight_VD, labels_T, *, temperature, softcap, entropy, chunk_size,
@@ -229,9 +253,11 @@ class TritonEngine:
         vocab = weight_VD.shape[0]
         rows = loss_chunk_rows(n_tok, vocab, chunk_size, self.loss_workspace_bytes)
         dev = hidden_TD.device
+        quack = self._quack_loss(hidden_TD, weight_VD, softcap)
+        shift_cols = QUACK_TILE_N if quack else self._shift_cols()
         z_CV = torch.empty(rows, padded_row(vocab), dtype=torch.float16, device=dev)
         g_CV = z_CV.view(hidden_TD.dtype)  # grad_logits of each element land on its own two bytes
-        shift_CN = torch.empty(rows, cdiv(vocab, self._shift_cols()), dtype=torch.float32, device=dev)
+        shift_CN = torch.empty(rows, cdiv(vocab, shift_cols), dtype=torch.float32, device=dev)
         labels_T = labels_T.contiguous()
         logprob_T = torch.empty(n_tok, dtype=torch.float32, device=dev)
         ent_T = torch.empty(n_tok, dtype=torch.float32, device=dev) if entropy else None
@@ -242,8 +268,14 @@ class TritonEngine:
             end = min(start + rows, n_tok)
             h_CD = hidden_TD[start:end]
             z = z_CV[: end - start, :vocab]
-            stats = self._stats_and_shifted_logits(h_CD, weight_VD, labels_T[start:end], z, shift_CN, temperature,
-                                                   softcap, entropy)
+            if quack:
+                shift = shift_CN[: end - start]
+                stats = merge_partial_stats(*quack_stats_and_shifted_logits(h_CD, weight_VD, labels_T[start:end], z,
+                                                                            shift, temperature))
+                add(trace, "logprob:quack_loss_stats")
+            else:
+                stats = self._stats_and_shifted_logits(h_CD, weight_VD, labels_T[start:end], z, shift_CN,
+                                                       temperature, softcap, entropy)
             add(trace, "logprob:triton_fused_loss")
             lse_C, logprob_T[start:end], ent_C = finish_stats(*stats)
             if ent_T is not None:
@@ -255,10 +287,12 @@ class TritonEngine:
                 continue
             g = g_CV[: end - start, :vocab]
             self._shifted_to_grad(z, g, shift_CN, labels_T[start:end], lse_C, ent_C, glp_C, gent_C, temperature,
-                                  softcap)
+                                  softcap, shift_cols)
             if need_hidden:
                 torch.mm(g, weight_VD, out=grad_h[start:end])
-            if need_weight and w_started:
+            if need_weight and w_started and quack:
+                quack_add_grad_weight(grad_w, g, h_CD)
+            elif need_weight and w_started:
                 grad_w.addmm_(g.t(), h_CD)
             elif need_weight:
                 torch.mm(g.t(), h_CD, out=grad_w)
@@ -292,8 +326,10 @@ class TritonEngine:
         """Columns that share one stored maximum m in the loss-fused kernel (its epilogue's tile width)."""
         return self.loss.block_v // (2 if self.loss.subtile else 1)
 
-    def _shifted_to_grad(self, z_CV, g_CV, shift_CN, labels_C, lse_C, ent_C, glp_C, gent_C, temperature, softcap):
-        """The fp16 z - m of a chunk -> its 16-bit grad_logits ``g_CV`` (a view of the same bytes), in place."""
+    def _shifted_to_grad(self, z_CV, g_CV, shift_CN, labels_C, lse_C, ent_C, glp_C, gent_C, temperature, softcap,
+                         shift_cols):
+        """The fp16 z - m of a chunk -> its 16-bit grad_logits ``g_CV`` (a view of the same bytes), in place;
+        ``shift_cols`` columns share one m."""
         n_c, vocab = z_CV.shape
         block = 2048
         inv_temp, cap, _ = _scalars(temperature, softcap)
@@ -304,7 +340,7 @@ class TritonEngine:
             lse_C if gent_C is None else gent_C.contiguous(),
             vocab, z_CV.stride(0), shift_CN.stride(0), inv_temp, cap,
             HAS_SOFTCAP=softcap is not None, HAS_GLP=glp_C is not None, HAS_GENT=gent_C is not None,
-            BLOCK=block, BLOCK_V=self._shift_cols(), num_warps=4,
+            BLOCK=block, BLOCK_V=shift_cols, num_warps=4,
         )
 
     def _loss_without_grads(self, hidden_TD, weight_VD, labels_T, token_grads, *, temperature, softcap, entropy,

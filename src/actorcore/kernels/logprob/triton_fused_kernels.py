@@ -101,6 +101,7 @@ def shifted_to_grad_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < V
     zc = tl.load(z_ptr + row * stride_z + offs, mask=ok, other=0.0).to(tl.float32)
+    zc = tl.maximum(zc, _FP16_FLOOR)  # an fp16 -inf (z - m below fp16's range) would make 0 * inf
     shift = tl.load(mt_ptr + row * num_vtiles + offs // BLOCK_V, mask=ok, other=0.0)
     label = tl.load(lab_ptr + row).to(tl.int64)
     lse = tl.load(lse_ptr + row)
