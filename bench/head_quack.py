@@ -5,8 +5,8 @@ MMAs, the epilogue of one tile overlaps the next tile's loads), which the head's
 per 2048-token chunk and 16 chunks back to back (N=32768, H=4096, V=151936 by default):
 
 - the forward statistics: the head's Triton kernel (logits, fp32 statistics, fp16 z - m store) against a quack GEMM
-  whose epilogue computes the same from the fp32 accumulators (a per-tile maximum in a prepass, then fp16 z - m in
-  log2 units, sum of exp and of (z - m) exp per row and tile, the label's logit), and against quack's own
+  whose epilogue computes the same from the fp32 accumulators (the head's own option, ``kernels/logprob/quack_stats``,
+  at three tile shapes), and against quack's own
   linear-cross-entropy epilogue (bf16 exp(z - k), no entropy) and a plain bf16 cuBLAS matmul;
 - grad_hidden = G @ W: cuBLAS against quack's GEMM;
 - grad_weight += G^T h: cuBLAS addmm against quack's GEMM with C and against its TMA reduce-add store into bf16.
@@ -21,69 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
+import os
+import sys
 
 import torch
 
-LN2 = math.log(2.0)
-LOG2E = 1.0 / LN2
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from logprob import median_ms  # noqa: E402
+
 CHUNK = 2048
-
-
-def stats_epilogue():
-    """A quack epilogue with the head's forward statistics, built on first use (imports quack)."""
-    from quack.epilogue.frontend import gemm_epilogue
-    from quack.epilogue.math import pexp2
-    from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect
-    from quack.epilogue.scaled_exp import MaxLog2
-
-    max_op = MaxLog2("max_log2", round_to_int=False)
-    label_op = ColVecLoad("target")
-
-    def prepass(acc):
-        return {"max_log2": acc}
-
-    @gemm_epilogue(
-        ops={"max_log2": max_op},
-        prepass=prepass,
-        prepass_outs=("max_log2",),
-        reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_dexp": ColVecReduce("sum_dexp", scaled=True)},
-        outs={"target_logit": ColVecSelect("target_logit", idx_op=label_op)},
-        extra_ops=(max_op.out("max_log2_out"), label_op),
-    )
-    def logprob_stats_epi(acc, max_log2, inv_t):
-        d = (acc * LOG2E - max_log2) * inv_t  # log2 units, <= 0
-        e = pexp2(d)
-        return {"D": d, "sum_exp": e, "sum_dexp": (d, e), "target_logit": acc}
-
-    return logprob_stats_epi
-
-
-def merged_stats(k_CT, s_CT, q_CT, zy_C, inv_t):
-    """Per-(token, tile) partials in log2 units -> (lse, logprob, entropy) in natural units, fp32."""
-    m_CT = k_CT * (inv_t * LN2)  # the tile maximum of z / T
-    m_C = m_CT.amax(dim=1, keepdim=True)
-    scale = torch.exp(m_CT - m_C)
-    s_C = (s_CT * scale).sum(1)
-    a_C = (scale * (q_CT * LN2 + (m_CT - m_C) * s_CT)).sum(1)
-    log_s = torch.log(s_C)
-    lse = m_C.squeeze(1) + log_s
-    return lse, zy_C * inv_t - lse, log_s - a_C / s_C
-
-
-def median_ms(f, reps=5):
-    f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def main(argv=None):
@@ -94,7 +40,8 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from actorcore.kernels.logprob._common import finish_stats
+    from actorcore.kernels.logprob._common import finish_stats, merge_partial_stats
+    from actorcore.kernels.logprob.quack_stats import TILE_N, _stats_epilogue, tile_partials
     from actorcore.kernels.logprob.triton_engine import TritonEngine, padded_row
 
     torch.manual_seed(0)
@@ -145,15 +92,13 @@ def main(argv=None):
     record("forward floor: cuBLAS bf16 mm into bf16 logits", repeat(lambda: torch.mm(h, w.t())))
 
     try:
-        epi = stats_epilogue()
+        epi = _stats_epilogue()  # the head's own epilogue (kernels/logprob/quack_stats.py), at other tile shapes too
     except Exception as err:  # noqa: BLE001
         epi = None
         print(f"quack not importable: {type(err).__name__}: {err}")
     if epi is not None:
-        for tile_m, tile_n, cluster_m, pingpong in ((128, 128, 2, True), (128, 128, 2, False), (256, 128, 1, False),
-                                                    (128, 192, 2, True), (128, 256, 2, True)):
-            if v % tile_n:
-                continue
+        for tile_m, cluster_m, pingpong in ((128, 2, True), (128, 2, False), (256, 1, False)):
+            tile_n = TILE_N  # one stored maximum per 128 columns: what the grad_logits pass reads
             t = v // tile_n
             dz = torch.empty(CHUNK, v, dtype=torch.float16, device="cuda")
             k_ = torch.empty(CHUNK, t, device="cuda")
@@ -172,9 +117,9 @@ def main(argv=None):
             if ms is None:
                 continue
             quack_stats()
-            _, lp, ent = merged_stats(k_, s_, q_, zy, inv_t)
-            m_tile = (k_ * (inv_t * LN2)).repeat_interleave(tile_n, dim=1)
-            dz_err = ((dz.float() * LN2) - (z32 - m_tile)).abs().max().item()
+            shift = torch.empty_like(k_)
+            _, lp, ent = finish_stats(*merge_partial_stats(*tile_partials(k_, s_, q_, zy, inv_t, shift)))
+            dz_err = (dz.float() - (z32 - shift.repeat_interleave(tile_n, dim=1))).abs().max().item()
             print(f"  accuracy: logprob {(lp - logp_ref).abs().max().item():.2e}  entropy "
                   f"{(ent - ent_ref).abs().max().item():.2e}  stored z - m {dz_err:.2e}", flush=True)
             del dz, k_, s_, q_, zy

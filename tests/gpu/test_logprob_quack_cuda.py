@@ -10,7 +10,14 @@ from collections import Counter
 
 import pytest
 import torch
-from test_logprob_triton import _inputs, _loss_through, _ppo_loss, _reference_loss, _rel_err
+from test_logprob_triton import (  # noqa: F401 - the autouse fixture turns tf32 off for the fp32 reference
+    _exact_fp32_reference,
+    _inputs,
+    _loss_through,
+    _ppo_loss,
+    _reference_loss,
+    _rel_err,
+)
 
 from actorcore.kernels.logprob import linear_logprob_loss
 from actorcore.testing.tolerances import TOL
@@ -30,14 +37,6 @@ pytestmark = pytest.mark.skipif(_quack_missing() is not None, reason=str(_quack_
 
 ATOL_BF16 = TOL["fused_head_bf16_vs_fp32_logits"]
 GRAD_REL = TOL["kernel_triton_grad_vs_reference_bf16_rel"]
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32_reference():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _engine(loss_gemm):
