@@ -57,6 +57,20 @@ def test_tile_partials_give_the_fp64_statistics_per_token(temperature):
     assert (shift_CN.double() - z.unflatten(1, (-1, TILE_N)).amax(-1)).abs().max() < 1e-5
 
 
+def test_without_entropy_no_entropy_is_returned():
+    """As the Triton kernel: a loss without entropy gets None for it, not a value it did not ask for."""
+    g = torch.Generator().manual_seed(1)
+    acc_CV = torch.randn(5, 2 * TILE_N, generator=g)
+    labels_C = torch.randint(0, acc_CV.shape[1], (5,), generator=g)
+    d_CV, k_CN, s_CN, a_CN, zy_C = _epilogue_stand_in(acc_CV, labels_C, 1.0)
+    parts = tile_partials(k_CN, s_CN, a_CN, zy_C, 1.0, torch.empty_like(k_CN), entropy=False)
+    assert parts[2] is None
+    lse, logprob, entropy = finish_stats(*merge_partial_stats(*parts))
+    assert entropy is None
+    torch.testing.assert_close(lse.double(), torch.logsumexp(acc_CV.double(), -1),
+                               atol=TOL["logprob_fp32_stats_vs_fp64"], rtol=0)
+
+
 def _tensors(vocab=4 * TILE_N, dim=64, dtype=torch.bfloat16):
     return torch.zeros(8, dim, dtype=dtype), torch.zeros(vocab, dim, dtype=dtype)
 

@@ -83,9 +83,9 @@ def _stats_epilogue():
 
 
 def stats_and_shifted_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, labels_C: torch.Tensor,
-                             z_CV: torch.Tensor, shift_CN: torch.Tensor, temperature: float):
+                             z_CV: torch.Tensor, shift_CN: torch.Tensor, temperature: float, entropy: bool):
     """One GEMM: z - m into ``z_CV`` (fp16), m per (token, 128-column tile) into ``shift_CN``; returns the
-    [S, C] partial statistics (S = tiles) for ``merge_partial_stats``."""
+    [S, C] partial statistics (S = tiles) for ``merge_partial_stats`` (the entropy's None without ``entropy``)."""
     n_c, vocab = h_CD.shape[0], weight_VD.shape[0]
     inv_t = 1.0 / temperature
     dev = h_CD.device
@@ -98,14 +98,15 @@ def stats_and_shifted_logits(h_CD: torch.Tensor, weight_VD: torch.Tensor, labels
                       target_logit=zy_C, inv_t=inv_t),
         tile_M=128, tile_N=TILE_N, cluster_M=2, cluster_N=1, pingpong=True,
     )
-    return tile_partials(k_CN, s_CN, a_CN, zy_C, inv_t, shift_CN)
+    return tile_partials(k_CN, s_CN, a_CN, zy_C, inv_t, shift_CN, entropy)
 
 
-def tile_partials(k_CN, s_CN, a_CN, zy_C, inv_t, shift_CN):
-    """The epilogue's outputs -> the [S, C] partials of ``merge_partial_stats`` (natural units), and each tile's
-    maximum of z = logits / T into ``shift_CN`` for the grad_logits pass."""
+def tile_partials(k_CN, s_CN, a_CN, zy_C, inv_t, shift_CN, entropy=True):
+    """The epilogue's outputs -> the [S, C] partials of ``merge_partial_stats`` (natural units; no entropy partial
+    without ``entropy``, as the Triton kernel gives none), and each tile's maximum of z = logits / T into
+    ``shift_CN`` for the grad_logits pass."""
     torch.mul(k_CN, inv_t * LN2, out=shift_CN)
-    return shift_CN.t(), s_CN.t(), a_CN.t(), (zy_C * inv_t)[None]
+    return shift_CN.t(), s_CN.t(), a_CN.t() if entropy else None, (zy_C * inv_t)[None]
 
 
 def add_grad_weight(grad_w_VD: torch.Tensor, g_CV: torch.Tensor, h_CD: torch.Tensor) -> None:

@@ -271,7 +271,7 @@ class TritonEngine:
             if quack:
                 shift = shift_CN[: end - start]
                 stats = merge_partial_stats(*quack_stats_and_shifted_logits(h_CD, weight_VD, labels_T[start:end], z,
-                                                                            shift, temperature))
+                                                                            shift, temperature, entropy))
                 add(trace, "logprob:quack_loss_stats")
             else:
                 stats = self._stats_and_shifted_logits(h_CD, weight_VD, labels_T[start:end], z, shift_CN,
