@@ -74,3 +74,8 @@ class VisionInputsNotAppliedError(FastPathNotRunError):
 
 class TransportError(RuntimeError):
     """The other side stopped (its error, an interrupt, its process died) or did not answer in time."""
+
+
+class EngineUpdateError(RuntimeError):
+    """A rollout engine's weight update is partial, stale or unverified: the engine does not compute with the
+    trainer's weights (the bridge blocks it from generating until an update succeeds)."""
