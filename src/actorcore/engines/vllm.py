@@ -141,7 +141,8 @@ class VllmBridge:
                              "another process")
         workers = len(self._rpc("actorcore_protocol"))
         port = _free_port() if port is None else int(port)
-        store = dist.TCPStore(host, port, workers + 1, is_master=True, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(host, port, workers + 1, is_master=True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
         joining = _InThread(lambda: self._rpc("actorcore_join_group", host=host, port=port, world_size=workers + 1,
                                               backend=backend, timeout_s=timeout_s))
         self._group = vllm_worker._standalone_group(backend, store, 0, workers + 1)

@@ -1,17 +1,20 @@
 """Process-group transport of a weight stream: ``broadcast_stream`` sends each bucket from one rank to the others.
 
-Per bucket, one broadcast of its layout (names, shapes, dtypes: a small pickled list) and one broadcast of its bytes
-(every tensor of the bucket packed into one flat ``uint8`` buffer), so the receivers rebuild bitwise the same
-tensors. An empty layout ends the stream. The collectives are ``parallel.collectives``'; the group is the caller's.
+Per bucket, one broadcast of its layout (names, shapes, dtypes: a small JSON list, never a pickle) and one broadcast
+of its bytes (every tensor of the bucket packed into one flat ``uint8`` buffer), so the receivers rebuild bitwise the
+same tensors. An empty layout ends the stream. The collectives are ``parallel.collectives``'; the group is the
+caller's: a group of the default world, or one made outside it (an engine's workers joining a trainer).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Iterable, Iterator
 
 import torch
 
+from actorcore.export.ipc import DTYPES
 from actorcore.export.stream import Bucket
 from actorcore.parallel import collectives
 
@@ -34,6 +37,22 @@ def _unpack(layout: list[tuple[str, tuple[int, ...], torch.dtype]], buffer: torc
     return out
 
 
+def _encode_layout(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> bytes:
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    return json.dumps([[name, list(shape), names[dtype]] for name, shape, dtype in layout]).encode()
+
+
+def _decode_layout(data: bytes) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    try:
+        entries = json.loads(data.decode())
+        layout = [(str(name), tuple(int(d) for d in shape), DTYPES[dtype]) for name, shape, dtype in entries]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"broadcast_stream: a malformed bucket layout arrived ({exc})") from exc
+    if any(d < 0 for _, shape, _ in layout for d in shape):
+        raise ValueError("broadcast_stream: a bucket layout with a negative size arrived")
+    return layout
+
+
 def broadcast_stream(stream: Iterable[Bucket] | None, group, src: int, *,
                      device: torch.device | str = "cpu") -> Iterator[Bucket]:
     """Yield the buckets of group rank ``src``'s ``stream`` on EVERY rank of ``group`` (``src`` included).
@@ -46,7 +65,7 @@ def broadcast_stream(stream: Iterable[Bucket] | None, group, src: int, *,
     Memory: one bucket's tensors plus one flat copy of its bytes at a time. A received bucket's tensors are views
     of that one buffer: copy them out (as every receiver does) rather than keeping them.
     """
-    rank = torch.distributed.get_rank(group)
+    rank = collectives.group_rank(group)
     if (rank == src) != (stream is not None):
         raise ValueError(f"broadcast_stream: group rank {rank} passed "
                          f"{'no stream' if stream is None else 'a stream'}, but src is {src}: the sending rank "
@@ -61,7 +80,8 @@ def broadcast_stream(stream: Iterable[Bucket] | None, group, src: int, *,
                 continue  # an empty bucket carries nothing, and an empty layout would end the stream
         else:
             layout, buffer = None, None
-        layout = collectives.broadcast_object(layout, src, group)
+        layout = _decode_layout(collectives.broadcast_bytes(_encode_layout(layout) if iterator is not None else None,
+                                                            src, group, device))
         if not layout:
             logger.debug("broadcast_stream: %d buckets", sent)
             return

@@ -149,7 +149,22 @@ def gather_cp_outputs(local_L: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def _size_or_one(group: Any) -> int:
+    """The group's size; 1 when there is no world. A process group made outside the default world (the weight-sync
+    group of a trainer and an engine's workers) answers for itself."""
+    if _answers_for_itself(group):
+        return group.size()
     return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _answers_for_itself(group: Any) -> bool:
+    """A process group object (registered or standalone, e.g. ``ProcessGroupGloo(store, rank, size)``), not ``None``
+    (the default world)."""
+    return group is not None and callable(getattr(group, "size", None)) and callable(getattr(group, "rank", None))
+
+
+def group_rank(group: Any) -> int:
+    """This process's rank in ``group`` (also a process group made outside the default world)."""
+    return group.rank() if _answers_for_itself(group) else dist.get_rank(group)
 
 
 def all_gather_tensor(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
@@ -179,22 +194,27 @@ def all_gather_object(obj: Any, group: Any) -> list[Any]:
 def broadcast_tensor(tensor: torch.Tensor, src_group_rank: int, group: Any) -> torch.Tensor:
     """``tensor`` of group rank ``src_group_rank`` on every rank (in place); over NCCL it must be a CUDA tensor."""
     if _size_or_one(group) > 1:
-        dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
+        dist.broadcast(tensor, group=group, group_src=src_group_rank)
     return tensor
 
 
 # ---- Weight export over a process group (no autograd). ----
 
 
-def broadcast_object(obj: Any, src_group_rank: int, group: Any) -> Any:
-    """The picklable ``obj`` of group rank ``src_group_rank`` on every rank (others pass anything, e.g. ``None``).
-
-    Over NCCL torch stages the bytes on ``torch.cuda.current_device()``: call ``torch.cuda.set_device`` first."""
+def broadcast_bytes(data: bytes | None, src_group_rank: int, group: Any, device: torch.device | str = "cpu"
+                    ) -> bytes:
+    """``data`` of group rank ``src_group_rank`` on every rank (others pass ``None``): its length, then its bytes,
+    staged on ``device`` (the rank's CUDA device over NCCL). Bytes, not pickles: nothing received runs code."""
     if _size_or_one(group) == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src_group_rank), group=group)
-    return box[0]
+        return data if data is not None else b""
+    sending = group_rank(group) == src_group_rank
+    length = torch.tensor([len(data) if sending else 0], dtype=torch.int64, device=device)
+    broadcast_tensor(length, src_group_rank, group)
+    payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if sending and length.item()
+               else torch.empty(int(length.item()), dtype=torch.uint8, device=device))
+    if payload.numel():
+        broadcast_tensor(payload, src_group_rank, group)
+    return bytes(payload.cpu().numpy().tobytes())
 
 
 # ---- Context parallelism, ring exchange (Megatron route, cp_comm_type="p2p"). ----
