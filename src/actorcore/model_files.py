@@ -109,3 +109,22 @@ def check_model_dir(model_dir: str) -> None:
         if not os.path.exists(path):
             raise CheckpointError(f"{path}: listed in the model's index but missing: copy or download it")
         check_safetensors_file(path)
+
+
+def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in the safetensors files at the top of ``model_dir``, read from their headers
+    (nothing is loaded); empty when there are none (a hub id, another format)."""
+    from safetensors import safe_open
+
+    if not os.path.isdir(model_dir):
+        return {}
+    roots = allowed_roots(model_dir)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            path = model_file(model_dir, name, roots)
+            check_safetensors_file(path)
+            with safe_open(path, framework="pt") as handle:
+                for key in handle.keys():
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+    return shapes

@@ -166,6 +166,7 @@ class VllmBridge:
         """
         reference_fn = _reference_function(reference, self.probe_batch)
         start = time.perf_counter()
+        was_blocked = self.blocked is not None
         try:
             report = self._deliver(stream)
         except Exception as exc:
@@ -174,6 +175,8 @@ class VllmBridge:
         loaded = time.perf_counter()
         if self.llm.llm_engine is not None and callable(getattr(self.llm.llm_engine, "reset_encoder_cache", None)):
             self.llm.llm_engine.reset_encoder_cache()
+        if was_blocked:
+            self._abort_unfinished()  # requests that ran into the blocked engine: nothing of them can be kept
         if not self.llm.reset_prefix_cache(reset_running_requests=self.reset_running_requests):
             self._block("the prefix cache could not be reset (requests in flight hold KV blocks of the old weights)")
             raise EngineUpdateError("the weights were loaded but vLLM could not reset its prefix cache: requests in "
@@ -181,6 +184,8 @@ class VllmBridge:
                                     "calls, or pass reset_running_requests=True to preempt them")
         probe = self.verify(reference_fn)
         self.updates += 1
+        if callable(getattr(self.llm.llm_engine, "set_weight_version", None)):
+            self.llm.llm_engine.set_weight_version(f"actorcore-{self.updates}")
         return EngineUpdate(tensors=report["tensors"], bytes=report["bytes"], probe=probe,
                             load_seconds=loaded - start, verify_seconds=time.perf_counter() - loaded,
                             reprocessed_shared=list(report.get("reprocessed_shared", ())))
@@ -243,6 +248,13 @@ class VllmBridge:
             receiving.result(swallow=True)
             raise
         return receiving.result()[0]
+
+    def _abort_unfinished(self) -> None:
+        engine = self.llm.llm_engine
+        states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+        if states:
+            logger.warning("aborting %d requests that ran into the blocked engine", len(states))
+            engine.abort_request(list(states), internal=True)
 
     def _block(self, reason: str) -> None:
         if self.colocated:

@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from actorcore.model_files import checkpoint_shapes
+
 logger = logging.getLogger(__name__)
 
 TESTED_VLLM = ">=0.32.0,<0.33"  # the vLLM releases this protocol was written for and tested against
@@ -107,8 +109,9 @@ def blocked_reason(model: torch.nn.Module) -> str | None:
 class _Received:
     """The stream's ``(name, tensor)`` pairs as they pass into ``load_weights``: counted, a repeated name refused."""
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]):
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]]):
         self._weights = weights
+        self._shapes = shapes  # the engine's checkpoint: a name it holds must come with its shape
         self.names: list[str] = []
         self.nbytes = 0
 
@@ -120,6 +123,10 @@ class _Received:
                                  f"{type(tensor).__name__})")
             if name in seen:
                 raise ValueError(f"the weight stream sent {name!r} twice")
+            expected = self._shapes.get(name)
+            if expected is not None and tuple(tensor.shape) != expected:
+                raise ValueError(f"{name!r} has shape {tuple(tensor.shape)} in the weight stream but {expected} in "
+                                 "the engine's checkpoint: the trainer's model has another config than the engine's")
             seen.add(name)
             self.names.append(name)
             self.nbytes += tensor.numel() * tensor.element_size()
@@ -237,7 +244,7 @@ def apply_update(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> di
     model, model_config = engine_model(worker), _model_config(worker)
     start = time.perf_counter()
     block(model, "a weight update is in progress")  # until it has been completed and accounted for
-    received = _Received(weights)
+    received = _Received(weights, checkpoint_shapes(str(model_config.model)))
     expected = {name for name, _ in model.named_parameters()}
     undo_repack = _rerun_experts_repacking(model)
     loaded: set[str] = set()
@@ -255,7 +262,9 @@ def apply_update(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> di
         finally:
             undo_repack()
     if failure is not None:
-        block(model, f"the update failed after {len(received.names)} tensors: {type(failure).__name__}: {failure}")
+        at = f" (the last handed to vLLM: {received.names[-1]!r})" if received.names else ""
+        block(model, f"the update failed after {len(received.names)} tensors{at}: {type(failure).__name__}: "
+                     f"{failure}")
         raise failure
     redone = _reprocess_shared(model)
     _reset_worker_caches(worker)
