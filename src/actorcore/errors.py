@@ -36,7 +36,7 @@ class VerificationError(ValueError):
 
 
 class NonFiniteError(ValueError):
-    """A decoder layer produced NaN or inf (``check_finite=True``)."""
+    """A decoder layer produced NaN or inf (``check_finite=True``), or the model's own forward did (``verify``)."""
 
 
 class UnsupportedMegatronVersionError(ValueError):

@@ -18,6 +18,7 @@ import json
 import os
 
 from actorcore.errors import CheckpointError, CheckpointPathError
+from actorcore.sizes import check_config_sizes
 
 INDEX_SUFFIX = ".index.json"
 _CACHE_REPO_PREFIXES = ("models--", "datasets--")
@@ -89,11 +90,13 @@ def check_safetensors_file(path: str) -> None:
 
 
 def check_model_dir(model_dir: str) -> None:
-    """Every file of ``model_dir`` that a loader (``from_pretrained`` included) may open stays inside it, and
-    every safetensors file it holds or its index names is readable; raises ``CheckpointError`` (or its
-    ``CheckpointPathError``) naming the first file that is not, ``FileNotFoundError`` without the directory."""
+    """Every file of ``model_dir`` that a loader (``from_pretrained`` included) may open stays inside it, every
+    safetensors file it holds or its index names is readable, its ``config.json`` has sizes a model can have, and
+    it is not a Megatron checkpoint; raises ``CheckpointError`` (or its ``CheckpointPathError``) naming the first
+    file that is not, ``FileNotFoundError`` without the directory."""
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"{model_dir}: no such model directory")  # local only: nothing is downloaded
+    refuse_megatron_checkpoint(model_dir)
     roots = allowed_roots(model_dir)
     weights = set()
     for name in sorted(os.listdir(model_dir)):
@@ -109,6 +112,42 @@ def check_model_dir(model_dir: str) -> None:
         if not os.path.exists(path):
             raise CheckpointError(f"{path}: listed in the model's index but missing: copy or download it")
         check_safetensors_file(path)
+    _check_config_json(model_dir)
+
+
+def _check_config_json(model_dir: str) -> None:
+    """The sizes of ``config.json`` (``actorcore.sizes.check_config_sizes``), before transformers meets a head count
+    of 0 (``ZeroDivisionError``) or Megatron a layer count of -1 ("math domain error"). A file that is not a JSON
+    object is left to the loader's own message."""
+    try:
+        with open(model_file(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(config, dict):
+        try:
+            check_config_sizes(config)
+        except ValueError as exc:
+            raise CheckpointError(f"{model_dir}: {exc}") from None
+
+
+def refuse_megatron_checkpoint(model_dir: str) -> None:
+    """A Megatron distributed checkpoint (``actorcore convert hf-to-mcore``'s output: ``metadata.json`` naming a
+    sharded backend, ``*.distcp`` shards, the HF config only in ``hf/``) where a Hugging Face model directory is
+    expected: ``CheckpointError`` saying how to get one, rather than transformers' "Unrecognized model"."""
+    if os.path.exists(os.path.join(model_dir, "config.json")):
+        return
+    names = os.listdir(model_dir)
+    sharded = any(name.endswith(".distcp") for name in names)
+    try:
+        with open(os.path.join(model_dir, "metadata.json")) as f:
+            sharded = sharded or "sharded_backend" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        pass
+    if sharded:
+        raise CheckpointError(f"{model_dir} is a Megatron distributed checkpoint, not a Hugging Face model directory "
+                              f"(no config.json): convert it first with `actorcore convert mcore-to-hf {model_dir} "
+                              "HF_DIR` and use HF_DIR")
 
 
 def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:

@@ -215,3 +215,40 @@ def test_an_interrupt_while_a_buffer_is_created_leaves_no_file(monkeypatch):
         SendBuffer("shm", 4096, torch.device("cpu"), named=named.append)
     assert len(named) == 1 and not os.path.exists(named[0])
     assert {f for f in os.listdir(shm_dir()) if f.startswith(prefix)} == before
+
+
+def _killed_with_buffers_in_shm(conn):
+    """Ships two buckets (the second buffer is new, not yet acknowledged, so its file is still named), packs a
+    third, then dies by SIGKILL: no cleanup of its own runs."""
+    def stream():
+        for name in ("a", "b", "c"):
+            yield [(name, torch.ones(64))]
+        os.kill(os.getpid(), signal.SIGKILL)
+    ipc_send(stream(), conn, buffer_bytes=256)
+
+
+@pytest.mark.parametrize("close_our_end", [True, False], ids=["channel-closes", "pid-ends"])
+def test_the_receiver_removes_the_buffers_a_sigkilled_sender_left(close_our_end):
+    """SIGKILL runs no cleanup in the sender; the receiver knows its pid (hello) and, once that process is gone,
+    unlinks the files it left in /dev/shm. Noticed by the channel closing, or by the pid alone."""
+    ctx = _context()
+    here, there = ctx.Pipe()
+    process = ctx.Process(target=_killed_with_buffers_in_shm, args=(there,))
+    process.start()
+    if close_our_end:
+        there.close()
+    received = []
+
+    def receive():
+        for bucket in ipc_receive(here):
+            received.extend(name for name, _ in bucket)
+
+    error, _ = _run_bounded(receive)
+    process.join(BOUND_S)
+    assert process.exitcode == -signal.SIGKILL
+    assert isinstance(error, TransportError), error
+    assert received[:1] == ["a"]
+    left = [f for f in os.listdir(shm_dir()) if f.startswith(f"actorcore-ipc-{process.pid}-")]
+    for name in left:  # a failing run leaves nothing behind either
+        os.unlink(os.path.join(shm_dir(), name))
+    assert left == []

@@ -126,6 +126,19 @@ def test_demo_bad_input_is_one_line_and_exit_2(capsys, dirs, args, needle):
     assert "huggingface.co" not in err
 
 
+@pytest.mark.parametrize("sp", ["3", "8"])
+def test_demo_sp_the_heads_cannot_take_is_refused_before_any_rank(capsys, monkeypatch, sp):
+    import actorcore.parallel.spawn as spawn
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the error must be found before any rank is spawned")
+
+    monkeypatch.setattr(spawn, "run_distributed", refuse)
+    code, _, err = _run(capsys, ["demo", "--sp", sp, "--device", "cpu"])
+    _assert_bad_input(code, err, f"--sp {sp}: the embedded model's 4 attention heads (2 key-value heads) cannot be "
+                                 "split over", "use --sp 2 or 4")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_demo_on_cuda_without_cuda_is_exit_2(capsys):
     code, _, err = _run(capsys, ["demo", "--device", "cuda", "--sp", "0"])

@@ -204,7 +204,7 @@ def test_bound_counts_the_cast_bytes_and_bad_arguments_are_refused():
     buckets = list(hf_weight_stream(model, bucket_bytes=bound, dtype=torch.bfloat16))
     assert all(_nbytes(b) <= bound or len(b) == 1 for b in buckets)
     assert max(len(b) for b in buckets) >= 3  # the cast size, not the fp32 size, was planned
-    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
         next(hf_weight_stream(model, bucket_bytes=0))
 
 

@@ -196,4 +196,4 @@ def test_cli_refuses_existing_output(tmp_path, capsys):
 
 def test_cli_bad_shard_size(tmp_path, capsys):
     _expect_error(tmp_path, capsys, ["mcore-to-hf", str(tmp_path), str(tmp_path / "back"), "--max-shard-size", "0"],
-                  "--max-shard-size must be a positive number of bytes")
+                  "--max-shard-size must be a positive int of bytes")

@@ -329,6 +329,50 @@ def test_bad_layout_is_named_before_work(tmp_path, checkpoints, capsys, no_work,
     _nothing_left(dst)
 
 
+def _edited_config_dir(directory: str, model_type: str, **fields) -> str:
+    """A directory holding only config.json: the tiny config of ``model_type`` with ``fields`` written in as they
+    would stand in a hand-edited file (transformers itself chokes on some of them while loading)."""
+    from actorcore.testing.tiny_configs import tiny_config
+
+    tiny_config(model_type).save_pretrained(directory)
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(fields)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return directory
+
+
+MEGATRON_ASSERTS = [
+    ("llama", {}, ["--pp", "3"], "--pp 3 does not divide the model's 2 layers into equal pipeline stages: the --pp "
+                                 "sizes that fit this model: 1, 2"),
+    ("qwen3_moe", {}, ["--ep", "3"], "--ep 3 does not divide the model's 4 experts: the --ep sizes that fit this "
+                                     "model: 1, 2, 4"),
+    ("llama", {}, ["--ep", "2"], "--ep 2: llama has no experts to split (a dense model): use --ep 1"),
+    ("llama", dict(intermediate_size=90, num_key_value_heads=4), ["--tp", "4"],
+     "--tp 4 does not divide the model's 90 MLP width (intermediate_size): the --tp sizes that fit this model: 1, 2"),
+    ("deepseek_v3", dict(n_group=3), [], "config.json: n_group=3 does not divide the model's 4 experts"),
+    ("llama", dict(num_attention_heads=0), [], "config.json: num_attention_heads must be a positive int, got 0"),
+    ("qwen3_moe", dict(num_experts_per_tok=5), [], "num_experts_per_tok=5 is more than the model's 4 experts"),
+    ("deepseek_v3", dict(num_experts_per_tok=5), [], "num_experts_per_tok=5 is more than the model's 4 experts"),
+    ("llama", dict(num_hidden_layers=-1), [], "config.json: num_hidden_layers must be a positive int, got -1"),
+]
+
+
+@pytest.mark.parametrize("model_type,fields,flags,fragment", MEGATRON_ASSERTS,
+                         ids=[f"{t}-{'-'.join(f) or next(iter(c))}" for t, c, f, _ in MEGATRON_ASSERTS])
+def test_what_megatron_asserts_on_is_named_before_work(tmp_path, capsys, no_work, model_type, fields, flags,
+                                                       fragment):
+    """Sizes and config fields megatron-core asserts on deep in every rank (an empty AssertionError for --ep 3),
+    or that end in ZeroDivisionError / "math domain error": one line, before any rank or weight."""
+    src = _edited_config_dir(str(tmp_path / "hf"), model_type, **fields)
+    dst = str(tmp_path / "out")
+    assert _convert(["hf-to-mcore", src, dst, *flags]) == 2
+    _one_error(capsys, fragment)
+    _nothing_left(dst)
+
+
 @pytest.mark.parametrize("direction", ["hf-to-mcore", "mcore-to-hf"])
 def test_missing_source_directory(tmp_path, capsys, no_work, direction):
     dst = str(tmp_path / "out")

@@ -32,6 +32,7 @@ from actorcore.cli.processes import run_ranks
 from actorcore.lifecycle import Interrupted, SignalGuard
 from actorcore.mcore import fault_points
 from actorcore.parallel.spawn import free_port
+from actorcore.sizes import positive_size
 
 
 
@@ -154,18 +155,11 @@ def _check_layout(args: argparse.Namespace, hf_config: Any) -> None:
             name = "--" + flag.replace("_", "-")
             raise ValueError(f"{name} must be a positive integer, got {value}" +
                              (" (the default, 128, suits every usual TP size)" if flag == "vocab_multiple" else ""))
-    text = getattr(hf_config, "text_config", None) or hf_config  # a VLM: its language model's heads
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads and heads % args.tp:
-        raise ValueError(f"--tp {args.tp} does not divide the model's {heads} attention heads: choose a --tp that "
-                         f"divides {heads}" + (f" and its {kv_heads} key-value heads" if kv_heads != heads else ""))
-    if kv_heads and kv_heads % args.tp:
-        raise ValueError(f"--tp {args.tp} does not divide the model's {kv_heads} key-value heads: choose a --tp "
-                         f"that divides {kv_heads}")
-    if args.vocab_multiple % args.tp:
-        raise ValueError(f"--vocab-multiple {args.vocab_multiple} must be divisible by --tp {args.tp}: use a "
-                         f"multiple of {args.tp} (the default, 128, suits every power-of-two --tp)")
+    from actorcore.mcore.layout_check import check_layout
+    from actorcore.mcore.parallel import McoreParallel
+
+    check_layout(hf_config, McoreParallel(tp=args.tp, pp=args.pp, ep=args.ep), vocab_multiple=args.vocab_multiple,
+                 as_flags=True)
     if args.mtp:
         from actorcore.mcore.model import mtp_layer_count
 
@@ -228,8 +222,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
 
     src = os.path.abspath(args.src)
     _check_source_dir(src, "a directory written by `actorcore convert hf-to-mcore`")
-    if args.max_shard_size <= 0:
-        raise ValueError(f"--max-shard-size must be a positive number of bytes, got {args.max_shard_size}")
+    positive_size("--max-shard-size", args.max_shard_size, hint="the default is 5368709120 (5 GiB)")
     meta, hf_config, dtype = read_mcore_metadata(src)
     from actorcore.archs import get_spec
     from actorcore.export.mxfp4 import quantize_stream_mxfp4, with_mxfp4_config, without_quantization_config

@@ -121,6 +121,8 @@ def run_demo(model_path: str | None = None, seed: int = 0, sp_size: int = 2, dev
         raise ValueError("--device cuda: no CUDA device here; use --device cpu")
     if sp_size < 0:
         raise ValueError(f"--sp must be 0 (skip the SP rows) or a positive size, got {sp_size}")
+    if sp_size > 1 and model_path is None:  # before a rank is spawned: the SP rows run the embedded model
+        _check_sp_size(sp_size)
     model, encode = _local_model(model_path) if model_path else _embedded_model(seed)
     model = model.to(device)
     vocab = model.get_input_embeddings().num_embeddings
@@ -153,6 +155,19 @@ def run_demo(model_path: str | None = None, seed: int = 0, sp_size: int = 2, dev
     print("OK: packed path agrees with the padded HF path per token" if ok else
           f"FAIL: a path differs by more than {tolerance:g}")
     return 0 if ok else 1
+
+
+def _check_sp_size(sp_size: int) -> None:
+    """Refuse an ``--sp`` the embedded model's attention heads cannot be split over, naming the sizes that can."""
+    from actorcore.hf.embedded import TEXT_MODEL
+    from actorcore.parallel.ulysses import valid_sp_sizes
+
+    heads, kv_heads = TEXT_MODEL["num_attention_heads"], TEXT_MODEL["num_key_value_heads"]
+    valid = [s for s in valid_sp_sizes(heads, kv_heads) if s > 1]
+    if sp_size not in valid:
+        raise ValueError(f"--sp {sp_size}: the embedded model's {heads} attention heads ({kv_heads} key-value heads) "
+                         f"cannot be split over {sp_size} ranks: use --sp {' or '.join(map(str, valid))} (0 skips "
+                         "the SP rows)")
 
 
 def _extra_rows(sequences: list[torch.Tensor], sp_size: int, seed: int, tolerance: float) -> tuple[list[Row], bool]:

@@ -26,7 +26,8 @@ go of the buffers, which the sender then frees at once rather than leaving CUDA 
 with that reason. A peer whose process died is noticed without any timeout: by the channel closing, or, where its
 end of the channel stays open in another process, by its pid (from hello / ready) no longer running, checked every
 ``PEER_CHECK_S`` while waiting. SIGINT / SIGTERM in ``ipc_send`` free the buffers (no file is left in
-``/dev/shm``) before the caller's handler, or the default action, takes the signal.
+``/dev/shm``) before the caller's handler, or the default action, takes the signal. A sender killed outright
+(SIGKILL) frees nothing: its receiver, once that process is gone, unlinks the shared-memory files it left.
 """
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from actorcore.export.ipc_buffers import ALIGN, ReceiveBuffer, SendBuffer, remove_file
+from actorcore.export.ipc_buffers import ALIGN, ReceiveBuffer, SendBuffer, remove_file, remove_files_of
 from actorcore.export.stream import DEFAULT_BUCKET_BYTES, Bucket
 from actorcore.errors import TransportError  # noqa: F401 (re-exported)
 from actorcore.lifecycle import pid_alive, process_identity, signals_forwarded
+from actorcore.sizes import positive_size
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 2
 PEER_CHECK_S = 0.5  # while waiting for a message: how often the other side's process is checked
+PEER_EXIT_S = 2.0  # how long a peer whose channel closed may take to exit before its buffers are swept
 _DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool",
                 "uint16", "uint32", "uint64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
                 "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -67,12 +70,14 @@ class _Channel:
                                                                                                       None))):
             raise ValueError(f"the channel must have send_bytes/recv_bytes (a multiprocessing Connection) or "
                              f"send/recv, got {type(channel).__name__}")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds or None, got {timeout}")
+        if timeout is not None:
+            timeout = positive_size("timeout", timeout, unit="seconds", integer=False,
+                                    hint="pass e.g. 60.0, or None to wait as long as the other side's process runs")
         self._channel = channel
         self._timeout = timeout
         self._side = side
         self._peer: tuple[int, str | None] | None = None  # (pid, start time) once the other side said hello
+        self.peer_gone = False  # the other side's process ended, or closed the channel (it may be ending)
 
     def set_peer(self, message: dict) -> None:
         """Watch the process that sent ``message`` (hello / ready): a peer that dies is noticed while waiting,
@@ -93,6 +98,7 @@ class _Channel:
             if poll(step):
                 return
             if self._peer is not None and not pid_alive(*self._peer):
+                self.peer_gone = True
                 raise TransportError(f"{self._side}: the other side's process (pid {self._peer[0]}) ended while "
                                      f"this side waited for {waiting_for}")
             if deadline is not None and time.monotonic() >= deadline:
@@ -103,8 +109,26 @@ class _Channel:
         try:
             self._channel.send_bytes(data.encode()) if self._bytes else self._channel.send(data)
         except (BrokenPipeError, ConnectionError, EOFError, OSError) as exc:
+            self.peer_gone = True
             raise TransportError(f"{self._side}: the other side closed the channel ({exc}); did its process "
                                  "die?") from exc
+
+    def remove_dead_peers_buffers(self, wait_s: float = PEER_EXIT_S) -> None:
+        """After the other side vanished (a SIGKILLed sender frees nothing): once no process has its pid any more
+        (waiting up to ``wait_s`` for one whose channel closed as it exits), unlink the shared-memory buffers it
+        left in ``shm_dir()``. A pid already reused by another process is left alone, and so are its files."""
+        if not self.peer_gone or self._peer is None:
+            return
+        pid = self._peer[0]
+        deadline = time.monotonic() + wait_s
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if pid_alive(pid):
+            return
+        removed = remove_files_of(pid)
+        if removed:
+            logger.warning("%s: the other side (pid %d) ended without freeing %d shared-memory buffers: removed %s",
+                           self._side, pid, len(removed), ", ".join(removed))
 
     def try_send(self, message: dict) -> None:
         try:
@@ -131,6 +155,7 @@ class _Channel:
         try:
             raw = self._channel.recv_bytes() if self._bytes else self._channel.recv()
         except (EOFError, ConnectionError, OSError) as exc:
+            self.peer_gone = True
             raise TransportError(f"{self._side}: the other side closed the channel while this side waited for "
                                  f"{waiting_for} (did its process die?)") from exc
         try:
@@ -316,8 +341,7 @@ def ipc_send(stream: Iterable[Bucket], channel: Any, *, buffer_bytes: int = DEFA
     Raises ``TransportError`` when the receiver stops (its reason is in the message) or its process dies; on any
     error or interrupt here the receiver is told (``abort``) and the buffers are freed.
     """
-    if buffer_bytes <= 0:
-        raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+    buffer_bytes = positive_size("buffer_bytes", buffer_bytes)
     if buffers not in (1, 2):
         raise ValueError(f"buffers must be 1 or 2, got {buffers}")
     start = time.perf_counter()
@@ -445,6 +469,7 @@ class IpcReceiver:
                 seq += 1
         except TransportError:
             self._stopped = True
+            self._channel.remove_dead_peers_buffers()
             raise
         except GeneratorExit:
             self._abort("the receiver stopped reading before the end of the stream")

@@ -52,6 +52,17 @@ def remove_file(path: str) -> None:
         pass
 
 
+def remove_files_of(pid: int) -> list[str]:
+    """Unlink the shared-memory buffer files that the sending process ``pid`` created (their names carry its pid);
+    the names removed. For the receiver of a sender that was killed (SIGKILL runs no cleanup), once no process has
+    that pid any more: the mappings already made stay valid, only the names go."""
+    prefix = f"actorcore-ipc-{pid}-"
+    removed = [name for name in os.listdir(shm_dir()) if name.startswith(prefix) and _SHM_NAME.match(name)]
+    for name in removed:
+        remove_file(os.path.join(shm_dir(), name))
+    return removed
+
+
 class SendBuffer:
     """A flat ``uint8`` buffer of the sending side: ``tensor``, its plain-data ``description``, and the hooks the
     protocol calls around a bucket (``mark_written`` after packing, ``mark_mapped`` once the receiver has it)."""

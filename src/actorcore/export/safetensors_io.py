@@ -18,6 +18,7 @@ import torch
 
 from actorcore.export.stream import Bucket
 from actorcore.lifecycle import make_temp_dir, new_file_mode, signals_blocked, signals_forwarded, sweep_stale_temps
+from actorcore.sizes import positive_size
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +42,11 @@ def save_sharded_safetensors(stream: Iterable[Bucket], out_dir: str, max_shard_b
     replaced only while writing; the signal is then forwarded to them); one left by a killed process is removed by
     the next write to the same ``out_dir``.
     """
+    max_shard_bytes = positive_size("max_shard_bytes", max_shard_bytes, hint="pass e.g. 5 * 1024**3 for 5 GiB")
     if not write:
         for _ in stream:
             pass
         return {}
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir):
         raise ValueError(f"{out_dir} exists: choose a new directory (the export never overwrites one)")

@@ -19,6 +19,7 @@ from actorcore.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
 from actorcore.export.fp8 import (BlockwiseFP8, quantize_fp8_blockwise, quantized_model_names, quantized_nbytes,
                                   resolve_scheme, scale_name)
 from actorcore.export.lora import LORA_MODES, Entry, adapter_state, is_peft_model, merge_lora, merged_entries
+from actorcore.sizes import positive_size
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,7 @@ def hf_weight_stream(model: torch.nn.Module, *, bucket_bytes: int = DEFAULT_BUCK
     """
     if names not in NAME_KINDS:
         raise ValueError(f"names must be one of {NAME_KINDS}, got {names!r}")
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket_bytes = positive_size("bucket_bytes", bucket_bytes)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype (it applies to floating tensors), got {dtype}")
     scheme = resolve_scheme(quantize)

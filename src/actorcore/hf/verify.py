@@ -9,6 +9,7 @@ config field the arch spec does not cover, or an attention / position difference
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import numbers
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from actorcore.batch import PackedBatch
-from actorcore.errors import VerificationError  # noqa: F401 (re-exported)
+from actorcore.errors import NonFiniteError, VerificationError  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,26 @@ def _worst(diffs: list[torch.Tensor]) -> tuple[float, tuple[int, int]]:
     return max(best, 0.0), where
 
 
+def _refuse_non_finite_reference(model: Any, model_type: str, ref_lp: list[torch.Tensor],
+                                 ref_ent: list[torch.Tensor]) -> None:
+    """``NonFiniteError`` when the model's own forward gives NaN or inf (each sequence's first token aside): then
+    there is nothing to compare with, and the cause is the model (its weights, or an overflow), not the arch spec."""
+    bad = [i for i, (lp, ent) in enumerate(zip(ref_lp, ref_ent))
+           if not (torch.isfinite(lp[1:]).all() and torch.isfinite(ent[1:]).all())]
+    if not bad:
+        return
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    names = [name for name, t in tensors if t.is_floating_point() and not torch.isfinite(t.detach()).all()]
+    if names:
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        cause = (f"its weights hold NaN or inf ({', '.join(names[:3])}{more}): the checkpoint is damaged or a "
+                 "training step diverged; load finite weights")
+    else:
+        cause = "its weights are finite, so its forward overflows (16-bit activations?): verify it in float32"
+    raise NonFiniteError(f"{model_type}'s own forward gives NaN or inf log-probs (sequence {bad[0]} of the batch), so "
+                         f"there is nothing to compare actorcore with: {cause}")
+
+
 def verify(model: Any, batch: PackedBatch, *, temperature: float = 1.0, tolerance: float | None = None,
            strict: bool = False) -> VerifyReport:
     """Compare ``compute_logprobs`` with the model's own forward per token; return a ``VerifyReport``.
@@ -127,6 +148,7 @@ def verify(model: Any, batch: PackedBatch, *, temperature: float = 1.0, toleranc
         ref_lp, ref_ent = reference_logprobs_per_sequence(model, batch, temperature)
     finally:
         model.train(was_training)
+    _refuse_non_finite_reference(model, spec.model_type, ref_lp, ref_ent)
     bounds = batch.cu_seqlens.tolist()
     diff_lp, diff_ent = [], []
     for i, (lp, ent) in enumerate(zip(ref_lp, ref_ent)):

@@ -30,6 +30,7 @@ from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config, uses_inte
 from actorcore.mcore.ep_overlap import check_ep_overlap
 from actorcore.mcore.expert_grads import mark_experts_expert_data_parallel
 from actorcore.mcore.handle import EXPERT_LAYOUTS, GROUPED, PER_EXPERT, McoreModel
+from actorcore.mcore.layout_check import check_layout
 from actorcore.mcore.mla import route_kv_down_projection_full_width
 from actorcore.mcore.norm import with_sequence_parallel_norms
 from actorcore.mcore.parallel import McoreParallel, context_from_megatron
@@ -185,6 +186,7 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
         check_vlm_build(vlm_config, parallel, value_head=value_head)
         hf_config = language_config(vlm_config)
     spec = mcore_spec_for(hf_config)
+    check_layout(hf_config, parallel)  # what megatron-core would assert on, deep in the build, on every rank
     if expert_layout is None:
         expert_layout = GROUPED if spec.uses_grouped_experts else PER_EXPERT
     _check_expert_layout(hf_config, spec, expert_layout)

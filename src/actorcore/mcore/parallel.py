@@ -27,10 +27,13 @@ class McoreParallel:
     vp: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "cp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.vp is not None and (self.vp < 1 or self.pp < 2):
+        for name in ("tp", "pp", "ep", "cp", "vp"):
+            value = getattr(self, name)
+            if name == "vp" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be >= 1 (an int), got {value!r}")
+        if self.vp is not None and self.pp < 2:
             raise ValueError(f"vp={self.vp} needs pp >= 2 and vp >= 1")
 
     @property

@@ -69,12 +69,36 @@ class SafetensorsReader:
         if packed:
             raise CheckpointError(_packed_weights_message(directory, packed))
         # MXFP4 pairs: the weight's name -> (blocks, scales) names.
-        self.mxfp4: dict[str, tuple[str, str]] = {}
-        if _quant_method(directory) == "mxfp4":
-            for blocks in [n for n in self.file_of if n.endswith(MXFP4_BLOCKS)]:
-                name = blocks[: -len(MXFP4_BLOCKS)]
-                if name + MXFP4_SCALES in self.file_of:
-                    self.mxfp4[name] = (blocks, name + MXFP4_SCALES)
+        self.mxfp4 = {name: (name + MXFP4_BLOCKS, name + MXFP4_SCALES) for name in self._mxfp4_weights()}
+
+    def _mxfp4_weights(self) -> list[str]:
+        """The weights stored as MXFP4 (``X_blocks`` and ``X_scales``, bytes): refused with the real cause when
+        config.json does not declare MXFP4 or one of a pair is missing, rather than as tensors of a dtype Megatron
+        cannot hold."""
+        parts: dict[str, set[str]] = {}
+        for n in self.file_of:
+            for suffix in (MXFP4_BLOCKS, MXFP4_SCALES):
+                if n.endswith(suffix) and self._slice(n).get_dtype() == "U8":
+                    parts.setdefault(n[: -len(suffix)], set()).add(suffix)
+        if not parts:
+            return []
+        example = sorted(parts)[0]
+        method = _quant_method(self.directory)
+        if method != "mxfp4":
+            declared = f"declares quant_method {method!r}" if method else "declares no quantization_config"
+            raise CheckpointError(
+                f"{self.directory}: {len(parts)} weights are stored as MXFP4 blocks and scales (e.g. "
+                f"{example}{MXFP4_BLOCKS} / {MXFP4_SCALES}), but its config.json {declared}: restore the release's "
+                'quantization_config ({"quant_method": "mxfp4", ...}) in config.json')
+        unpaired = sorted(name for name, found in parts.items() if len(found) == 1)
+        if unpaired:
+            have = parts[unpaired[0]].pop()
+            missing = MXFP4_SCALES if have == MXFP4_BLOCKS else MXFP4_BLOCKS
+            raise CheckpointError(
+                f"{self.directory}: the MXFP4 weight {unpaired[0]} has {unpaired[0]}{have} but no "
+                f"{unpaired[0]}{missing}" + (f" ({len(unpaired)} weights lack one of their pair)" if len(unpaired) > 1
+                                             else "") + ": the checkpoint is incomplete; copy or download it again")
+        return sorted(parts)
 
     def names(self) -> set[str]:
         paired = {n for pair in self.mxfp4.values() for n in pair}

@@ -31,6 +31,7 @@ from actorcore.mcore.weight_layout import (global_mcore_name, head_counts, hf_pa
                                            mcore_tensors, section_rows, shared_copies, with_local_expert)
 from actorcore.parallel import collectives
 from actorcore.parallel.context import ParallelContext
+from actorcore.sizes import positive_size
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +159,7 @@ def mcore_weight_stream(model: McoreModel, *, bucket_bytes: int = DEFAULT_BUCKET
       then it may be the model's own storage, so do not modify them.
     - Wrong arguments raise ``ValueError`` at the call, before any collective.
     """
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
+    bucket_bytes = positive_size("bucket_bytes", bucket_bytes)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be None or a floating torch.dtype (it applies to floating tensors), got {dtype}")
     return _stream(require_model(model, "mcore_weight_stream"), bucket_bytes, dtype)

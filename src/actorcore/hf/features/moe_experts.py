@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from actorcore.archs import submodule
+from actorcore.hf.call import DecoderCall
 from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.kernels.moe_quack import gated_experts
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 MOE_EXPERTS_KEY = "moe_experts:modules"
 MOE_EXPERTS_CHOICES = ("auto", "grouped", "quack", False)
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 AUTO_REFUSAL = "the decoder is not fused here (the path was measured faster only inside the fused decoder)"
 
 
@@ -125,7 +127,8 @@ def sorted_experts_forward(experts: torch.nn.Module, hidden_states_TD: torch.Ten
 class SortedExperts:
     """Put in front of an experts module's own class for the patch's lifetime (``sorted_experts_class``, installed
     by ``class_paths``): its ``forward`` runs ``sorted_experts_forward`` in actorcore's calls, else the class's own
-    forward."""
+    forward. Pickled (``torch.save``) and deep-copied as an instance of ``sorted_experts_class`` of its base: the
+    class is made at run time under the base's name, which pickle cannot look up."""
 
     _actorcore_base: type  # the module's own class
     _actorcore_grouped_mm: Callable  # transformers' grouped GEMM dispatcher
@@ -138,6 +141,15 @@ class SortedExperts:
             return cls._actorcore_base.forward(self, hidden_states, top_k_index, top_k_weights)
         return sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights, cls._actorcore_grouped_mm,
                                       cls._actorcore_quack)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        cls = type(self)
+        return _installed_experts, (cls._actorcore_base, cls._actorcore_quack), self.__getstate__()
+
+
+def _installed_experts(base: type, quack: bool) -> torch.nn.Module:
+    """An empty instance of ``sorted_experts_class(base, quack)`` for unpickling (its state is set next)."""
+    return object.__new__(sorted_experts_class(base, quack))
 
 
 @functools.cache
@@ -181,8 +193,14 @@ def _module_refusal(module: torch.nn.Module) -> str | None:
     if weight.shape[0] != module.num_experts or module.down_proj.shape[0] != module.num_experts:
         return (f"{name} holds {weight.shape[0]} experts' weights for num_experts={module.num_experts} (experts "
                 "split over ranks), which this path refuses")
-    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"{name}'s weights are {weight.dtype}; grouped_mm runs float32, bf16 and fp16"
+    return _dtype_refusal(module)
+
+
+def _dtype_refusal(module: torch.nn.Module) -> str | None:
+    """Why grouped_mm cannot run this experts module's weights (None: it can)."""
+    weight = module.gate_up_proj if module.has_gate else module.up_proj
+    if weight.dtype not in GROUPED_MM_DTYPES:
+        return f"{type(module).__name__}'s weights are {weight.dtype}; grouped_mm runs float32, bf16 and fp16"
     return None
 
 
@@ -289,3 +307,14 @@ class MoeExperts(ClassPathFeature):
     def class_for(self, state: Any) -> Callable[[type], type]:
         quack = state.moe_experts_kernel == "quack"
         return lambda base: sorted_experts_class(base, quack)
+
+    def enter(self, call: DecoderCall) -> Any:
+        """Refuse, before the forward, weights cast since the patch (``model.double()``) to a dtype the path does not
+        run: else grouped_mm fails deep inside the first MoE layer."""
+        for name in call.patch.moe_experts:
+            why = _dtype_refusal(call.parts.decoder.get_submodule(name))
+            if why is not None:
+                raise ValueError(f"{why}: the model was cast after patch_model installed actorcore's MoE experts path "
+                                 "on it; cast it back, or handle.revert() and patch again with moe_experts=False "
+                                 "(and, for float64, model.set_experts_implementation('eager'))")
+        return super().enter(call)
