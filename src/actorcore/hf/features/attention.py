@@ -82,9 +82,11 @@ def in_graph_attention(module, query, key, value, scaling, dropout, sliding_wind
     if module.training and dropout:
         return None
     sinks = attention_sinks(kwargs)
-    head_dim = int(max(query.shape[-1], value.shape[-1]))
+    head_dim = module_head_dim(module)
+    if head_dim is not None:  # a number of the module, a constant of the graph; the tensors must agree
+        torch._check(max(query.shape[-1], value.shape[-1]) == head_dim)
     backend = traceable_backend(query.device.type, query.dtype, kwargs.get(ATTENTION_BACKEND_KWARG, "auto"),
-                                head_dim, softcap is not None, sinks is not None)
+                                head_dim or 0, softcap is not None, sinks is not None)
     if not backend or query.shape[0] != 1:
         return None
     cu_seqlens, max_seqlen = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
@@ -96,6 +98,16 @@ def in_graph_attention(module, query, key, value, scaling, dropout, sliding_wind
                                              sliding_window=sliding_window, softcap=softcap, sinks=sinks,
                                              backend=backend)
     return out_TNH.unsqueeze(0)
+
+
+def module_head_dim(module: torch.nn.Module) -> int | None:
+    """The one head dim a flash kernel sees for this attention module (the larger of its query/key and value head
+    dims), from the module's attributes (``head_dim``; multi-head latent attention's ``qk_head_dim`` and
+    ``v_head_dim``); None where it has none. Read off the module rather than the tensors: inside a compiled layer the
+    tensors' sizes are symbolic."""
+    dims = [getattr(module, name, None) for name in ("head_dim", "qk_head_dim", "v_head_dim")]
+    dims = [d for d in dims if isinstance(d, int) and not isinstance(d, bool)]
+    return max(dims) if dims else None
 
 
 def graph_attention_backends(graph: torch.fx.Graph) -> set[str]:

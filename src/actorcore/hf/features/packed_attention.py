@@ -28,6 +28,7 @@ from actorcore.hf.features.attention import (
     PACKED_ATTENTION,
     attention_configs,
     current_implementations,
+    module_head_dim,
     packed_attention,
     register_attention,
     swap_attention_implementation,
@@ -82,12 +83,10 @@ def attention_backend_choice(parts: Any, spec: Any, request: Any) -> BackendChoi
     param = next(module.parameters(), None)
     if param is None:
         return None
-    dims = [getattr(module, name, None) for name in ("head_dim", "qk_head_dim", "v_head_dim")]
-    dims = [int(d) for d in dims if isinstance(d, int)] or [
-        int(module.config.hidden_size // module.config.num_attention_heads)]
+    head_dim = module_head_dim(module) or module.config.hidden_size // module.config.num_attention_heads
     softcap = getattr(module, "attn_logit_softcapping", None)
     dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
-    return resolve_backend(request, param.device, param.dtype, head_dim=max(dims), softcap=softcap, dropout=dropout,
+    return resolve_backend(request, param.device, param.dtype, head_dim=int(head_dim), softcap=softcap, dropout=dropout,
                            sinks=getattr(module, "sinks", None) is not None)
 
 
