@@ -18,6 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
+from test_autocast_cuda import _exact_fp32  # noqa: F401 - autouse: the fp32 reference's matmuls without TF32
 from torch.utils.checkpoint import checkpoint
 
 
@@ -31,15 +32,6 @@ def _fa4_missing() -> str | None:
 
 
 pytestmark = pytest.mark.skipif(_fa4_missing() is not None, reason=str(_fa4_missing()))
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    """The fp32 reference's matmuls in full fp32 (no TF32)."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _reference(q, k, v, cu, *, scale, window=None, softcap=None, sinks=None, chunk=512):

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from actorcore.testing.quack_stand_in import swap_attributes
+
 
 def _scores_and_mask(q, k, scale, left, causal):
     """Per head ``[N, Lq, Lk]`` scaled scores of one segment (keys expanded to the query heads) and the visible
@@ -143,13 +145,5 @@ def use_fa4_stand_in() -> tuple[FA4StandIn, Callable[[], None]]:
     import actorcore.kernels.attention.fa4 as fa4
 
     stand_in = FA4StandIn()
-    replaced = [(fa4, "_interface", lambda: stand_in), (backends, "fa4_refusal", lambda *args, **kwargs: None)]
-    originals = [(module, name, getattr(module, name)) for module, name, _ in replaced]
-    for module, name, value in replaced:
-        setattr(module, name, value)
-
-    def undo() -> None:
-        for module, name, value in originals:
-            setattr(module, name, value)
-
-    return stand_in, undo
+    return stand_in, swap_attributes([(fa4, "_interface", lambda: stand_in),
+                                      (backends, "fa4_refusal", lambda *args, **kwargs: None)])
