@@ -82,13 +82,13 @@ def in_graph_attention(module, query, key, value, scaling, dropout, sliding_wind
     if module.training and dropout:
         return None
     sinks = attention_sinks(kwargs)
-    head_dim = module_head_dim(module)
-    if head_dim is not None:  # a number of the module, a constant of the graph; the tensors must agree
-        torch._check(max(query.shape[-1], value.shape[-1]) == head_dim)
+    head_dim = module_head_dim(module)  # a number of the module, a constant of the graph (the sizes are symbolic)
     backend = traceable_backend(query.device.type, query.dtype, kwargs.get(ATTENTION_BACKEND_KWARG, "auto"),
                                 head_dim or 0, softcap is not None, sinks is not None)
     if not backend or query.shape[0] != 1:
         return None
+    if backend == "fa4":  # chosen for the module's head dim: the tensors must have it
+        torch._check(max(query.shape[-1], value.shape[-1]) == head_dim)
     cu_seqlens, max_seqlen = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_seqlens is None or max_seqlen is None or (cu_k is not None and cu_k is not cu_seqlens):
