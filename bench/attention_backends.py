@@ -9,7 +9,8 @@ under half of the H200's matmul rate. cuDNN ships inside torch's CUDA wheel and 
 flash-attn-4 with the CuTe DSL (``pip install 'actorcore[fa4]'``, or carried as wheels).
 
     PYTHONPATH=src:/tmp/site python3 bench/attention_backends.py [--pack 32768] [--backends flash2,fa4,...]
-        [--long 131072,262144,524288] [--long-heads qwen2.5-1.5b] [--window W] [--reps 5] [--json out.json]
+        [--heads qwen2.5-1.5b,...] [--long 131072,262144,524288] [--long-heads qwen3-8b] [--window W] [--reps 5]
+        [--json out.json]
 
 Per head shape and backend: max |Δ| of the output and of dq / dk / dv against an fp32 per-sequence reference (a
 4K-token pack), whether the backward is bitwise repeatable, and the median of CUDA-event timed calls (TFLOP/s
@@ -26,8 +27,12 @@ import traceback
 
 import torch
 
-HEADS = {"qwen2.5-1.5b (12 q, 2 kv)": (12, 2, 128), "qwen3-8b (32 q, 8 kv)": (32, 8, 128),
-         "qwen3-30b-a3b (32 q, 4 kv)": (32, 4, 128)}
+HEADS = {"qwen2.5-1.5b": (12, 2, 128), "qwen3-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}  # (q, kv, dim)
+
+
+def heads_label(name: str) -> str:
+    nq, nk, _ = HEADS[name]
+    return f"{name} ({nq} q, {nk} kv)"
 
 
 def rl_lengths(total: int, seed: int) -> list[int]:
@@ -186,29 +191,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pack", type=int, default=32768)
     ap.add_argument("--backends", default=",".join(BACKENDS), help=f"of {sorted(BACKENDS)}")
-    ap.add_argument("--heads", default=",".join(HEADS), help="head shapes of the RL packs ('' for none)")
+    ap.add_argument("--heads", default=",".join(HEADS), help=f"head shapes of the RL packs, of {sorted(HEADS)} "
+                    "('' for none)")
     ap.add_argument("--long", default="", help="single-sequence lengths, FA2 against FA4 (e.g. 131072,262144)")
-    ap.add_argument("--long-heads", default="qwen2.5-1.5b (12 q, 2 kv)")
+    ap.add_argument("--long-heads", default="qwen2.5-1.5b", choices=sorted(HEADS))
     ap.add_argument("--window", type=int, default=None)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     WINDOW = args.window
+    wanted = [b for b in args.backends.split(",") if b]
+    if unknown := [b for b in wanted if b not in BACKENDS] + [h for h in args.heads.split(",") if h and h not in HEADS]:
+        raise SystemExit(f"unknown backends / heads {unknown}; backends: {sorted(BACKENDS)}, heads: {sorted(HEADS)}")
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}, "
           f"window {WINDOW}")
-    wanted = args.backends.split(",")
     rows = []
     for shape in [h for h in args.heads.split(",") if h]:
         nq, nk, hd = HEADS[shape]
         for key in wanted:
             fn = BACKENDS[key]
-            rows.append(run_row({"heads": shape, "backend": NAMES[key]}, lambda: {
+            rows.append(run_row({"heads": heads_label(shape), "backend": NAMES[key]}, lambda: {
                 **accuracy(fn, nq, nk, hd), **speed(fn, nq, nk, hd, rl_lengths(args.pack, seed=1), args.reps)}))
     nq, nk, hd = HEADS[args.long_heads]
     for length in [int(n) for n in args.long.split(",") if n]:
         for key in [k for k in ("flash2", "fa4") if k in wanted]:
             fn = BACKENDS[key]
-            rows.append(run_row({"heads": args.long_heads, "backend": NAMES[key], "long": length},
+            rows.append(run_row({"heads": heads_label(args.long_heads), "backend": NAMES[key], "long": length},
                                 lambda: speed(fn, nq, nk, hd, [length], max(1, min(args.reps, 3)))))
     print(f"{'heads':<28} {'backend':<22} {'tokens':>8} {'fwd ms':>9} {'fwd+bwd ms':>11} {'fwd TF/s':>9} "
           f"{'f+b TF/s':>9} {'max|dq|':>9}")

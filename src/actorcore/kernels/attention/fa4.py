@@ -105,12 +105,12 @@ def _window_left(window: Optional[int]) -> Optional[int]:
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                 scale: float, window: Optional[int], softcap: float, sinks: Optional[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [T, N, H], lse [N, T] fp32)`` of FA4's varlen forward (causal, softcap 0.0: none)."""
+    """``(out [T, N, H], lse [N, T] fp32)`` of FA4's varlen forward (causal, softcap 0.0: none), contiguous."""
     out, lse = _interface()._flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
         softmax_scale=scale, causal=True, softcap=softcap, window_size_left=_window_left(window),
         window_size_right=None, learnable_sink=sinks, return_lse=True)[:2]
-    return out, lse
+    return out.contiguous(), lse.contiguous()
 
 
 @_forward_op.register_fake
@@ -129,13 +129,14 @@ def _backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         window_size_right=None, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
         max_seqlen_k=max_seqlen, learnable_sink=sinks)
     dsinks = grads[3] if sinks is not None else q.new_empty(0)
-    return grads[0], grads[1], grads[2], dsinks
+    # Contiguous, as the fake implementation promises a compiled graph (FA4 allocates them like its inputs).
+    return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), dsinks.contiguous()
 
 
 @_backward_op.register_fake
 def _backward_fake(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, window, softcap, sinks):
-    dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output) -> None:
