@@ -224,8 +224,9 @@ def main() -> None:
         if "error" in r:
             print(f"{r['heads']:<28} {r['backend']:<22} error: {r['error'][:80]}")
         else:
-            print(f"{r['heads']:<28} {r['backend'][:22]:<22} {r['tokens']:>8} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f} "
-                  f"{r['fwd_tflops']:9.0f} {r['fwd_bwd_tflops']:9.0f} {r.get('dq', float('nan')):9.2e}")
+            print(f"{r['heads']:<28} {r['backend'][:22]:<22} {r['tokens']:>8} {r['fwd_ms']:9.2f} "
+                  f"{r['fwd_bwd_ms']:11.2f} {r['fwd_tflops']:9.0f} {r['fwd_bwd_tflops']:9.0f} "
+                  f"{r.get('dq', float('nan')):9.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -101,7 +101,7 @@ def test_auto_takes_fa4_only_where_measured(hopper, monkeypatch):
     choose = lambda **kw: backends.choose_backend(  # noqa: E731
         CUDA, kw.pop("dtype", torch.bfloat16), kw.pop("softcap", None), kw.pop("dropout", 0.0),
         kw.pop("sinks", False), head_dim=kw.pop("head_dim", 128), **kw)
-    assert backends.FA4_MEASURED == {}  # today's default: FA4 only when asked for
+    monkeypatch.setattr(backends, "FA4_MEASURED", MappingProxyType({}))  # not measured: FA4 only when asked for
     assert (choose(), choose(sinks=True), choose(softcap=5.0)) == ("torch_varlen", "segments", "segments")
 
     monkeypatch.setattr(backends, "FA4_MEASURED", MappingProxyType({(9, 0): "exact"}))
@@ -124,6 +124,7 @@ def test_auto_takes_fa4_only_where_measured(hopper, monkeypatch):
 def test_resolve_backend_reports_the_choice_and_refuses_what_cannot_run(hopper, monkeypatch):
     resolve = lambda requested, **kw: backends.resolve_backend(  # noqa: E731
         requested, kw.pop("device", CUDA), kw.pop("dtype", torch.bfloat16), head_dim=kw.pop("head_dim", 128), **kw)
+    monkeypatch.setattr(backends, "FA4_MEASURED", MappingProxyType({}))
     choice = resolve("auto")
     assert (choice.backend, choice.requested) == ("torch_varlen", "auto") and "FA4 not measured on sm90" in str(choice)
     assert "need CUDA and 16-bit" in resolve("auto", device=torch.device("cpu")).reason

@@ -11,9 +11,9 @@ How: each decoder layer gets an instance ``forward`` (a ``FusedLayerForward`` ho
 compilation, symbolic token count: no recompilation per pack length). The packed attention is traced into the
 layer's graph where its backend is torch's varlen op or FA4's op (``IN_GRAPH_KWARG``): Inductor then fuses the
 q/k/v layouts and the residual stream's gradients around it. Other attention (Ulysses, flash-attn, sinks or softcap
-outside FA4) stays out of the graph (``torch.compiler.disable``), as do instance forwards other patches install in a layer (tiled MLP,
-recomputed norms). A layer runs compiled only in actorcore's own decoder calls, which
-pass ``FUSED_KWARG``; any other call (the model's own forward, ``verify``'s reference, batch-invariant calls)
+outside FA4) stays out of the graph (``torch.compiler.disable``), as do instance forwards other patches install in a
+layer (tiled MLP, recomputed norms). A layer runs compiled only in actorcore's own decoder calls, which pass
+``FUSED_KWARG``; any other call (the model's own forward, ``verify``'s reference, batch-invariant calls)
 runs the original eager forward. Each compiled layer call counts under ``FUSED_TRACE_KEY`` in the call's trace.
 
 Where: CUDA, 16-bit weights, Triton present; elsewhere (CPU, fp32) nothing is installed and the path is the
