@@ -66,6 +66,10 @@ def test_fa4_refusals_name_the_reason(monkeypatch):
                           (dict(head_dim=264), "not 264"), (dict(head_dim=100), "steps of 8")):
         assert words in fa4.fa4_refusal(**{**ok, **change}), change
     assert "no attention dropout" in fa4.fa4_refusal(**ok, dropout=0.1)
+    assert fa4.fa4_refusal(**ok, window=True, softcap=True, sinks=True) is None  # all of FA4_FEATURES
+    monkeypatch.setattr(fa4, "FA4_FEATURES", frozenset({"window"}))  # as if the GPU showed softcap and sinks wrong
+    assert "with softcap, sinks (not in fa4.FA4_FEATURES)" in fa4.fa4_refusal(**ok, window=True, softcap=True,
+                                                                              sinks=True)
     monkeypatch.setattr(fa4, "installed_refusal", lambda: "flash-attn-4 is not installed")
     assert fa4.fa4_refusal(**ok) == "flash-attn-4 is not installed"
 
@@ -116,6 +120,8 @@ def test_auto_takes_fa4_only_where_measured(hopper, monkeypatch):
     assert choose(dropout=0.1) == "flash_attn"
     assert choose(head_dim=None) == "flash_attn" and choose(fa4=False) == "flash_attn"
     assert choose(dtype=torch.float32) == "segments"
+    monkeypatch.setattr(fa4, "FA4_FEATURES", frozenset({"softcap"}))  # windows and sinks taken off the list
+    assert (choose(window=True), choose(softcap=5.0), choose(sinks=True)) == ("flash_attn", "fa4", "segments")
     assert backends.choose_backend(torch.device("cpu"), torch.bfloat16, None, 0.0, head_dim=128) == "segments"
     monkeypatch.setattr(backends, "device_capability", lambda device: (10, 0))
     assert choose() == "flash_attn"  # not measured on that GPU
@@ -186,7 +192,7 @@ def test_fa4_op_traces_into_a_compiled_layer_with_its_backward(stand_in, monkeyp
     from actorcore.hf.features import fused_decoder
 
     monkeypatch.setattr(attention, "traceable_backend", torch.compiler.assume_constant_result(
-        lambda device_type, dtype, requested, head_dim, softcap, sinks: "fa4" if requested == "fa4" else ""))
+        lambda device_type, dtype, requested, head_dim, softcap, sinks, window: "fa4" if requested == "fa4" else ""))
     graphs = []
 
     def aot_eager_capture(gm, example_inputs):

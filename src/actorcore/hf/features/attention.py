@@ -84,7 +84,7 @@ def in_graph_attention(module, query, key, value, scaling, dropout, sliding_wind
     sinks = attention_sinks(kwargs)
     head_dim = module_head_dim(module)  # a number of the module, a constant of the graph (the sizes are symbolic)
     backend = traceable_backend(query.device.type, query.dtype, kwargs.get(ATTENTION_BACKEND_KWARG, "auto"),
-                                head_dim or 0, softcap is not None, sinks is not None)
+                                head_dim or 0, softcap is not None, sinks is not None, bool(sliding_window))
     if not backend or query.shape[0] != 1:
         return None
     if backend == "fa4":  # chosen for the module's head dim: the tensors must have it

@@ -72,8 +72,9 @@ def _head_counts(attention_modules: list[torch.nn.Module]) -> tuple[int, int]:
 
 def attention_backend_choice(parts: Any, spec: Any, request: Any) -> BackendChoice | None:
     """What ``patch_model(attention_backend=request)`` comes to for the model's softmax attention (read off its first
-    attention module: device, dtype, head dims, softcap, sinks, dropout), for the patch's report; ``ValueError`` for
-    an unknown name or a backend that cannot run that attention. None: no softmax attention layers."""
+    attention module: device, dtype, head dims, softcap, sinks, dropout; a window if any layer has one), for the
+    patch's report; ``ValueError`` for an unknown name or a backend that cannot run that attention. None: no softmax
+    attention layers."""
     if not isinstance(request, str) or request not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {request!r} ('auto': FA4 where it was "
                          "measured faster and exact, else FlashAttention-2)")
@@ -86,8 +87,9 @@ def attention_backend_choice(parts: Any, spec: Any, request: Any) -> BackendChoi
     head_dim = module_head_dim(module) or module.config.hidden_size // module.config.num_attention_heads
     softcap = getattr(module, "attn_logit_softcapping", None)
     dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+    window = any(getattr(submodule(layer, spec.attention), "sliding_window", None) for layer in parts.attention_layers)
     return resolve_backend(request, param.device, param.dtype, head_dim=int(head_dim), softcap=softcap, dropout=dropout,
-                           sinks=getattr(module, "sinks", None) is not None)
+                           sinks=getattr(module, "sinks", None) is not None, window=window)
 
 
 def _requested_backend(call: DecoderCall) -> str:

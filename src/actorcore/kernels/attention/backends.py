@@ -67,7 +67,7 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def _fa4_for_auto(device: torch.device, dtype: torch.dtype, softcap: float | None, dropout: float, sinks: bool,
-                  head_dim: int | None) -> bool:
+                  head_dim: int | None, window: bool) -> bool:
     """Whether ``"auto"`` takes FA4 for this call (``FA4_MEASURED``, and FA4 takes the call)."""
     if not FA4_MEASURED or head_dim is None:
         return False
@@ -76,20 +76,21 @@ def _fa4_for_auto(device: torch.device, dtype: torch.dtype, softcap: float | Non
         return False
     if measured == "exact" and not (sinks or (softcap is not None and not _has_flash_attn())):
         return False
-    why = fa4_refusal(device, dtype, head_dim, device_capability(device), dropout=dropout)
+    why = fa4_refusal(device, dtype, head_dim, device_capability(device), dropout=dropout, window=window,
+                      softcap=softcap is not None, sinks=sinks)
     if why is not None:
         logger.debug("attention 'auto' does not take FA4 here: %s", why)
     return why is None
 
 
 def choose_backend(device: torch.device, dtype: torch.dtype, softcap: float | None, dropout: float,
-                   sinks: bool = False, *, head_dim: int | None = None, fa4: bool = True) -> str:
+                   sinks: bool = False, *, head_dim: int | None = None, window: bool = False, fa4: bool = True) -> str:
     """The backend ``"auto"`` resolves to for these arguments (see the module docstring). ``head_dim``: the one head
-    dim a flash kernel sees (the larger of q/k's and v's; None: FA4 is not considered); ``fa4=False``: FA4 is not a
-    candidate (callers whose layouts only the other flash kernels take)."""
+    dim a flash kernel sees (the larger of q/k's and v's; None: FA4 is not considered); ``window``: a sliding window;
+    ``fa4=False``: FA4 is not a candidate (callers whose layouts only the other flash kernels take)."""
     if device.type != "cuda" or dtype not in FLASH_DTYPES:
         return "segments"
-    if fa4 and _fa4_for_auto(device, dtype, softcap, dropout, sinks, head_dim):
+    if fa4 and _fa4_for_auto(device, dtype, softcap, dropout, sinks, head_dim, window):
         return "fa4"
     if sinks:
         return "segments"
@@ -101,14 +102,15 @@ def choose_backend(device: torch.device, dtype: torch.dtype, softcap: float | No
 
 
 def backend_refusal(backend: str, device: torch.device, dtype: torch.dtype, *, softcap: float | None = None,
-                    dropout: float = 0.0, sinks: bool = False, head_dim: int) -> str | None:
+                    dropout: float = 0.0, sinks: bool = False, window: bool = False, head_dim: int) -> str | None:
     """Why an explicitly requested backend cannot run attention with these arguments (None: it can)."""
     if backend not in BACKENDS:
         return f"unknown attention backend {backend!r}; choose one of {BACKENDS}"
     if backend in ("auto", "segments"):
         return None
     if backend == "fa4":
-        return fa4_refusal(device, dtype, head_dim, device_capability(device), dropout=dropout)
+        return fa4_refusal(device, dtype, head_dim, device_capability(device), dropout=dropout, window=window,
+                           softcap=softcap is not None, sinks=sinks)
     if sinks:
         return f"the {backend} backend cannot apply attention sinks; use backend='segments', 'fa4' or 'auto'"
     if backend == "torch_varlen" and (softcap is not None or dropout):
@@ -129,17 +131,19 @@ class BackendChoice:
 
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, *, head_dim: int,
-                    softcap: float | None = None, dropout: float = 0.0, sinks: bool = False) -> BackendChoice:
+                    softcap: float | None = None, dropout: float = 0.0, sinks: bool = False,
+                    window: bool = False) -> BackendChoice:
     """The backend ``requested`` comes to for attention of these arguments, with the reason; raises ``ValueError``
     with the reason for an explicit backend that cannot run it. Each call still resolves ``"auto"`` itself
     (``choose_backend``) from its own tensors: this is what the model's device, dtype and config lead to."""
-    why = backend_refusal(requested, device, dtype, softcap=softcap, dropout=dropout, sinks=sinks, head_dim=head_dim)
+    why = backend_refusal(requested, device, dtype, softcap=softcap, dropout=dropout, sinks=sinks, window=window,
+                          head_dim=head_dim)
     if why is not None:
         raise ValueError(f"attention_backend={requested!r}: {why}; pass attention_backend='auto' (FA4 where measured, "
                          "else FlashAttention-2) or another backend")
     if requested != "auto":
         return BackendChoice(requested, requested, "asked for")
-    backend = choose_backend(device, dtype, softcap, dropout, sinks, head_dim=head_dim)
+    backend = choose_backend(device, dtype, softcap, dropout, sinks, head_dim=head_dim, window=window)
     if device.type != "cuda" or dtype not in FLASH_DTYPES:
         return BackendChoice("auto", backend, "flash kernels need CUDA and 16-bit inputs")
     capability = device_capability(device)
@@ -149,6 +153,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, *,
         return BackendChoice("auto", backend, f"FA4 measured {measured} on {sm}")
     if measured is None:
         return BackendChoice("auto", backend, f"FA4 not measured on {sm} (kernels.attention.backends.FA4_MEASURED)")
-    why = fa4_refusal(device, dtype, head_dim, capability, dropout=dropout)
+    why = fa4_refusal(device, dtype, head_dim, capability, dropout=dropout, window=window,
+                      softcap=softcap is not None, sinks=sinks)
     return BackendChoice("auto", backend, why or f"FA4 measured {measured} only on {sm}, and {backend} covers this "
                          "attention")

@@ -38,6 +38,10 @@ FA4_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_RANGE = (8, 256)  # FA4's SM90 kernels: 16-byte aligned rows, so multiples of 8 for 16-bit inputs
 HEAD_DIM_MULTIPLE = 8
 HOPPER = 9  # the compute capability major FA4 is taken on
+# What FA4 is taken for besides plain causal attention, read from flash-attn-4 4.0.0b36's SM90 path; a feature that
+# tests/gpu/test_fa4_attention_cuda.py shows wrong on the GPU is removed here, and such calls fall back (or are refused
+# when FA4 is asked for by name) with the reason.
+FA4_FEATURES = frozenset({"window", "softcap", "sinks"})
 
 # The names of the ops as a captured graph's nodes show them (``holds_packed_attention``).
 FORWARD_OP_NAME = "actorcore.fa4_varlen_forward"
@@ -60,9 +64,10 @@ def installed_refusal() -> str | None:
 
 
 def fa4_refusal(device: torch.device, dtype: torch.dtype, head_dim: int, capability: tuple[int, int] | None, *,
-                dropout: float = 0.0) -> str | None:
+                dropout: float = 0.0, window: bool = False, softcap: bool = False, sinks: bool = False) -> str | None:
     """Why FA4 cannot run attention with these arguments (None: it can). ``head_dim``: the one head dim the kernel
-    sees (the larger of q/k's and v's); ``capability``: the device's compute capability (None off CUDA)."""
+    sees (the larger of q/k's and v's); ``capability``: the device's compute capability (None off CUDA); ``window``,
+    ``softcap``, ``sinks``: whether the call has them (``FA4_FEATURES``)."""
     if device.type != "cuda" or capability is None:
         return "FA4 runs on CUDA devices only"
     if capability[0] != HOPPER:
@@ -75,6 +80,10 @@ def fa4_refusal(device: torch.device, dtype: torch.dtype, head_dim: int, capabil
         return f"FA4 takes head dims of {low}-{high} in steps of {HEAD_DIM_MULTIPLE}, not {head_dim}"
     if dropout:
         return "FA4 has no attention dropout (set the model's attention_dropout to 0.0 for training)"
+    missing = [name for name, used in (("window", window), ("softcap", softcap), ("sinks", sinks))
+               if used and name not in FA4_FEATURES]
+    if missing:
+        return f"FA4 is not taken for attention with {', '.join(missing)} (not in fa4.FA4_FEATURES)"
     return installed_refusal()
 
 

@@ -61,10 +61,11 @@ def varlen_causal_attention(
         raise ValueError(f"sinks must hold one logit per query head, shape ({N},), got {tuple(sinks.shape)}")
     head_dim = max(H, v_TKH.shape[-1])  # the one head dim a flash kernel sees (``_with_equal_head_dims``)
     if backend == "auto":
-        backend = choose_backend(q_TNH.device, q_TNH.dtype, softcap, dropout, sinks is not None, head_dim=head_dim)
+        backend = choose_backend(q_TNH.device, q_TNH.dtype, softcap, dropout, sinks is not None, head_dim=head_dim,
+                                 window=bool(sliding_window))
     else:
         why = backend_refusal(backend, q_TNH.device, q_TNH.dtype, softcap=softcap, dropout=dropout,
-                              sinks=sinks is not None, head_dim=head_dim)
+                              sinks=sinks is not None, window=bool(sliding_window), head_dim=head_dim)
         if why is not None:
             raise ValueError(f"attention backend {backend!r} cannot run this call: {why}")
     add(trace, f"varlen_attention:{backend}")
@@ -86,7 +87,7 @@ TRACED_OP_NAMES = {VARLEN_OP_NAME: "torch_varlen", FORWARD_OP_NAME: "fa4"}
 
 @torch.compiler.assume_constant_result
 def traceable_backend(device_type: str, dtype: torch.dtype, requested: str = "auto", head_dim: int = 0,
-                      softcap: bool = False, sinks: bool = False) -> str:
+                      softcap: bool = False, sinks: bool = False, window: bool = False) -> str:
     """The backend of ``varlen_causal_attention_traced`` that a compiled graph can hold for attention of these
     arguments without dropout (the caller checks dropout): ``"fa4"`` or ``"torch_varlen"``, ``""`` where
     ``requested`` (``"auto"`` or a backend) comes to neither, or cannot run (the call then leaves the graph and
@@ -95,8 +96,10 @@ def traceable_backend(device_type: str, dtype: torch.dtype, requested: str = "au
     device = torch.device(device_type)
     backend = requested
     if requested == "auto":
-        backend = choose_backend(device, dtype, 1.0 if softcap else None, 0.0, sinks, head_dim=head_dim or None)
-    if backend == "fa4" and backend_refusal("fa4", device, dtype, head_dim=head_dim) is None:
+        backend = choose_backend(device, dtype, 1.0 if softcap else None, 0.0, sinks, head_dim=head_dim or None,
+                                 window=window)
+    if backend == "fa4" and backend_refusal("fa4", device, dtype, softcap=1.0 if softcap else None, sinks=sinks,
+                                            window=window, head_dim=head_dim) is None:
         return backend
     if backend == "torch_varlen" and not softcap and not sinks and device.type == "cuda" and _has_torch_varlen():
         return backend
