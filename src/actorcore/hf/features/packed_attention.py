@@ -78,11 +78,12 @@ def attention_backend_choice(parts: Any, spec: Any, request: Any) -> BackendChoi
     if not isinstance(request, str) or request not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {request!r} ('auto': FA4 where it was "
                          "measured faster and exact, else FlashAttention-2)")
-    if not parts.attention_layers:
-        return None
-    module = submodule(parts.attention_layers[0], spec.attention)
-    param = next(module.parameters(), None)
+    module = submodule(parts.attention_layers[0], spec.attention) if parts.attention_layers else None
+    param = None if module is None else next(module.parameters(), None)
     if param is None:
+        if request != "auto":
+            raise ValueError(f"attention_backend={request!r}: this model has no softmax attention layer with "
+                             "parameters to run it; pass attention_backend='auto'")
         return None
     head_dim = module_head_dim(module) or module.config.hidden_size // module.config.num_attention_heads
     softcap = getattr(module, "attn_logit_softcapping", None)
