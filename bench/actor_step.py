@@ -12,6 +12,8 @@ weights), and the kernel-time breakdown by category (``step_profile``). Random w
     PYTHONPATH=src:/tmp/site python3 bench/actor_step.py --model qwen2.5-1.5b [--layers N] [--paths a,b]
         [--budget-gib 40] [--out DIR]
 
+A path name with " fa4" appended runs that path with FlashAttention-4 (see ``FA4_SUFFIX``).
+
 Under ``torchrun --nproc-per-node N`` (NCCL on N GPUs; gloo on the CPU with ``--model tiny``) the actorcore paths run
 with FSDP2 (``fully_shard`` per decoder layer and the root), each rank on its share of the sequences (every N-th,
 packed on its own): tokens/s over all ranks and the scaling efficiency against the one-GPU row of the same path
@@ -58,6 +60,20 @@ PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-ex
 # The dense SwiGLU MLPs stay compiled (``dense_mlp=False``) except on the "... quack-mlp" paths (``dense_mlp="quack"``).
 # "megatron": actorcore's Megatron-Core route on this one GPU (``megatron_step``); it runs last (it moves the HF model
 # off the GPU).
+# Any actorcore or megatron path with " fa4" appended ("actorcore fused fa4", "megatron fa4") runs the same with its
+# attention on FlashAttention-4 (``patch_model(attention_backend="fa4")``, ``mcore.attention.use_attention_backend``),
+# right after the path without it: before and after in one process. The paths without it keep "auto".
+FA4_SUFFIX = " fa4"
+
+
+def ordered_paths(wanted: list[str]) -> list[str]:
+    """The asked-for paths in run order (``PATHS``, each followed by its FA4 variant); unknown names refused."""
+    known = [variant for base in PATHS for variant in (base, base + FA4_SUFFIX)
+             if not variant.endswith(FA4_SUFFIX) or base.startswith(("actorcore", "megatron"))]
+    unknown = [p for p in wanted if p not in known]
+    if unknown:
+        raise SystemExit(f"unknown paths {unknown}; choose from {known}")
+    return [p for p in known if p in wanted]
 
 
 def build(model_type, shape, dtype, device, layers):
@@ -209,6 +225,23 @@ def megatron_step(model, packs, advs, device):
     return step, chunks
 
 
+def counted_attention(step, modules):
+    """``step`` with the Megatron core attentions counting the kernels they ran in ``step.trace`` (its last call)."""
+    trace = Counter()
+
+    def counted():
+        trace.clear()
+        for module in modules:
+            module.trace = trace
+        try:
+            return step()
+        finally:
+            for module in modules:
+                module.trace = None
+    counted.trace = trace
+    return counted
+
+
 def world() -> tuple[int, int]:
     """(rank, world size) of a torchrun launch; (0, 1) otherwise."""
     import torch.distributed as dist
@@ -351,21 +384,35 @@ def main() -> None:
     wanted = args.paths.split(",")
     if fsdp and any(not p.startswith("actorcore") for p in wanted):
         raise SystemExit("under torchrun only the actorcore paths run (FSDP2); pass --paths 'actorcore ...'")
-    for name in [p for p in PATHS if p in wanted]:
+    megatron = None  # (step, chunks): built once, for "megatron" and "megatron fa4"
+    for name in ordered_paths(wanted):
         profile = name in args.profile.split(",")
         handle, runner = None, model
+        attention = "fa4" if name.endswith(FA4_SUFFIX) else "auto"
+        base = name.removesuffix(FA4_SUFFIX)
         if name.startswith("actorcore"):
-            fused = name != "actorcore before"
-            ckpt = "full" if name == "actorcore before" else ("selective" if "no-ckpt" in name else "auto")
+            fused = base != "actorcore before"
+            ckpt = "full" if base == "actorcore before" else ("selective" if "no-ckpt" in name else "auto")
             moe = bool(getattr(model.config, "num_experts", None))
             experts = "grouped" if moe and fused and "transformers-experts" not in name else False
             experts = "quack" if "quack-experts" in name else experts
-            handle = ac.patch_model(model, fused_decoder="auto" if fused else False, checkpointing=ckpt,
-                                    memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
-                                    moe_experts=experts, dense_mlp="quack" if "quack-mlp" in name else False)
+            try:
+                handle = ac.patch_model(model, fused_decoder="auto" if fused else False, checkpointing=ckpt,
+                                        memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
+                                        moe_experts=experts, dense_mlp="quack" if "quack-mlp" in name else False,
+                                        attention_backend=attention)
+            except ValueError as refused:  # e.g. FA4 where it cannot run: a result, not the end of the run
+                rows.append({"path": name, "error": f"refused: {refused}"})
+                print(f"[row] {json.dumps(rows[-1])}", flush=True)
+                continue
             step = actorcore_step(model, packs, pack_advs, device)
-        elif name == "megatron":
-            step, runner = megatron_step(model, packs, pack_advs, device)
+        elif base == "megatron":
+            from actorcore.mcore.attention import use_attention_backend
+
+            megatron = megatron or megatron_step(model, packs, pack_advs, device)
+            step, runner = megatron
+            attention_modules = use_attention_backend(list(runner), attention)
+            step = counted_attention(step, attention_modules)
         else:
             if "liger" in name:
                 from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -379,13 +426,15 @@ def main() -> None:
                          total_tokens)
         if "_lp" in row:
             lp = row.pop("_lp")
-            if name.startswith("actorcore") or name == "megatron":  # per pack
+            if name.startswith(("actorcore", "megatron")):  # per pack
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_packed))
             else:
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_seq))
+        if handle is not None or base == "megatron":
+            row["trace"] = {k: v for k, v in step.trace.items() if k.split(":")[0] in (
+                "fused_decoder", "checkpoint", "moe_experts", "dense_mlp", "attention", "varlen_attention")}
         if handle is not None:
-            row["trace"] = {k: v for k, v in step.trace.items()
-                            if k.split(":")[0] in ("fused_decoder", "checkpoint", "moe_experts", "dense_mlp")}
+            row["attention_backend"] = str(handle.state.attention)
             handle.revert()
         rows.append(row)
     if fsdp:

@@ -37,6 +37,10 @@ every cell, an ``attention`` column, a bold label). Before the runs, every rank 
 reaches actorcore's attention kernel, exactly (``check_window``: the model's own forward, full attention on the same
 weights, the kernel's arguments), and each cell records the ``sliding_window`` every kernel call received.
 
+``--attention-backends auto,fa4``: each actorcore variant (``actorcore``, ``offload``) runs once per attention backend
+(``patch_model(attention_backend=...)``; ``fa4``: FlashAttention-4), one after the other in this process: before and
+after side by side. Each cell records its backend and the kernels' trace (``varlen_attention:<backend>`` calls).
+
 ``--memory-phases``: the first timed step of the offload variant (else actorcore, else transformers) at the longest
 length, on rank 0, split into phases by module pre-/post-hooks (embedding, each decoder layer and its submodules,
 final norm, lm head) and, in backward, tensor hooks on the first forward's outputs (a module's backward starts when
@@ -53,6 +57,8 @@ removed after the step.
     PYTHONPATH=src torchrun --nproc-per-node 2 bench/long_context.py --sp 2 --lengths 1048576 --layers 1 \
         --variants offload --offload-layers auto --warmup 0 --out /tmp/long_context_sp2
     PYTHONPATH=src torchrun --nproc-per-node 2 bench/long_context.py --sp 2 --tiny --out /tmp/lc_sp2_tiny   # gloo
+    PYTHONPATH=src:/tmp/site python3 bench/long_context.py --lengths 262144 --variants actorcore --layers 4 \
+        --attention-backends auto,fa4 --out /tmp/lc_fa4       # FA2 against FA4 on the 8B shape
     PYTHONPATH=src python3 bench/long_context.py --lengths 524288 --variants offload --attention-window 4096 \
         --memory-phases --warmup 1 --out /tmp/lc512k_32l      # 32 layers; all offloaded: 128 GiB pinned host memory
 """
@@ -469,6 +475,7 @@ def _markdown(results: dict) -> str:
     for c in results["cells"]:
         offloaded = f"{c['offload_layers']}, {c['offload_layers_full']}" if "offload_layers" in c else "-"
         attention = "full causal" if c.get("attention_window") is None else f"window {c['attention_window']}"
+        attention += f", {c['attention_backend']}" if c.get("attention_backend") else ""
         lines.append(f"| {c['variant']} | {c['tokens']} | {attention} | {offloaded} | "
                      f"{_fmt(c.get('seconds'), '.2f')} | "
                      f"{_fmt(c.get('tokens_per_s'), '.0f')} | {_fmt(c.get('peak_gib'), '.1f')} | "
@@ -585,6 +592,8 @@ def main() -> None:
     parser.add_argument("--attention-window", type=int, default=None, metavar="W", help="build the same shape as "
                         "a MistralConfig with sliding_window=W: attention windowed to W tokens (memory as full "
                         "causal, time not)")
+    parser.add_argument("--attention-backends", default="auto", help="comma-separated patch_model(attention_backend=)"
+                        " values; each actorcore variant runs once per backend (e.g. auto,fa4)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (checks the script)")
     parser.add_argument("--out", required=True, help="path prefix of the .json and .md results")
     args = parser.parse_args()
@@ -596,6 +605,7 @@ def main() -> None:
     variants = [v for v in (args.variants.split(",") if args.variants else default_variants) if v]
     if unknown := set(variants) - set(VARIANTS):
         raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    attention_backends = [b for b in args.attention_backends.split(",") if b]
     if args.sp > 1 and "transformers" in variants:
         raise SystemExit("the plain transformers variant does not run under --sp (it cannot split the sequence)")
     if args.tiny:
@@ -623,6 +633,7 @@ def main() -> None:
                          "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                          "sp": args.sp, "shards": args.shards, "recompute_norms": args.recompute_norms, "fused_decoder": args.fused_decoder, "warmup": args.warmup, "repeats": args.repeats,
                          "offload_layers": args.offload_layers, "torch": torch.__version__,
+                         "attention_backends": attention_backends,
                          "host_available_gib": (_host_available_bytes() or 0) / 2**30},
                "cells": []}
     if window_check is not None:
@@ -636,11 +647,12 @@ def main() -> None:
     phases_tokens = max(plain_lengths if history_variant == "transformers" else lengths)
     for tokens in sorted(set(lengths) | (plain_lengths if "transformers" in variants else set())):
         ids = torch.randint(0, config.vocab_size, (tokens,), generator=g).to(device)
-        for variant in variants:
+        for variant, backend in [(v, b) for v in variants
+                                 for b in ((None,) if v == "transformers" else attention_backends)]:
             if tokens not in (plain_lengths if variant == "transformers" else lengths):
                 continue
             cell = {"variant": variant, "tokens": tokens, "layers": args.layers, "sp": args.sp,
-                    "attention_window": window}
+                    "attention_window": window, "attention_backend": backend}
             checkpoint_bytes = -(-tokens // args.sp) * hidden * 2  # one layer's checkpointed input on one rank
             offload = offload_full = 0
             if variant == "offload":
@@ -665,11 +677,15 @@ def main() -> None:
             if variant != "transformers":
                 handle = ac.patch_model(model, parallel=parallel, tiled_mlp_shards=args.shards,
                                         offload_activations=offload or False, recompute_norms=args.recompute_norms,
-                                        fused_decoder=True if args.fused_decoder else "auto")
+                                        fused_decoder=True if args.fused_decoder else "auto",
+                                        attention_backend=backend)
+                cell["attention_choice"] = str(handle.state.attention)
             step = _transformers_step if variant == "transformers" else _actorcore_step
+            first_backend = backend in (None, attention_backends[0])
             record = (args.memory_history and device == "cuda" and rank == 0 and tokens == longest
-                      and variant == history_variant)
-            profile = args.memory_phases and rank == 0 and tokens == phases_tokens and variant == history_variant
+                      and variant == history_variant and first_backend)
+            profile = (args.memory_phases and rank == 0 and tokens == phases_tokens and variant == history_variant
+                       and first_backend)
             oom = False
             recorder = None
             windows = attention_windows_seen if window is not None else (lambda: contextlib.nullcontext(None))
@@ -741,7 +757,8 @@ def main() -> None:
                 steps = sorted(max(step_times) for step_times in zip(*(r["times"] for r in ranks)))
                 seconds = steps[len(steps) // 2]
                 cell.update(seconds=seconds, tokens_per_s=tokens / seconds, status="ok",
-                            offload_trace={k: v for k, v in trace.items() if k.startswith("offload:")})
+                            offload_trace={k: v for k, v in trace.items() if k.startswith("offload:")},
+                            attention_trace={k: v for k, v in trace.items() if k.startswith("varlen_attention:")})
                 if device == "cuda":
                     peak = max(r["peak"] for r in ranks)
                     missing = FULL_LAYERS - args.layers
@@ -758,7 +775,8 @@ def main() -> None:
                 raise SystemExit(f"{variant} at {tokens} tokens: actorcore's attention kernel received sliding_window"
                                  f" {cell['attention_windows_seen']}, not only {window}")
             if rank == 0:
-                print(f"{variant:>12} {tokens:>8} tokens: {cell['status']} {_fmt(cell.get('seconds'), '.2f')} s "
+                print(f"{variant:>12} {backend or '':>5} {tokens:>8} tokens: {cell['status']} "
+                      f"{_fmt(cell.get('seconds'), '.2f')} s "
                       f"peak {_fmt(cell.get('peak_gib'), '.1f')} GiB", flush=True)
     if rank == 0:
         print(_markdown(results))

@@ -64,7 +64,8 @@ def test_bitwise_the_same_in_every_packing_cuda(length):
             inv[name] = _run(model, seqs, index, True, grad, trace)
             assert trace[LINEAR_TRACE_KEY] == 7 * 3 * (2 if grad else 1)
             assert trace["logprob:triton_forward"] >= 1
-            assert trace["varlen_attention:torch_varlen"] + trace["varlen_attention:flash_attn"] >= 3
+            assert trace["varlen_attention:torch_varlen"] + trace["varlen_attention:flash_attn"] + \
+                trace["varlen_attention:fa4"] >= 3
             plain[name] = _run(model, seqs, index, False, grad, None)
         for name in inv:
             assert torch.equal(inv[name][0], inv["alone"][0]), (length, grad, name)

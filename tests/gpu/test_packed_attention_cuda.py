@@ -52,7 +52,7 @@ def test_compute_logprobs_on_cuda_matches_padded(dtype):
     seqs = [torch.randint(3, 131, (n,), generator=g) for n in (1, 2, 64, 300, 17)]
     ids, mask = right_padded(seqs)
     batch = ac.pack_padded(ids, mask).to("cuda")
-    backend = choose_backend(torch.device("cuda"), dtype, None, 0.0)
+    backend = choose_backend(torch.device("cuda"), dtype, None, 0.0, head_dim=model.model.layers[0].self_attn.head_dim)
     trace = Counter()
     with torch.no_grad():
         out = ac.compute_logprobs(model, batch, temperature=0.7, trace=trace)

@@ -33,7 +33,8 @@ def _worker(rank, world_size):
         reference = build_tiny_model("qwen2", dtype=dtype, seed=1).cuda()
         model = build_tiny_model("qwen2", dtype=dtype, seed=1).cuda()
         ac.patch_model(model, parallel=ctx)
-        backend = choose_backend(torch.device("cuda"), dtype, None, 0.0)
+        backend = choose_backend(torch.device("cuda"), dtype, None, 0.0,
+                                 head_dim=model.model.layers[0].self_attn.head_dim)
         trace = Counter()
         out = ac.compute_logprobs(model, batch, temperature=0.8, parallel=ctx, trace=trace)
         ran = (trace["attention:actorcore_ulysses"], trace[f"varlen_attention:{backend}"])

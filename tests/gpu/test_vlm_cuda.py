@@ -21,7 +21,9 @@ def test_packed_vlm_on_cuda_matches_padded(model_type, dtype):
     model = build_tiny_vlm(model_type, dtype=dtype, attn_implementation="sdpa").cuda()
     samples = mixed_samples(model)
     batch = pack_multimodal(model, [s.input_ids for s in samples], [s.multimodal for s in samples]).to("cuda")
-    backend = choose_backend(torch.device("cuda"), dtype, None, 0.0)
+    text = model.config.text_config
+    backend = choose_backend(torch.device("cuda"), dtype, None, 0.0,
+                             head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     trace = Counter()
     with torch.no_grad():
         out = ac.compute_logprobs(model, batch, temperature=0.7, trace=trace)

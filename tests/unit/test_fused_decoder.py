@@ -135,8 +135,10 @@ def test_packed_attention_traces_into_a_compiled_layer_only_when_asked(monkeypat
     backend is declared traceable here and the graph is captured, not run."""
     import actorcore.hf.features.attention as attention
 
+    from actorcore.kernels.attention.varlen import VARLEN_OP_NAME
+
     monkeypatch.setattr(attention, "traceable_backend", torch.compiler.assume_constant_result(
-        lambda device_type, dtype: True))
+        lambda device_type, dtype, *request: "torch_varlen"))
     graphs = []
 
     class Captured(Exception):
@@ -171,17 +173,17 @@ def test_packed_attention_traces_into_a_compiled_layer_only_when_asked(monkeypat
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="Captured"):
         compiled_call(**{attention.IN_GRAPH_KWARG: True})
     assert len(graphs) == 1 and attention.holds_packed_attention(graphs[0])
-    (varlen,) = [n for n in graphs[0].nodes if attention.VARLEN_OP_NAME in str(n.target)]
+    (varlen,) = [n for n in graphs[0].nodes if VARLEN_OP_NAME in str(n.target)]
     assert 0.3 in varlen.args, varlen.args  # the scale as a number, not a graph input
     with pytest.raises(torch._dynamo.exc.Unsupported):  # fullgraph refuses the break around the eager attention
         compiled_call()
     monkeypatch.setattr(attention, "traceable_backend", torch.compiler.assume_constant_result(
-        lambda device_type, dtype: False))  # no varlen kernel here
+        lambda device_type, dtype, *request: ""))  # no varlen kernel here
     with pytest.raises(torch._dynamo.exc.Unsupported):
         compiled_call(**{attention.IN_GRAPH_KWARG: True})
     module.attention_dropout = 0.1  # dropout in training: not the traced path either
     monkeypatch.setattr(attention, "traceable_backend", torch.compiler.assume_constant_result(
-        lambda device_type, dtype: True))
+        lambda device_type, dtype, *request: "torch_varlen"))
     with pytest.raises(torch._dynamo.exc.Unsupported):
         compiled_call(**{attention.IN_GRAPH_KWARG: True})
     assert len(graphs) == 1

@@ -87,6 +87,9 @@ class PatchState:
     moe_experts: tuple[str, ...] = ()  # experts modules (names in the decoder) on hf.features.moe_experts' path
     moe_experts_kernel: str = "grouped"  # their kernels: "grouped" (grouped_mm and gathers) or "quack" (fused GEMMs)
     dense_mlps: tuple[str, ...] = ()  # gated MLP modules (names in the decoder) on quack's gated MLP (hf.features.dense_mlp)
+    # The attention backend asked for and what it comes to here (kernels.attention.backends.BackendChoice; None: no
+    # softmax attention layers)
+    attention: Any = None
     # (layer, mode) -> activation bytes per token the layer was measured to keep (hf.features.checkpointing, "auto")
     measured_layer_bytes: dict[tuple[int, str], float] = field(default_factory=dict, compare=False, repr=False)
     trace: TraceRef = field(default_factory=lambda: TraceRef(None), compare=False, repr=False)

@@ -51,6 +51,7 @@ from actorcore.hf.features import DECODER_FEATURES
 from actorcore.hf.features.fused_decoder import auto_fusion_refusal, fused_layer_indices
 from actorcore.hf.features.moe_experts import check_moe_experts_request, moe_experts_kernel, moe_experts_names
 from actorcore.hf.features.offload import check_offload_layers
+from actorcore.hf.features.packed_attention import attention_backend_choice
 from actorcore.hf.features.packed_attention import require_sequence_parallel_patch  # noqa: F401 (re-exported)
 from actorcore.hf.features.tiled_mlp import TiledMLPForward  # noqa: F401 (re-exported)
 from actorcore.parallel import sp_size
@@ -116,7 +117,7 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
                 offload_activations: bool | int = False, recompute_norms: bool = False,
                 fused_decoder: bool | str = "auto", checkpointing: str | None = None,
                 memory_budget_gib: float | None = None, moe_experts: bool | str = "auto",
-                dense_mlp: bool | str = "auto") -> PatchHandle:
+                dense_mlp: bool | str = "auto", attention_backend: str = "auto") -> PatchHandle:
     """Patch this model instance for Ulysses SP (``parallel.sp_size > 1``), tiled MLP, activation offload and/or
     recomputed norms.
 
@@ -153,6 +154,12 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     (``quack-kernels`` with the CuTe DSL it pins, a Hopper GPU); ``"quack"`` every covered MLP, refusing where quack
     cannot run; ``False`` keeps the model's own MLP code.
 
+    ``attention_backend``: the kernel of the packed attention (``kernels.attention.backends``): ``"auto"`` (default)
+    FA4 where it was measured faster and exact on this GPU, else FlashAttention-2 (flash-attn 2 or torch's varlen
+    kernel), else per-sequence SDPA; ``"fa4"``, ``"flash_attn"``, ``"torch_varlen"``, ``"segments"`` that kernel in
+    every attention call, refused here (``ValueError`` with the reason) where it cannot run the model's attention.
+    What it comes to is logged and kept in ``handle.state.attention``.
+
     ``checkpointing``: ``None`` (default) keeps the model's own setting; ``"full"`` checkpoints every layer;
     ``"selective"`` keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the
     gradients of ``"full"``; a fused layer is not checkpointed, its compiled backward recomputes the fused
@@ -171,6 +178,7 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     check_moe_experts_request(moe_experts)
     check_dense_mlp_request(dense_mlp)
     parts = DecoderParts.of(model, spec)
+    attention = attention_backend_choice(parts, spec, attention_backend)
     offload_layers = check_offload_layers(offload_activations, len(parts.layers), type(model).__name__)
     plan = check_checkpointing(checkpointing, memory_budget_gib)
     sp = sp_size(parallel)
@@ -180,7 +188,8 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
     state = PatchState(sp_size=sp, tiled_mlp_shards=tiled_mlp_shards, offload_layers=offload_layers,
                        recompute_norms=recompute_norms, fused_layers=fused, checkpointing=plan,
                        moe_experts=experts, moe_experts_kernel=moe_experts_kernel(parts, moe_experts, experts),
-                       dense_mlps=dense_mlp_names(model, parts, spec, dense_mlp, fused_layers=fused))
+                       dense_mlps=dense_mlp_names(model, parts, spec, dense_mlp, fused_layers=fused),
+                       attention=attention)
     handle = PatchHandle(model=model, parallel=parallel, tiled_mlp_shards=tiled_mlp_shards, spec=spec, parts=parts,
                          state=state)
     try:
@@ -193,8 +202,8 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, tiled_mlp_shards: 
             handle._undo.pop()()
         raise
     logger.info("patched %s: sp_size=%d tiled_mlp_shards=%s offload_layers=%d of %d recompute_norms=%s "
-                "fused_layers=%d checkpointing=%s moe_experts=%d (%s) dense_mlps=%d", type(model).__name__,
+                "fused_layers=%d checkpointing=%s moe_experts=%d (%s) dense_mlps=%d attention=%s", type(model).__name__,
                 handle.sp_size, tiled_mlp_shards, offload_layers, len(parts.layers), recompute_norms,
                 len(state.fused_layers), checkpointing, len(state.moe_experts), state.moe_experts_kernel,
-                len(state.dense_mlps))
+                len(state.dense_mlps), attention)
     return handle

@@ -1,12 +1,13 @@
 """Kernel layer: model-agnostic compute, a folder per concern: the fused log-prob/entropy head (``logprob/``),
-packed and ring attention (``attention/``), packed linear attention (``linear_attention/``); one-file concerns
+packed and ring attention (``attention/``: FlashAttention-4, flash-attn 2, torch's varlen kernel or per-sequence SDPA,
+chosen in ``attention.backends``), packed linear attention (``linear_attention/``); one-file concerns
 beside them (``tiled_mlp``, ``batch_invariant``, ``precision``, ``trace``, the MoE token moves ``moe_permute``, and
 quack's Hopper GEMMs with fused epilogues for MoE experts and SwiGLU MLPs: ``quack_runtime``, ``moe_quack``,
 ``gated_mlp_quack``).
 
 Nothing heavy is imported here; import the submodule you need, e.g.
-``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch
-(and triton / flash-linear-attention lazily, when such a backend is chosen) and, of actorcore, the result types
+``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch (and triton / flash-attn /
+flash-attn-4 / flash-linear-attention lazily, when such a backend is chosen) and, of actorcore, the result types
 (``actorcore.outputs``); they never import model code or issue collectives.
 
 Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``linear_logprob_loss``,
@@ -22,7 +23,8 @@ Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``l
     logprob:triton_backward       launches of the Triton grad_logits recompute kernel (one per backward block)
     logprob:triton_fused_loss     chunks run by the Triton loss-fused forward (``linear_logprob_loss``)
     logprob:quack_loss_stats      those of them whose statistics came from quack's GEMM (``logprob.quack_stats``)
-    varlen_attention:<backend>    calls per attention backend that ran: flash_attn, torch_varlen, segments
+    varlen_attention:<backend>    calls per attention backend that ran: fa4, flash_attn, torch_varlen, segments
+                                  (inside a layer the fused decoder compiled: counted by the layer, one per call)
     varlen_attention:at_positions calls of ``causal_attention_at_positions`` (context-parallel query chunks) that
                                   ran one SDPA call per run of positions; ``...:at_positions:<backend>`` those that
                                   ran one varlen flash call (torch_varlen, flash_attn) over every run's key prefix

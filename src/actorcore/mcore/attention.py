@@ -15,6 +15,10 @@ heads, as in Megatron's ``DotProductAttention``), joins every softmax denominato
 it exactly. A layer is sliding-window when Megatron's ``is_layer_window_attention`` says so (``window_size`` with
 the per-layer pattern ``window_attn_skip_freq``), the others see their whole causal prefix.
 
+The kernel (``backend``, ``kernels.attention.backends``): ``"auto"`` by default (FA4 where measured, else
+FlashAttention-2); ``use_attention_backend`` names one for every core attention of a model. Context parallelism keeps
+its own kernels (FlashAttention-2's layouts, or the plain ring blocks).
+
 Legend: ``T`` packed tokens, ``N`` query heads (this TP rank), ``K`` kv heads, ``H`` head dim.
 """
 
@@ -30,6 +34,7 @@ import torch.distributed as dist
 
 from actorcore.context_split import cp_gather_order, cp_local_positions
 from actorcore.kernels.attention import block_attention, flash_blocks
+from actorcore.kernels.attention.backends import BACKENDS
 from actorcore.kernels.trace import add
 from actorcore.kernels.attention.varlen import (VarlenCall, causal_attention_at_positions, prefix_plan,
                                                 varlen_causal_attention)
@@ -67,6 +72,7 @@ class PackedCoreAttention(MegatronModule):
         super().__init__(config=config)
         # A caller's collections.Counter: the attention kernels count the path they ran in it (tests set it).
         self.trace: Counter[str] | None = None
+        self.backend = "auto"  # the packed attention's kernel (use_attention_backend)
         self.cp_group = None
         self.cp_ring = False
         if config.context_parallel_size > 1:
@@ -134,7 +140,8 @@ class PackedCoreAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             out_TNH = varlen_causal_attention(query, key, value, cu, int(packed_seq_params.max_seqlen_q),
                                               scale=self.softmax_scale, sliding_window=self.sliding_window,
-                                              dropout=dropout, sinks=self.softmax_offset, trace=self.trace)
+                                              dropout=dropout, sinks=self.softmax_offset, backend=self.backend,
+                                              trace=self.trace)
             return out_TNH.reshape(out_TNH.shape[0], -1)
         # [S, B, N, H]: every row is one sequence.
         seq, batch = query.shape[:2]
@@ -145,7 +152,7 @@ class PackedCoreAttention(MegatronModule):
         cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=query.device)
         out = varlen_causal_attention(flat(query), flat(key), flat(value), cu, seq, scale=self.softmax_scale,
                                       sliding_window=self.sliding_window, dropout=dropout, sinks=self.softmax_offset,
-                                      trace=self.trace)
+                                      backend=self.backend, trace=self.trace)
         return out.reshape(batch, seq, -1).transpose(0, 1).contiguous()
 
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any,
@@ -174,6 +181,23 @@ class PackedCoreAttention(MegatronModule):
                                                 sliding_window=self.sliding_window, dropout=dropout, plan=plan,
                                                 trace=self.trace)
         return out_LNH.reshape(out_LNH.shape[0], -1)
+
+
+def use_attention_backend(modules: Any, backend: str) -> list[PackedCoreAttention]:
+    """Run every ``PackedCoreAttention`` under ``modules`` (an ``McoreModel``, a module or a list of them) on
+    ``backend`` (one of ``kernels.attention.backends.BACKENDS``; a call it cannot run raises with the reason);
+    returns them. ``"auto"`` restores the default."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    modules = getattr(modules, "chunks", modules)
+    roots = modules if isinstance(modules, (list, tuple)) else [modules]
+    found = [m for root in roots for m in root.modules() if isinstance(m, PackedCoreAttention)]
+    if not found:
+        raise ValueError("no PackedCoreAttention under these modules: build the model with "
+                         "actorcore.mcore.build_gpt_model")
+    for module in found:
+        module.backend = backend
+    return found
 
 
 @dataclass

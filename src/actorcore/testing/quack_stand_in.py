@@ -99,6 +99,11 @@ def use_quack_stand_in() -> Callable[[], None]:
                 (moe_experts, "quack_refusal", lambda: None),
                 (dense_mlp, "_device_refusal", lambda module: None),
                 (dense_mlp, "gated_mlp", lambda x, g, u, d: gated_mlp_quack._GatedMLP.apply(x, g, u, d))]
+    return swap_attributes(replaced)
+
+
+def swap_attributes(replaced: list[tuple[object, str, object]]) -> Callable[[], None]:
+    """Set each ``(module, name, value)``; returns the undo that puts the originals back."""
     originals = [(module, name, getattr(module, name)) for module, name, _ in replaced]
     for module, name, value in replaced:
         setattr(module, name, value)

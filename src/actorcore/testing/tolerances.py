@@ -46,6 +46,9 @@ TOL: dict[str, float] = {
     # outputs absolute (bf16 rounding of O(1) values), gradients as a relative L2 norm.
     "cp_flash_bf16_vs_fp32": 2e-2,
     "grad_cp_flash_bf16_vs_fp32_rel_norm": 2e-2,
+    # The same kernels' gradients per element (FA4 on ragged packs up to one 128K-token sequence), relative to the
+    # gradient's max magnitude: a cap; the test's claim is "no further from fp32 than twice FlashAttention-2's error".
+    "grad_flash_bf16_vs_fp32_rel_max": 3e-2,
     # Megatron route with a bf16 model on CUDA vs transformers' fp32 forward of the same weights (2 layers): the
     # bf16 decoder's rounding.
     "mcore_bf16_cuda_vs_hf_fp32": 5e-2,

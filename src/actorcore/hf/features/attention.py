@@ -19,12 +19,15 @@ import torch
 from actorcore.errors import PackingNotAppliedError  # noqa: F401 (re-exported)
 from actorcore.hf.call import TRACE_KWARG
 from actorcore.hf.features.base import switched_for_call
-from actorcore.kernels.attention.varlen import (VARLEN_OP_NAME, traceable_backend, varlen_causal_attention,
+from actorcore.kernels.attention.varlen import (TRACED_OP_NAMES, traceable_backend, varlen_causal_attention,
                                                varlen_causal_attention_traced)
 
 logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "actorcore_packed"
+# A keyword argument of the decoder call: the attention backend the patch asks for (``patch_model(attention_backend=)``;
+# absent: "auto"), read by the attention functions below.
+ATTENTION_BACKEND_KWARG = "actorcore_attention_backend"
 
 def trace_key(implementation: str) -> str:
     return f"attention:{implementation}"
@@ -73,25 +76,49 @@ IN_GRAPH_KWARG = "actorcore_attention_in_graph"
 def in_graph_attention(module, query, key, value, scaling, dropout, sliding_window, softcap,
                        kwargs) -> torch.Tensor | None:
     """The packed attention as traced ops of a compiled layer (``[1, T, N, H]``), or None where its backend is not
-    traceable (sinks, softcap or dropout, no ``torch_varlen``: the call then leaves the graph as before). Not
-    counted here: the fused decoder counts the layers whose compiled graphs hold it (``holds_packed_attention``)."""
-    if softcap is not None or attention_sinks(kwargs) is not None or (module.training and dropout):
+    traceable (``traceable_backend``: torch's varlen op or FA4's; dropout in training, sinks or softcap outside FA4:
+    the call then leaves the graph as before). Not counted here: the fused decoder counts the layers whose compiled
+    graphs hold it (``graph_attention_backends``)."""
+    if module.training and dropout:
         return None
-    if not traceable_backend(query.device.type, query.dtype) or query.shape[0] != 1:
+    sinks = attention_sinks(kwargs)
+    head_dim = module_head_dim(module)  # a number of the module, a constant of the graph (the sizes are symbolic)
+    backend = traceable_backend(query.device.type, query.dtype, kwargs.get(ATTENTION_BACKEND_KWARG, "auto"),
+                                head_dim or 0, softcap is not None, sinks is not None, bool(sliding_window))
+    if not backend or query.shape[0] != 1:
         return None
+    if backend == "fa4":  # chosen for the module's head dim: the tensors must have it
+        torch._check(max(query.shape[-1], value.shape[-1]) == head_dim)
     cu_seqlens, max_seqlen = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_seqlens is None or max_seqlen is None or (cu_k is not None and cu_k is not cu_seqlens):
         return None  # left to the checks of the eager path
     q_TNH, k_TKH, v_TKH = (x[0].transpose(0, 1) for x in (query, key, value))
     out_TNH = varlen_causal_attention_traced(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale=scaling,
-                                             sliding_window=sliding_window)
+                                             sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                                             backend=backend)
     return out_TNH.unsqueeze(0)
+
+
+def module_head_dim(module: torch.nn.Module) -> int | None:
+    """The one head dim a flash kernel sees for this attention module (the larger of its query/key and value head
+    dims), from the module's attributes (``head_dim``; multi-head latent attention's ``qk_head_dim`` and
+    ``v_head_dim``); None where it has none. Read off the module rather than the tensors: inside a compiled layer the
+    tensors' sizes are symbolic."""
+    dims = [getattr(module, name, None) for name in ("head_dim", "qk_head_dim", "v_head_dim")]
+    dims = [d for d in dims if isinstance(d, int) and not isinstance(d, bool)]
+    return max(dims) if dims else None
+
+
+def graph_attention_backends(graph: torch.fx.Graph) -> set[str]:
+    """The backends whose packed-attention ops a graph Dynamo captured calls (``varlen_causal_attention_traced``)."""
+    return {backend for node in graph.nodes if node.op == "call_function"
+            for name, backend in TRACED_OP_NAMES.items() if name in str(node.target)}
 
 
 def holds_packed_attention(graph: torch.fx.Graph) -> bool:
     """Whether a graph Dynamo captured calls the packed attention's op (``varlen_causal_attention_traced``)."""
-    return any(node.op == "call_function" and VARLEN_OP_NAME in str(node.target) for node in graph.nodes)
+    return bool(graph_attention_backends(graph))
 
 
 @torch.compiler.disable
@@ -138,6 +165,7 @@ def attend_packed(query, key, value, cu_seqlens, max_seqlen, *, scaling, dropout
     ref = kwargs.get(TRACE_KWARG)
     return varlen_causal_attention(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale=scaling,
                                    sliding_window=sliding_window, softcap=softcap, dropout=p, sinks=sinks,
+                                   backend=kwargs.get(ATTENTION_BACKEND_KWARG, "auto"),
                                    trace=None if ref is None else ref.counts)
 
 

@@ -9,11 +9,11 @@ measurement (``bench/fusion_candidates.py``) over Liger-Kernel's RMSNorm + SwiGL
 How: each decoder layer gets an instance ``forward`` (a ``FusedLayerForward`` holding its layer) that runs one
 ``torch.compile(..., dynamic=True)`` of the layer class's original forward, shared by the layers of a class (one
 compilation, symbolic token count: no recompilation per pack length). The packed attention is traced into the
-layer's graph where its backend is torch's varlen op (``IN_GRAPH_KWARG``): Inductor then fuses the q/k/v layouts
-and the residual stream's gradients around it. Other attention (Ulysses, sinks, softcap, flash-attn) stays out of
-the graph (``torch.compiler.disable``), as do instance forwards other patches install in a layer (tiled MLP,
-recomputed norms). A layer runs compiled only in actorcore's own decoder calls, which
-pass ``FUSED_KWARG``; any other call (the model's own forward, ``verify``'s reference, batch-invariant calls)
+layer's graph where its backend is torch's varlen op or FA4's op (``IN_GRAPH_KWARG``): Inductor then fuses the
+q/k/v layouts and the residual stream's gradients around it. Other attention (Ulysses, flash-attn, sinks or softcap
+outside FA4) stays out of the graph (``torch.compiler.disable``), as do instance forwards other patches install in a
+layer (tiled MLP, recomputed norms). A layer runs compiled only in actorcore's own decoder calls, which pass
+``FUSED_KWARG``; any other call (the model's own forward, ``verify``'s reference, batch-invariant calls)
 runs the original eager forward. Each compiled layer call counts under ``FUSED_TRACE_KEY`` in the call's trace.
 
 Where: CUDA, 16-bit weights, Triton present; elsewhere (CPU, fp32) nothing is installed and the path is the
@@ -33,7 +33,8 @@ import torch
 
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import TRACE_KWARG, DecoderCall, parallel_from_kwargs
-from actorcore.hf.features.attention import IN_GRAPH_KWARG, PACKED_ATTENTION, holds_packed_attention, trace_key
+from actorcore.hf.features.attention import (ATTENTION_BACKEND_KWARG, IN_GRAPH_KWARG, PACKED_ATTENTION,
+                                             graph_attention_backends, trace_key)
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.instance_forwards import install_forwards
 
@@ -115,20 +116,23 @@ def original_forward(layer_class: type) -> Callable:
 
 class CompiledLayer:
     """``torch.compile`` of one layer class's forward (Inductor, symbolic token count), shared by all its layers
-    (they are its first argument). Its backend notes whether the graphs Dynamo captured call the packed attention
-    (``holds_packed_attention``): a layer whose attention was traced into its graph cannot count that call itself
+    (they are its first argument). Its backend notes which attention backends' ops the graphs Dynamo captured call
+    (``graph_attention_backends``): a layer whose attention was traced into its graph cannot count that call itself
     at run time, so the fused layer counts it for the graph (``FusedLayerForward``)."""
 
     def __init__(self, forward: Callable) -> None:
         self.graphs = 0
         self.graphs_with_attention = 0
+        self.attention_backends: set[str] = set()
         self.fn = torch.compile(forward, dynamic=True, backend=self._inductor)
 
     def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
+        backends = graph_attention_backends(gm.graph)
         self.graphs += 1
-        self.graphs_with_attention += holds_packed_attention(gm.graph)
+        self.graphs_with_attention += bool(backends)
+        self.attention_backends |= backends
         return compile_fx(gm, example_inputs)
 
     @property
@@ -137,10 +141,18 @@ class CompiledLayer:
         return self.graphs_with_attention > 0
 
 
+def compiled_forward(forward: Callable, attention_backend: str = "auto") -> CompiledLayer:
+    """One compilation per layer class's forward and attention backend request (so that the backends a compiled
+    layer's graphs hold are those of the request it runs)."""
+    return _compiled_forward(forward, attention_backend)
+
+
 @functools.cache
-def compiled_forward(forward: Callable) -> CompiledLayer:
-    """One compilation per layer class's forward."""
+def _compiled_forward(forward: Callable, attention_backend: str) -> CompiledLayer:
     return CompiledLayer(forward)
+
+
+compiled_forward.cache_clear = _compiled_forward.cache_clear  # type: ignore[attr-defined]
 
 
 def recompute_pointwise() -> contextlib.AbstractContextManager:
@@ -199,12 +211,14 @@ class FusedLayerForward:
         ref = kwargs.get(TRACE_KWARG)
         if ref is not None:  # before the call: a checkpoint's recompute may stop inside it
             ref.counts[FUSED_TRACE_KEY] += 1
-        compiled = compiled_forward(self.forward)
+        compiled = compiled_forward(self.forward, kwargs.get(ATTENTION_BACKEND_KWARG, "auto"))
         with compile_settings():
             out = compiled.fn(self.layer, *args, **kwargs, **{IN_GRAPH_KWARG: True})
         parallel = parallel_from_kwargs(kwargs)
         if ref is not None and compiled.attention_in_graph and (parallel is None or parallel.sp_size == 1):
             ref.counts[trace_key(PACKED_ATTENTION)] += 1  # known once compiled; Ulysses counts itself
+            for backend in compiled.attention_backends:
+                ref.counts[f"varlen_attention:{backend}"] += 1
         return out
 
 

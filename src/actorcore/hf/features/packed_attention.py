@@ -6,6 +6,12 @@ One process: the attention modules' configs are switched to ``actorcore_packed``
 counts itself in the call's trace (``attention:actorcore_packed`` / ``attention:actorcore_ulysses``); ``check``
 requires one per attention layer, so a transformers that bypasses the registered implementation raises
 ``PackingNotAppliedError`` instead of returning unpacked results.
+
+The attention backend (``patch_model(attention_backend=...)``, ``kernels.attention.backends``): ``"auto"`` (default)
+lets each call choose from its tensors (FA4 where measured, else FlashAttention-2); a named backend reaches every
+attention call of the patch through the decoder's kwargs (``ATTENTION_BACKEND_KWARG``), is refused at patch time
+where it cannot run the model's attention (``attention_backend_choice``), and ``check`` requires it to have run in
+every attention layer (``varlen_attention:<backend>``).
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import torch
 from actorcore.archs import submodule
 from actorcore.errors import PackingNotAppliedError
 from actorcore.hf.features.attention import (
+    ATTENTION_BACKEND_KWARG,
     PACKED_ATTENTION,
     attention_configs,
     current_implementations,
+    module_head_dim,
     packed_attention,
     register_attention,
     swap_attention_implementation,
@@ -29,6 +37,7 @@ from actorcore.hf.features.attention import (
 from actorcore.hf.call import DecoderCall, patch_state
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.ulysses_attention import ULYSSES_ATTENTION, ulysses_attention_forward
+from actorcore.kernels.attention.backends import BACKENDS, BackendChoice, resolve_backend
 from actorcore.parallel.ulysses import check_heads
 
 ATTENTION_TRACE_KEYS = (trace_key(PACKED_ATTENTION), trace_key(ULYSSES_ATTENTION))
@@ -61,6 +70,34 @@ def _head_counts(attention_modules: list[torch.nn.Module]) -> tuple[int, int]:
     return counts.pop()
 
 
+def attention_backend_choice(parts: Any, spec: Any, request: Any) -> BackendChoice | None:
+    """What ``patch_model(attention_backend=request)`` comes to for the model's softmax attention (read off its first
+    attention module: device, dtype, head dims, softcap, sinks, dropout; a window if any layer has one), for the
+    patch's report; ``ValueError`` for an unknown name or a backend that cannot run that attention. None: no softmax
+    attention layers."""
+    if not isinstance(request, str) or request not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {request!r} ('auto': FA4 where it was "
+                         "measured faster and exact, else FlashAttention-2)")
+    module = submodule(parts.attention_layers[0], spec.attention) if parts.attention_layers else None
+    param = None if module is None else next(module.parameters(), None)
+    if param is None:
+        if request != "auto":
+            raise ValueError(f"attention_backend={request!r}: this model has no softmax attention layer with "
+                             "parameters to run it; pass attention_backend='auto'")
+        return None
+    head_dim = module_head_dim(module) or module.config.hidden_size // module.config.num_attention_heads
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+    window = any(getattr(submodule(layer, spec.attention), "sliding_window", None) for layer in parts.attention_layers)
+    return resolve_backend(request, param.device, param.dtype, head_dim=int(head_dim), softcap=softcap, dropout=dropout,
+                           sinks=getattr(module, "sinks", None) is not None, window=window)
+
+
+def _requested_backend(call: DecoderCall) -> str:
+    choice = None if call.patch is None else call.patch.attention
+    return "auto" if choice is None else choice.requested
+
+
 class PackedAttention(DecoderFeature):
     """Softmax attention: packed for the call (one process) or Ulysses for the patch's lifetime (SP)."""
 
@@ -85,6 +122,8 @@ class PackedAttention(DecoderFeature):
         return True
 
     def enter(self, call: DecoderCall) -> contextlib.AbstractContextManager:
+        if _requested_backend(call) != "auto":
+            call.kwargs[ATTENTION_BACKEND_KWARG] = _requested_backend(call)
         if call.sp_size > 1:
             require_sequence_parallel_patch(call.model, call.parallel)
             return contextlib.nullcontext()
@@ -100,3 +139,8 @@ class PackedAttention(DecoderFeature):
             raise PackingNotAppliedError(
                 f"packed attention ran {ran} times for {layers} attention layers: the installed transformers "
                 "bypassed actorcore's attention; refusing to return unpacked results")
+        backend = _requested_backend(call)
+        if backend != "auto" and call.ran(f"varlen_attention:{backend}") < layers:
+            raise PackingNotAppliedError(
+                f"attention_backend={backend!r} ran {call.ran(f'varlen_attention:{backend}')} times for {layers} "
+                f"attention layers (trace: {dict(call.trace - call.start)}); refusing results from another backend")

@@ -1,20 +1,15 @@
-"""Causal attention over packed variable-length sequences, choosing the fastest available backend.
+"""Causal attention over packed variable-length sequences, on the backend ``kernels.attention.backends`` chooses.
 
 Legend: ``T`` packed tokens, ``N`` query heads, ``K`` key/value heads, ``H`` head dim.
 
-Backends, in order of preference:
-- ``flash_attn``: flash-attn's varlen kernel (CUDA, when installed); supports windows, softcap, dropout.
-- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA only; no softcap, no dropout).
-- ``segments``: one SDPA call per sequence (any device); an exact eager softmax when softcapping.
-Every backend implements the same function: causal within each segment of ``cu_seqlens``, nothing across
-segments, an optional sliding window where query ``i`` sees key ``j`` iff ``0 <= i - j < window``.
+Every backend (``fa4``, ``flash_attn``, ``torch_varlen``, ``segments``: see ``backends``) implements the same
+function: causal within each segment of ``cu_seqlens``, nothing across segments, an optional sliding window where
+query ``i`` sees key ``j`` iff ``0 <= i - j < window``.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -22,38 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from actorcore.kernels.attention.backends import (BACKENDS, FLASH_DTYPES, _has_flash_attn,  # noqa: F401 (re-exported)
+                                                  _has_torch_varlen, backend_refusal, choose_backend)
+from actorcore.kernels.attention.fa4 import FORWARD_OP_NAME, fa4_varlen_attention
 from actorcore.kernels.trace import add
-
-logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "flash_attn", "torch_varlen", "segments")
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
-
-
-@functools.cache
-def _has_flash_attn() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-@functools.cache
-def _has_torch_varlen() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def choose_backend(device: torch.device, dtype: torch.dtype, softcap: float | None, dropout: float,
-                   sinks: bool = False) -> str:
-    """The backend ``auto`` resolves to for these arguments (flash kernels take 16-bit inputs only; attention
-    sinks run on ``segments``, the one backend that applies them exactly)."""
-    if device.type == "cuda" and dtype in FLASH_DTYPES and not sinks:
-        if _has_flash_attn():
-            return "flash_attn"
-        if _has_torch_varlen() and softcap is None and dropout == 0.0:
-            return "torch_varlen"
-    return "segments"
 
 
 def varlen_causal_attention(
@@ -74,7 +41,10 @@ def varlen_causal_attention(
     """Packed causal attention; returns ``[T, N, H]`` in the input dtype.
 
     ``sinks``: a learned logit per query head ``[N]`` that joins every softmax denominator and attends to
-    nothing (gpt-oss); only the ``segments`` backend applies it.
+    nothing (gpt-oss); the ``segments`` and ``fa4`` backends apply it.
+
+    ``backend``: ``"auto"`` (``backends.choose_backend``) or one of ``backends.BACKENDS``; an explicit backend that
+    cannot run this call raises ``ValueError`` with the reason.
 
     ``trace``: counts the backend that ran under ``"varlen_attention:<backend>"`` (see ``actorcore.kernels``).
     """
@@ -89,36 +59,51 @@ def varlen_causal_attention(
     scale = H**-0.5 if scale is None else scale
     if sinks is not None and tuple(sinks.shape) != (N,):
         raise ValueError(f"sinks must hold one logit per query head, shape ({N},), got {tuple(sinks.shape)}")
+    head_dim = max(H, v_TKH.shape[-1])  # the one head dim a flash kernel sees (``_with_equal_head_dims``)
     if backend == "auto":
-        backend = choose_backend(q_TNH.device, q_TNH.dtype, softcap, dropout, sinks is not None)
-    elif sinks is not None and backend != "segments":
-        raise ValueError(f"the {backend} backend cannot apply attention sinks; use backend='segments' (or 'auto')")
+        backend = choose_backend(q_TNH.device, q_TNH.dtype, softcap, dropout, sinks is not None, head_dim=head_dim,
+                                 window=bool(sliding_window))
+    else:
+        why = backend_refusal(backend, q_TNH.device, q_TNH.dtype, softcap=softcap, dropout=dropout,
+                              sinks=sinks is not None, window=bool(sliding_window), head_dim=head_dim)
+        if why is not None:
+            raise ValueError(f"attention backend {backend!r} cannot run this call: {why}")
     add(trace, f"varlen_attention:{backend}")
-    if backend in ("flash_attn", "torch_varlen") and v_TKH.shape[-1] != H:
-        return _with_equal_head_dims(q_TNH, k_TKH, v_TKH, lambda q, k, v: varlen_causal_attention(
-            q, k, v, cu_seqlens, max_seqlen, scale=scale, sliding_window=sliding_window, softcap=softcap,
-            dropout=dropout, backend=backend))
+    if backend == "segments":
+        return _segments(q_TNH, k_TKH, v_TKH, cu_seqlens, scale, sliding_window, softcap, dropout, sinks)
     if backend == "flash_attn":
-        return _flash_attn(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window, softcap, dropout)
-    if backend == "torch_varlen":
-        if softcap is not None or dropout:
-            raise ValueError("the torch_varlen backend supports neither softcap nor dropout; use 'segments'")
-        return _torch_varlen(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window)
-    return _segments(q_TNH, k_TKH, v_TKH, cu_seqlens, scale, sliding_window, softcap, dropout, sinks)
+        return _equal_head_dims(_flash_attn, q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window,
+                                softcap, dropout)
+    return varlen_causal_attention_traced(q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale=scale,
+                                          sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                                          backend=backend)
 
 
-# The op ``varlen_causal_attention_traced`` leaves in a captured graph (torch.nn.attention.varlen's custom op), as
-# the graph's node names it.
+# The ops ``varlen_causal_attention_traced`` leaves in a captured graph, per backend, as the graph's node names show
+# them: torch.nn.attention.varlen's custom op, and actorcore's FA4 forward op.
 VARLEN_OP_NAME = "torch_attn._varlen_attn"
+TRACED_OP_NAMES = {VARLEN_OP_NAME: "torch_varlen", FORWARD_OP_NAME: "fa4"}
 
 
 @torch.compiler.assume_constant_result
-def traceable_backend(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``auto`` resolves to ``torch_varlen`` for plain attention (no softcap, dropout or sinks: the caller
-    checks those) on this device and dtype: a custom op that ``torch.compile`` traces, so
-    ``varlen_causal_attention_traced`` can run inside a compiled graph. A constant where Dynamo traces it (it
-    reads only the arguments, which the tensors' guards fix, and the installed packages)."""
-    return choose_backend(torch.device(device_type), dtype, None, 0.0, False) == "torch_varlen"
+def traceable_backend(device_type: str, dtype: torch.dtype, requested: str = "auto", head_dim: int = 0,
+                      softcap: bool = False, sinks: bool = False, window: bool = False) -> str:
+    """The backend of ``varlen_causal_attention_traced`` that a compiled graph can hold for attention of these
+    arguments without dropout (the caller checks dropout): ``"fa4"`` or ``"torch_varlen"``, ``""`` where
+    ``requested`` (``"auto"`` or a backend) comes to neither, or cannot run (the call then leaves the graph and
+    raises there). A constant where Dynamo traces it: it reads only its arguments, which the tensors' guards and
+    the traced code fix, and the installed packages."""
+    device = torch.device(device_type)
+    backend = requested
+    if requested == "auto":
+        backend = choose_backend(device, dtype, 1.0 if softcap else None, 0.0, sinks, head_dim=head_dim or None,
+                                 window=window)
+    if backend == "fa4" and backend_refusal("fa4", device, dtype, softcap=1.0 if softcap else None, sinks=sinks,
+                                            window=window, head_dim=head_dim) is None:
+        return backend
+    if backend == "torch_varlen" and not softcap and not sinks and device.type == "cuda" and _has_torch_varlen():
+        return backend
+    return ""
 
 
 @torch.compiler.assume_constant_result
@@ -128,23 +113,29 @@ def _gqa_kwargs_needed() -> bool:
 
 def varlen_causal_attention_traced(q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
                                    cu_seqlens: torch.Tensor, max_seqlen: int, *, scale: float | None = None,
-                                   sliding_window: int | None = None) -> torch.Tensor:
-    """``varlen_causal_attention`` on the ``torch_varlen`` backend, written to be traced by ``torch.compile``
-    (no host reads, no trace counting, no cached probes called inside the graph): a compiled decoder layer then
-    holds its attention, and Inductor fuses the layouts and the residual stream around it. Callers check
-    ``traceable_backend`` first; ``max_seqlen`` may be symbolic."""
+                                   sliding_window: int | None = None, softcap: float | None = None,
+                                   sinks: torch.Tensor | None = None, backend: str = "torch_varlen") -> torch.Tensor:
+    """``varlen_causal_attention`` on the ``torch_varlen`` or ``fa4`` backend, written to be traced by
+    ``torch.compile`` (no host reads, no trace counting, no cached probes called inside the graph): a compiled
+    decoder layer then holds its attention, and Inductor fuses the layouts and the residual stream around it.
+    Callers check ``traceable_backend`` first; ``max_seqlen`` may be symbolic. ``softcap`` and ``sinks``: ``fa4``
+    only."""
     H = q_TNH.shape[-1]
     scale = H**-0.5 if scale is None else scale
-    if v_TKH.shape[-1] != H:
-        return _with_equal_head_dims(q_TNH, k_TKH, v_TKH, lambda q, k, v: varlen_causal_attention_traced(
-            q, k, v, cu_seqlens, max_seqlen, scale=scale, sliding_window=sliding_window))
-    from torch.nn.attention.varlen import varlen_attn
+    if backend == "fa4":
+        return _equal_head_dims(fa4_varlen_attention, q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale,
+                                sliding_window, softcap, sinks)
+    if backend != "torch_varlen" or softcap is not None or sinks is not None:
+        raise ValueError(f"the traced attention runs torch_varlen (no softcap, no sinks) or fa4, not {backend!r}")
+    return _equal_head_dims(_torch_varlen, q_TNH, k_TKH, v_TKH, cu_seqlens, max_seqlen, scale, sliding_window)
 
-    gqa = {"enable_gqa": True} if k_TKH.shape[1] != q_TNH.shape[1] and _gqa_kwargs_needed() else {}
-    window_size = (sliding_window - 1 if sliding_window else -1, 0)  # causal: a window with no right context
-    cu = cu_seqlens.to(torch.int32)
-    return varlen_attn(q_TNH, k_TKH, v_TKH, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size,
-                       **gqa)
+
+def _equal_head_dims(attend, q, k, v, *args):
+    """``attend(q, k, v, *args)`` with q, k and v brought to one head dim (``_with_equal_head_dims``) where they
+    differ."""
+    if q.shape[-1] == v.shape[-1]:
+        return attend(q, k, v, *args)
+    return _with_equal_head_dims(q, k, v, lambda q_, k_, v_: attend(q_, k_, v_, *args))
 
 
 def _with_equal_head_dims(q, k, v, attend):
@@ -167,8 +158,13 @@ def _flash_attn(q, k, v, cu, max_seqlen, scale, window, softcap, dropout):
     )
 
 
-def _torch_varlen(q, k, v, cu, max_seqlen, scale, window):
-    return varlen_causal_attention_traced(q, k, v, cu, max_seqlen, scale=scale, sliding_window=window)
+def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scale, window):
+    from torch.nn.attention.varlen import varlen_attn
+
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] and _gqa_kwargs_needed() else {}
+    window_size = (window - 1 if window else -1, 0)  # causal: a window with no right context
+    cu = cu_seqlens.to(torch.int32)
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=window_size, **gqa)
 
 
 @functools.cache
@@ -323,7 +319,7 @@ def causal_attention_at_positions(
         raise ValueError(f"causal_attention_at_positions takes backend 'auto' or 'segments', got {backend!r}")
     scale = H**-0.5 if scale is None else scale
     if backend == "auto":
-        backend = choose_backend(q_LNH.device, q_LNH.dtype, None, dropout)
+        backend = choose_backend(q_LNH.device, q_LNH.dtype, None, dropout, fa4=False)  # flash layouts: FA2's
     if backend != "segments":
         add(trace, f"varlen_attention:at_positions:{backend}")
         plan = (plan or prefix_plan(cu_seqlens_q, cu_seqlens_k, q_positions, sliding_window)).to(q_LNH.device)
