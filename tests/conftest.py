@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
-TIERS = ("unit", "dist", "gpu", "verl")
+TIERS = ("unit", "dist", "gpu", "verl", "engines")
 
 
 def tier_of(path: Path) -> str:

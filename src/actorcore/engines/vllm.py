@@ -51,7 +51,8 @@ class EngineUpdate:
     probe: ProbeResult
     load_seconds: float
     verify_seconds: float
-    reprocessed_shared: list[str] = field(default_factory=list)
+    reprocessed_shared: list[str] = field(default_factory=list)  # modules processed again for a tied weight
+    experts_repacked: list[str] = field(default_factory=list)  # experts layers whose repacking ran again
 
 
 class VllmBridge:
@@ -188,7 +189,8 @@ class VllmBridge:
             self.llm.llm_engine.set_weight_version(f"actorcore-{self.updates}")
         return EngineUpdate(tensors=report["tensors"], bytes=report["bytes"], probe=probe,
                             load_seconds=loaded - start, verify_seconds=time.perf_counter() - loaded,
-                            reprocessed_shared=list(report.get("reprocessed_shared", ())))
+                            reprocessed_shared=list(report.get("reprocessed_shared", ())),
+                            experts_repacked=list(report.get("experts_repacked", ())))
 
     def verify(self, reference: Any) -> ProbeResult:
         """Compare the engine's log-probs on the probe with ``reference``'s (see ``update``); raise

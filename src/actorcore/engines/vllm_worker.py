@@ -133,11 +133,12 @@ class _Received:
             yield name, tensor
 
 
-def _rerun_experts_repacking(model: torch.nn.Module) -> Callable[[], None]:
+def _rerun_experts_repacking(model: torch.nn.Module, repacked: list[str]) -> Callable[[], None]:
     """Per experts layer: wrap its quant method's post-processing so that, on an update, the experts' own repacking
-    runs after it (what vLLM does on the first load only). Returns the undo."""
+    runs after it (what vLLM does on the first load only); each layer that ran it is appended to ``repacked``.
+    Returns the undo."""
     undo = []
-    for module in model.modules():
+    for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
@@ -145,9 +146,10 @@ def _rerun_experts_repacking(model: torch.nn.Module) -> Callable[[], None]:
             continue
         original = method.process_weights_after_loading
 
-        def process_and_repack(layer: torch.nn.Module, _original=original, _experts=experts) -> None:
+        def process_and_repack(layer: torch.nn.Module, _original=original, _experts=experts, _name=name) -> None:
             _original(layer)
             _experts.process_weights_after_loading(layer)
+            repacked.append(_name)
 
         method.process_weights_after_loading = process_and_repack  # this instance only, for this update
         undo.append(method)
@@ -246,7 +248,8 @@ def apply_update(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> di
     block(model, "a weight update is in progress")  # until it has been completed and accounted for
     received = _Received(weights, checkpoint_shapes(str(model_config.model)))
     expected = {name for name, _ in model.named_parameters()}
-    undo_repack = _rerun_experts_repacking(model)
+    repacked: list[str] = []
+    undo_repack = _rerun_experts_repacking(model, repacked)
     loaded: set[str] = set()
     unfinished: list[str] = []
     failure: BaseException | None = None
@@ -283,7 +286,7 @@ def apply_update(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> di
                          "update succeeds")
     unblock(model)
     report = {"tensors": len(received.names), "bytes": received.nbytes, "engine_parameters": len(loaded),
-              "reprocessed_shared": redone, "seconds": time.perf_counter() - start}
+              "reprocessed_shared": redone, "experts_repacked": repacked, "seconds": time.perf_counter() - start}
     logger.info("vLLM update: %d tensors (%.1f MB) into %d engine parameters in %.2f s", report["tensors"],
                 report["bytes"] / 1e6, report["engine_parameters"], report["seconds"])
     return report

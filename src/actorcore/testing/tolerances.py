@@ -55,6 +55,12 @@ TOL: dict[str, float] = {
     # The same on the CPU (gloo): a bf16 glm4_moe at TP=2 x EP=2 (2 layers) vs transformers' fp32 forward; measured
     # 3.2e-3 (log-probs) and 4.5e-5 (entropy).
     "mcore_bf16_vs_hf_fp32": 1e-2,
+    # A real vLLM engine (its CPU build, float32) vs actorcore on the same weights, per sampled token; measured
+    # 9.5e-7 on every family that agrees (the issue's bar is 1e-5).
+    "engine_vs_actorcore_fp32": 1e-5,
+    # The same engine after a bridge update vs a fresh engine started from the trainer's saved weights (the families
+    # whose vLLM implementation differs from transformers'): the same kernels on the same weights.
+    "engine_updated_vs_fresh_fp32": 1e-6,
     # VLM packed vs HF padded, fp32.
     "vlm_packed_vs_hf_fp32": VERIFY_TOLERANCE[torch.float32],
     # bf16 model vs the same weights in fp32: parameter gradients, relative L2 norm (bf16 decoder rounding).

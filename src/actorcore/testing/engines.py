@@ -1,0 +1,100 @@
+"""Test support for the engine tier (``tests/engines``): tiny models vLLM's CPU build runs, an in-process engine from
+a saved copy, a training step that changes every weight, and the engine's sampled tokens with their log-probs.
+
+vLLM's CPU attention has no head dim 16 (the tiny configs' default): the engine families take head dim 32, set
+through ``head_dim`` where the config has it and through a hidden size of 128 where it derives it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from actorcore.testing.tiny_configs import build_tiny_model
+
+# model_type -> (overrides of the tiny config, what it covers). Agreement with actorcore is exact (float32 rounding).
+ENGINE_FAMILIES: dict[str, tuple[dict[str, Any], str]] = {
+    "qwen3": (dict(head_dim=32), "dense, q/k norms"),
+    "qwen2": (dict(hidden_size=128, tie_word_embeddings=True), "tied lm-head (Qwen2.5's small sizes), qkv biases"),
+    "llama": (dict(head_dim=32), "the baseline dense model"),
+    "mistral": (dict(head_dim=32), "sliding window"),
+    "gemma2": (dict(head_dim=32, query_pre_attn_scalar=32), "tied head, final and attention softcaps, GeGLU"),
+    "gemma3_text": (dict(head_dim=32, query_pre_attn_scalar=32), "sliding / full layers, softcaps, tied head"),
+    "phi3": (dict(hidden_size=128), "fused qkv and gate/up in the checkpoint"),
+    "granite": (dict(hidden_size=128), "embedding / residual / attention multipliers, logits scaling"),
+    "qwen3_moe": (dict(head_dim=32), "MoE (stacked experts in transformers 5, per-expert names in the checkpoint)"),
+    "qwen2_moe": (dict(hidden_size=128), "MoE with a gated shared expert"),
+    "mixtral": (dict(head_dim=32), "MoE, every layer"),
+    "glm4_moe": (dict(head_dim=32), "MoE with grouped routing, a shared expert and a correction bias"),
+}
+
+# Families vLLM's CPU build runs whose own implementation disagrees with transformers' beyond float32 rounding
+# (measured max |d log-p| before any update): the bridge is exact for them against a fresh engine started from the
+# trainer's saved weights, not against actorcore. model_type -> (overrides, measured disagreement, why).
+ENGINE_DIFFERENT_IMPLEMENTATIONS: dict[str, tuple[dict[str, Any], float, str]] = {
+    "gpt_oss": (dict(head_dim=32, intermediate_size=96), 9.1e-3,
+                "the CPU experts need widths in multiples of 32; vLLM's gpt-oss differs from transformers' by 9e-3"),
+    "deepseek_v3": (dict(topk_method="noaux_tc", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                         v_head_dim=128, head_dim=64), 7.1e-4,
+                    "the CPU MLA kernel takes only kv_lora_rank 512 + rope 64; vLLM's MLA differs by 7e-4"),
+    "apertus": (dict(head_dim=32), 4.5e-5, "vLLM's xIELU activation differs by 4.5e-5"),
+}
+
+KV_CACHE_BYTES = 32 << 20  # per engine: the tests' prompts are short, and several engines share one process
+
+
+def engine_model(model_type: str, overrides: dict[str, Any], seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+    model = build_tiny_model(model_type, seed=seed, dtype=dtype, **overrides)
+    model.train()
+    return model
+
+
+def save_for_engine(model: torch.nn.Module, directory: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory)
+    return directory
+
+
+def start_engine(directory: str, dtype: str = "float32", **kwargs: Any) -> Any:
+    """An ``LLM`` on the saved model: no tokenizer (prompts are token ids), eager, processed log-probs (the sampling
+    temperature applied, what actorcore's ``temperature`` computes)."""
+    from vllm import LLM
+
+    options = dict(dtype=dtype, enforce_eager=True, max_model_len=256, skip_tokenizer_init=True, seed=0,
+                   logprobs_mode="processed_logprobs", kv_cache_memory_bytes=KV_CACHE_BYTES)
+    options.update(kwargs)
+    return LLM(model=directory, **options)
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int, vocab: int = 131) -> float:
+    """One optimizer step on a policy-gradient-shaped loss over random sequences: every weight moves."""
+    import actorcore as ac
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [9, 14, 6]
+    batch = ac.pack([torch.randint(0, vocab, (n,), generator=generator) for n in lengths])
+    advantages = torch.randn(batch.num_tokens, generator=generator)
+    loss = -(ac.compute_logprobs(model, batch, entropy=False).log_probs * advantages).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(loss)
+
+
+PROMPTS = [[3, 5, 9, 4, 11, 17, 2, 8], [7, 3, 8, 9, 10], [12, 1, 1, 40, 33, 7, 90, 21, 5, 5, 64, 100]]
+
+
+def sample(llm: Any, prompts: list[list[int]], temperature: float, seed: int, max_tokens: int = 8
+           ) -> tuple[list[list[int]], list[list[float]]]:
+    """The engine's completions of ``prompts`` and the log-probs it reports for each sampled token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0, detokenize=False, seed=seed,
+                            ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    completions = [list(o.outputs[0].token_ids) for o in outputs]
+    log_probs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outputs]
+    return completions, log_probs
