@@ -3,8 +3,10 @@
 not a skip.
 
 Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless a test starts a separate engine process.
-vLLM builds its process-wide parallel groups at the first engine, the expert-parallel group only for a MoE model:
-a session fixture therefore starts a tiny MoE engine first, so dense and MoE engines can follow in any order.
+vLLM builds its process-wide parallel groups at the first engine, the expert-parallel group only for a MoE model,
+and tears them down when an engine is collected: a session fixture therefore starts a tiny MoE engine first, so
+dense and MoE engines can follow in any order, and every engine a test starts stays alive for the session
+(``keep_engine``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ except ImportError as exc:
     collect_ignore_glob = ["test_*.py"]
 
 
+_ALIVE: list = []  # the session's engines (see the module docstring)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def moe_engine_first(tmp_path_factory):
     """A tiny MoE engine started before any other (see the module docstring); kept for the session."""
@@ -32,4 +37,15 @@ def moe_engine_first(tmp_path_factory):
 
     overrides, _ = ENGINE_FAMILIES["qwen3_moe"]
     directory = save_for_engine(engine_model("qwen3_moe", overrides, seed=99), str(tmp_path_factory.mktemp("first")))
-    return start_engine(directory)
+    _ALIVE.append(start_engine(directory))
+    yield
+    _ALIVE.clear()
+
+
+@pytest.fixture
+def keep_engine():
+    """``keep_engine(llm) -> llm``: alive until the session ends."""
+    def keep(llm):
+        _ALIVE.append(llm)
+        return llm
+    return keep

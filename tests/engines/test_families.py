@@ -16,9 +16,9 @@ from actorcore.testing.tolerances import TOL
 
 UPDATES = 3
 MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}
-# A lm-head module holding the embedding's weight (the second holder processed again); vLLM's Gemma models compute
-# their logits from the embedding module itself, so there is nothing to process twice there.
-TIED = {"qwen2"}
+# A lm-head module holding the embedding's weight (the second holder processed again); vLLM's Gemma 2 computes its
+# logits from the embedding module itself, so there is nothing to process twice there.
+TIED = {"qwen2", "gemma3_text"}
 
 
 def _assert_agrees(model, llm, temperature: float, seed: int) -> None:
@@ -32,12 +32,12 @@ def _assert_agrees(model, llm, temperature: float, seed: int) -> None:
 
 
 @pytest.mark.parametrize("model_type", sorted(ENGINE_FAMILIES))
-def test_updates_are_exact(model_type, tmp_path):
+def test_updates_are_exact(model_type, tmp_path, keep_engine):
     from actorcore.engines import VllmBridge
 
     overrides, _ = ENGINE_FAMILIES[model_type]
     model = engine_model(model_type, overrides)
-    llm = start_engine(save_for_engine(model, str(tmp_path / "model")))
+    llm = keep_engine(start_engine(save_for_engine(model, str(tmp_path / "model"))))
     bridge = VllmBridge(llm)
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
     _assert_agrees(model, llm, 1.0, seed=0)  # before any update: the engine holds the saved weights

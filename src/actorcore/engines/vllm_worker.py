@@ -188,23 +188,23 @@ def _padding_elements(layer: torch.nn.Module) -> int:
 
 
 def _reprocess_shared(model: torch.nn.Module) -> list[str]:
-    """Process again every module that holds a parameter another module also holds (a tied lm-head), where the
-    parameter still holds its values (a repacked linear's emptied weight cannot be processed twice)."""
+    """Process again every module whose ``weight`` another module also holds (a tied lm-head and the embedding),
+    where that weight still holds its values (a repacked linear's emptied weight cannot be processed twice). Other
+    shared tensors (an experts layer's routing bias held by its gate too) are not weights a post-processing reads."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
     holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}
     for name, module in model.named_modules():
-        for param in module._parameters.values():
-            if param is not None:
-                holders.setdefault(id(param), []).append((name, module))
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            holders.setdefault(id(weight), []).append((name, module))
     redone = []
     for group in holders.values():
         if len(group) < 2:
             continue
         for name, module in group:
             method = getattr(module, "quant_method", None)
-            values = [p for p in module._parameters.values() if p is not None]
-            if isinstance(method, QuantizeMethodBase) and all(p.numel() > 0 for p in values) and name not in redone:
+            if isinstance(method, QuantizeMethodBase) and module.weight.numel() > 0:
                 method.process_weights_after_loading(module)
                 redone.append(name)
     return redone
