@@ -161,22 +161,40 @@ def _rerun_experts_repacking(model: torch.nn.Module, repacked: list[str]) -> Cal
     return restore
 
 
-def _unfinished_layers(model: torch.nn.Module) -> list[str]:
-    """Layers that took some of their elements but not all (a stream that ended early, a tensor missing), read from
-    vLLM's per-layer reload account before it is finalized. Layers that took none are found by name (an engine
-    parameter ``load_weights`` never reported); buffers no checkpoint holds (RoPE caches, KV scales) are not
-    weights."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+def _unaccounted_layers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """``(partial, nothing)``: layers that took some of their checkpoint elements but not all (a stream that ended
+    early, a tensor missing), and layers that hold checkpoint parameters and took none, read from vLLM's per-layer
+    reload account before it is finalized (where vLLM would put such a layer's old tensors back with a warning).
 
-    unfinished = []
-    for name, layer in model.named_modules():
-        info = LAYERWISE_INFO.get(layer)
-        if info is None or not info.can_load() or info.load_numel <= 0:
-            continue  # completed (its account was reset), or took nothing
-        expected = info.load_numel_total - _padding_elements(layer)
-        if info.load_numel < expected:
-            unfinished.append(f"{name or '<model>'} ({info.load_numel} of {expected} elements)")
-    return unfinished
+    Elements count what went through the parameters' weight loaders, the only loads the reload protocol sees: a
+    model whose loader copies into a parameter directly (vLLM 0.32's gpt-oss experts and sinks) shows here as a
+    layer that took nothing, which it is. A tied head takes nothing of its own: its weight is the embedding's, held
+    by a completed layer. Buffers no checkpoint holds (RoPE caches, KV scales) and parameters vLLM never loads
+    (``SKIP_LOAD_TENSORS``) are not counted."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+
+    pending = [(name, layer, LAYERWISE_INFO[layer]) for name, layer in model.named_modules()
+               if layer in LAYERWISE_INFO and LAYERWISE_INFO[layer].can_load()]
+    pending_ids = {id(layer) for _, layer, _ in pending}
+    completed = {id(p) for layer in model.modules() if id(layer) not in pending_ids
+                 for p in layer._parameters.values() if p is not None}
+    partial, nothing = [], []
+    for name, layer, info in pending:
+        checkpoint = {k: t for k, t in info.restore_metadata[0].items() if k not in SKIP_LOAD_TENSORS}
+        if not checkpoint:
+            continue
+        expected = sum(get_tensor_load_numel(t) for t in checkpoint.values()) - _padding_elements(layer)
+        label = name or "<model>"
+        if 0 < info.load_numel < expected:
+            partial.append(f"{label} ({info.load_numel} of {expected} elements)")
+        elif info.load_numel == 0:
+            kernel = info.kernel_tensors[0] if info.kernel_tensors else {}
+            if kernel and all(id(kernel[k]) in completed for k in checkpoint if k in kernel):
+                continue  # tied: its weight is held, and was loaded, by another layer
+            nothing.append(f"{label} ({', '.join(sorted(checkpoint))})")
+    return partial, nothing
 
 
 def _padding_elements(layer: torch.nn.Module) -> int:
@@ -247,16 +265,16 @@ def apply_update(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> di
     start = time.perf_counter()
     block(model, "a weight update is in progress")  # until it has been completed and accounted for
     received = _Received(weights, checkpoint_shapes(str(model_config.model)))
-    expected = {name for name, _ in model.named_parameters()}
     repacked: list[str] = []
     undo_repack = _rerun_experts_repacking(model, repacked)
     loaded: set[str] = set()
-    unfinished: list[str] = []
+    partial: list[str] = []
+    nothing: list[str] = []
     failure: BaseException | None = None
     initialize_layerwise_reload(model)
     try:
         loaded = set(model.load_weights(iter(received)) or ())
-        unfinished = _unfinished_layers(model)
+        partial, nothing = _unaccounted_layers(model)
     except BaseException as exc:  # noqa: BLE001 - the engine is blocked below, then it is raised
         failure = exc
     finally:
@@ -271,16 +289,18 @@ def apply_update(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> di
         raise failure
     redone = _reprocess_shared(model)
     _reset_worker_caches(worker)
-    never = sorted(expected - loaded)
     problems = []
     if not received.names:
         problems.append("the stream carried no tensors")
-    if unfinished:
-        problems.append(f"{len(unfinished)} layers did not receive all their weights: {unfinished[:8]}")
-    if never:
-        problems.append(f"{len(never)} engine parameters received nothing: {never[:8]}")
+    if partial:
+        problems.append(f"{len(partial)} layers did not receive all their weights: {partial[:8]}")
+    if nothing:
+        problems.append(f"{len(nothing)} layers received none of their weights through vLLM's weight loaders and "
+                        f"still hold the old ones: {nothing[:8]}")
     if problems:
-        reason = "; ".join(problems) + " (did the stream end early, or come from another model?)"
+        reason = "; ".join(problems) + (" (did the stream end early, or come from another model? A layer the stream "
+                                        "did reach that took nothing is one whose vLLM loader bypasses the weight "
+                                        "loaders that vLLM's reload protocol relies on)")
         block(model, f"partial update: {reason}")
         raise ValueError(f"the weight update into vLLM is partial: {reason}. The engine is blocked until an "
                          "update succeeds")
