@@ -6,7 +6,7 @@
   expert per token, Mixtral, DeepSeek-V3, GLM-4.5, gpt-oss with its biases and clamped SwiGLU, the hybrids Qwen3-Next
   and Qwen3.5-MoE): per-token log-probs and entropy, and every parameter's gradient after Megatron's DDP and
   ``finalize_model_grads``, against the model's own transformers forward in fp32; each case proves the grouped
-  experts ran (its trace) and that a local expert received no rows and one received exactly one (a two-token batch).
+  experts ran (its trace) and read their weights in place (consecutive in memory, under Megatron's DDP).
 - A distributed checkpoint saved with the grouped experts loads into megatron-core's sequential experts and back,
   and both export the HF checkpoint bit-exact; their sharded state dicts hold the same keys; their log-probs and
   gradients agree to fp32 summation order. Called directly on rows per expert with an expert without rows, one
@@ -71,7 +71,9 @@ def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: 
     from test_mcore_logprobs import _tiny_hf, reference_logprobs_packed
     from test_mcore_moe_tp import _grads_as_hf
 
+    from actorcore.kernels.grouped_gemm import consecutive
     from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.grouped_experts import GroupedExperts
     from actorcore.mcore.load import load_hf_into_mcore
     from actorcore.mcore.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
@@ -82,6 +84,8 @@ def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: 
     model = build_gpt_model(hf.config, parallel)  # "auto": the grouped experts on the CPU
     load_hf_into_mcore(model, directory)
     wrapped = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk) for chunk in model.chunks]
+    in_place = [consecutive(m.expert_tensors(name)) for chunk in model.chunks for m in chunk.modules()
+                if isinstance(m, GroupedExperts) for name in ("linear_fc1.weight", "linear_fc2.weight")]
     trace = Counter()
     batches = _batches()
     got = compute_logprobs(model, batches, trace=trace)
@@ -94,7 +98,7 @@ def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: 
         (reference_logprobs_packed(hf, sequences)[0].sum() * (-1.0 / len(batches))).backward()
     return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "ref": ref,
             "grads": _grads_as_hf(model), "ref_grads": {n: p.grad for n, p in hf.named_parameters() if p.grad is not None},
-            "experts": model.moe_experts, "trace": dict(trace)}
+            "experts": model.moe_experts, "trace": dict(trace), "in_place": in_place}
 
 
 def _train_step(model, batches, trace: Counter) -> tuple[list, dict]:
@@ -250,6 +254,7 @@ def test_grouped_experts_match_transformers_per_token_and_gradient(world2, name)
     for rank, result in enumerate(world2[name]):
         where = f"{name} rank {rank}"
         assert result["experts"] == "grouped", where
+        assert result["in_place"] and all(result["in_place"]), where  # the weights read in place, under Megatron's DDP
         assert result["trace"]["moe_experts:grouped_calls"] >= 2 * len(_sequences()), where
         for (lp, ent), (ref_lp, ref_ent), fb in zip(result["got"], result["ref"], result["fb"]):
             torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=where)

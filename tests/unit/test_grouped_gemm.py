@@ -32,7 +32,7 @@ def test_grouped_linear_matches_per_expert_matmuls(use_torch, counts):
     offsets = grouped_gemm.group_offsets(counts, x.device)
     assert offsets.dtype == torch.int32 and offsets.tolist() == torch.tensor(counts).cumsum(0).tolist()
     assert grouped_gemm.grouped_mm_refusal(x, weight) is None  # torch 2.13's CPU kernel takes these
-    got = grouped_gemm._GroupedLinear.apply(x, weight, offsets, use_torch)
+    got = grouped_gemm._GroupedLinear.apply(x, offsets, use_torch, weight)
     got.sum().backward()  # an expanded gradient
     ref_x, ref_w = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     want = _reference(ref_x, ref_w, counts)
@@ -61,3 +61,24 @@ def test_unaligned_widths_take_the_per_expert_fallback():
     got = grouped_gemm.grouped_linear(x, weight, grouped_gemm.group_offsets([2, 0, 5], x.device))
     want = _reference(x, weight, [2, 0, 5])
     assert (got.double() - want).abs().max() <= TOL["grouped_gemm_bf16_vs_fp64_rel"] * want.abs().max()
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["consecutive", "scattered"])
+def test_per_expert_weights_stack_in_place_and_get_their_own_gradients(in_place):
+    """Each expert's own weight tensor: read in place where they are consecutive slices of one storage (a view, no
+    copy), stacked otherwise; each gets its own gradient, equal to the stacked weight's slice."""
+    gen = torch.Generator().manual_seed(5)
+    counts = [2, 0, 3]
+    base = torch.randn(3, 8, 16, generator=gen)
+    weights = [torch.nn.Parameter(base[e] if in_place else base[e].clone()) for e in range(3)]
+    assert grouped_gemm.consecutive(weights) == in_place
+    stacked = grouped_gemm.stack_experts(weights)
+    assert (stacked.data_ptr() == base.data_ptr()) == in_place and torch.equal(stacked, base)
+    x = torch.randn(5, 16, generator=gen)
+    grad = torch.randn(5, 8, generator=gen)
+    offsets = grouped_gemm.group_offsets(counts, x.device)
+    grouped_gemm.grouped_linear(x, weights, offsets).backward(grad)
+    whole = base.clone().requires_grad_()
+    grouped_gemm.grouped_linear(x, whole, offsets).backward(grad)
+    for expert, weight in enumerate(weights):
+        assert torch.equal(weight.grad, whole.grad[expert]), expert

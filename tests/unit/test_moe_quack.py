@@ -92,10 +92,16 @@ def test_gated_expert_rows_match_plain_expert_mlps_per_element(monkeypatch):
     want_grads = torch.autograd.grad(want, inputs, grad)
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
     cu_seqlens = torch.cat([offsets.new_zeros(1), offsets])
-    got = moe_quack._GatedRows.apply(rows, probs, gate_up, down, cu_seqlens)
+    got = moe_quack._GatedRows.apply(rows, probs, cu_seqlens, 0, gate_up, down)
     got_grads = torch.autograd.grad(got, inputs, grad)
     tol = TOL["gated_mlp_arithmetic_fp32"]
     assert (want - got).abs().max().item() <= tol * want.abs().max().item()
     for name, w, gg in zip(("rows", "probs", "gate_up", "down"), want_grads, got_grads):
         assert w.shape == gg.shape and (w - gg).abs().max().item() <= tol * w.abs().max().item(), name
     assert not bool(got_grads[2][1].any()) and not bool(got_grads[3][1].any())  # the expert without rows
+    # each expert's own weights (Megatron's one MLP per expert), scattered in memory: their own gradients
+    per_expert = [w.detach()[e].clone().requires_grad_() for w in (gate_up, down) for e in range(len(counts))]
+    got = moe_quack._GatedRows.apply(rows, probs, cu_seqlens, len(counts), *per_expert)
+    split_grads = torch.autograd.grad(got, per_expert, grad)
+    for index, split in enumerate(split_grads):
+        assert torch.equal(split, got_grads[2 + index // len(counts)][index % len(counts)]), index

@@ -28,8 +28,11 @@ epilogue reduction, and the rows' gradients go back to the dispatcher as they ar
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from actorcore.kernels.grouped_gemm import stack_experts
 from actorcore.kernels.moe_permute import ExpertOrder, sum_rows_per_token, weighted_rows_per_token
 from actorcore.kernels.quack_runtime import gemm_interface
 
@@ -109,34 +112,49 @@ def gated_experts(x_TD: torch.Tensor, weights_TK: torch.Tensor, gate_up_EOD: tor
 
 class _GatedRows(torch.autograd.Function):
     """``rows_out = down(swiglu(gate_up(rows)) * probs)`` per expert over rows already sorted by expert (a token
-    dispatcher moved them): the same GEMMs without the gather and the combine."""
+    dispatcher moved them): the same GEMMs without the gather and the combine. ``weights``: ``(gate_up, down)``
+    stacked (``per_expert == 0``), or each expert's gate_up then each expert's down (``per_expert`` of each),
+    stacked in forward and again in backward (``grouped_gemm.stack_experts``: in place where consecutive)."""
 
     @staticmethod
-    def forward(ctx, rows_SD, probs_S, gate_up_EOD, down_EDI, cu_seqlens):
+    def forward(ctx, rows_SD, probs_S, cu_seqlens, per_expert, *weights):
+        gate_up_EOD, down_EDI = _pair(weights, per_expert)
         q = gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
             preact, act = _gated_forward(q, rows_SD, gate_up_EOD, cu_seqlens, None)
             scaled = (act * probs_S[:, None]).to(act.dtype)  # the probabilities before the down projection
             out = q.gemm(scaled, down_EDI.mT, cu_seqlens_m=cu_seqlens, tuned=False)
-        ctx.save_for_backward(rows_SD, probs_S, gate_up_EOD, down_EDI, preact, cu_seqlens)
+        ctx.save_for_backward(rows_SD, probs_S, preact, cu_seqlens, *weights)
+        ctx.per_expert = per_expert
         return out
 
     @staticmethod
     def backward(ctx, grad_out_SD):
-        rows_SD, probs_S, gate_up_EOD, down_EDI, preact, cu_seqlens = ctx.saved_tensors
+        rows_SD, probs_S, preact, cu_seqlens, *weights = ctx.saved_tensors
+        gate_up_EOD, down_EDI = _pair(weights, ctx.per_expert)
         q = gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
             grad_rows, grad_probs, grad_gate_up, grad_down = _gated_backward(
                 q, grad_out_SD.contiguous(), rows_SD, gate_up_EOD, down_EDI, preact, probs_S.float(), cu_seqlens,
                 None)
-        return grad_rows, grad_probs.to(probs_S.dtype), grad_gate_up, grad_down, None
+        grads = (grad_gate_up, grad_down) if not ctx.per_expert else (*grad_gate_up.unbind(0), *grad_down.unbind(0))
+        return grad_rows, grad_probs.to(probs_S.dtype), None, None, *grads
 
 
-def gated_expert_rows(rows_SD: torch.Tensor, probs_S: torch.Tensor, gate_up_EOD: torch.Tensor,
-                      down_EDI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def _pair(weights: tuple, per_expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not per_expert:
+        return weights[0], weights[1]
+    return stack_experts(weights[:per_expert]), stack_experts(weights[per_expert:])
+
+
+def gated_expert_rows(rows_SD: torch.Tensor, probs_S: torch.Tensor, gate_up: torch.Tensor | Sequence[torch.Tensor],
+                      down: torch.Tensor | Sequence[torch.Tensor], offsets_E: torch.Tensor) -> torch.Tensor:
     """``[S, D]``: rows sorted by expert (``offsets_E``: each expert's end row) through their expert's SwiGLU MLP,
     the activation scaled by the row's routing probability before the down projection (rounded once to the
-    rows' dtype), as Megatron's experts weight their rows."""
-    _check_quack_operands(rows_SD, gate_up_EOD, down_EDI)
+    rows' dtype), as Megatron's experts weight their rows. ``gate_up`` / ``down``: ``[E, 2I, D]`` / ``[E, D, I]``,
+    or each expert's ``[2I, D]`` / ``[D, I]`` (their gradients go back to each)."""
+    stacked = isinstance(gate_up, torch.Tensor)
+    weights = (gate_up, down) if stacked else (*gate_up, *down)
+    _check_quack_operands(rows_SD, *weights)
     cu_seqlens = torch.cat([offsets_E.new_zeros(1), offsets_E]).to(torch.int32)
-    return _GatedRows.apply(rows_SD.contiguous(), probs_S, gate_up_EOD, down_EDI, cu_seqlens)
+    return _GatedRows.apply(rows_SD.contiguous(), probs_S, cu_seqlens, 0 if stacked else len(gate_up), *weights)

@@ -21,10 +21,11 @@ communication skips theirs). On the CPU in fp32 the outputs and gradients equal 
 tests' shapes (torch's CPU ``grouped_mm`` and per-expert matmuls sum in the same order).
 
 The weights are not copied per call: ``pack_expert_parameters`` lays each layer's per-expert tensors out as
-consecutive slices of one stacked tensor (``[E, O, D]`` ...), so the grouped GEMM reads them in place; the stacked
-weight's gradient goes back to each expert's parameter as a slice (``_StackedParameters``). Where something later
-gives the parameters other storage (``module.to(...)``, Megatron's distributed optimizer's buffers), the forward
-stacks a copy instead, with the same values.
+consecutive slices of one stacked tensor (``[E, O, D]`` ...), so the grouped GEMM reads them in place
+(``kernels.grouped_gemm.stack_experts``), and the stacked weight's gradient goes back to each expert's parameter as
+a slice. Where something later gives the parameters other storage (``module.to(...)``, Megatron's distributed
+optimizer's buffers), each GEMM stacks a copy instead, in forward and again in backward (never kept in between:
+the memory of one layer's experts for the duration of one GEMM), with the same values.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from actorcore.kernels.grouped_gemm import group_offsets, grouped_linear
+from actorcore.kernels.grouped_gemm import consecutive, group_offsets, grouped_linear
 from actorcore.kernels.moe_permute import bias_of_rows
 from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
 from actorcore.mcore.fused_ops import compiled, expert_activation
@@ -53,39 +54,6 @@ QUACK_EXPERTS_KEY = "moe_experts:quack_calls"  # those of them on quack's gated 
 _PARAMETERS = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
 
 
-class _StackedParameters(torch.autograd.Function):
-    """``[E, *shape]``: the experts' tensors stacked, read in place where they are consecutive slices of one
-    storage; the gradient goes back to each expert's tensor as its slice (no copy)."""
-
-    @staticmethod
-    def forward(ctx, *params):
-        first = params[0]
-        if _consecutive(params):
-            return first.detach().as_strided((len(params), *first.shape), (first.numel(), *first.stride()),
-                                              first.storage_offset())
-        return torch.stack([p.detach() for p in params])
-
-    @staticmethod
-    def backward(ctx, grad):
-        return tuple(grad.unbind(0))
-
-
-def _consecutive(params: tuple[torch.Tensor, ...]) -> bool:
-    """Whether the tensors are contiguous, of one shape, and lie one after the other in one storage."""
-    first = params[0]
-    if not first.is_contiguous():
-        return False
-    storage, offset, numel = first.untyped_storage().data_ptr(), first.storage_offset(), first.numel()
-    return all(p.is_contiguous() and p.shape == first.shape and p.dtype == first.dtype
-               and p.untyped_storage().data_ptr() == storage and p.storage_offset() == offset + i * numel
-               for i, p in enumerate(params))
-
-
-def stacked(params: list[torch.Tensor]) -> torch.Tensor:
-    """The experts' tensors as one ``[E, ...]`` tensor whose gradient reaches each of them."""
-    return _StackedParameters.apply(*params)
-
-
 def pack_expert_parameters(chunk: torch.nn.Module) -> int:
     """Lay each ``GroupedExperts`` module's per-expert tensors out as consecutive slices of one stacked tensor (in
     place of their own storage, values unchanged), so its forward reads them without a copy. Run after the model
@@ -96,7 +64,7 @@ def pack_expert_parameters(chunk: torch.nn.Module) -> int:
             continue
         for name in _PARAMETERS:
             params = module.expert_tensors(name)
-            if params is None or _consecutive(tuple(params)):
+            if params is None or consecutive(params):
                 continue
             with torch.no_grad():
                 base = torch.stack([p.detach() for p in params])
@@ -125,12 +93,9 @@ class GroupedExperts(SequentialMLP):
 
     def expert_tensors(self, name: str) -> list[torch.Tensor] | None:
         """Each local expert's tensor ``name`` (``"linear_fc1.weight"`` ...), or None where the experts have none."""
-        tensors = [expert.get_parameter(name) if _has_tensor(expert, name) else None for expert in self.local_experts]
+        owner, attr = name.split(".")
+        tensors = [getattr(getattr(expert, owner), attr) for expert in self.local_experts]
         return None if any(t is None for t in tensors) else tensors
-
-    def _stacked(self, name: str) -> torch.Tensor | None:
-        tensors = self.expert_tensors(name)
-        return None if tensors is None else stacked(tensors)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -142,12 +107,13 @@ class GroupedExperts(SequentialMLP):
             probs = torch.ones_like(probs)
         counts = torch.as_tensor(tokens_per_expert)
         offsets = group_offsets(counts, rows.device)
-        fc1, fc2 = self._stacked("linear_fc1.weight"), self._stacked("linear_fc2.weight")
+        fc1, fc2 = self.expert_tensors("linear_fc1.weight"), self.expert_tensors("linear_fc2.weight")
         if self.kernel == QUACK:
             from actorcore.kernels.moe_quack import gated_expert_rows
 
             return gated_expert_rows(rows, probs, fc1, fc2, offsets), None
-        bias1, bias2 = self._stacked("linear_fc1.bias"), self._stacked("linear_fc2.bias")
+        bias1, bias2 = (None if b is None else torch.stack(b) for b in (self.expert_tensors("linear_fc1.bias"),
+                                                                        self.expert_tensors("linear_fc2.bias")))
         expert_of_row = None
         if bias1 is not None or bias2 is not None:
             experts = torch.arange(len(self.local_experts), device=rows.device)
