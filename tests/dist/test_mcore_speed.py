@@ -250,21 +250,15 @@ def world2(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILY_CASES))
 def test_grouped_experts_match_transformers_per_token_and_gradient(world2, name):
+    from test_mcore_moe_tp import assert_matches_transformers
+
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
     for rank, result in enumerate(world2[name]):
         where = f"{name} rank {rank}"
         assert result["experts"] == "grouped", where
         assert result["in_place"] and all(result["in_place"]), where  # the weights read in place, under Megatron's DDP
         assert result["trace"]["moe_experts:grouped_calls"] >= 2 * len(_sequences()), where
-        for (lp, ent), (ref_lp, ref_ent), fb in zip(result["got"], result["ref"], result["fb"]):
-            torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=where)
-            torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=where)
-            torch.testing.assert_close(fb, ref_lp, atol=tol, rtol=0, msg=where)
-        grads, ref_grads = result["grads"], result["ref_grads"]
-        assert set(ref_grads) <= set(grads), (where, sorted(set(ref_grads) - set(grads)))
-        for param, ref_grad in ref_grads.items():
-            torch.testing.assert_close(grads[param], ref_grad, atol=grad_tol * ref_grad.abs().max(), rtol=0,
-                                       msg=f"{where} {param}")
+        assert_matches_transformers(result, tol, grad_tol, where)
 
 
 @pytest.mark.slow

@@ -35,16 +35,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 MODEL_TYPES = ("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 
-def _on_cpu(value):
-    if torch.is_tensor(value):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(v) for v in value)
-    return value
-
-
 def _batches():
     import actorcore as ac
     from test_mcore_logprobs import _sequences
@@ -65,6 +55,7 @@ def _step(model, trace: Counter) -> tuple[list[torch.Tensor], dict[str, torch.Te
 
 
 def _variants_worker(rank: int, world_size: int, directory: str, variants: dict) -> dict:
+    from test_mcore_moe_tp_cuda import _on_cpu
     from transformers import AutoConfig
 
     from actorcore.mcore.load import load_hf_into_mcore
@@ -170,6 +161,7 @@ def test_quack_experts_within_bf16_rounding_of_grouped_mm():
 
 
 def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
+    from test_mcore_moe_tp_cuda import _on_cpu
     from transformers import AutoConfig
 
     from actorcore.mcore.call_plan import _is_moe, decoder_layers
