@@ -108,7 +108,7 @@ class GroupedExperts(SequentialMLP):
         counts = torch.as_tensor(tokens_per_expert)
         offsets = group_offsets(counts, rows.device)
         fc1, fc2 = self.expert_tensors("linear_fc1.weight"), self.expert_tensors("linear_fc2.weight")
-        if self.kernel == QUACK:
+        if self.kernel == QUACK and rows.shape[0]:  # (a rank without rows takes the grouped GEMMs' empty path)
             from actorcore.kernels.moe_quack import gated_expert_rows
 
             return gated_expert_rows(rows, probs, fc1, fc2, offsets), None
