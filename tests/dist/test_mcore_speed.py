@@ -231,6 +231,31 @@ def _edge_rows_case(directories: dict[str, str]) -> dict:
                                                             params, type(module).__name__)
     return out
 
+def _quack_stand_in_case(directory: str) -> dict:
+    """TP=2 x EP=2, bf16: one training step with the quack experts (quack's GEMMs as the documented stand-in) and
+    one with the grouped_mm experts, same weights."""
+    from transformers import AutoConfig
+
+    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.testing.quack_stand_in import use_quack_stand_in
+
+    parallel = McoreParallel(tp=2, ep=2)
+    initialize_megatron(parallel)
+    config = AutoConfig.from_pretrained(directory)
+    undo = use_quack_stand_in(megatron=True)
+    try:
+        out = {}
+        for kernel in ("quack", "grouped"):
+            model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts=kernel)
+            load_hf_into_mcore(model, directory)
+            trace = Counter()
+            out[kernel] = (*_train_step(model, _batches(), trace), dict(trace), model.moe_experts)
+        return out
+    finally:
+        undo()
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     from test_mcore_logprobs import _tiny_hf
@@ -243,6 +268,7 @@ def world2(tmp_path_factory):
         cases.append((name, _family_case, (model_type, tp, ep, overrides, directory)))
     cases.append(("checkpoint_swap", _checkpoint_swap_case, (os.path.join(root, "qwen3_moe_ep2"), root)))
     cases.append(("recompute", _recompute_case, (os.path.join(root, "qwen3_moe_ep2"),)))
+    cases.append(("quack_stand_in", _quack_stand_in_case, (os.path.join(root, "qwen3_moe_ep2"),)))
     cases.append(("edge_rows", _edge_rows_case, ({m: os.path.join(root, f"{m}_ep2") for m in ("qwen3_moe", "gpt_oss")},)))
     return spawn_cases(2, cases)
 
@@ -351,3 +377,18 @@ def test_grouped_experts_take_empty_and_single_row_experts(world2):
                     close(got[4][name], grad, (*where, name))
                     expert = int(name.split(".")[1])
                     assert bool(grad.any()) == (counts[expert] > 0), (where, name)
+
+
+@pytest.mark.slow
+def test_quack_experts_within_bf16_rounding_of_grouped_mm(world2):
+    """The quack kernel's plumbing on the CPU (weights per expert, offsets, the probabilities' gradient from the
+    dgated epilogue, rows sorted by Megatron's dispatcher at TP=2 x EP=2), quack's GEMMs as the stand-in: per token
+    and per gradient within bf16 rounding of the grouped_mm experts."""
+    for rank, result in enumerate(world2["quack_stand_in"]):
+        (quack_lp, quack_grads, trace, kernel), (lp, grads, _, _) = result["quack"], result["grouped"]
+        assert kernel == "quack" and trace["moe_experts:quack_calls"] == len(_sequences()), rank
+        for a, b in zip(quack_lp, lp):
+            torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
+        for name, grad in grads.items():
+            diff = (quack_grads[name].float() - grad.float()).norm()
+            assert diff <= TOL["grad_mcore_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), (rank, name)
