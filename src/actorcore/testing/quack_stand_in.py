@@ -77,9 +77,11 @@ class QuackStandIn:
     def gemm_dgated(A, B, PreAct, activation, colvec_scale=None, colvec_reduce=False, cu_seqlens_m=None, A_idx=None,
                     tuned=True):
         assert activation == "swiglu"
-        acc = _rows(A, B, cu_seqlens_m, A_idx).float()  # the fp32 accumulators; outputs in the operands' dtype
+        acc = _rows(A, B, cu_seqlens_m, A_idx)
+        wide = torch.promote_types(acc.dtype, torch.float32)  # fp32 (or wider) accumulators; outputs in PreAct's dtype
+        acc = acc.to(wide)
         scale = colvec_scale[:, None] if colvec_scale is not None else 1.0
-        grad_preact, act = _swiglu_backward(acc * scale, PreAct[..., ::2].float(), PreAct[..., 1::2].float())
+        grad_preact, act = _swiglu_backward(acc * scale, PreAct[..., ::2].to(wide), PreAct[..., 1::2].to(wide))
         out = (grad_preact.to(PreAct.dtype), (act * scale).to(PreAct.dtype))
         return out if not colvec_reduce else (*out, (act * acc).sum(-1))
 
