@@ -60,7 +60,9 @@ def gated_activation(inter: torch.Tensor, bias: torch.Tensor | None, activation:
     if clamp is not None:
         x_glu = x_glu.clamp(min=None, max=clamp)
         x_linear = x_linear.clamp(min=-clamp, max=clamp)
-    return activation(x_glu) * (x_linear + offset)
+    if offset:  # Megatron adds its 0.0 default too: the same values (a zero's sign aside), one pass less
+        x_linear = x_linear + offset
+    return activation(x_glu) * x_linear
 
 
 def expert_activation(inter_SO: torch.Tensor, bias_SO: torch.Tensor | None, probs_S: torch.Tensor,

@@ -17,8 +17,9 @@ The math is ``MLP.forward``'s with ``per_token_scale`` (what ``SequentialMLP`` c
 gated activation (gpt-oss's clamp and linear offset included), the routing probability times the activation in
 fp32 rounded once, fc2, and fc2's bias weighted by the probability. No communication inside: with expert tensor
 parallelism the dispatcher reduces the partial outputs (as for ``SequentialMLP``'s linears, whose explicit expert
-communication skips theirs). On the CPU in fp32 the outputs and gradients equal ``SequentialMLP``'s bitwise at the
-tests' shapes (torch's CPU ``grouped_mm`` and per-expert matmuls sum in the same order).
+communication skips theirs). On the CPU in fp32 the outputs and gradients equal ``SequentialMLP``'s to fp32
+summation order (bitwise at the Qwen3-MoE test shapes; torch's CPU ``grouped_mm`` and MKL's per-expert GEMMs may add
+in other orders).
 
 The weights are not copied per call: ``pack_expert_parameters`` lays each layer's per-expert tensors out as
 consecutive slices of one stacked tensor (``[E, O, D]`` ...), so the grouped GEMM reads them in place

@@ -117,8 +117,8 @@ def fused_layers_refusal(config: Any) -> str | None:
     checks = (
         (config.hidden_dropout, f"hidden_dropout={config.hidden_dropout} (the fused residual adds have no dropout)"),
         (config.fp8 or config.fp4, "fp8 / fp4 layers (TransformerEngine's)"),
-        (getattr(config, "recompute_modules", None) and config.recompute_granularity == "selective",
-         "Megatron's selective recompute of norms or MLPs (recompute_granularity='selective')"),
+        (config.recompute_granularity == "selective" and {"layernorm", "mlp"} & set(config.recompute_modules or ()),
+         "Megatron's selective recompute of the norms or the MLP (recompute_modules 'layernorm' / 'mlp')"),
         (getattr(config, "cpu_offloading", False), "Megatron's activation offload"),
         (getattr(config, "cuda_graph_impl", "none") not in (None, "none"), "CUDA graphs"),
     )
