@@ -10,7 +10,8 @@ parameters x tokens / 790 TFLOP/s), peak memory, max |Δ log-prob| against the e
 weights), and the kernel-time breakdown by category (``step_profile``). Random weights of a real shape.
 
     PYTHONPATH=src:/tmp/site python3 bench/actor_step.py --model qwen2.5-1.5b [--layers N] [--paths a,b]
-        [--budget-gib 40] [--out DIR]
+        [--budget-gib 40] [--out DIR] [--mcore-experts auto|grouped|quack|sequential] [--mcore-fused auto|on|off]
+        [--mcore-recompute auto|selective|full|none]
 
 A path name with " fa4" appended runs that path with FlashAttention-4 (see ``FA4_SUFFIX``).
 
@@ -37,7 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_route import QWEN25_15B, TINY  # noqa: E402
-from step_profile import kernel_breakdown, mfu, pack_greedy, print_rows, sync, write_json  # noqa: E402
+from step_profile import (format_breakdown, kernel_breakdown, mfu, pack_greedy, print_rows, sync,  # noqa: E402
+                          write_json)
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -53,13 +55,15 @@ MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B)
 PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-experts", "actorcore fused no-ckpt",
          "actorcore fused quack-experts", "actorcore fused quack-experts no-ckpt",
          "actorcore fused quack-mlp", "actorcore fused quack-mlp no-ckpt",
-         "transformers padded", "transformers packed", "transformers+liger padded", "megatron")
+         "transformers padded", "transformers packed", "transformers+liger padded", "megatron before", "megatron")
 # On MoE models "actorcore fused" and "actorcore fused no-ckpt" run actorcore's gather-only experts path
 # (``moe_experts="grouped"``, the default under the fused decoder), "actorcore fused transformers-experts" transformers'
 # own grouped_mm forward, "... quack-experts" that path with quack's fused GEMMs (``moe_experts="quack"``).
 # The dense SwiGLU MLPs stay compiled (``dense_mlp=False``) except on the "... quack-mlp" paths (``dense_mlp="quack"``).
-# "megatron": actorcore's Megatron-Core route on this one GPU (``megatron_step``); it runs last (it moves the HF model
-# off the GPU).
+# "megatron": actorcore's Megatron-Core route on this one GPU (``megatron_step``) with its speed options as
+# ``--mcore-experts`` / ``--mcore-fused`` / ``--mcore-recompute`` set them (by default the route's defaults, and
+# recompute "auto" at ``--budget-gib``, the HF paths' budget); "megatron before": megatron-core's sequential experts,
+# unfused layers, no recompute (the route before these options). They run last (they move the HF model off the GPU).
 # Any actorcore or megatron path with " fa4" appended ("actorcore fused fa4", "megatron fa4") runs the same with its
 # attention on FlashAttention-4 (``patch_model(attention_backend="fa4")``, ``mcore.attention.use_attention_backend``),
 # right after the path without it: before and after in one process. The paths without it keep "auto".
@@ -182,12 +186,24 @@ class MegatronChunks(torch.nn.ModuleList):
                 p.main_grad = None
 
 
-def megatron_step(model, packs, advs, device):
+def megatron_options(name: str, args) -> dict:
+    """``build_gpt_model``'s speed options for a Megatron path: "megatron before" turns each off; "megatron" takes
+    the flags (``--mcore-*``), recompute "auto" at the HF paths' budget by default."""
+    if name == "megatron before":
+        return dict(moe_experts="sequential", fused_layers=False, recompute=None)
+    fused = {"auto": "auto", "on": True, "off": False}[args.mcore_fused]
+    recompute = None if args.mcore_recompute == "none" else args.mcore_recompute
+    return dict(moe_experts=args.mcore_experts, fused_layers=fused, recompute=recompute,
+                memory_budget_gib=args.budget_gib if recompute == "auto" else None)
+
+
+def megatron_step(model, packs, advs, device, options: dict):
     """actorcore's Megatron-Core route on this one device (TP = PP = EP = CP = 1), with the same weights: the HF
     model written to a scratch checkpoint and loaded by ``load_hf_into_mcore`` (the HF model then leaves the GPU),
     the packs through ``actorcore.mcore.compute_logprobs`` with the same token loss, forward+backward (Megatron's
-    schedule averages the loss over the packs: the gradients' scale differs, not the work). Returns the step and
-    the chunks (for ``run_path``)."""
+    schedule averages the loss over the packs: the gradients' scale differs, not the work). ``options``:
+    ``build_gpt_model``'s speed options. Returns the step (its ``trace`` and ``choices``: what the call ran and what
+    the model resolved) and the chunks (for ``run_path``)."""
     import tempfile
 
     import torch.distributed as dist
@@ -206,31 +222,36 @@ def megatron_step(model, packs, advs, device):
         model.save_pretrained(scratch)
         model.to("cpu")
         initialize_megatron(McoreParallel())
-        mcore_model = build_gpt_model(model.config, McoreParallel())
+        mcore_model = build_gpt_model(model.config, McoreParallel(), **options)
         load_hf_into_mcore(mcore_model, scratch)
     chunks = MegatronChunks(mcore_model.chunks).train()
     batches = [ac.pack(p).to(device) for p in packs]
     args = [torch.cat(pa).to(device) for pa in advs]
+    trace = Counter()
 
     def step():
         order = iter(args)  # the schedule runs the packs in order, one loss call each
+        trace.clear()
 
         def loss(out, batch):
             adv = next(order)
             return -(out.log_probs[: adv.numel()] * adv).sum()
 
         with runtime:
-            outs = compute_logprobs(mcore_model, batches, entropy=False, loss_fn=loss)
+            outs = compute_logprobs(mcore_model, batches, entropy=False, loss_fn=loss, trace=trace)
         return [o.log_probs[: b.num_tokens].float().cpu() for o, b in zip(outs, batches)]
+    step.trace = trace
+    step.choices = {"moe_experts": mcore_model.moe_experts, "fused_layers": mcore_model.fused_layers,
+                    "recompute": None if mcore_model.recompute is None else mcore_model.recompute.mode}
     return step, chunks
 
 
 def counted_attention(step, modules):
-    """``step`` with the Megatron core attentions counting the kernels they ran in ``step.trace`` (its last call)."""
-    trace = Counter()
+    """``step`` with the Megatron core attentions counting the kernels they ran in ``step.trace`` (its last call,
+    which the step clears)."""
+    trace = step.trace
 
     def counted():
-        trace.clear()
         for module in modules:
             module.trace = trace
         try:
@@ -239,6 +260,7 @@ def counted_attention(step, modules):
             for module in modules:
                 module.trace = None
     counted.trace = trace
+    counted.choices = step.choices
     return counted
 
 
@@ -347,6 +369,12 @@ def main() -> None:
     parser.add_argument("--first-timeout", type=float, default=120.0, help="one timed call if the first is slower")
     parser.add_argument("--profile", default="actorcore before,actorcore fused", help="paths to profile")
     parser.add_argument("--single-json", default=None, help="one-GPU results, for the FSDP2 scaling efficiency")
+    parser.add_argument("--mcore-experts", default="auto", choices=("auto", "grouped", "quack", "sequential"),
+                        help="the megatron path's routed experts (build_gpt_model's moe_experts)")
+    parser.add_argument("--mcore-fused", default="auto", choices=("auto", "on", "off"),
+                        help="the megatron path's fused layers (build_gpt_model's fused_layers)")
+    parser.add_argument("--mcore-recompute", default="auto", choices=("auto", "selective", "full", "none"),
+                        help="the megatron path's recompute ('auto' at --budget-gib)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to check the script (--model tiny[-moe])
@@ -384,7 +412,7 @@ def main() -> None:
     wanted = args.paths.split(",")
     if fsdp and any(not p.startswith("actorcore") for p in wanted):
         raise SystemExit("under torchrun only the actorcore paths run (FSDP2); pass --paths 'actorcore ...'")
-    megatron = None  # (step, chunks): built once, for "megatron" and "megatron fa4"
+    megatron = None  # (path, step, chunks): built once per Megatron path, reused by its " fa4" variant
     for name in ordered_paths(wanted):
         profile = name in args.profile.split(",")
         handle, runner = None, model
@@ -406,13 +434,17 @@ def main() -> None:
                 print(f"[row] {json.dumps(rows[-1])}", flush=True)
                 continue
             step = actorcore_step(model, packs, pack_advs, device)
-        elif base == "megatron":
+        elif base.startswith("megatron"):
             from actorcore.mcore.attention import use_attention_backend
 
-            megatron = megatron or megatron_step(model, packs, pack_advs, device)
-            step, runner = megatron
-            attention_modules = use_attention_backend(list(runner), attention)
-            step = counted_attention(step, attention_modules)
+            if megatron is None or megatron[0] != base:
+                megatron = None  # the previous Megatron model is gone before the next one is built
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                megatron = (base, *megatron_step(model, packs, pack_advs, device, megatron_options(base, args)))
+            _, step, runner = megatron
+            step = counted_attention(step, use_attention_backend(list(runner), attention))
         else:
             if "liger" in name:
                 from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -430,12 +462,14 @@ def main() -> None:
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_packed))
             else:
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_seq))
-        if handle is not None or base == "megatron":
+        if handle is not None or base.startswith("megatron"):
             row["trace"] = {k: v for k, v in step.trace.items() if k.split(":")[0] in (
-                "fused_decoder", "checkpoint", "moe_experts", "dense_mlp", "attention", "varlen_attention")}
+                "fused_decoder", "checkpoint", "moe_experts", "dense_mlp", "attention", "varlen_attention", "mcore")}
         if handle is not None:
             row["attention_backend"] = str(handle.state.attention)
             handle.revert()
+        if base.startswith("megatron"):
+            row["choices"] = step.choices
         rows.append(row)
     if fsdp:
         add_scaling(rows, args.single_json, active)
@@ -451,6 +485,10 @@ def main() -> None:
     print(f"{'path':<28} {'s/step':>8} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'max|Δlp| fp32':>14}")
     print_rows(rows, "path", lambda r: f"{r['seconds']:8.3f} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
                f"{r['peak_gib']:9.1f} {r.get('max_dlp_vs_fp32', float('nan')):14.3e}  first {r['first_call_s']:.1f}s")
+    for row in rows:
+        if row.get("breakdown"):
+            print(f"{row['path']:<28} kernels: {format_breakdown(row['breakdown'])}")
+
 
 def add_scaling(rows: list[dict], single_json: str | None, active: float) -> None:
     """MFU over all ranks' GPUs and, given a one-GPU run, the scaling efficiency: (tokens/s on N) / (N x one)."""

@@ -1,10 +1,10 @@
-"""The Megatron route at TP=2, PP=2 and CP=2 against the HF route with FSDP2, on the same two GPUs and weights.
+"""The Megatron route at TP=2, PP=2, CP=2 and EP=2 against the HF route with FSDP2, on the same two GPUs and weights.
 
 Launched with ``torchrun --nproc-per-node 2`` (NCCL on 2 GPUs; ``--tiny``: gloo on the CPU, a tiny fp32 model, to
-check the script). Rank 0 writes a randomly initialised Qwen3-8B-shaped checkpoint (``--layers`` decoder layers,
-bf16) to a scratch directory; every layout loads those weights:
+check the script). Rank 0 writes a randomly initialised Qwen3-8B-shaped checkpoint (``--model qwen3-30b-a3b``: the
+Qwen3-30B-A3B MoE shape; ``--layers`` decoder layers, bf16) to a scratch directory; every layout loads those weights:
 
-- ``tp2`` / ``pp2`` / ``cp2``: one ``initialize_megatron`` each (destroyed before the next), the whole RL batch
+- ``tp2`` / ``pp2`` / ``cp2`` / ``ep2``: one ``initialize_megatron`` each (destroyed before the next), the whole RL batch
   split into ``--micro-batches`` packed micro-batches (padded to one token count, which pipeline parallelism
   needs), ``actorcore.mcore.compute_logprobs`` forward-only and forward+backward of sum(log-probs);
 - ``fsdp2``: ``transformers`` model, ``fully_shard`` per decoder layer and on the whole model, each rank runs
@@ -16,11 +16,17 @@ counts against it), peak GiB allocated per rank (weights included), and max |Δ 
 on every real token, for the log-probs of each mode (gathered to every rank; rank 0 writes them). bf16 routes use different attention and GEMM kernels: small differences
 are expected, a wrong weight or mask gives differences of order 1 or more.
 
+The Megatron layouts build with the route's speed options (``build_gpt_model``'s ``moe_experts``, ``fused_layers``,
+``recompute`` / ``memory_budget_gib``: ``--mcore-experts``, ``--mcore-fused``, ``--mcore-recompute``,
+``--budget-gib``; by default the route's defaults and no recompute).
+
 ``--convert``: also time ``actorcore convert hf-to-mcore`` and ``mcore-to-hf`` (subprocesses, as the CLI runs) of a
 random ``--convert-layers`` checkpoint written by rank 0, against ``shutil.copytree`` of the same directory.
 
-    torchrun --nproc-per-node 2 bench/mcore.py [--layers 4 --sequences 32 --min-len 128 --max-len 4096 --seed 1]
-        [--layouts tp2,pp2,cp2,fsdp2] [--micro-batches 4] [--convert --convert-layers 8 | --no-routes]
+    torchrun --nproc-per-node 2 bench/mcore.py [--model qwen3-8b|qwen3-30b-a3b] [--layers 4 --sequences 32
+        --min-len 128 --max-len 4096 --seed 1] [--layouts tp2,pp2,cp2,ep2,fsdp2] [--micro-batches 4]
+        [--mcore-experts auto|grouped|quack|sequential] [--mcore-fused auto|on|off]
+        [--mcore-recompute none|full|selective|auto --budget-gib 40] [--convert --convert-layers 8 | --no-routes]
         [--out DIR] [--tiny]
 """
 
@@ -41,9 +47,13 @@ import torch.distributed as dist
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
                 tie_word_embeddings=False, rms_norm_eps=1e-6)
+QWEN3_30B_A3B = dict(QWEN3_8B, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, num_key_value_heads=4)
 TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=88, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, max_position_embeddings=4096, rope_theta=5e4, tie_word_embeddings=False, rms_norm_eps=1e-5)
-MCORE_LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2)}
+TINY_MOE = dict(TINY, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+MODELS = {"qwen3-8b": ("qwen3", QWEN3_8B, TINY), "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B, TINY_MOE)}
+MCORE_LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2), "ep2": dict(ep=2)}
 # torchrun's variables: a conversion subprocess must not think it is a rank of this job.
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
@@ -100,19 +110,30 @@ def _micro_batches(args, vocab: int):
 
 
 def _write_checkpoint(args, layers: int, directory: str) -> float:
-    """Rank 0: a random Qwen3-shaped checkpoint (safetensors) in ``directory``; returns its size in GB."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """Rank 0: a random checkpoint of ``--model``'s shape (safetensors) in ``directory``; returns its size in GB."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    shape = TINY if args.tiny else QWEN3_8B
-    config = Qwen3Config(**shape, num_hidden_layers=layers)
+    config = AutoConfig.for_model(MODELS[args.model][0], **_shape(args), num_hidden_layers=layers)
     torch.manual_seed(0)
     with torch.device("cuda" if _cuda(args) else "cpu"):
-        model = Qwen3ForCausalLM(config).to(torch.float32 if args.tiny else torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32 if args.tiny else torch.bfloat16)
     model.save_pretrained(directory)
     del model
     if _cuda(args):
         torch.cuda.empty_cache()
     return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)) / 1e9
+
+
+def _shape(args) -> dict:
+    _, shape, tiny = MODELS[args.model]
+    return tiny if args.tiny else shape
+
+
+def _speed_options(args) -> dict:
+    """``build_gpt_model``'s speed options from the ``--mcore-*`` flags."""
+    recompute = None if args.mcore_recompute == "none" else args.mcore_recompute
+    return dict(moe_experts=args.mcore_experts, fused_layers={"auto": "auto", "on": True, "off": False}[args.mcore_fused],
+                recompute=recompute, memory_budget_gib=args.budget_gib if recompute == "auto" else None)
 
 
 def _real(log_probs: list[torch.Tensor], batches) -> torch.Tensor:
@@ -135,7 +156,7 @@ def _mcore_layout(name: str, hf_dir: str, batches, args) -> tuple[dict, torch.Te
     with CpuRuntime():  # no-op with CUDA
         parallel = McoreParallel(**MCORE_LAYOUTS[name])
         initialize_megatron(parallel)
-        mcore_model = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel)
+        mcore_model = build_gpt_model(AutoConfig.from_pretrained(hf_dir), parallel, **_speed_options(args))
         chunks = mcore_model.chunks
         load_hf_into_mcore(mcore_model, hf_dir)
         params = [p for chunk in chunks for p in chunk.parameters()]
@@ -163,7 +184,7 @@ def _mcore_layout(name: str, hf_dir: str, batches, args) -> tuple[dict, torch.Te
     if _cuda(args):
         torch.cuda.empty_cache()
     tokens = sum(b.num_real_tokens for b in batches)
-    row = {"layout": name, "tokens": tokens}
+    row = {"layout": name, "tokens": tokens, "options": {k: str(v) for k, v in _speed_options(args).items()}}
     for mode, (seconds, peak, _) in (("forward", fwd), ("forward_backward", fb)):
         peaks = [r[0] if _cuda(args) else None for r in _per_rank([peak], args)]
         row.update({f"{mode}_s": seconds, f"{mode}_tokens_per_s": tokens / seconds,
@@ -295,8 +316,8 @@ def run(args) -> None:
     workdir = [tempfile.mkdtemp(prefix="bench-mcore-", dir=args.workdir) if rank == 0 else None]
     dist.broadcast_object_list(workdir, src=0)
     workdir = workdir[0]
-    shape = TINY if args.tiny else QWEN3_8B
-    result = {"model": "tiny" if args.tiny else "qwen3-8b-shaped", "layers": args.layers,
+    shape = _shape(args)
+    result = {"model": f"tiny ({args.model})" if args.tiny else f"{args.model}-shaped", "layers": args.layers,
               "device": torch.cuda.get_device_name(0) if _cuda(args) else "cpu (gloo)",
               "sequences": args.sequences, "min_len": args.min_len, "max_len": args.max_len, "seed": args.seed,
               "micro_batches": args.micro_batches, "routes": [], "convert": None}
@@ -338,7 +359,12 @@ def run(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (even, for pp2)")
+    parser.add_argument("--mcore-experts", default="auto", choices=("auto", "grouped", "quack", "sequential"))
+    parser.add_argument("--mcore-fused", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--mcore-recompute", default="none", choices=("none", "full", "selective", "auto"))
+    parser.add_argument("--budget-gib", type=float, default=40.0, help="recompute 'auto''s budget per GPU")
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--min-len", type=int, default=128)
     parser.add_argument("--max-len", type=int, default=4096)

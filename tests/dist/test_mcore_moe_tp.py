@@ -129,16 +129,21 @@ def check_results(results: list[dict], tol: float, grad_tol_rel: float) -> None:
             assert result["sp"], where
             assert result["seen_tokens"] == result["sp_tokens"], where
             assert result["mla_full_width"] == (2 if model_type == "deepseek_v3" else 0), where
-            for (lp, ent), (ref_lp, ref_ent), fb in zip(result["got"], result["ref"], result["fb"]):
-                torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=where)
-                torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=where)
-                torch.testing.assert_close(fb, ref_lp, atol=tol, rtol=0, msg=where)
-            grads, ref_grads = result["grads"], result["ref_grads"]
-            assert set(ref_grads) <= set(grads), (where, sorted(set(ref_grads) - set(grads)))
-            for name, ref_grad in ref_grads.items():
-                scale = ref_grad.abs().max()
-                torch.testing.assert_close(grads[name], ref_grad, atol=grad_tol_rel * scale, rtol=0,
-                                           msg=f"{where} {name}")
+            assert_matches_transformers(result, tol, grad_tol_rel, where)
+
+
+def assert_matches_transformers(result: dict, tol: float, grad_tol_rel: float, where: str) -> None:
+    """A case's log-probs and entropy (forward only and forward-backward) per token, and every gradient per element
+    relative to its max magnitude, against transformers' (``ref``, ``ref_grads``)."""
+    for (lp, ent), (ref_lp, ref_ent), fb in zip(result["got"], result["ref"], result["fb"]):
+        torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0, msg=where)
+        torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0, msg=where)
+        torch.testing.assert_close(fb, ref_lp, atol=tol, rtol=0, msg=where)
+    grads, ref_grads = result["grads"], result["ref_grads"]
+    assert set(ref_grads) <= set(grads), (where, sorted(set(ref_grads) - set(grads)))
+    for name, ref_grad in ref_grads.items():
+        scale = ref_grad.abs().max()
+        torch.testing.assert_close(grads[name], ref_grad, atol=grad_tol_rel * scale, rtol=0, msg=f"{where} {name}")
 
 
 @pytest.mark.slow

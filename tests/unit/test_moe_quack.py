@@ -62,3 +62,46 @@ def test_gated_experts_match_the_modules_own_forward_per_element(monkeypatch):
     assert (want - got).abs().max().item() <= tol * want.abs().max().item()
     for name, w, gg in zip(("x", "weights", "gate_up_proj", "down_proj"), want_grads, got_grads):
         assert w.shape == gg.shape and (w - gg).abs().max().item() <= tol * w.abs().max().item(), name
+
+
+def test_gated_expert_rows_match_plain_expert_mlps_per_element(monkeypatch):
+    """Rows a token dispatcher sorted by expert (the Megatron route's grouped experts): output and the gradients of the
+    rows, the probabilities and both weights, fp32, against plain per-expert SwiGLU MLPs that scale the activation by
+    the row's probability before the down projection (Megatron's ``MLP.forward`` with ``per_token_scale``); an
+    expert without rows and one with a single row included."""
+    monkeypatch.setattr(moe_quack, "gemm_interface", lambda: QuackStandIn)
+    g = torch.Generator().manual_seed(1)
+    counts, hidden, inner = [4, 0, 1, 6], 16, 8
+    rows = torch.randn(sum(counts), hidden, generator=g, requires_grad=True)
+    probs = torch.rand(sum(counts), generator=g, requires_grad=True)
+    gate_up = (torch.randn(len(counts), 2 * inner, hidden, generator=g) * 0.3).requires_grad_()
+    down = (torch.randn(len(counts), hidden, inner, generator=g) * 0.3).requires_grad_()
+    grad = torch.randn(sum(counts), hidden, generator=g)
+
+    def plain(rows, probs, gate_up, down):
+        out, start = [], 0
+        for expert, count in enumerate(counts):
+            pre = rows[start:start + count] @ gate_up[expert].t()
+            act = torch.nn.functional.silu(pre[:, :inner]) * pre[:, inner:]
+            out.append((act * probs[start:start + count, None]) @ down[expert].t())
+            start += count
+        return torch.cat(out)
+
+    inputs = (rows, probs, gate_up, down)
+    want = plain(*inputs)
+    want_grads = torch.autograd.grad(want, inputs, grad)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    cu_seqlens = torch.cat([offsets.new_zeros(1), offsets])
+    got = moe_quack._GatedRows.apply(rows, probs, cu_seqlens, 0, gate_up, down)
+    got_grads = torch.autograd.grad(got, inputs, grad)
+    tol = TOL["gated_mlp_arithmetic_fp32"]
+    assert (want - got).abs().max().item() <= tol * want.abs().max().item()
+    for name, w, gg in zip(("rows", "probs", "gate_up", "down"), want_grads, got_grads):
+        assert w.shape == gg.shape and (w - gg).abs().max().item() <= tol * w.abs().max().item(), name
+    assert not bool(got_grads[2][1].any()) and not bool(got_grads[3][1].any())  # the expert without rows
+    # each expert's own weights (Megatron's one MLP per expert), scattered in memory: their own gradients
+    per_expert = [w.detach()[e].clone().requires_grad_() for w in (gate_up, down) for e in range(len(counts))]
+    got = moe_quack._GatedRows.apply(rows, probs, cu_seqlens, len(counts), *per_expert)
+    split_grads = torch.autograd.grad(got, per_expert, grad)
+    for index, split in enumerate(split_grads):
+        assert torch.equal(split, got_grads[2 + index // len(counts)][index % len(counts)]), index

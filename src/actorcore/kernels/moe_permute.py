@@ -145,4 +145,10 @@ def combine(rows_SD: torch.Tensor, weights_TK: torch.Tensor, order: ExpertOrder,
 
 def expert_bias(bias_EO: torch.Tensor, order: ExpertOrder) -> torch.Tensor:
     """``[S, O]``: the bias of each sorted row's expert."""
-    return _ExpertBias.apply(bias_EO, order.expert_of_row)
+    return bias_of_rows(bias_EO, order.expert_of_row)
+
+
+def bias_of_rows(bias_EO: torch.Tensor, expert_of_row_S: torch.Tensor) -> torch.Tensor:
+    """``[S, O]``: ``bias[expert_of_row[s]]`` for each row (rows in any order); its backward sums each expert's rows
+    by a one-hot matmul."""
+    return _ExpertBias.apply(bias_EO, expert_of_row_S)

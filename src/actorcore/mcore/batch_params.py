@@ -3,13 +3,16 @@
 It is Megatron's ``PackedSeqParams`` (the THD layout every layer reads), plus what belongs to this call and this
 batch: ``run_mtp`` (run the multi-token-prediction layers in this forward: an option of the call, read by the
 post-processing ``mcore/model.py`` binds, never a flag on a module), ``cp_cache`` (the context-parallel
-layout that the first attention layer derives and the others reuse) and ``deepstack`` (Qwen3-VL: what each of the
-first decoder layers adds to its output, ``mcore/vlm.py``). It lives as long as the micro-batch.
+layout that the first attention layer derives and the others reuse), ``deepstack`` (Qwen3-VL: what each of the
+first decoder layers adds to its output, ``mcore/vlm.py``) and ``layer_plan`` (the call's ``LayerPlan``: each
+layer's recompute mode and the call's trace, read by ``mcore/layer.py``'s layers). It lives as long as the
+micro-batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from actorcore.mcore.attention import CpLayoutCache
 
@@ -26,3 +29,4 @@ class BatchParams(PackedSeqParams):
     run_mtp: bool = False
     cp_cache: CpLayoutCache = field(default_factory=CpLayoutCache)
     deepstack: tuple | None = None
+    layer_plan: Any = None

@@ -21,6 +21,7 @@ Legend: ``T`` packed tokens, ``D`` hidden, ``V`` vocabulary (this TP rank's rows
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,6 +30,7 @@ from actorcore.batch import (IGNORE_INDEX, PackedBatch, next_token_labels, pad_t
                              unpad)
 from actorcore.context_split import CpShard, split_for_cp
 from actorcore.kernels.logprob import check_options
+from actorcore.kernels.trace import check_trace
 from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.mcore.handle import McoreModel, require_model
 from actorcore.outputs import LogProbOutput
@@ -37,17 +39,19 @@ from actorcore.parallel.context import ParallelContext
 from actorcore.parallel.vocab_parallel import linear_logprob_entropy_vocab_parallel
 
 
-def packed_seq_params(batch: PackedBatch | CpShard, cp_group: Any = None, *, run_mtp: bool = False):
+def packed_seq_params(batch: PackedBatch | CpShard, cp_group: Any = None, *, run_mtp: bool = False,
+                      layer_plan: Any = None):
     """Megatron's THD parameters for one micro-batch (our ``BatchParams``, which also carries the call's
-    ``run_mtp``); for a CP shard, the padded layout of the whole batch (``cu_seqlens_*_padded``, which
-    Megatron's RoPE and ``PackedCoreAttention`` read)."""
+    ``run_mtp`` and ``layer_plan``); for a CP shard, the padded layout of the whole batch (``cu_seqlens_*_padded``,
+    which Megatron's RoPE and ``PackedCoreAttention`` read)."""
     from actorcore.mcore.batch_params import BatchParams
 
     cu = batch.cu_seqlens.to(torch.int32)
     padded = cu if isinstance(batch, CpShard) else None
     return BatchParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
                        cu_seqlens_kv_padded=padded, max_seqlen_q=int(batch.max_seqlen),
-                       max_seqlen_kv=int(batch.max_seqlen), cp_group=cp_group, run_mtp=run_mtp)
+                       max_seqlen_kv=int(batch.max_seqlen), cp_group=cp_group, run_mtp=run_mtp,
+                       layer_plan=layer_plan)
 
 
 def prepare_batch(batch: PackedBatch, model: McoreModel) -> PackedBatch:
@@ -199,7 +203,7 @@ def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, 
 
 
 def _forward_step(model: McoreModel, batches: list[PackedBatch], shards: list[CpShard] | None, head: Callable,
-                  run_mtp: bool, data_iterator: Any, chunk: Any, return_schedule_plan: bool = False):
+                  run_mtp: bool, layer_plan: Any, data_iterator: Any, chunk: Any, return_schedule_plan: bool = False):
     """One micro-batch's forward. ``return_schedule_plan``: Megatron's combined 1F1B schedule (a model built with
     ``overlap_moe_expert_parallel_comm=True``) asks for the chunk's schedule plan instead of its output; the plan
     runs the same modules layer by layer (attention, dispatch, experts, combine as separate nodes) and its post-
@@ -208,7 +212,7 @@ def _forward_step(model: McoreModel, batches: list[PackedBatch], shards: list[Cp
     batch = batches[index]
     shard = None if shards is None else shards[index]
     local = batch if shard is None else shard
-    params = packed_seq_params(local, model.context.cp_group, run_mtp=run_mtp)
+    params = packed_seq_params(local, model.context.cp_group, run_mtp=run_mtp, layer_plan=layer_plan)
     if return_schedule_plan:
         output = chunk.build_schedule_plan(local.input_ids.unsqueeze(0), local.position_ids.unsqueeze(0), None,
                                            packed_seq_params=params)
@@ -228,28 +232,35 @@ def _forward_step(model: McoreModel, batches: list[PackedBatch], shards: list[Cp
 
 
 def run_schedule(model: McoreModel, batches: Sequence[PackedBatch], head: Callable, *, forward_only: bool,
-                 run_mtp: bool = False) -> list[Any]:
+                 run_mtp: bool = False, trace: Counter | None = None) -> list[Any]:
     """One micro-batch per packed batch; ``head(chunk, hidden_TD, batch, shard) -> (loss, data)`` on the last
     stage (``shard``: this rank's ``CpShard`` of the batch, None without CP). ``run_mtp``: the MTP layers run in
-    this call's forwards. Returns the ``data`` of every micro-batch on the last pipeline stage (empty elsewhere)."""
+    this call's forwards. Returns the ``data`` of every micro-batch on the last pipeline stage (empty elsewhere).
+    The call's ``LayerPlan`` (``mcore/call_plan.py``: each layer's recompute mode) goes to every layer with the
+    micro-batch; what ran is counted in ``trace`` and checked after the call."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from actorcore.mcore.call_plan import check_plan_ran, counting_experts, plan_call
 
     chunks, context = model.chunks, model.context
     batches = [prepare_batch(b, model) for b in batches]
     shards = split_batches(batches, model) if context.cp_size > 1 else None
     for chunk in chunks:
         chunk.train(not forward_only)
-    step = functools.partial(_forward_step, model, batches, shards, head, run_mtp)
+    plan = plan_call(model, batches if shards is None else shards, forward_only=forward_only, trace=trace)
+    step = functools.partial(_forward_step, model, batches, shards, head, run_mtp, plan)
     iterators = [iter(range(len(batches))) for _ in chunks]
     max_tokens = max(b.num_tokens for b in (batches if shards is None else shards))
     if context.pp_size > 1 and shards is None and any(b.num_tokens != max_tokens for b in batches):
         raise ValueError("with pipeline parallelism every micro-batch must have the same token count: pad the "
                          "packed batches to a common length (pad_to_multiple) first")
-    with te_absent_fixes():
-        return get_forward_backward_func()(
+    with te_absent_fixes(), counting_experts(model, plan):
+        data = get_forward_backward_func()(
             forward_step_func=step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches), seq_length=max_tokens,
             micro_batch_size=1, forward_only=forward_only)
+    check_plan_ran(model, plan, len(batches))
+    return data
 
 
 def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int],
@@ -271,7 +282,7 @@ def _share_from_last_stage(tensors: list[torch.Tensor | None], shapes: list[int]
 
 def compute_logprobs(model: McoreModel, batches: PackedBatch | Sequence[PackedBatch], temperature: float = 1.0,
                      entropy: bool = True, *, loss_fn: Callable[[LogProbOutput, PackedBatch], torch.Tensor] | None = None,
-                     mtp_loss_scale: float | None = None):
+                     mtp_loss_scale: float | None = None, trace: Counter | None = None):
     """Per-token float32 log-probs (and entropy) of each packed batch under the Megatron ``model``
     (``build_gpt_model``'s ``McoreModel``), aligned as ``actorcore.compute_logprobs``'s.
 
@@ -288,6 +299,9 @@ def compute_logprobs(model: McoreModel, batches: PackedBatch | Sequence[PackedBa
     ``loss_fn`` the loss becomes ``loss_fn(output, batch) + mtp_loss_scale * mtp_loss(output.mtp_log_probs,
     batch)`` (its gradient reaches the main model too, as in Megatron). The main head's log-probs are the same
     as without MTP.
+
+    ``trace`` (a ``collections.Counter``): what ran is added to it (``mcore/call_plan.py`` lists the keys: the
+    fused layers, each layer's recompute mode, the grouped experts' forwards, the attention kernels).
     """
     model = require_model(model, "compute_logprobs")
     single = isinstance(batches, PackedBatch)
@@ -313,7 +327,8 @@ def compute_logprobs(model: McoreModel, batches: PackedBatch | Sequence[PackedBa
         return loss, data
 
     with torch.set_grad_enabled(not forward_only):
-        data = run_schedule(model, batch_list, head, forward_only=forward_only, run_mtp=bool(mtp_layers))
+        data = run_schedule(model, batch_list, head, forward_only=forward_only, run_mtp=bool(mtp_layers),
+                            trace=check_trace(trace))
     outputs = _gathered_outputs(model, data, batch_list, entropy, mtp_layers)
     return outputs[0] if single else outputs
 
@@ -366,8 +381,9 @@ def _check_mtp(model: McoreModel, mtp_loss_scale: float | None) -> int:
     return model.mtp_layers
 
 
-def compute_values(model: McoreModel, batches: PackedBatch | Sequence[PackedBatch]):
-    """Per-token float32 values ``[T]`` from a critic built with ``build_gpt_model(..., value_head=True)``."""
+def compute_values(model: McoreModel, batches: PackedBatch | Sequence[PackedBatch], *, trace: Counter | None = None):
+    """Per-token float32 values ``[T]`` from a critic built with ``build_gpt_model(..., value_head=True)``
+    (``trace`` as in ``compute_logprobs``)."""
     model = require_model(model, "compute_values")
     if not model.value_head:
         raise ValueError("compute_values needs a critic: build the model with build_gpt_model(..., value_head=True)")
@@ -380,7 +396,7 @@ def compute_values(model: McoreModel, batches: PackedBatch | Sequence[PackedBatc
         return hidden_TD.sum() * 0.0, {"values": values.detach()}
 
     with torch.no_grad():
-        data = run_schedule(model, batch_list, head, forward_only=True)
+        data = run_schedule(model, batch_list, head, forward_only=True, trace=check_trace(trace))
     lengths = [b.num_real_tokens for b in batch_list]
     values = _share_from_last_stage([d["values"] for d in data] or [None] * len(lengths), lengths, model)
     return values[0] if single else values

@@ -8,13 +8,14 @@ to Megatron's DDP and optimizer as they are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from actorcore.archs.megatron_rules import McoreSpec
 from actorcore.mcore.parallel import McoreParallel
+from actorcore.mcore.recompute import RecomputePlan
 from actorcore.parallel.context import ParallelContext
 
 # How the checkpoint stores a MoE layer's experts: one tensor per expert (``experts.{e}.gate_proj.weight``), or
@@ -32,6 +33,12 @@ class McoreModel:
     ``expert_layout``: the layout the checkpoint stores the experts in (``per_expert`` or ``grouped``): load
     checks it, export writes it. ``mla_full_width_projections``: MLA kv down projections patched for exact
     gradients under TP + sequence parallelism (``mcore/mla.py``).
+
+    The speed choices ``build_gpt_model`` resolved (each with a way off there): ``moe_experts``, the routed experts'
+    kernel (``"grouped"``, ``"quack"``, ``"sequential"``; None without MoE layers, ``mcore/grouped_experts.py``);
+    ``fused_layers``, the layers' elementwise work compiled (``mcore/layer.py``); ``recompute``, the activation
+    recompute plan (None: none; ``mcore/recompute.py``), and ``measured_layer_bytes``, what CUDA calls measured each
+    layer to keep (by ``(layer index, mode)``), which ``recompute="auto"`` plans later calls with.
     """
 
     chunks: list[Any]
@@ -44,6 +51,10 @@ class McoreModel:
     vlm_config: Any = None
     expert_layout: str = PER_EXPERT
     mla_full_width_projections: int = 0
+    moe_experts: str | None = None
+    fused_layers: bool = False
+    recompute: RecomputePlan | None = None
+    measured_layer_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, list) or not self.chunks:

@@ -17,6 +17,7 @@ import dataclasses
 import importlib.util
 import logging
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from actorcore.mcore.layout_check import check_layout
 from actorcore.mcore.mla import route_kv_down_projection_full_width
 from actorcore.mcore.norm import with_sequence_parallel_norms
 from actorcore.mcore.parallel import McoreParallel, context_from_megatron
+from actorcore.mcore.recompute import RecomputePlan, check_recompute, check_recompute_config
 from actorcore.mcore.vlm import add_vision_tower, check_vlm_build, is_vlm_config, language_config
 
 logger = logging.getLogger(__name__)
@@ -88,17 +90,21 @@ def _return_hidden(hidden_states: torch.Tensor, weight: Any = None, runtime_gath
     return hidden_states, None
 
 
-def _mtp_block_spec(config: Any, mtp: Any, core_attention: type, vp_stage: int | None) -> Any:
+def _mtp_block_spec(config: Any, mtp: Any, core_attention: type, vp_stage: int | None, moe_experts: str | None
+                    ) -> Any:
     """Megatron's MTP block spec: each MTP layer's decoder layer is the full-attention spec of the main decoder layer
-    ``mtp.decoder_layer_like`` (the last when None; its dense or MoE MLP) with the packed core attention, and every
-    norm the sequence-parallel-capable torch norm (Megatron picks its fused or wrapped one)."""
+    ``mtp.decoder_layer_like`` (the last when None; its dense or MoE MLP, its experts ``moe_experts``' kernel) with
+    the packed core attention, and every norm the sequence-parallel-capable torch norm (Megatron picks its fused or
+    wrapped one)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
 
+    from actorcore.mcore.grouped_experts import with_grouped_experts
     from actorcore.mcore.norm import SequenceParallelTorchNorm
 
     layers = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization="RMSNorm")
     like = config.num_layers - 1 if mtp.decoder_layer_like is None else mtp.decoder_layer_like
     layer = with_sequence_parallel_norms(_with_core_attention(layers[like], core_attention))
+    layer = with_grouped_experts(layer, moe_experts, fused=False)
     spec = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False, vp_stage=vp_stage)
     if spec is None:
         return None
@@ -157,7 +163,9 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype:
 
 def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype: torch.dtype | None = None, *,
                     value_head: bool = False, vocab_multiple: int = 128, mtp: bool = False,
-                    expert_layout: str | None = None, **config_overrides: Any) -> McoreModel:
+                    expert_layout: str | None = None, moe_experts: str = "auto", fused_layers: bool | str = "auto",
+                    recompute: str | None = None, memory_budget_gib: float | None = None,
+                    **config_overrides: Any) -> McoreModel:
     """This rank's model (``McoreModel``: its chunks, ``len == vp or 1``, and their HF side), after
     ``initialize_megatron`` with the same ``parallel`` layout.
 
@@ -177,6 +185,15 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     the export writes the same layout. ``None``: the architecture's only layout where it has one (gpt-oss,
     Qwen3-VL-MoE: grouped), else ``"per_expert"``. A vision-language config builds its language model with the HF vision
     tower in front of it (``mcore/vlm.py``).
+
+    Speed, each exact and each with a way off (the handle carries the resolved choices):
+    ``moe_experts``: the routed experts' kernel (``mcore/grouped_experts.py``): ``"auto"`` (quack's gated GEMMs where
+    quack runs, else torch's ``grouped_mm``), ``"grouped"``, ``"quack"``, or ``"sequential"`` (megatron-core's
+    ``SequentialMLP``); the same parameters, state dict and conversion either way.
+    ``fused_layers``: the layers' norms, residual adds and activations compiled (``mcore/layer.py``): ``"auto"`` on
+    CUDA with 16-bit weights, ``True``, ``False``.
+    ``recompute`` / ``memory_budget_gib``: activation recompute per layer and call (``mcore/recompute.py``):
+    ``None`` (none), ``"full"``, ``"selective"``, or ``"auto"`` within ``memory_budget_gib``.
     """
     require_megatron()
     parallel = parallel or McoreParallel()
@@ -191,10 +208,12 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
         expert_layout = GROUPED if spec.uses_grouped_experts else PER_EXPERT
     _check_expert_layout(hf_config, spec, expert_layout)
     check_ep_overlap(hf_config, parallel, dtype, mtp=mtp, vlm=vlm_config is not None, config_overrides=config_overrides)
+    recompute_plan = check_recompute(recompute, memory_budget_gib)
     context = context_from_megatron()  # refusals above need no parallel state
     parallel.check_context(context)
-    chunks = _build_chunks(hf_config, parallel, dtype, value_head=value_head, vocab_multiple=vocab_multiple,
-                           mtp=mtp, config_overrides=config_overrides)
+    options = LayerOptions(moe_experts, fused_layers, recompute_plan)
+    chunks, options = _build_chunks(hf_config, parallel, dtype, value_head=value_head, vocab_multiple=vocab_multiple,
+                                    mtp=mtp, options=options, config_overrides=config_overrides)
     if vlm_config is not None:
         add_vision_tower(chunks, vlm_config, dtype)
     # MLA under TP + SP: the RoPE key's gradient summed over all ranks' heads (see mcore/mla.py).
@@ -204,7 +223,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
         mark_experts_expert_data_parallel(chunk)
     return McoreModel(chunks=chunks, hf_config=hf_config, spec=spec, parallel=parallel, context=context,
                       vocab_multiple=vocab_multiple, value_head=value_head, vlm_config=vlm_config,
-                      expert_layout=expert_layout, mla_full_width_projections=patched)
+                      expert_layout=expert_layout, mla_full_width_projections=patched, moe_experts=options.moe_experts,
+                      fused_layers=options.fused_layers, recompute=options.recompute)
 
 
 def _fix_expert_output_biases(chunk: Any) -> None:
@@ -262,12 +282,49 @@ def _with_linear_attention(block: Any, config: Any, hf_config: Any, vp_stage: in
     return with_linear_attention_layers(block, pattern, offset, get_spec(hf_config.model_type).linear_attention.projections)
 
 
+@dataclass(frozen=True)
+class LayerOptions:
+    """The layers' speed options of ``build_gpt_model``: as asked, then as resolved for the built config."""
+
+    moe_experts: Any
+    fused_layers: Any
+    recompute: RecomputePlan | None
+
+    def resolved(self, config: Any, dtype: torch.dtype) -> "LayerOptions":
+        """Refuses what the config cannot run; ``"auto"`` becomes a choice."""
+        from actorcore.mcore.grouped_experts import resolve_moe_experts
+        from actorcore.mcore.layer import resolve_fused_layers
+
+        check_recompute_config(self.recompute, config)
+        overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
+        fused = self.fused_layers
+        if overlap and (fused is True or self.recompute is not None):
+            raise ValueError("overlap_moe_expert_parallel_comm=True runs the layers through Megatron's schedule plan, "
+                             "which bypasses the fused layers' and recompute's forward: pass fused_layers=False and "
+                             "recompute=None with it")
+        fused = False if overlap and fused == "auto" else resolve_fused_layers(fused, config, dtype)
+        return LayerOptions(resolve_moe_experts(self.moe_experts, config, dtype), fused, self.recompute)
+
+
+def _with_layer_options(layer_spec: Any, options: LayerOptions) -> Any:
+    """A decoder layer spec with the resolved experts kernel and actorcore's planned (and maybe fused) layer."""
+    from actorcore.mcore.grouped_experts import with_grouped_experts
+    from actorcore.mcore.layer import with_planned_layers
+
+    layer_spec = with_grouped_experts(layer_spec, options.moe_experts, options.fused_layers)
+    return with_planned_layers(layer_spec, options.fused_layers)
+
+
 def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *, value_head: bool,
-                  vocab_multiple: int, mtp: bool, config_overrides: dict[str, Any]) -> list[Any]:
-    """The ``GPTModel`` of every (virtual) pipeline stage of this rank, with our per-instance changes."""
+                  vocab_multiple: int, mtp: bool, options: LayerOptions,
+                  config_overrides: dict[str, Any]) -> tuple[list[Any], LayerOptions]:
+    """The ``GPTModel`` of every (virtual) pipeline stage of this rank, with our per-instance changes, and the
+    layer options resolved for its config."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from actorcore.mcore.grouped_experts import pack_expert_parameters
 
     if "mtp_num_layers" in config_overrides:
         raise ValueError("pass mtp=True (not mtp_num_layers) to build the multi-token-prediction layers")
@@ -276,6 +333,7 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
     # Multi-token-prediction layers: only on request (HF models have none; the log-probs never need them).
     config_overrides = {**config_overrides, "mtp_num_layers": mtp_layer_count(hf_config, mtp)}
     config = hf_to_mcore_config(hf_config, parallel, dtype, **config_overrides)
+    options = options.resolved(config, dtype)
     model_args = gpt_model_args(hf_config, vocab_multiple)
     if model_args["vocab_size"] % parallel.tp:
         raise ValueError(f"padded vocabulary {model_args['vocab_size']} does not split over tp={parallel.tp}")
@@ -291,10 +349,11 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
                                                         for s in block.layer_specs])
         block = _with_linear_attention(block, config, hf_config, stage)
         block = with_sequence_parallel_norms(block)
+        block = dataclasses.replace(block, layer_specs=[_with_layer_options(s, options) for s in block.layer_specs])
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-        mtp_spec = (_mtp_block_spec(config, mcore_spec_for(hf_config).mtp, core_attention, stage)
-                    if config.mtp_num_layers else None)
+        mtp_spec = (_mtp_block_spec(config, mcore_spec_for(hf_config).mtp, core_attention, stage,
+                                    options.moe_experts) if config.mtp_num_layers else None)
         with te_absent_fixes():
             model = GPTModel(config, block, pre_process=pre, post_process=post, vp_stage=stage,
                              mtp_block_spec=mtp_spec, **model_args)
@@ -316,8 +375,9 @@ def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *
         # Megatron's local norms are created in float32; every parameter takes the model dtype (as Float16Module does).
         model = model.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=dtype)
         _restore_fp32_tensors(model, mcore_spec_for(hf_config))
+        pack_expert_parameters(model)  # the grouped experts read their weights in place (final device and dtype)
         chunks.append(model)
-    return chunks
+    return chunks, options
 
 
 def _restore_fp32_tensors(model: Any, spec: Any) -> None:

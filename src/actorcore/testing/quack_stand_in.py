@@ -1,5 +1,5 @@
 """A stand-in for quack's GEMMs on the CPU, so the arithmetic around them (``kernels.gated_mlp_quack``,
-``kernels.moe_quack``) can be tested without a Hopper GPU.
+``kernels.moe_quack``, the Megatron route's quack experts) can be tested without a Hopper GPU.
 
 Written from quack's documented semantics (``quack.gemm_interface``'s reference implementations and argument
 comments), not from actorcore's code: a concatenated ``[gate; up]`` operand is read with gate and up interleaved
@@ -78,16 +78,18 @@ class QuackStandIn:
                     tuned=True):
         assert activation == "swiglu"
         acc = _rows(A, B, cu_seqlens_m, A_idx)
+        wide = torch.promote_types(acc.dtype, torch.float32)  # fp32 (or wider) accumulators; outputs in PreAct's dtype
+        acc = acc.to(wide)
         scale = colvec_scale[:, None] if colvec_scale is not None else 1.0
-        grad_preact, act = _swiglu_backward(acc * scale, PreAct[..., ::2], PreAct[..., 1::2])
-        if not colvec_reduce:
-            return grad_preact, act * scale
-        return grad_preact, act * scale, (act * acc).sum(-1)
+        grad_preact, act = _swiglu_backward(acc * scale, PreAct[..., ::2].to(wide), PreAct[..., 1::2].to(wide))
+        out = (grad_preact.to(PreAct.dtype), (act * scale).to(PreAct.dtype))
+        return out if not colvec_reduce else (*out, (act * acc).sum(-1))
 
 
-def use_quack_stand_in() -> Callable[[], None]:
+def use_quack_stand_in(megatron: bool = False) -> Callable[[], None]:
     """Run actorcore's quack paths on the stand-in, in any dtype and on any device (quack's presence, its 16-bit
-    CUDA checks and the gated MLP's dtype check lifted), for this process; returns the undo."""
+    CUDA checks and the gated MLP's dtype check lifted), for this process; returns the undo. ``megatron``: the
+    Megatron route's grouped experts too (``mcore.grouped_experts``, which imports megatron-core)."""
     import actorcore.hf.features.dense_mlp as dense_mlp
     import actorcore.hf.features.moe_experts as moe_experts
     import actorcore.kernels.gated_mlp_quack as gated_mlp_quack
@@ -99,6 +101,10 @@ def use_quack_stand_in() -> Callable[[], None]:
                 (moe_experts, "quack_refusal", lambda: None),
                 (dense_mlp, "_device_refusal", lambda module: None),
                 (dense_mlp, "gated_mlp", lambda x, g, u, d: gated_mlp_quack._GatedMLP.apply(x, g, u, d))]
+    if megatron:
+        import actorcore.mcore.grouped_experts as grouped_experts
+
+        replaced.append((grouped_experts, "quack_refusal", lambda: None))
     return swap_attributes(replaced)
 
 

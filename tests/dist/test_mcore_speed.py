@@ -1,0 +1,394 @@
+"""The Megatron route's speed paths on gloo (2 CPU processes, one spawn for every case): the grouped experts
+(``mcore/grouped_experts.py``), the fused layers (``mcore/layer.py``) and the budgeted recompute
+(``mcore/recompute.py``).
+
+- Grouped experts at EP=2, TP=2 and TP=2 x EP=2 for every MoE family of the route (Qwen3-MoE, Qwen2-MoE with one
+  expert per token, Mixtral, DeepSeek-V3, GLM-4.5, gpt-oss with its biases and clamped SwiGLU, the hybrids Qwen3-Next
+  and Qwen3.5-MoE): per-token log-probs and entropy, and every parameter's gradient after Megatron's DDP and
+  ``finalize_model_grads``, against the model's own transformers forward in fp32; each case proves the grouped
+  experts ran (its trace) and read their weights in place (consecutive in memory, under Megatron's DDP).
+- A distributed checkpoint saved with the grouped experts loads into megatron-core's sequential experts and back,
+  and both export the HF checkpoint bit-exact; their sharded state dicts hold the same keys; their log-probs and
+  gradients agree to fp32 summation order. Called directly on rows per expert with an expert without rows, one
+  with a single row and a rank without any, the grouped experts (Qwen3-MoE; gpt-oss with biases and the clamped
+  SwiGLU) equal the sequential ones per element, output and every gradient.
+- Recompute "full", "selective" and "auto" (a budget that keeps one layer's activations and recomputes the other
+  selectively) give bitwise the gradients and log-probs of no recompute, at TP=2 x EP=2 (the all-to-alls and the
+  sequence-parallel gathers inside the checkpoints); the fused layers (compiled by Inductor on the CPU, fp32) equal
+  the eager ones per token and per gradient within fp32 reduction order, and under the selective checkpoint
+  bitwise their own gradients without it. Each run's trace proves the modes and the fused regions ran.
+
+The same model's bf16 numerics on the GPU: tests/gpu/test_mcore_speed_cuda.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from actorcore.testing.mcore_cases import spawn_cases
+from actorcore.testing.tolerances import TOL
+
+pytest.importorskip("megatron.core")
+
+# Every MoE family of the Megatron route at one layout (Qwen3-MoE at all three): (model_type, tp, ep, HF overrides).
+FAMILY_CASES = {
+    "qwen3_moe_ep2": ("qwen3_moe", 1, 2, {}),
+    "qwen3_moe_tp2": ("qwen3_moe", 2, 1, {}),
+    "qwen3_moe_tp2_ep2": ("qwen3_moe", 2, 2, {}),
+    "qwen2_moe_tp2_ep2_top1": ("qwen2_moe", 2, 2, {"num_experts_per_tok": 1}),
+    "mixtral_ep2": ("mixtral", 1, 2, {}),
+    "deepseek_v3_tp2_ep2": ("deepseek_v3", 2, 2, {}),
+    "glm4_moe_ep2": ("glm4_moe", 1, 2, {}),
+    "gpt_oss_ep2": ("gpt_oss", 1, 2, {}),
+    "qwen3_next_tp2_ep2": ("qwen3_next", 2, 2, {}),
+    "qwen3_5_moe_text_ep2": ("qwen3_5_moe_text", 1, 2, {}),
+}
+TWO_TOKENS = [torch.tensor([5, 9])]  # a batch of one short sequence (one token per rank under sequence parallelism)
+# Rows per local expert handed to the experts directly (EP=2: two local experts): an expert without rows, one with a
+# single row, a rank without any.
+EDGE_ROWS = ([0, 1], [1, 0], [0, 0], [3, 1])
+
+
+def _sequences() -> list[list[torch.Tensor]]:
+    from test_mcore_logprobs import _sequences as logprob_sequences
+
+    return logprob_sequences() + [TWO_TOKENS]
+
+
+def _batches():
+    import actorcore as ac
+
+    return [ac.pack(sequences) for sequences in _sequences()]
+
+
+def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: str) -> dict:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from test_mcore_logprobs import _tiny_hf, reference_logprobs_packed
+    from test_mcore_moe_tp import _grads_as_hf
+
+    from actorcore.kernels.grouped_gemm import consecutive
+    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.grouped_experts import GroupedExperts
+    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    hf = _tiny_hf(model_type, **overrides)
+    parallel = McoreParallel(tp=tp, ep=ep)
+    initialize_megatron(parallel)
+    model = build_gpt_model(hf.config, parallel)  # "auto": the grouped experts on the CPU
+    load_hf_into_mcore(model, directory)
+    wrapped = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk) for chunk in model.chunks]
+    in_place = [consecutive(m.expert_tensors(name)) for chunk in model.chunks for m in chunk.modules()
+                if isinstance(m, GroupedExperts) for name in ("linear_fc1.weight", "linear_fc2.weight")]
+    trace = Counter()
+    batches = _batches()
+    got = compute_logprobs(model, batches, trace=trace)
+    fb = compute_logprobs(model, batches, loss_fn=lambda out, batch: -out.log_probs.sum(), trace=trace)
+    finalize_model_grads(wrapped)
+    with torch.no_grad():
+        ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
+    hf.zero_grad()
+    for sequences in _sequences():
+        (reference_logprobs_packed(hf, sequences)[0].sum() * (-1.0 / len(batches))).backward()
+    return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "ref": ref,
+            "grads": _grads_as_hf(model), "ref_grads": {n: p.grad for n, p in hf.named_parameters() if p.grad is not None},
+            "experts": model.moe_experts, "trace": dict(trace), "in_place": in_place}
+
+
+def _train_step(model, batches, trace: Counter) -> tuple[list, dict]:
+    """Forward-backward of the summed log-probs; (log-probs, every parameter's local gradient by name)."""
+    from actorcore.mcore.forward import compute_logprobs
+
+    for chunk in model.chunks:
+        chunk.zero_grad(set_to_none=True)
+    out = compute_logprobs(model, batches, loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace)
+    grads = {f"{i}.{name}": p.grad.clone() for i, chunk in enumerate(model.chunks)
+             for name, p in chunk.named_parameters() if p.grad is not None}
+    return [o.log_probs for o in out], grads
+
+
+def _checkpoint_swap_case(directory: str, root: str) -> dict:
+    """EP=2: grouped -> distributed checkpoint -> sequential -> checkpoint -> grouped, each exporting the HF
+    checkpoint; the two kernels' sharded keys, log-probs and gradients."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from actorcore.mcore.dist_checkpoint import load_mcore_checkpoint, save_mcore_checkpoint
+    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.weight_stream import gather_hf_state_dict
+
+    parallel = McoreParallel(ep=2)
+    initialize_megatron(parallel)
+    config = AutoConfig.from_pretrained(directory)
+    grouped = build_gpt_model(config, parallel, moe_experts="grouped")
+    load_hf_into_mcore(grouped, directory)
+    first, second = os.path.join(root, "from_grouped"), os.path.join(root, "from_sequential")
+    save_mcore_checkpoint(grouped, first, directory)
+    dist.barrier()
+    sequential = build_gpt_model(config, parallel, moe_experts="sequential")
+    load_mcore_checkpoint(sequential, first)
+    exported = {"sequential": gather_hf_state_dict(sequential)}
+    save_mcore_checkpoint(sequential, second, directory)
+    dist.barrier()
+    back = build_gpt_model(config, parallel, moe_experts="grouped")
+    load_mcore_checkpoint(back, second)
+    exported["grouped"] = gather_hf_state_dict(back)
+    keys = {name: sorted(model.chunks[0].sharded_state_dict().keys()) for name, model in
+            (("grouped", back), ("sequential", sequential))}
+    types = {name: type(model.chunks[0].decoder.layers[0].mlp.experts).__name__ for name, model in
+             (("grouped", back), ("sequential", sequential))}
+    batches = _batches()
+    steps = {name: _train_step(model, batches, Counter()) for name, model in (("grouped", back),
+                                                                               ("sequential", sequential))}
+    return {"exported": exported, "keys": keys, "types": types, "steps": steps}
+
+
+def _selective_and_kept_budget(model, batches) -> float:
+    """A budget in GiB under which ``"auto"`` keeps the last layer's activations whole and recomputes the first one's
+    elementwise work (from the planner's own estimate on the CPU, where nothing is allocated)."""
+    from actorcore.mcore.call_plan import _is_moe, decoder_layers
+    from actorcore.mcore.recompute import SLACK_BYTES, layer_bytes_per_token
+
+    layers = decoder_layers(model)
+    estimates = [layer_bytes_per_token(model.config, 4, _is_moe(layer)) for layer in layers]
+    tokens = max(b.num_tokens for b in batches) // model.context.tp_size
+    (_, first_selective, _), (last_none, _, _) = estimates
+    base = SLACK_BYTES + sum(e[2] for e in estimates) * tokens
+    # layers_to_keep's rule: the kept layers' peak (the last one's bytes twice, then the first one's on top), and
+    # room for three of the largest kept layer
+    room = max(2 * last_none + first_selective, 3 * max(first_selective, last_none)) * tokens
+    return (base + room * 1.001) / 2**30
+
+
+def _recompute_case(directory: str) -> dict:
+    """TP=2 x EP=2, Qwen3-MoE (a MoE and a dense layer): one training step per recompute mode and fused choice."""
+    from transformers import AutoConfig
+
+    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    parallel = McoreParallel(tp=2, ep=2)
+    initialize_megatron(parallel)
+    config = AutoConfig.from_pretrained(directory)
+    batches = _batches()
+    reference = build_gpt_model(config, parallel)
+    budget = _selective_and_kept_budget(reference, batches)
+    variants = {"none": {}, "full": dict(recompute="full"), "selective": dict(recompute="selective"),
+                "auto": dict(recompute="auto", memory_budget_gib=budget), "fused": dict(fused_layers=True),
+                "fused_selective": dict(fused_layers=True, recompute="selective")}
+    out = {}
+    for name, options in variants.items():
+        model = build_gpt_model(config, parallel, **options)
+        load_hf_into_mcore(model, directory)
+        trace = Counter()
+        out[name] = (*_train_step(model, batches, trace), dict(trace), model.fused_layers)
+    return out
+
+
+def _edge_rows_case(directories: dict[str, str]) -> dict:
+    """EP=2: the first MoE layer's experts called directly, grouped and megatron-core's sequential ones with the same
+    weights, on rows per expert of ``EDGE_ROWS``: outputs and the gradients of the rows, the probabilities and every
+    expert parameter."""
+    from transformers import AutoConfig
+
+    from actorcore.mcore.call_plan import _is_moe
+    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+
+    parallel = McoreParallel(ep=2)
+    initialize_megatron(parallel)
+    out = {}
+    for model_type, directory in directories.items():
+        config = AutoConfig.from_pretrained(directory)
+        experts = {}
+        for kernel in ("grouped", "sequential"):
+            model = build_gpt_model(config, parallel, moe_experts=kernel)
+            load_hf_into_mcore(model, directory)
+            experts[kernel] = next(layer.mlp.experts for layer in model.chunks[0].decoder.layers if _is_moe(layer))
+        for counts in EDGE_ROWS:
+            gen = torch.Generator().manual_seed(sum(counts))
+            rows = torch.randn(sum(counts), config.hidden_size, generator=gen)
+            probs, grad = torch.rand(sum(counts), generator=gen), torch.randn(sum(counts), config.hidden_size,
+                                                                             generator=gen)
+            for kernel, module in experts.items():
+                module.zero_grad(set_to_none=True)
+                inputs = (rows.clone().requires_grad_(), probs.clone().requires_grad_())
+                output, bias = module(inputs[0], torch.tensor(counts), inputs[1])
+                output.backward(grad)
+                params = {name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                          for name, p in module.named_parameters()}
+                out[(model_type, tuple(counts), kernel)] = (output.detach(), bias, inputs[0].grad, inputs[1].grad,
+                                                            params, type(module).__name__)
+    return out
+
+def _quack_stand_in_case(directory: str) -> dict:
+    """TP=2 x EP=2, bf16: one training step with the quack experts (quack's GEMMs as the documented stand-in) and
+    one with the grouped_mm experts, same weights."""
+    from transformers import AutoConfig
+
+    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.testing.quack_stand_in import use_quack_stand_in
+
+    parallel = McoreParallel(tp=2, ep=2)
+    initialize_megatron(parallel)
+    config = AutoConfig.from_pretrained(directory)
+    undo = use_quack_stand_in(megatron=True)
+    try:
+        out = {}
+        for kernel in ("quack", "grouped"):
+            model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts=kernel)
+            load_hf_into_mcore(model, directory)
+            trace = Counter()
+            out[kernel] = (*_train_step(model, _batches(), trace), dict(trace), model.moe_experts)
+        return out
+    finally:
+        undo()
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    from test_mcore_logprobs import _tiny_hf
+
+    root = str(tmp_path_factory.mktemp("mcore_speed"))
+    cases = []
+    for name, (model_type, tp, ep, overrides) in FAMILY_CASES.items():
+        directory = os.path.join(root, name)
+        _tiny_hf(model_type, **overrides).save_pretrained(directory)
+        cases.append((name, _family_case, (model_type, tp, ep, overrides, directory)))
+    cases.append(("checkpoint_swap", _checkpoint_swap_case, (os.path.join(root, "qwen3_moe_ep2"), root)))
+    cases.append(("recompute", _recompute_case, (os.path.join(root, "qwen3_moe_ep2"),)))
+    cases.append(("quack_stand_in", _quack_stand_in_case, (os.path.join(root, "qwen3_moe_ep2"),)))
+    cases.append(("edge_rows", _edge_rows_case, ({m: os.path.join(root, f"{m}_ep2") for m in ("qwen3_moe", "gpt_oss")},)))
+    return spawn_cases(2, cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILY_CASES))
+def test_grouped_experts_match_transformers_per_token_and_gradient(world2, name):
+    from test_mcore_moe_tp import assert_matches_transformers
+
+    tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
+    for rank, result in enumerate(world2[name]):
+        where = f"{name} rank {rank}"
+        assert result["experts"] == "grouped", where
+        assert result["in_place"] and all(result["in_place"]), where  # the weights read in place, under Megatron's DDP
+        assert result["trace"]["moe_experts:grouped_calls"] >= 2 * len(_sequences()), where
+        assert_matches_transformers(result, tol, grad_tol, where)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_with_grouped_experts_loads_into_sequential_and_back(world2, tmp_path):
+    from safetensors.torch import load_file
+
+    from test_mcore_logprobs import _tiny_hf
+
+    hf = _tiny_hf("qwen3_moe")
+    hf.save_pretrained(tmp_path)
+    original = load_file(os.path.join(tmp_path, "model.safetensors"))
+    tol = TOL["grouped_experts_vs_sequential_fp32_rel"]
+    for rank, result in enumerate(world2["checkpoint_swap"]):
+        assert result["types"] == {"grouped": "GroupedExperts", "sequential": "SequentialMLP"}
+        assert result["keys"]["grouped"] == result["keys"]["sequential"], rank
+        for kernel, exported in result["exported"].items():
+            assert sorted(exported) == sorted(original), (rank, kernel)
+            for name, tensor in original.items():
+                assert torch.equal(exported[name], tensor), (rank, kernel, name)
+        (grouped_lp, grouped_grads), (sequential_lp, sequential_grads) = (result["steps"]["grouped"],
+                                                                          result["steps"]["sequential"])
+        for a, b in zip(grouped_lp, sequential_lp):
+            torch.testing.assert_close(a, b, atol=tol, rtol=0)
+        assert sorted(grouped_grads) == sorted(sequential_grads)
+        for name, grad in grouped_grads.items():
+            want = sequential_grads[name]
+            torch.testing.assert_close(grad, want, atol=tol * want.abs().max(), rtol=0, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.slow
+def test_recompute_modes_give_bitwise_the_gradients_of_none(world2):
+    fp32_tol, grad_tol = TOL["fused_decoder_vs_eager_fp32"], TOL["grad_fused_decoder_vs_eager_fp32_rel"]
+    for rank, result in enumerate(world2["recompute"]):
+        none_lp, none_grads, none_trace, _ = result["none"]
+        assert none_trace["mcore:recompute_kept_layers"] == 2 * len(_sequences()) and not none_trace.get(
+            "mcore:fused_layers")
+        for name in ("full", "selective", "auto"):
+            lp, grads, trace, fused = result[name]
+            assert not fused
+            for a, b in zip(lp, none_lp):
+                assert torch.equal(a, b), (rank, name)
+            assert sorted(grads) == sorted(none_grads)
+            for param, grad in grads.items():
+                assert torch.equal(grad, none_grads[param]), (rank, name, param)
+        assert result["full"][2]["mcore:recompute_full_layers"] == 2 * len(_sequences())
+        assert result["selective"][2]["checkpoint:selective"] == 2 * len(_sequences())
+        auto = result["auto"][2]
+        assert auto["mcore:recompute_selective_layers"] == auto["mcore:recompute_kept_layers"] == len(_sequences())
+        fused_lp, fused_grads, fused_trace, fused = result["fused"]
+        assert fused and fused_trace["mcore:fused_layers"] == 2 * len(_sequences())
+        for a, b in zip(fused_lp, none_lp):
+            torch.testing.assert_close(a, b, atol=fp32_tol, rtol=0)
+        for param, grad in fused_grads.items():
+            torch.testing.assert_close(grad, none_grads[param], atol=grad_tol * none_grads[param].abs().max(), rtol=0,
+                                       msg=f"rank {rank} {param}")
+        selective_lp, selective_grads, selective_trace, _ = result["fused_selective"]
+        assert selective_trace["checkpoint:selective"] == 2 * len(_sequences())
+        assert selective_trace["mcore:fused_layers"] >= 2 * 2 * len(_sequences())  # forward and recompute
+        for a, b in zip(selective_lp, fused_lp):
+            assert torch.equal(a, b), rank
+        for param, grad in selective_grads.items():
+            assert torch.equal(grad, fused_grads[param]), (rank, param)
+
+
+@pytest.mark.slow
+def test_grouped_experts_take_empty_and_single_row_experts(world2):
+    """Against megatron-core's sequential experts with the same weights: outputs and every gradient (rows,
+    probabilities, expert parameters) to fp32 summation order (torch's CPU grouped GEMM and MKL's per-expert GEMM
+    may add in other orders; a bias's rows are summed by a one-hot GEMM); an expert without rows gets zero
+    gradients."""
+    tol = TOL["grouped_experts_vs_sequential_fp32_rel"]
+
+    def close(got, want, where):
+        assert got.shape == want.shape, where
+        if want.numel():
+            torch.testing.assert_close(got, want, atol=tol * want.abs().max(), rtol=0, msg=str(where))
+
+    for rank, result in enumerate(world2["edge_rows"]):
+        for model_type in ("qwen3_moe", "gpt_oss"):
+            for counts in EDGE_ROWS:
+                got, want = result[(model_type, tuple(counts), "grouped")], result[(model_type, tuple(counts),
+                                                                                    "sequential")]
+                where = (rank, model_type, counts)
+                assert (got[5], want[5]) == ("GroupedExperts", "SequentialMLP"), where
+                assert got[1] is None and want[1] is None, where
+                for index in (0, 2, 3):  # output, rows' and probabilities' gradients
+                    close(got[index], want[index], (*where, index))
+                assert sorted(got[4]) == sorted(want[4]), where
+                for name, grad in want[4].items():
+                    close(got[4][name], grad, (*where, name))
+                    expert = int(name.split(".")[1])
+                    assert bool(grad.any()) == (counts[expert] > 0), (where, name)
+
+
+@pytest.mark.slow
+def test_quack_experts_within_bf16_rounding_of_grouped_mm(world2):
+    """The quack kernel's plumbing on the CPU (weights per expert, offsets, the probabilities' gradient from the
+    dgated epilogue, rows sorted by Megatron's dispatcher at TP=2 x EP=2), quack's GEMMs as the stand-in: per token
+    and per gradient within bf16 rounding of the grouped_mm experts."""
+    for rank, result in enumerate(world2["quack_stand_in"]):
+        (quack_lp, quack_grads, trace, kernel), (lp, grads, _, _) = result["quack"], result["grouped"]
+        assert kernel == "quack" and trace["moe_experts:quack_calls"] == len(_sequences()), rank
+        for a, b in zip(quack_lp, lp):
+            torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
+        for name, grad in grads.items():
+            diff = (quack_grads[name].float() - grad.float()).norm()
+            assert diff <= TOL["grad_mcore_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), (rank, name)

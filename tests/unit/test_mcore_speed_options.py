@@ -1,0 +1,77 @@
+"""The Megatron route's speed options resolve as documented and refuse what cannot run, with the reason
+(``mcore/grouped_experts.py``'s ``moe_experts``, ``mcore/layer.py``'s ``fused_layers``): on this CPU machine
+``"auto"`` takes the grouped experts and leaves the layers eager; quack is refused without a Hopper GPU; a config the
+grouped experts or the fused layers do not cover falls back under ``"auto"`` and is refused when asked for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+
+def _config(model_type: str, **overrides):
+    from actorcore.mcore.config import hf_to_mcore_config
+    from actorcore.testing.tiny_configs import tiny_config
+
+    return hf_to_mcore_config(tiny_config(model_type), **overrides)
+
+
+def test_moe_experts_resolve_and_refuse():
+    from actorcore.mcore.grouped_experts import resolve_moe_experts
+
+    config = _config("qwen3_moe")
+    assert resolve_moe_experts("auto", config, torch.float32) == "grouped"
+    assert resolve_moe_experts("grouped", config, torch.bfloat16) == "grouped"
+    assert resolve_moe_experts("sequential", config, torch.float32) == "sequential"
+    assert resolve_moe_experts("auto", _config("qwen3"), torch.float32) is None  # no MoE layers
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="moe_experts='quack': .*Hopper.*'sequential'"):
+            resolve_moe_experts("quack", config, torch.bfloat16)
+    for bad in ("fast", True, None):
+        with pytest.raises(ValueError, match="moe_experts must be one of"):
+            resolve_moe_experts(bad, config, torch.float32)
+
+
+def test_experts_the_grouped_path_does_not_cover_stay_megatrons():
+    from actorcore.mcore.grouped_experts import resolve_moe_experts
+
+    config = _config("qwen3_moe", moe_grouped_gemm=True)
+    assert resolve_moe_experts("auto", config, torch.float32) == "sequential"
+    with pytest.raises(ValueError, match="moe_grouped_gemm=True"):
+        resolve_moe_experts("grouped", config, torch.float32)
+
+
+def test_quack_covers_swiglu_experts_only(monkeypatch):
+    """Where quack runs (its probe answered yes here), "auto" takes it for bf16 SwiGLU experts, and the reasons it
+    does not cover the others are named."""
+    import actorcore.mcore.grouped_experts as grouped_experts
+
+    monkeypatch.setattr(grouped_experts, "quack_refusal", lambda: None)
+    qwen3_moe = _config("qwen3_moe")
+    assert grouped_experts.resolve_moe_experts("auto", qwen3_moe, torch.bfloat16) == "quack"
+    assert grouped_experts.resolve_moe_experts("auto", qwen3_moe, torch.float32) == "grouped"
+    assert "torch.float32, not bf16" in grouped_experts.quack_experts_refusal(qwen3_moe, torch.float32)
+    assert "not SwiGLU" in grouped_experts.quack_experts_refusal(_config("gpt_oss"), torch.bfloat16)
+    odd = _config("qwen3_moe", moe_ffn_hidden_size=44)
+    assert "intermediate=44" in grouped_experts.quack_experts_refusal(odd, torch.bfloat16)
+    assert grouped_experts.resolve_moe_experts("auto", odd, torch.bfloat16) == "grouped"
+
+
+def test_fused_layers_resolve_and_refuse():
+    from actorcore.mcore.layer import resolve_fused_layers
+
+    config = _config("qwen3_moe")
+    assert resolve_fused_layers("auto", config, torch.float32) is False  # fp32 stays eager
+    assert resolve_fused_layers(True, config, torch.float32) is True
+    assert resolve_fused_layers(False, config, torch.bfloat16) is False
+    if not torch.cuda.is_available():
+        assert resolve_fused_layers("auto", config, torch.bfloat16) is False  # CUDA only under "auto"
+    dropout = _config("qwen3_moe", hidden_dropout=0.1)
+    assert resolve_fused_layers("auto", dropout, torch.bfloat16) is False
+    with pytest.raises(ValueError, match="hidden_dropout=0.1"):
+        resolve_fused_layers(True, dropout, torch.float32)
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="fused_layers must be True, False or 'auto'"):
+            resolve_fused_layers(bad, config, torch.float32)
