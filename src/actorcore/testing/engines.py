@@ -31,15 +31,22 @@ ENGINE_FAMILIES: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 # Families vLLM's CPU build runs whose own implementation disagrees with transformers' beyond float32 rounding
-# (measured max |d log-p| before any update): the bridge is exact for them against a fresh engine started from the
-# trainer's saved weights, not against actorcore. model_type -> (overrides, measured disagreement, why).
+# (measured max |d log-p| on the probe before any update; it grows as training moves the weights): the bridge is
+# exact for them against a fresh engine started from the trainer's saved weights, not against actorcore.
+# model_type -> (overrides, measured disagreement, why).
 ENGINE_DIFFERENT_IMPLEMENTATIONS: dict[str, tuple[dict[str, Any], float, str]] = {
-    "gpt_oss": (dict(head_dim=32, intermediate_size=96), 9.1e-3,
-                "the CPU experts need widths in multiples of 32; vLLM's gpt-oss differs from transformers' by 9e-3"),
     "deepseek_v3": (dict(topk_method="noaux_tc", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
                          v_head_dim=128, head_dim=64), 7.1e-4,
                     "the CPU MLA kernel takes only kv_lora_rank 512 + rope 64; vLLM's MLA differs by 7e-4"),
-    "apertus": (dict(head_dim=32), 4.5e-5, "vLLM's xIELU activation differs by 4.5e-5"),
+    "apertus": (dict(head_dim=32), 4.5e-5, "vLLM's xIELU activation differs by 4.5e-5, more once trained"),
+}
+
+# Families vLLM's CPU build runs that its reload protocol cannot update: the bridge refuses the update loudly.
+# model_type -> (overrides, why).
+ENGINE_NOT_UPDATABLE: dict[str, tuple[dict[str, Any], str]] = {
+    "gpt_oss": (dict(head_dim=32, intermediate_size=96),
+                "vLLM 0.32's gpt-oss loader copies the experts and the attention sinks into their parameters directly, "
+                "past the weight loaders its reload protocol tracks, so an update leaves them old"),
 }
 
 KV_CACHE_BYTES = 32 << 20  # per engine: the tests' prompts are short, and several engines share one process
