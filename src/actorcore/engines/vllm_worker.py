@@ -178,8 +178,12 @@ def _unaccounted_layers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     pending = [(name, layer, LAYERWISE_INFO[layer]) for name, layer in model.named_modules()
                if layer in LAYERWISE_INFO and LAYERWISE_INFO[layer].can_load()]
     pending_ids = {id(layer) for _, layer, _ in pending}
-    completed = {id(p) for layer in model.modules() if id(layer) not in pending_ids
-                 for p in layer._parameters.values() if p is not None}
+    # the tensors that took elements: a completed layer's (back in place), a pending one's that took some (its
+    # kernel tensors, still aside: an embedding padded past the vocab completes only when the reload is finalized)
+    received = {id(p) for layer in model.modules() if id(layer) not in pending_ids
+                for p in layer._parameters.values() if p is not None}
+    received |= {id(p) for _, _, info in pending if info.load_numel > 0 and info.kernel_tensors
+                 for p in info.kernel_tensors[0].values()}
     partial, nothing = [], []
     for name, layer, info in pending:
         checkpoint = {k: t for k, t in info.restore_metadata[0].items() if k not in SKIP_LOAD_TENSORS}
@@ -191,7 +195,7 @@ def _unaccounted_layers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
             partial.append(f"{label} ({info.load_numel} of {expected} elements)")
         elif info.load_numel == 0:
             kernel = info.kernel_tensors[0] if info.kernel_tensors else {}
-            if kernel and all(id(kernel[k]) in completed for k in checkpoint if k in kernel):
+            if kernel and all(id(kernel[k]) in received for k in checkpoint if k in kernel):
                 continue  # tied: its weight is held, and was loaded, by another layer
             nothing.append(f"{label} ({', '.join(sorted(checkpoint))})")
     return partial, nothing
