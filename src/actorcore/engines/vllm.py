@@ -166,6 +166,7 @@ class VllmBridge:
         trainer's; errors of the stream itself (a wrong shape, a dead sender) propagate, the engine blocked too.
         """
         reference_fn = _reference_function(reference, self.probe_batch)
+        _check_same_model(reference, self.hf_config)  # before the engine is touched
         start = time.perf_counter()
         was_blocked = self.blocked is not None
         try:
@@ -296,8 +297,32 @@ class VllmBridge:
 
 
 def _vocab_size(hf_config: Any) -> int:
-    text = hf_config.get_text_config() if callable(getattr(hf_config, "get_text_config", None)) else hf_config
-    return int(getattr(text, "vocab_size"))
+    return int(getattr(_text_config(hf_config), "vocab_size"))
+
+
+_SHAPING_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+
+
+def _check_same_model(reference: Any, engine_config: Any) -> None:
+    """A trainer's model whose config differs from the engine's in a field that shapes the weights is refused before
+    anything reaches the engine (its stream could not update it exactly)."""
+    trainer_config = getattr(reference, "config", None) if isinstance(reference, torch.nn.Module) else None
+    if trainer_config is None:
+        return
+    trainer_text, engine_text = _text_config(trainer_config), _text_config(engine_config)
+    differ = [f"{field}: trainer {getattr(trainer_text, field)!r}, engine {getattr(engine_text, field)!r}"
+              for field in _SHAPING_FIELDS
+              if hasattr(trainer_text, field) and hasattr(engine_text, field)
+              and getattr(trainer_text, field) != getattr(engine_text, field)]
+    if differ:
+        raise ValueError(f"the trainer's model is not the engine's ({'; '.join(differ)}): start the engine from the "
+                         "trainer's model (save_pretrained), or pass the model the engine runs. The engine was not "
+                         "touched")
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
 
 
 def _worker_in_process(llm: Any) -> Any:
