@@ -105,3 +105,33 @@ def sample(llm: Any, prompts: list[list[int]], temperature: float, seed: int, ma
     completions = [list(o.outputs[0].token_ids) for o in outputs]
     log_probs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outputs]
     return completions, log_probs
+
+
+def assert_agrees(model: torch.nn.Module, llm: Any, temperature: float, seed: int, atol: float) -> None:
+    """The engine's log-probs of tokens it samples now equal actorcore's on ``model``, per token."""
+    from actorcore.engines import rollout_agreement
+
+    completions, engine_lp = sample(llm, PROMPTS, temperature, seed)
+    agreement = rollout_agreement(model, PROMPTS, completions, engine_lp, temperature=temperature)
+    for trainer, engine in zip(agreement.log_probs, agreement.engine_log_probs):
+        torch.testing.assert_close(trainer, engine, atol=atol, rtol=0)
+    assert agreement.tokens == sum(len(c) for c in completions) > 0
+
+
+def train_and_update(model: torch.nn.Module, llm: Any, bridge: Any, updates: int, atol: float,
+                     stream_options: dict[str, Any] | None = None) -> list[Any]:
+    """``updates`` times: an optimizer step that moves every weight, ``bridge.update``, and the sampled tokens'
+    agreement at temperature 1.0 and 0.7. Returns the bridge's reports."""
+    from actorcore.export import hf_weight_stream
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
+    reports = []
+    for step in range(1, updates + 1):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        training_step(model, optimizer, seed=step)
+        assert all(not torch.equal(before[n], p) for n, p in model.named_parameters()), "a weight did not move"
+        reports.append(bridge.update(hf_weight_stream(model, **(stream_options or {})), reference=model))
+        assert reports[-1].probe.ok and reports[-1].probe.max_abs <= atol
+        for temperature in (1.0, 0.7):
+            assert_agrees(model, llm, temperature, 10 * step, atol)
+    return reports
