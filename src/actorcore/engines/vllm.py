@@ -165,7 +165,7 @@ class VllmBridge:
         reach every layer, the prefix cache could not be reset, or the engine's probe log-probs differ from the
         trainer's; errors of the stream itself (a wrong shape, a dead sender) propagate, the engine blocked too.
         """
-        reference_fn = _reference_function(reference, self.probe_batch)
+        _reference_function(reference, self.probe_batch)  # an unusable reference: refused before anything moves
         _check_same_model(reference, self.hf_config)  # before the engine is touched
         start = time.perf_counter()
         was_blocked = self.blocked is not None
@@ -184,7 +184,7 @@ class VllmBridge:
             raise EngineUpdateError("the weights were loaded but vLLM could not reset its prefix cache: requests in "
                                     "flight hold KV blocks computed with the old weights. Update between generate "
                                     "calls, or pass reset_running_requests=True to preempt them")
-        probe = self.verify(reference_fn)
+        probe = self.verify(reference)
         self.updates += 1
         if callable(getattr(self.llm.llm_engine, "set_weight_version", None)):
             self.llm.llm_engine.set_weight_version(f"actorcore-{self.updates}")

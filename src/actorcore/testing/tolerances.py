@@ -69,6 +69,9 @@ TOL: dict[str, float] = {
     # A real vLLM engine (its CPU build, float32) vs actorcore on the same weights, per sampled token; measured
     # 9.5e-7 on every family that agrees (the issue's bar is 1e-5).
     "engine_vs_actorcore_fp32": 1e-5,
+    # The engine vs the Megatron route's own log-probs at TP=2 / EP=2 (float32): the route's numerics, not the update's
+    # (measured 4.8e-5 max, 1.0e-5 mean at TP=2; the streamed weights themselves give 1e-6 through the HF route).
+    "engine_vs_mcore_fp32": 1e-4,
     # The same engine after a bridge update vs a fresh engine started from the trainer's saved weights (the families
     # whose vLLM implementation differs from transformers'): the same kernels on the same weights.
     "engine_updated_vs_fresh_fp32": 1e-6,
