@@ -81,14 +81,15 @@ def _refuse_forward(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
                        "to generate until a weight update through actorcore's bridge succeeds")
 
 
-def block(model: torch.nn.Module, reason: str) -> None:
-    """Make ``model``'s forward raise ``reason`` until ``unblock`` (a pre-hook on this instance only)."""
+def block(model: torch.nn.Module, reason: str, failed: bool = True) -> None:
+    """Make ``model``'s forward raise ``reason`` until ``unblock`` (a pre-hook on this instance only); ``failed``:
+    a failure (logged as an error), not an update in progress."""
     current = getattr(model, _BLOCK_ATTR, None)
     if current is not None:
         current[0].remove()
     handle = model.register_forward_pre_hook(_refuse_forward, with_kwargs=True)
     setattr(model, _BLOCK_ATTR, (handle, reason))
-    logger.error("vLLM engine blocked: %s", reason)
+    (logger.error if failed else logger.debug)("vLLM engine blocked: %s", reason)
 
 
 def unblock(model: torch.nn.Module) -> None:
@@ -267,7 +268,7 @@ def apply_update(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> di
     check_vllm_version()
     model, model_config = engine_model(worker), _model_config(worker)
     start = time.perf_counter()
-    block(model, "a weight update is in progress")  # until it has been completed and accounted for
+    block(model, "a weight update is in progress", failed=False)  # until it has been completed and accounted for
     received = _Received(weights, checkpoint_shapes(str(model_config.model)))
     repacked: list[str] = []
     undo_repack = _rerun_experts_repacking(model, repacked)
