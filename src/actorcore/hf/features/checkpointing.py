@@ -38,7 +38,9 @@ from actorcore.archs import text_config
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall
 from actorcore.hf.features.base import DecoderFeature
-from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY, layers_to_keep, selective_checkpoint_function
+from actorcore.hf.features.moe_experts import is_standard_experts
+from actorcore.kernels.selective_checkpoint import (GROUPED_GEMM_OPS, SELECTIVE_TRACE_KEY, layers_to_keep,
+                                                    selective_checkpoint_function)
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +170,7 @@ def checkpointing_for_call(layers: list[torch.nn.Module], modes: list[str], trac
         for layer, mode in zip(layers, modes):
             layer.gradient_checkpointing = mode != "none"
             if mode == "selective":
-                layer._gradient_checkpointing_func = selective_checkpoint_function(trace)
+                layer._gradient_checkpointing_func = selective_checkpoint_function(trace, in_place_outputs(layer))
             elif mode == "full" and not _non_reentrant(layer.__dict__.get("_gradient_checkpointing_func")):
                 layer._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
                                                                        use_reentrant=False)
@@ -181,6 +183,17 @@ def checkpointing_for_call(layers: list[torch.nn.Module], modes: list[str], trac
             for key in ("gradient_checkpointing", "_gradient_checkpointing_func"):
                 layer.__dict__.pop(key, None)
             layer.__dict__.update(attrs)
+
+
+def in_place_outputs(layer: torch.nn.Module) -> tuple[str, ...]:
+    """The expensive ops whose outputs this layer's own code writes into in place, so a selective checkpoint
+    recomputes them rather than keeping them: transformers' standard experts with biases add the bias into their
+    grouped / batched GEMMs' output (``out.add_(bias)``; gpt-oss), which a kept output cannot take. actorcore's
+    experts path (``moe_experts``) adds it out of place: its GEMMs stay kept."""
+    for module in layer.modules():
+        if getattr(module, "has_bias", False) and is_standard_experts(module):
+            return GROUPED_GEMM_OPS
+    return ()
 
 
 def _non_reentrant(fn: Any) -> bool:
