@@ -88,7 +88,7 @@ def test_patched_model_matches_its_own_forward_and_ran(quack_stand_in, model_typ
 
     want_lp, want_grads = own_forward()
     handle = ac.patch_model(model, dense_mlp="quack")
-    mlps = _mlps(model, handle.state.dense_mlps)
+    mlps = _mlps(model, handle.state.targets("dense_mlp"))
     assert mlps and all(isinstance(m, QuackGatedMLP) for m in mlps)
     trace = Counter()
     out = ac.compute_logprobs(model, ac.pack(sequences), temperature=TEMPERATURE, trace=trace)
@@ -125,7 +125,7 @@ def _grads(model):
 def test_a_bypassed_mlp_raises(quack_stand_in):
     model = build_tiny_model("llama", seed=1)
     handle = ac.patch_model(model, dense_mlp="quack")
-    mlp = _mlps(model, handle.state.dense_mlps)[0]
+    mlp = _mlps(model, handle.state.targets("dense_mlp"))[0]
     mlp.__class__ = mlp._actorcore_base  # what a transformers that swaps the module's class would do
     with pytest.raises(PatchNotAppliedError, match=r"quack's gated MLP ran in 1 of 2 MLP modules"):
         ac.compute_logprobs(model, ac.pack([torch.arange(3, 12)]))
@@ -162,7 +162,7 @@ def test_request_values_and_refusals():
         ac.patch_model(model, dense_mlp="quack")
     for request in ("auto", False):  # the CPU: nothing fused, nothing installed
         handle = ac.patch_model(model, dense_mlp=request)
-        assert handle.state.dense_mlps == ()
+        assert handle.state.targets("dense_mlp") == ()
         handle.revert()
 
 
@@ -174,10 +174,10 @@ def test_auto_takes_the_fused_layers_where_quack_runs(monkeypatch):
     parts = DecoderParts.of(model, spec)
     monkeypatch.setattr(dense_mlp, "_device_refusal", lambda module: None)
     monkeypatch.setattr(dense_mlp, "quack_refusal", lambda: None)
-    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(1,)) == ("layers.1.mlp",)
-    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=()) == ()
+    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(1,))[0] == ("layers.1.mlp",)
+    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=())[0] == ()
     monkeypatch.setattr(dense_mlp, "quack_refusal", lambda: "quack-kernels is not installed")
-    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(0, 1)) == ()
+    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(0, 1)) == ((), "quack-kernels is not installed")
 
 
 def test_widths_quack_cannot_load_are_refused():

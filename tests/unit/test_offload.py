@@ -166,7 +166,7 @@ def test_partial_offload_is_bitwise_and_reuses_host_blocks():
     model = checkpointed(build_tiny_model("llama", seed=2, num_hidden_layers=3))
     ac.patch_model(plain)
     handle = ac.patch_model(model, offload_activations=2)
-    assert copy.deepcopy(model)._actorcore_patch.offload_layers == 2
+    assert copy.deepcopy(model)._actorcore_patch.value("offload_activations") == 2
     assert _settled() == 0
     block = host_bytes(batch.num_tokens * model.config.hidden_size * 4)
     for step in range(2):

@@ -204,7 +204,7 @@ def test_refusals_and_the_self_check(monkeypatch):
         with pytest.raises(ValueError, match=match):
             ac.patch_model(model, **kwargs)
     handle = ac.patch_model(model, checkpointing="selective")
-    assert patch_state(model).fused_layers == ()  # "auto" on the CPU: eager, unchanged
+    assert patch_state(model).targets("fused_decoder") == ()  # "auto" on the CPU: eager, unchanged
     layer_class = type(model.model.layers[0])
     # As a transformers that ignored the layers' checkpoint function would: the class's plain forward and call.
     monkeypatch.setattr(layer_class, "forward", original_forward(layer_class))

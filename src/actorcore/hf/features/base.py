@@ -48,6 +48,14 @@ class DecoderFeature:
     """One feature of the packed decoder pass (see the module docstring). The defaults do nothing."""
 
     name = "feature"
+    options: tuple = ()  # its patch_model options (hf.features.plan.FeatureOption objects)
+    after: tuple[str, ...] = ()  # the features (names) it enters after: their contexts are outside its own
+
+    def in_batch_invariant_call(self, decided: Any) -> str:
+        """What a batch-invariant call does with this feature when its options are on (``decided``: the plan's
+        decisions by option): ``plan.RUNS``, ``plan.STANDS_DOWN`` (the model's own code runs for the call), or why
+        such a call is refused."""
+        return "runs"
 
     def install(self, handle: Any) -> None:
         """At ``patch_model``: install what lives as long as the patch (``handle.add_undo`` for its undo)."""
@@ -61,6 +69,32 @@ class DecoderFeature:
 
     def check(self, call: DecoderCall) -> None:
         """After the forward: raise a ``FastPathNotRunError`` subclass unless the trace shows the feature ran."""
+
+
+def entry_order(features: Any) -> tuple["DecoderFeature", ...]:
+    """The features in the order they enter a call: the given order, moved only where a feature declares that it
+    enters ``after`` another listed later (stable); a name no feature has, or a cycle, is an error."""
+    features = list(features)
+    by_name = {f.name: f for f in features}
+    done: list[DecoderFeature] = []
+    visiting: set[str] = set()
+
+    def visit(feature: DecoderFeature) -> None:
+        if feature in done:
+            return
+        if feature.name in visiting:
+            raise ValueError(f"decoder features enter after one another in a cycle through {feature.name!r}")
+        visiting.add(feature.name)
+        for name in feature.after:
+            if name not in by_name:
+                raise ValueError(f"decoder feature {feature.name!r} enters after {name!r}, which is not listed")
+            visit(by_name[name])
+        visiting.discard(feature.name)
+        done.append(feature)
+
+    for feature in features:
+        visit(feature)
+    return tuple(done)
 
 
 @contextlib.contextmanager
@@ -109,14 +143,17 @@ def _recompute_under(checkpoint_fn: Any, switch: Callable[[], Any]) -> Any:
 
 
 @contextlib.contextmanager
-def _bound(slot: TraceRef, counts: Any) -> Iterator[None]:
-    previous, slot.counts = slot.counts, counts
+def _bound(slot: TraceRef, counts: Any, standing_down: frozenset) -> Iterator[None]:
+    previous = slot.counts, slot.standing_down
+    slot.counts, slot.standing_down = counts, standing_down
     try:
         yield
     finally:
-        slot.counts = previous
+        slot.counts, slot.standing_down = previous
 
 
 def patch_trace_bound(call: DecoderCall) -> Any:
-    """The patch's trace slot pointed at the call's trace, for the forward and its recomputation."""
-    return switched_for_call(call.parts.decoder, functools.partial(_bound, call.patch.trace, call.trace))
+    """The patch's trace slot pointed at the call's trace (and the features standing down in it), for the forward
+    and its recomputation."""
+    return switched_for_call(call.parts.decoder, functools.partial(_bound, call.patch.trace, call.trace,
+                                                                   call.standing_down))

@@ -25,6 +25,7 @@ faster side by side; the first call compiles (about 20-30 s on the H200), later 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 from typing import Any, Callable, Iterator
@@ -36,6 +37,7 @@ from actorcore.hf.call import TRACE_KWARG, DecoderCall, parallel_from_kwargs
 from actorcore.hf.features.attention import IN_GRAPH_KWARG, PACKED_ATTENTION, holds_packed_attention, trace_key
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.instance_forwards import install_forwards
+from actorcore.hf.features.plan import STANDS_DOWN, Conflict, FeatureOption, PlanFacts
 
 logger = logging.getLogger(__name__)
 
@@ -58,35 +60,60 @@ def fusion_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
-def auto_fusion_refusal(sp_size: int, tiled_mlp_shards: int | None, offload_layers: int,
-                        recompute_norms: bool) -> str | None:
-    """Why ``"auto"`` (the default) leaves a model eager that could fuse: the other patches it is combined with
-    (None: fuse). ``"auto"`` fuses only the combinations measured side by side on the GPU (plain, with any
-    checkpointing mode); ``True`` fuses the others too."""
-    others = [name for name, on in (("Ulysses SP", sp_size > 1), ("tiled MLP", tiled_mlp_shards is not None),
-                                    ("activation offload", offload_layers > 0),
-                                    ("recomputed norms", recompute_norms)) if on]
+def auto_fusion_refusal(decided: Any) -> str | None:
+    """Why ``"auto"`` (the default) leaves a model eager that could fuse: the other options asked for (None: fuse).
+    ``"auto"`` fuses only the combinations measured side by side on the GPU (plain, with any checkpointing mode but
+    ``"selective"``); ``True`` fuses the others too."""
+    others = [name for name, on in (("Ulysses SP", decided["parallel"].on),
+                                    ("tiled MLP", decided["tiled_mlp_shards"].on),
+                                    ("activation offload", decided["offload_activations"].on),
+                                    ("recomputed norms", decided["recompute_norms"].on)) if on]
     if others:
-        return f"the fused decoder with {' and '.join(others)} has not been measured on the GPU"
+        return (f"the fused decoder with {' and '.join(others)} has not been measured on the GPU (fused_decoder=True "
+                "fuses it anyway)")
     return None
 
 
-def check_fused_request(model: torch.nn.Module, fused: Any, auto_refusal: str | None = None) -> bool:
-    """Whether to install the fused decoder: ``True`` (refuse where it cannot run), ``False``, or ``"auto"`` (where
-    it can run and ``auto_refusal`` is None)."""
-    if fused not in FUSED_CHOICES or isinstance(fused, int) and not isinstance(fused, bool):
-        raise ValueError(f"fused_decoder must be True, False or 'auto', got {fused!r}")
-    if fused is False:
-        return False
-    refusal = fusion_refusal(model)
-    if refusal is not None and fused is True:
-        raise ValueError(f"fused_decoder=True: {refusal}; pass fused_decoder='auto' (eager where it cannot run) "
-                         "or False")
-    if fused == "auto" and refusal is None and auto_refusal is not None:
-        logger.info("fused_decoder='auto' keeps %s eager: %s (fused_decoder=True fuses it anyway)",
-                    type(model).__name__, auto_refusal)
-        return False
-    return refusal is None
+def _selective(mine: Any, checkpointing: Any, facts: Any) -> bool:
+    return mine.on and checkpointing.value is not None and checkpointing.value.mode == "selective"
+
+
+class FusedDecoderOption(FeatureOption):
+    """``fused_decoder``: True, False or "auto"; its value: whether the attention layers (its targets) fuse."""
+
+    name = "fused_decoder"
+    keywords = {"fused_decoder": "auto"}
+    needs = ("parallel", "tiled_mlp_shards", "offload_activations", "recompute_norms")
+    conflicts = (Conflict(
+        "checkpointing", holds=_selective,
+        why="a fused layer is not checkpointed selectively: its compiled graph keeps its own tensors instead, so "
+            "the fused layers would not be checkpointed at all",
+        instead="checkpointing='auto' with memory_budget_gib (fused layers kept as compiled, the others fully "
+                "checkpointed), checkpointing='full', or fused_decoder=False"),)
+    doc = ("the attention decoder layers run their forward compiled by ``torch.compile`` in actorcore's calls (the "
+           "elementwise work between the matmuls fused; within bf16 rounding of eager). ``'auto'`` (default): on a "
+           "CUDA model with 16-bit weights and Triton, without SP, tiled MLP, offload or recomputed norms (not measured "
+           "on the GPU) and not with ``checkpointing='selective'``, else eager; ``True`` refuses where it cannot run "
+           "and fuses with the other options too; ``False`` keeps the eager forward.")
+
+    def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
+        fused = asked["fused_decoder"]
+        if fused not in FUSED_CHOICES or isinstance(fused, int) and not isinstance(fused, bool):
+            raise ValueError(f"fused_decoder must be True, False or 'auto', got {fused!r}")
+        if fused is False:
+            return self.decision(asked, False, "not asked")
+        refusal = fusion_refusal(facts.model)
+        if refusal is not None and fused is True:
+            raise ValueError(f"fused_decoder=True: {refusal}; pass fused_decoder='auto' (eager where it cannot run) "
+                             "or False")
+        if refusal is None and fused == "auto":
+            refusal = auto_fusion_refusal(decided)
+        if refusal is not None:
+            return self.decision(asked, False, f"auto: {refusal}")
+        ids = {id(layer) for layer in facts.parts.attention_layers}
+        layers = [i for i, layer in enumerate(facts.parts.layers) if id(layer) in ids]
+        why = "a 16-bit CUDA model with Triton" + ("" if fused is True else ", a measured combination")
+        return self.decision(asked, True, f"each attention layer's forward compiled ({why})", layers)
 
 
 @functools.cache
@@ -115,9 +142,12 @@ def original_forward(layer_class: type) -> Callable:
 
 class CompiledLayer:
     """``torch.compile`` of one layer class's forward (Inductor, symbolic token count), shared by all its layers
-    (they are its first argument). Its backend notes whether the graphs Dynamo captured call the packed attention
-    (``holds_packed_attention``): a layer whose attention was traced into its graph cannot count that call itself
-    at run time, so the fused layer counts it for the graph (``FusedLayerForward``)."""
+    (they are its first argument) and by every model of the class in the process: one compilation. Its backend
+    notes which captured graphs call the packed attention (``holds_packed_attention``) and makes each such graph,
+    when it runs, say so to the layer call it runs in (``GraphRuns``): a layer whose attention was traced into its
+    graph cannot count that call itself, so the fused layer counts it for the graph, from what ran in this call,
+    never from what an earlier model compiled. ``graphs`` / ``graphs_with_attention`` count captures (for tests
+    and benchmarks; no check reads them)."""
 
     def __init__(self, forward: Callable) -> None:
         self.graphs = 0
@@ -128,18 +158,46 @@ class CompiledLayer:
         from torch._inductor.compile_fx import compile_fx
 
         self.graphs += 1
-        self.graphs_with_attention += holds_packed_attention(gm.graph)
-        return compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs)
+        if not holds_packed_attention(gm.graph):
+            return compiled
+        self.graphs_with_attention += 1
+        return GraphWithAttention(compiled)
 
-    @property
-    def attention_in_graph(self) -> bool:
-        """Whether the attention runs inside this forward's compiled graphs (then it does not count itself)."""
-        return self.graphs_with_attention > 0
+
+class GraphRuns:
+    """What the compiled graphs that ran in one fused layer call held (set for the call by ``FusedLayerForward``)."""
+
+    __slots__ = ("with_attention",)
+
+    def __init__(self) -> None:
+        self.with_attention = 0
+
+
+# The fused layer call a compiled graph runs in: set and reset around each call, so a graph reports to the call
+# that ran it (a context variable, like torch's own grad mode, not a process-wide record).
+_LAYER_CALL: contextvars.ContextVar[GraphRuns | None] = contextvars.ContextVar("actorcore_fused_layer_call",
+                                                                               default=None)
+
+
+class GraphWithAttention:
+    """A compiled graph that holds the packed attention: each run notes it in the layer call it runs in."""
+
+    def __init__(self, compiled: Callable) -> None:
+        self.compiled = compiled
+        self._boxed_call = getattr(compiled, "_boxed_call", False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        runs = _LAYER_CALL.get()
+        if runs is not None:
+            runs.with_attention += 1
+        return self.compiled(*args, **kwargs)
 
 
 @functools.cache
 def compiled_forward(forward: Callable) -> CompiledLayer:
-    """One compilation per layer class's forward."""
+    """One compilation per layer class's forward (its graphs serve every model of the class; what they report
+    goes to the call that runs them)."""
     return CompiledLayer(forward)
 
 
@@ -200,11 +258,16 @@ class FusedLayerForward:
         if ref is not None:  # before the call: a checkpoint's recompute may stop inside it
             ref.counts[FUSED_TRACE_KEY] += 1
         compiled = compiled_forward(self.forward)
-        with compile_settings():
-            out = compiled.fn(self.layer, *args, **kwargs, **{IN_GRAPH_KWARG: True})
+        runs = GraphRuns()
+        token = _LAYER_CALL.set(runs)
+        try:
+            with compile_settings():
+                out = compiled.fn(self.layer, *args, **kwargs, **{IN_GRAPH_KWARG: True})
+        finally:
+            _LAYER_CALL.reset(token)
         parallel = parallel_from_kwargs(kwargs)
-        if ref is not None and compiled.attention_in_graph and (parallel is None or parallel.sp_size == 1):
-            ref.counts[trace_key(PACKED_ATTENTION)] += 1  # known once compiled; Ulysses counts itself
+        if ref is not None and runs.with_attention and (parallel is None or parallel.sp_size == 1):
+            ref.counts[trace_key(PACKED_ATTENTION)] += 1  # its graph ran the attention; Ulysses counts itself
         return out
 
 
@@ -221,38 +284,32 @@ def install_fused_layers(layers: list[torch.nn.Module]) -> tuple[list[FusedLayer
 
 
 class FusedDecoder(DecoderFeature):
-    """``patch_model(fused_decoder=...)``: the fused forwards for the patch's lifetime (on the layers listed in the
-    patch state); every call but a batch-invariant one passes ``FUSED_KWARG``, and ``check`` requires each fused
-    layer to have run compiled."""
+    """``patch_model(fused_decoder=...)``: the fused forwards for the patch's lifetime (on the layers its decision
+    targets); every call passes ``FUSED_KWARG`` (a batch-invariant call stands it down: the eager forward), and
+    ``check`` requires each fused layer to have run compiled."""
 
     name = "fused_decoder"
+    options = (FusedDecoderOption(),)
+
+    def in_batch_invariant_call(self, decided: Any) -> str:
+        return STANDS_DOWN
 
     def install(self, handle: Any) -> None:
-        fused = handle.state.fused_layers
+        fused = handle.state.targets("fused_decoder")
         if fused:
             _, restore = install_fused_layers([handle.parts.layers[i] for i in fused])
             handle.add_undo(restore)
 
     def active(self, call: DecoderCall) -> bool:
-        return call.patch is not None and bool(call.patch.fused_layers) and not call.batch_invariant
+        return call.patch is not None and bool(call.patch.targets("fused_decoder")) and self.name not in call.standing_down
 
     def enter(self, call: DecoderCall) -> Any:
         call.kwargs[FUSED_KWARG] = True
         return contextlib.nullcontext()
 
     def check(self, call: DecoderCall) -> None:
-        ran, layers = call.ran(FUSED_TRACE_KEY), len(call.patch.fused_layers)
+        ran, layers = call.ran(FUSED_TRACE_KEY), len(call.patch.targets("fused_decoder"))
         if ran < layers:
             raise PatchNotAppliedError(
                 f"the fused decoder ran in {ran} of {layers} decoder layers of {call.model_name}: the installed "
                 "transformers bypassed the layers' instance forward; refusing to continue unfused")
-
-
-def fused_layer_indices(model: torch.nn.Module, parts: Any, fused: Any, auto_refusal: str | None = None
-                        ) -> tuple[int, ...]:
-    """The decoder layers to fuse for ``patch_model(fused_decoder=fused)``: the attention layers (a hybrid model's
-    linear-attention layers stay eager), or none."""
-    if not check_fused_request(model, fused, auto_refusal):
-        return ()
-    ids = {id(layer) for layer in parts.attention_layers}
-    return tuple(i for i, layer in enumerate(parts.layers) if id(layer) in ids)

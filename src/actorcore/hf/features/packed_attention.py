@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from actorcore.archs import submodule
+from actorcore.archs.support import sequence_parallel_refusal
 from actorcore.errors import PackingNotAppliedError
 from actorcore.hf.features.attention import (
     PACKED_ATTENTION,
@@ -28,7 +29,11 @@ from actorcore.hf.features.attention import (
 )
 from actorcore.hf.call import DecoderCall, patch_state
 from actorcore.hf.features.base import DecoderFeature
+from actorcore.hf.features.linear_attention import check_linear_heads
+from actorcore.hf.features.plan import FeatureOption, PlanFacts
 from actorcore.hf.features.ulysses_attention import ULYSSES_ATTENTION, ulysses_attention_forward
+from actorcore.kernels.attention.varlen import choose_backend
+from actorcore.parallel import sp_size
 from actorcore.parallel.ulysses import check_heads
 
 ATTENTION_TRACE_KEYS = (trace_key(PACKED_ATTENTION), trace_key(ULYSSES_ATTENTION))
@@ -61,19 +66,61 @@ def _head_counts(attention_modules: list[torch.nn.Module]) -> tuple[int, int]:
     return counts.pop()
 
 
+class SequenceParallel(FeatureOption):
+    """``parallel``: Ulysses SP over the context's SP group (its value: the SP size; None without SP)."""
+
+    name = "parallel"
+    keywords = {"parallel": None}
+    off_value = None
+    doc = ("an ``actorcore.ParallelContext``: with ``sp_size > 1`` the attention (and a hybrid model's linear "
+           "attention) runs Ulysses sequence parallelism over its SP group; the group itself arrives with every call "
+           "(``compute_logprobs(..., parallel=ctx)``). The heads must split over the SP size (refused naming the "
+           "sizes that work).")
+
+    def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
+        sp = sp_size(asked["parallel"])
+        if sp == 1:
+            return self.decision(asked, None, "no sequence parallelism (sp_size 1): attention packed per call")
+        why = sequence_parallel_refusal(facts.spec)
+        if why:
+            raise ValueError(f"Ulysses SP does not support {facts.spec.model_type}: {why}")
+        layers = facts.parts.attention_layers
+        heads, kv_heads = _head_counts([submodule(layer, facts.spec.attention) for layer in layers]) if layers else (
+            0, 0)
+        if layers:
+            check_heads(heads, kv_heads, sp)
+        check_linear_heads(facts.parts.linear_modules, sp)
+        return self.decision(asked, sp, f"Ulysses SP over {sp} ranks ({heads} query and {kv_heads} kv heads split "
+                             "per rank); patch-long: the attention modules' configs switched to actorcore_ulysses")
+
+
+class AttentionBackend(FeatureOption):
+    """The packed attention's kernel, as chosen from the device, the dtype and the installed packages (reported: no
+    keyword sets it). A layer with a logit softcap, attention sinks or dropout may take another per call."""
+
+    name = "attention"
+
+    def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
+        backend = choose_backend(facts.device, facts.dtype, None, 0.0)
+        why = {"flash_attn": "flash-attn is installed and the model is a 16-bit CUDA model",
+               "torch_varlen": "torch's varlen_attn on a 16-bit CUDA model (flash-attn is not installed)",
+               }.get(backend, f"one SDPA call per sequence: a {facts.device.type} {str(facts.dtype)[6:]} model (the "
+                              "varlen kernels take 16-bit CUDA inputs)")
+        return self.decision(asked, backend, why + "; layers with a logit softcap, sinks or dropout choose per call")
+
+
 class PackedAttention(DecoderFeature):
     """Softmax attention: packed for the call (one process) or Ulysses for the patch's lifetime (SP)."""
 
     name = "packed_attention"
+    options = (SequenceParallel(), AttentionBackend())
+    after = ("activation_offload",)
 
     def install(self, handle: Any) -> None:
         layers = handle.parts.attention_layers
         if handle.state.sp_size == 1 or not layers:
             return
-        attention_attr = handle.spec.attention
-        heads, kv_heads = _head_counts([submodule(layer, attention_attr) for layer in layers])
-        check_heads(heads, kv_heads, handle.state.sp_size)
-        configs = attention_configs(layers, attention_attr)
+        configs = attention_configs(layers, handle.spec.attention)
         if ULYSSES_ATTENTION in current_implementations(configs):
             raise ValueError("this model's attention already runs actorcore's Ulysses attention although the model "
                              "is not patched: it shares its config object with another patched model, so patching "
