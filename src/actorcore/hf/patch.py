@@ -148,6 +148,7 @@ def patch_model(model: torch.nn.Module, parallel: Any = None, **options: Any) ->
 
 {options}
     """
+    spec_for_model(model)  # not a model of a registered architecture: that error first
     if is_patched(model):
         raise ValueError(f"{type(model).__name__} is already patched by actorcore (patching twice would stack); "
                          "call handle.revert() first to patch it differently")
