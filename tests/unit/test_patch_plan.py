@@ -58,7 +58,7 @@ def test_every_pair_works_as_asked_or_is_refused(models, pair):
         assert not ac.hf.patch.is_patched(model)
         return
     run_pair(model, pair, sequences(), want,
-             Tolerances(TOL["packed_vs_hf_fp32"], TOL["grad_hybrid_moe_vs_hf_fp32_rel"]))
+             Tolerances(TOL["packed_vs_hf_fp32"], TOL["grad_packed_vs_hf_fp32_rel"]))
 
 
 def test_the_plan_shows_every_choice_and_why_and_verify_reports_it():

@@ -5,9 +5,9 @@ Legend: ``T`` packed tokens (this rank's shard under SP), ``D`` hidden.
 The decoder runs on the packed batch (no padding, nothing across sequences): the packing metadata
 (``cu_seq_lens_q/k``, ``max_length_q/k``), the call's ``ParallelContext`` and its trace travel as explicit
 keyword arguments down to the attention functions. Under Ulysses sequence parallelism each rank runs its
-contiguous shard of the padded batch. Everything else the pass does is a decoder feature
-(``hf.features.DECODER_FEATURES``: packed and linear attention, offload, batch-invariant tiles, VLM inputs, tiled
-MLP, recomputed norms, finite checks), entered around the forward and checked after it (``hf.features.base``).
+contiguous shard of the padded batch. Everything else the pass does is a decoder feature (the one list:
+``hf.features.DECODER_FEATURES``), entered around the forward and checked after it (``hf.features.base``); the
+call's trace records which features ran (``plan:<feature>``) and which stood down for it.
 """
 
 from __future__ import annotations

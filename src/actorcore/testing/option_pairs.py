@@ -107,6 +107,7 @@ def own_forward(model: torch.nn.Module, seqs: list[torch.Tensor]) -> Reference:
 class Tolerances:
     log_prob: float  # per token, absolute
     grad: float  # per parameter: the largest |difference| relative to the reference gradient's largest |value|
+    grad_by_norm: bool = False  # instead: the difference's L2 norm relative to the reference's (16-bit models)
 
 
 def run_pair(model: torch.nn.Module, pair: tuple[str, str], seqs: list[torch.Tensor], want: Reference,
@@ -130,8 +131,11 @@ def run_pair(model: torch.nn.Module, pair: tuple[str, str], seqs: list[torch.Ten
         assert worst <= tol.log_prob, f"{pair}: log-probs differ from the model's own fp32 forward by {worst:.2e}"
         assert grads.keys() == want.grads.keys(), f"{pair}: gradients of other parameters"
         for name, ref in want.grads.items():
-            scale = max(ref.abs().max().item(), 1e-12)
-            rel = (grads[name] - ref).abs().max().item() / scale
+            diff = grads[name] - ref
+            if tol.grad_by_norm:
+                rel = diff.norm().item() / max(ref.norm().item(), 1e-12)
+            else:
+                rel = diff.abs().max().item() / max(ref.abs().max().item(), 1e-12)
             assert rel <= tol.grad, f"{pair}: {name}'s gradient differs by {rel:.2e} (relative)"
         for ask in pair:
             feature = FEATURE[ask]

@@ -6,9 +6,10 @@ object and add it here: ``patch_model`` takes its options' keywords, resolves th
 (``plan.build_plan``) and calls its ``install``; ``hf.decoder.run_decoder`` enters it in every call where it is
 ``active`` (in this order, after the features it declares ``after``) and checks it after the forward.
 
-The modules: ``base`` (the protocol), ``attention`` / ``ulysses_attention`` (actorcore's attention functions
-registered with transformers) and ``packed_attention`` (their feature), ``linear_attention`` (hybrid models'
-Gated DeltaNet), ``offload``, ``batch_invariant``, ``vision_inputs``, ``tiled_mlp``, ``norm_recompute``,
+The modules: ``base`` (the protocol), ``plan`` (the options and the patch plan), ``attention`` /
+``ulysses_attention`` (actorcore's attention functions registered with transformers) and ``packed_attention``
+(their feature), ``linear_attention`` (hybrid models' Gated DeltaNet), ``offload``, ``batch_invariant``,
+``vision_inputs``, ``tiled_mlp``, ``norm_recompute``,
 ``finite``, ``checkpointing`` (full / selective / budgeted activation checkpointing), ``moe_experts`` (MoE
 experts on grouped GEMMs with gather-only token moves), ``dense_mlp`` (SwiGLU MLPs on quack's gated GEMMs),
 ``fused_decoder`` (compiled decoder layers on CUDA), ``instance_forwards`` (how features install per-instance

@@ -1,0 +1,67 @@
+"""CUDA: every pair of ``patch_model`` options (and a batch-invariant call) on a bf16 model, the GPU-only values
+included (the fused decoder, quack's gated MLP where quack runs): each works as asked, per token and per gradient
+against the same weights' own forward in fp32 with the trace proving each requested feature ran, or is refused
+before any work (``actorcore.testing.option_pairs``: the CPU test ``tests/unit/test_patch_plan.py`` runs the same
+table with the GPU-only values refused). Skipped without CUDA / triton."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from actorcore.testing.option_pairs import (
+    REFUSED,
+    Tolerances,
+    checkpointed,
+    model_type_for,
+    option_pairs,
+    own_forward,
+    run_pair,
+    sequences,
+)
+from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tolerances import TOL
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Per kind: the bf16 CUDA model (its own gradient checkpointing on) and its weights' own fp32 forward."""
+    pytest.importorskip("triton")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    built = {}
+    for model_type in {model_type_for(pair) for pair in option_pairs()}:
+        fp32 = checkpointed(build_tiny_model(model_type, seed=11).cuda())
+        want = own_forward(copy.deepcopy(fp32), sequences())
+        built[model_type] = (fp32.to(torch.bfloat16), want)
+    yield built
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def _refusals() -> dict:
+    from actorcore.kernels.quack_runtime import quack_refusal
+
+    refused = dict(REFUSED)
+    if quack_refusal() is not None:  # no Hopper GPU or no quack here: quack's gated MLP is refused, not run
+        for pair in option_pairs():
+            if "dense_mlp" in pair and frozenset(pair) not in refused:
+                refused[frozenset(pair)] = "dense_mlp='quack'"
+    return refused
+
+
+@pytest.mark.parametrize("pair", option_pairs(), ids="+".join)
+def test_every_pair_works_as_asked_or_is_refused_on_cuda(models, pair):
+    import actorcore as ac
+
+    model, want = models[model_type_for(pair)]
+    refused = _refusals().get(frozenset(pair))
+    if refused is not None:
+        with pytest.raises(ValueError, match=refused):
+            run_pair(model, pair, sequences(), want, Tolerances(1, 1))
+        assert not ac.hf.patch.is_patched(model)
+        return
+    run_pair(model, pair, sequences(), want,
+             Tolerances(TOL["options_bf16_cuda_vs_fp32"], TOL["grad_bf16_vs_fp32_rel_norm"], grad_by_norm=True))
