@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from actorcore.testing.tiny_configs import checkpointed  # noqa: F401 (the models of the pairs run it)
+
 # One asking value per option (two for checkpointing); None: the per-call option batch_invariant=True.
 ASKS: dict[str, dict[str, Any] | None] = {
     "tiled_mlp": {"tiled_mlp_shards": 2},
@@ -58,16 +60,6 @@ def model_type_for(pair: tuple[str, str]) -> str:
 def sequences(vocab: int = 131, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g) for n in LENGTHS]
-
-
-def checkpointed(model: torch.nn.Module) -> torch.nn.Module:
-    """The model's own non-reentrant gradient checkpointing on every layer (what offload moves), in training mode."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train()
 
 
 def _weights(n: int, device: Any) -> torch.Tensor:

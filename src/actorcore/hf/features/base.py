@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from actorcore.hf.call import DecoderCall, TraceRef
+from actorcore.hf.features.plan import after_their_dependencies
 
 
 class DecoderFeature:
@@ -74,27 +75,7 @@ class DecoderFeature:
 def entry_order(features: Any) -> tuple["DecoderFeature", ...]:
     """The features in the order they enter a call: the given order, moved only where a feature declares that it
     enters ``after`` another listed later (stable); a name no feature has, or a cycle, is an error."""
-    features = list(features)
-    by_name = {f.name: f for f in features}
-    done: list[DecoderFeature] = []
-    visiting: set[str] = set()
-
-    def visit(feature: DecoderFeature) -> None:
-        if feature in done:
-            return
-        if feature.name in visiting:
-            raise ValueError(f"decoder features enter after one another in a cycle through {feature.name!r}")
-        visiting.add(feature.name)
-        for name in feature.after:
-            if name not in by_name:
-                raise ValueError(f"decoder feature {feature.name!r} enters after {name!r}, which is not listed")
-            visit(by_name[name])
-        visiting.discard(feature.name)
-        done.append(feature)
-
-    for feature in features:
-        visit(feature)
-    return tuple(done)
+    return tuple(after_their_dependencies(list(features), lambda f: f.after, "decoder features"))
 
 
 @contextlib.contextmanager

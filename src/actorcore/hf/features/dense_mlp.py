@@ -27,7 +27,7 @@ import torch
 
 from actorcore.archs import submodule
 from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call
-from actorcore.hf.features.plan import FeatureOption, PlanFacts
+from actorcore.hf.features.plan import FeatureOption, PlanFacts, check_choice
 from actorcore.kernels.gated_mlp_quack import gated_mlp
 from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
 
@@ -133,10 +133,8 @@ class DenseMLPOption(FeatureOption):
 
     def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
         request = asked["dense_mlp"]
-        if request not in DENSE_MLP_CHOICES or request is not False and not isinstance(request, str):
-            raise ValueError(f"dense_mlp must be 'auto', 'quack' or False, got {request!r} ('quack' runs the SwiGLU "
-                             "MLPs as quack's GEMMs with the activation inside them, False keeps the model's own MLP "
-                             "code)")
+        check_choice("dense_mlp", request, DENSE_MLP_CHOICES, "'quack' runs the SwiGLU MLPs as quack's GEMMs with "
+                     "the activation inside them, False keeps the model's own MLP code")
         if request is False:
             return self.decision(asked, False, "not asked: the model's own MLP code")
         fused = decided["fused_decoder"].targets

@@ -37,7 +37,7 @@ from actorcore.hf.call import TRACE_KWARG, DecoderCall, parallel_from_kwargs
 from actorcore.hf.features.attention import IN_GRAPH_KWARG, PACKED_ATTENTION, holds_packed_attention, trace_key
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.instance_forwards import install_forwards
-from actorcore.hf.features.plan import STANDS_DOWN, Conflict, FeatureOption, PlanFacts
+from actorcore.hf.features.plan import STANDS_DOWN, Conflict, FeatureOption, PlanFacts, check_choice
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,7 @@ class FusedDecoderOption(FeatureOption):
 
     def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
         fused = asked["fused_decoder"]
-        if fused not in FUSED_CHOICES or isinstance(fused, int) and not isinstance(fused, bool):
-            raise ValueError(f"fused_decoder must be True, False or 'auto', got {fused!r}")
+        check_choice("fused_decoder", fused, FUSED_CHOICES)
         if fused is False:
             return self.decision(asked, False, "not asked")
         refusal = fusion_refusal(facts.model)

@@ -38,7 +38,7 @@ import torch
 
 from actorcore.archs import submodule
 from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call
-from actorcore.hf.features.plan import FeatureOption, PlanFacts
+from actorcore.hf.features.plan import FeatureOption, PlanFacts, check_choice
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.kernels.moe_quack import gated_experts
 from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
@@ -247,10 +247,8 @@ class MoeExpertsOption(FeatureOption):
 
     def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
         request = asked["moe_experts"]
-        if request not in MOE_EXPERTS_CHOICES or request is not False and not isinstance(request, str):
-            raise ValueError(f"moe_experts must be 'auto', 'grouped', 'quack' or False, got {request!r} ('grouped' "
-                             "installs actorcore's experts path, 'quack' that path with quack's fused GEMMs, False "
-                             "keeps the model's own experts code)")
+        check_choice("moe_experts", request, MOE_EXPERTS_CHOICES, "'grouped' installs actorcore's experts path, "
+                     "'quack' that path with quack's fused GEMMs, False keeps the model's own experts code")
         if request is False:
             return self.decision(asked, False, "not asked: the model's own experts code")
         if request == "auto" and facts.spec.mlp_kind != "moe":

@@ -171,33 +171,48 @@ class PatchPlan:
         return "\n".join(lines)
 
 
+def check_choice(keyword: str, value: Any, choices: tuple, hint: str = "") -> None:
+    """``value`` must be one of ``choices`` (True and False by identity: 1 and 0 are not them); else a
+    ``ValueError`` listing them (and ``hint``: what they do)."""
+    if not any(value is c if isinstance(c, bool) else isinstance(value, str) and value == c for c in choices):
+        names = [repr(c) for c in choices]
+        raise ValueError(f"{keyword} must be {', '.join(names[:-1])} or {names[-1]}, got {value!r}"
+                         + (f" ({hint})" if hint else ""))
+
+
 def refusal(this: Decision, other: Decision, conflict: Conflict) -> ValueError:
     return ValueError(f"{this.asked_text()} and {other.asked_text()} cannot both hold: {conflict.why}; pass "
                       f"{conflict.instead}")
 
 
-def resolution_order(options: list[FeatureOption]) -> list[FeatureOption]:
-    """The options in an order where each comes after those it needs or declares a conflict with (stable)."""
-    by_name = {o.name: o for o in options}
-    done: list[FeatureOption] = []
+def after_their_dependencies(items: list, dependencies: Callable[[Any], tuple[str, ...]], what: str) -> list:
+    """``items`` (each with a ``name``) in their given order, each moved after the items its ``dependencies`` name
+    (stable); a name no item has, or a cycle, is an error (``what``: the items, for it)."""
+    by_name = {item.name: item for item in items}
+    done: list = []
     visiting: set[str] = set()
 
-    def visit(option: FeatureOption) -> None:
-        if option in done:
+    def visit(item: Any) -> None:
+        if item in done:
             return
-        if option.name in visiting:
-            raise ValueError(f"the options' needs form a cycle through {option.name!r}")
-        visiting.add(option.name)
-        for name in (*option.needs, *(c.other for c in option.conflicts)):
+        if item.name in visiting:
+            raise ValueError(f"the {what} depend on one another in a cycle through {item.name!r}")
+        visiting.add(item.name)
+        for name in dependencies(item):
             if name not in by_name:
-                raise ValueError(f"option {option.name!r} needs {name!r}, which no decoder feature owns")
+                raise ValueError(f"{what}: {item.name!r} comes after {name!r}, which is not listed")
             visit(by_name[name])
-        visiting.discard(option.name)
-        done.append(option)
+        visiting.discard(item.name)
+        done.append(item)
 
-    for option in options:
-        visit(option)
+    for item in items:
+        visit(item)
     return done
+
+
+def resolution_order(options: list[FeatureOption]) -> list[FeatureOption]:
+    """The options in an order where each comes after those it needs or declares a conflict with (stable)."""
+    return after_their_dependencies(options, lambda o: (*o.needs, *(c.other for c in o.conflicts)), "options")
 
 
 def split_keywords(options: list[FeatureOption], given: Mapping[str, Any], function: str = "patch_model"
