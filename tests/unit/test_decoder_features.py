@@ -103,7 +103,7 @@ class _ExampleScale(FeatureOption):
     name = "example_scale"
     keywords = {"example_scale": "auto"}
     needs = ("tiled_mlp_shards",)
-    conflicts = (Conflict("recompute_norms", holds=lambda mine, other, facts: mine.on and other.on,
+    conflicts = (Conflict("recompute_norms", holds=lambda mine, other, decided, facts: mine.on and other.on,
                           why="both replace the final norm's forward", instead="example_scale=False"),)
     doc = "the final norm's output times this scale (an example)."
 

@@ -95,6 +95,7 @@ def test_misspelt_or_unknown_keywords_fail_loudly():
 def fusable(monkeypatch):
     """The fused decoder's CUDA / 16-bit refusal lifted (its plan on the CPU; nothing here runs it)."""
     monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    return monkeypatch
 
 
 def _train_step(model, trace):
@@ -128,17 +129,26 @@ def test_selective_checkpointing_checkpoints_every_layer_selectively(fusable):
     handle.revert()
 
 
-def test_offload_with_a_budget_keeps_no_offloaded_layer():
-    """``checkpointing="auto"`` keeps layers the budget fits, but never the first K that offload moves (a kept
-    layer has no checkpointed input to move); offloading every layer under a budget is refused."""
-    model = build_tiny_model("qwen2", num_hidden_layers=4).train()
-    with pytest.raises(ValueError, match=r"offload_activations=True and checkpointing='auto', memory_budget_gib=1000"
-                                         r"\.0 cannot both hold.*pass offload_activations=K"):
-        ac.patch_model(model, offload_activations=True, checkpointing="auto", memory_budget_gib=1e3)
-    handle = ac.patch_model(model, offload_activations=2, checkpointing="auto", memory_budget_gib=1e3)
+def test_offload_under_a_budget_moves_every_layer_it_asks_for(fusable):
+    """``checkpointing="auto"`` keeps layers selectively (still checkpointed: their inputs offload); a fused layer
+    it keeps is kept whole (no checkpointed input), so the budget keeps no fused layer among the first K offloaded,
+    and a fused decoder with every layer offloaded under a budget is refused."""
+    from actorcore.hf.features.checkpointing import CheckpointPlan, plan_layer_modes
+
+    model = checkpointed(build_tiny_model("qwen2", num_hidden_layers=4))
+    with pytest.raises(ValueError, match=r"fused_decoder=True and offload_activations=True cannot both hold: under "
+                                         r"checkpointing='auto' a fused layer .*pass offload_activations=K"):
+        ac.hf.patch.plan_patch(model, fused_decoder=True, offload_activations=True, checkpointing="auto",
+                               memory_budget_gib=1e3)
+    roomy = CheckpointPlan("auto", 1e15)
+    config = model.config
+    assert plan_layer_modes(roomy, [True] * 4, 10, config, 2, 0, offloaded=2) == ["full", "full", "none", "none"]
+    assert plan_layer_modes(roomy, [False] * 4, 10, config, 2, 0, offloaded=4) == ["selective"] * 4
+    fusable.undo()  # on the CPU: the eager decoder, every layer kept selectively and offloaded
+    handle = ac.patch_model(model, offload_activations=True, checkpointing="auto", memory_budget_gib=1e3)
     trace = Counter()
     _train_step(model, trace)
-    assert trace["offload:layers"] == 2 and trace[FULL_LAYERS] == 2 and trace[SELECTIVE_LAYERS] == 2
+    assert trace["offload:layers"] == 4 and trace[SELECTIVE_LAYERS] == 4 and trace["checkpoint:selective"] == 4
     handle.revert()
 
 

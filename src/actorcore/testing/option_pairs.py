@@ -35,7 +35,6 @@ FEATURE = {"tiled_mlp": "tiled_mlp", "offload": "activation_offload", "recompute
 # Pairs refused (at patch time, or for the batch-invariant call before any work) and what the error says.
 REFUSED: dict[frozenset, str] = {
     frozenset({"tiled_mlp", "moe_experts"}): "tiled MLP does not support",  # tiled MLP refuses MoE models
-    frozenset({"offload", "budgeted"}): "cannot both hold",
     frozenset({"fused_decoder", "selective"}): "cannot both hold",
     frozenset({"recompute_norms", "batch_invariant"}): "do not combine",
     frozenset({"moe_experts", "batch_invariant"}): "batch_invariant=True does not support",  # MoE models
@@ -103,21 +102,31 @@ class Tolerances:
 
 
 def run_pair(model: torch.nn.Module, pair: tuple[str, str], seqs: list[torch.Tensor], want: Reference,
-             tol: Tolerances) -> Counter:
+             tol: Tolerances, parallel: Any = None) -> Counter:
     """Patch ``model`` with the pair's options, run one training call (and, with a batch-invariant call, the first
     sequence alone), compare with ``want`` and the trace; returns the trace. The patch is reverted and the gradients
-    cleared. A refused pair raises its ``ValueError`` before any work."""
+    cleared. A refused pair raises its ``ValueError`` before any work. ``parallel``: an SP context, the pair's
+    ``"sp"`` ask (every rank passes the same batch; the gradients compared are the SP group's average)."""
     import actorcore as ac
 
-    options = {k: v for ask in pair for k, v in (ASKS[ask] or {}).items()}
+    options = {k: v for ask in pair for k, v in (ASKS.get(ask) or {}).items()}
+    if parallel is not None:
+        options["parallel"] = parallel
     invariant = "batch_invariant" in pair
     handle = ac.patch_model(model, **options)
     device = next(model.parameters()).device
     try:
         trace = Counter()
         batch = ac.pack([s.to(device) for s in seqs])
-        out = ac.compute_logprobs(model, batch, temperature=TEMPERATURE, batch_invariant=invariant, trace=trace)
+        out = ac.compute_logprobs(model, batch, temperature=TEMPERATURE, batch_invariant=invariant, parallel=parallel,
+                                  trace=trace)
         (out.log_probs * _weights(out.log_probs.numel(), device)).sum().backward()
+        if parallel is not None:
+            for p in model.parameters():
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad, group=parallel.sp_group)
+                    p.grad /= parallel.sp_size
+            assert trace["attention:actorcore_ulysses"] >= 1, f"{pair}: Ulysses attention did not run"
         grads = _grads(model)
         worst = (out.log_probs.float() - want.log_probs).abs().max().item()
         assert worst <= tol.log_prob, f"{pair}: log-probs differ from the model's own fp32 forward by {worst:.2e}"
@@ -130,13 +139,13 @@ def run_pair(model: torch.nn.Module, pair: tuple[str, str], seqs: list[torch.Ten
                 rel = diff.abs().max().item() / max(ref.abs().max().item(), 1e-12)
             assert rel <= tol.grad, f"{pair}: {name}'s gradient differs by {rel:.2e} (relative)"
         for ask in pair:
-            feature = FEATURE[ask]
+            feature = FEATURE.get(ask, "packed_attention")
             key = f"plan:stood_down:{feature}" if invariant and ask in STANDS_DOWN else f"plan:{feature}"
             assert trace[key] == 1, f"{pair}: the trace has no {key}: {sorted(k for k in trace if 'plan:' in k)}"
         if invariant:
             with torch.no_grad():
                 alone = ac.compute_logprobs(model, ac.pack([seqs[0].to(device)]), temperature=TEMPERATURE,
-                                            batch_invariant=True).log_probs
+                                            batch_invariant=True, parallel=parallel).log_probs
             assert torch.equal(alone, out.log_probs[:len(seqs[0])].detach()), f"{pair}: not batch-invariant"
         return trace
     finally:

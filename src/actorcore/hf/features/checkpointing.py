@@ -108,8 +108,8 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], tokens: int, confi
 
     ``measured``: bytes per token that layer ``i`` was measured to keep in mode ``m`` beyond a checkpointed layer
     (``LayerBytesMeter``, earlier calls), used for ``"auto"`` in place of the estimate from the config.
-    ``offloaded``: the leading layers whose checkpointed input activation offload moves: ``"auto"`` keeps none of
-    them (a kept layer has no checkpointed input to move)."""
+    ``offloaded``: the leading layers whose checkpointed input activation offload moves: ``"auto"`` keeps no fused
+    layer among them (a fused layer kept whole has no checkpointed input to move; a selective one has)."""
     kept = ["none" if f else "selective" for f in fused]
     if plan.mode == "full":
         return ["full"] * len(fused)
@@ -123,7 +123,10 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], tokens: int, confi
     ckpt_input = sum(inp for _, inp in per_layer) * tokens
     # Beside the kept layers: the layers' checkpointed inputs and 1 GiB of slack (the head's chunk workspace).
     base = allocated_bytes + ckpt_input + 2**30
-    keep = min(layers_to_keep(plan.budget_bytes, base, [b * tokens for b in kept_per_token]), len(fused) - offloaded)
+    keep = layers_to_keep(plan.budget_bytes, base, [b * tokens for b in kept_per_token])
+    fused_offloaded = [i for i in range(min(offloaded, len(fused))) if fused[i]]
+    if fused_offloaded:
+        keep = min(keep, len(fused) - fused_offloaded[-1] - 1)
     return ["full"] * (len(fused) - keep) + kept[len(fused) - keep:]
 
 

@@ -74,8 +74,14 @@ def auto_fusion_refusal(decided: Any) -> str | None:
     return None
 
 
-def _selective(mine: Any, checkpointing: Any, facts: Any) -> bool:
+def _selective(mine: Any, checkpointing: Any, decided: Any, facts: Any) -> bool:
     return mine.on and checkpointing.value is not None and checkpointing.value.mode == "selective"
+
+
+def _every_layer_offloaded_under_a_budget(mine: Any, offload: Any, decided: Any, facts: Any) -> bool:
+    checkpointing = decided["checkpointing"].value
+    return (mine.on and offload.value == len(facts.parts.layers) and checkpointing is not None
+            and checkpointing.mode == "auto")
 
 
 class FusedDecoderOption(FeatureOption):
@@ -83,13 +89,19 @@ class FusedDecoderOption(FeatureOption):
 
     name = "fused_decoder"
     keywords = {"fused_decoder": "auto"}
-    needs = ("parallel", "tiled_mlp_shards", "offload_activations", "recompute_norms")
-    conflicts = (Conflict(
-        "checkpointing", holds=_selective,
-        why="a fused layer is not checkpointed selectively: its compiled graph keeps its own tensors instead, so "
-            "the fused layers would not be checkpointed at all",
-        instead="checkpointing='auto' with memory_budget_gib (fused layers kept as compiled, the others fully "
-                "checkpointed), checkpointing='full', or fused_decoder=False"),)
+    needs = ("parallel", "tiled_mlp_shards", "offload_activations", "recompute_norms", "checkpointing")
+    conflicts = (
+        Conflict("checkpointing", holds=_selective,
+                 why="a fused layer is not checkpointed selectively: its compiled graph keeps its own tensors "
+                     "instead, so the fused layers would not be checkpointed at all",
+                 instead="checkpointing='auto' with memory_budget_gib (fused layers kept as compiled, the others "
+                         "fully checkpointed), checkpointing='full', or fused_decoder=False"),
+        Conflict("offload_activations", holds=_every_layer_offloaded_under_a_budget,
+                 why="under checkpointing='auto' a fused layer the budget keeps is kept whole (not checkpointed: no "
+                     "input to offload), so offloading every layer would leave the budget nothing to keep",
+                 instead="offload_activations=K (the first K layers; the budget keeps among the others), "
+                         "checkpointing='full', or fused_decoder=False"),
+    )
     doc = ("the attention decoder layers run their forward compiled by ``torch.compile`` in actorcore's calls (the "
            "elementwise work between the matmuls fused; within bf16 rounding of eager). ``'auto'`` (default): on a "
            "CUDA model with 16-bit weights and Triton, without SP, tiled MLP, offload or recomputed norms (not measured "

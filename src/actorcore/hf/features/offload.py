@@ -48,7 +48,7 @@ import torch.utils.checkpoint
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall
 from actorcore.hf.features.base import DecoderFeature
-from actorcore.hf.features.plan import Conflict, FeatureOption, PlanFacts
+from actorcore.hf.features.plan import FeatureOption, PlanFacts
 
 logger = logging.getLogger(__name__)
 
@@ -408,14 +408,6 @@ class OffloadActivations(FeatureOption):
     keywords = {"offload_activations": False}
     off_value = 0
     needs = ("checkpointing",)
-    conflicts = (Conflict(
-        "checkpointing",
-        holds=lambda mine, ckpt, facts: (mine.value == len(facts.parts.layers) and ckpt.value is not None
-                                         and ckpt.value.mode == "auto"),
-        why="offload moves the input of every checkpointed layer, and a layer the budget keeps is not checkpointed "
-            "(there would be nothing to offload from the kept layers)",
-        instead="offload_activations=K (the first K layers offload; the budget keeps layers among the others), or "
-                "checkpointing='full' or 'selective'"),)
     doc = ("in every training call the checkpointed decoder layers' inputs wait in pinned CPU memory until backward "
            "(copies on a side stream, prefetched one layer ahead; bitwise the same results). An int K offloads only "
            "the first K layers' inputs (host memory: K x tokens x hidden x dtype bytes per call). Needs the layers "
@@ -452,14 +444,14 @@ class ActivationOffload(DecoderFeature):
         return call.patch is not None and call.patch.value("offload_activations") > 0 and torch.is_grad_enabled()
 
     def enter(self, call: DecoderCall) -> contextlib.AbstractContextManager:
-        # Only the layers checkpointed in this call: the planned checkpointing keeps none of the first K (the
-        # offloaded ones) but may keep some of the others.
+        # Only the layers checkpointed in this call: the planned checkpointing keeps no fused layer of the first K
+        # (the offloaded ones) whole, but may keep some of the others.
         layers = call.checkpointed_layers
         return offloaded_layers(layers, call.trace, call.model_name, self._offloaded(call))
 
     def _offloaded(self, call: DecoderCall) -> int:
         """How many of the call's checkpointed layers offload: the first K of the decoder's layers, all checkpointed
-        (the planned checkpointing keeps none of them)."""
+        (the planned checkpointing keeps none of them whole)."""
         first = call.parts.layers[:call.patch.value("offload_activations")]
         checkpointed = {id(layer) for layer in call.checkpointed_layers}
         return sum(id(layer) in checkpointed for layer in first)

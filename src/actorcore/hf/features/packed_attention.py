@@ -79,6 +79,8 @@ class SequenceParallel(FeatureOption):
 
     def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
         sp = sp_size(asked["parallel"])
+        if asked["parallel"] is not None:  # the plan keeps what was asked, not the context's process groups
+            asked = {"parallel": f"ParallelContext(sp_size={sp})"}
         if sp == 1:
             return self.decision(asked, None, "no sequence parallelism (sp_size 1): attention packed per call")
         why = sequence_parallel_refusal(facts.spec)

@@ -91,7 +91,8 @@ class Conflict:
     """Two options that cannot both hold: declared by the option that resolves second (it names the ``other``)."""
 
     other: str
-    holds: Callable[[Decision, Decision, PlanFacts], bool]  # (this option's decision, the other's, facts): clash
+    holds: Callable[[Decision, Decision, Mapping[str, Decision], PlanFacts], bool]  # (this option's decision, the
+    # other's, every decision so far, the facts): whether they clash
     why: str  # what would be dropped or weakened
     instead: str  # what to pass instead
 
@@ -247,7 +248,7 @@ def build_plan(features: Iterable[Any], facts: PlanFacts, given: Mapping[str, An
                                 f"{why}; {decision.why}" if why else decision.why, True, decision.targets, by)
         for conflict in option.conflicts:
             other = decided[conflict.other]
-            if not conflict.holds(decision, other, facts):
+            if not conflict.holds(decision, other, decided, facts):
                 continue
             if decision.explicit and other.explicit:
                 raise refusal(decision, other, conflict)
