@@ -356,7 +356,8 @@ def main() -> None:
         handle, runner = None, model
         if name.startswith("actorcore"):
             fused = name != "actorcore before"
-            ckpt = "full" if name == "actorcore before" else ("selective" if "no-ckpt" in name else "auto")
+            # no-ckpt: none (the model's own checkpointing is off here), so the fused layers keep their compiled graphs
+            ckpt = "full" if name == "actorcore before" else (None if "no-ckpt" in name else "auto")
             moe = bool(getattr(model.config, "num_experts", None))
             experts = "grouped" if moe and fused and "transformers-experts" not in name else False
             experts = "quack" if "quack-experts" in name else experts
