@@ -29,6 +29,11 @@ _ATTENTION_NAMES = ("varlen_attn", "flash_attention", "efficient_attention", "cu
                     "_scaled_dot_product")
 
 
+def _ops(names: Sequence[str]) -> frozenset:
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
+
+
 @functools.cache
 def _kept_ops() -> frozenset:
     return _ops(_MATMUL_OPS)
@@ -45,11 +50,6 @@ def is_expensive(op: Any) -> bool:
 # Grouped / batched GEMMs: what an MoE layer's experts run. Code that adds a bias in place into their output (a kept
 # output must not change after it was kept) has them recomputed instead (``SelectiveContexts(recompute=...)``).
 GROUPED_GEMM_OPS = ("_grouped_mm", "bmm", "baddbmm")
-
-
-def _ops(names: Sequence[str]) -> frozenset:
-    aten = torch.ops.aten
-    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
 
 
 def keep_expensive_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -9,27 +9,35 @@ attention, activation offload, batch-invariant tiles, VLM inputs, finite checks,
         call.hidden = decoder(**call.kwargs)
     for f in active: f.check(call)              # raises a FastPathNotRunError subclass if f did not run
 
-and ``patch_model`` calls ``f.install(handle)`` of every feature once, for what lives as long as the patch.
+and ``patch_model`` resolves every feature's options into the patch's plan (``hf.features.plan``), then calls
+``f.install(handle)`` of every feature once, for what lives as long as the patch.
 
 How to add a feature:
 1. Write a ``DecoderFeature`` subclass in a module of ``hf/features/``, with a ``name`` and the trace keys it
    counts (``"<area>:<what>"``; document them in its module).
-2. ``active(call)``: whether it runs in this call (a call option, ``call.patch``, ``call.spec``).
-3. ``enter(call)``: a context manager around the decoder forward. It may add decoder keyword arguments
+2. Its option (if ``patch_model`` takes one): a ``plan.FeatureOption`` in its ``options``, with the keywords and
+   defaults, ``resolve`` (check the value with a ``ValueError`` saying what to pass; the ``"auto"`` rule from the
+   ``PlanFacts`` and the decisions it ``needs``; the layers or modules it targets; why) and the ``Conflict`` s it
+   declares with other options. ``patch_model`` then takes its keywords, shows its decision in ``handle.plan`` and
+   refuses or yields on a conflict; ``patch_model``'s docstring lists its ``doc``.
+3. ``active(call)``: whether it runs in this call (a call option, its decision: ``call.patch.value(option)``,
+   ``call.spec``). ``after``: the features it enters after. ``in_batch_invariant_call``: whether a batch-invariant
+   call runs it, stands it down (``call.standing_down``) or is refused.
+4. ``enter(call)``: a context manager around the decoder forward. It may add decoder keyword arguments
    (``call.kwargs``), install per-instance forwards on modules for this call (``instance_forwards``;
    ``switched_for_call`` keeps them in force for activation checkpointing's recomputation in backward), or wrap
    the forward in any context.
-4. ``install(handle)`` (optional): per-instance forwards for the patch's lifetime, with their undo added to the
-   handle (``handle.add_undo``); read the request from ``handle.state``. Such forwards are called with the
-   hidden states only, so they count into the patch's trace slot (``handle.state.trace.counts``, None outside
-   actorcore's calls); the feature's ``enter`` returns ``patch_trace_bound(call)``, which points the slot at
-   the call's trace for the forward and its recomputation. The option that asks for it is a keyword of
-   ``patch_model`` recorded in a field of ``PatchState`` (``hf.call``).
-5. ``check(call)``: after the forward, compare ``call.ran(key)`` with what must have run (e.g. one count per
+5. ``install(handle)`` (optional): per-instance forwards for the patch's lifetime, with their undo added to the
+   handle (``handle.add_undo``); read its decision from ``handle.state`` (``value`` / ``targets``). Such forwards
+   are called with the hidden states only, so they count into the patch's trace slot (``handle.state.trace.counts``,
+   None outside actorcore's calls); the feature's ``enter`` returns ``patch_trace_bound(call)``, which points the
+   slot at the call's trace for the forward and its recomputation.
+6. ``check(call)``: after the forward, compare ``call.ran(key)`` with what must have run (e.g. one count per
    layer) and raise the feature's ``actorcore.errors.FastPathNotRunError`` subclass with what ran, what was
    expected, and the likely cause.
-6. Add the object to ``hf.features.DECODER_FEATURES`` (the order is the order of entry), and test it per token
-   against an independent reference, with a negative control: a bypassed feature raises its error.
+7. Add the object to ``hf.features.DECODER_FEATURES``, and test it per token against an independent reference,
+   with a negative control: a bypassed feature raises its error (``tests/unit/test_decoder_features.py`` has an
+   example feature with an option, an ``"auto"`` rule and a conflict).
 Features hold no per-call state: everything of a call lives on the ``DecoderCall``.
 """
 
