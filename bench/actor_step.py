@@ -420,7 +420,8 @@ def main() -> None:
         base = name.removesuffix(FA4_SUFFIX)
         if name.startswith("actorcore"):
             fused = base != "actorcore before"
-            ckpt = "full" if base == "actorcore before" else ("selective" if "no-ckpt" in name else "auto")
+            # no-ckpt: none (the model's own checkpointing is off here), so the fused layers keep their compiled graphs
+            ckpt = "full" if base == "actorcore before" else (None if "no-ckpt" in name else "auto")
             moe = bool(getattr(model.config, "num_experts", None))
             experts = "grouped" if moe and fused and "transformers-experts" not in name else False
             experts = "quack" if "quack-experts" in name else experts
@@ -466,7 +467,7 @@ def main() -> None:
             row["trace"] = {k: v for k, v in step.trace.items() if k.split(":")[0] in (
                 "fused_decoder", "checkpoint", "moe_experts", "dense_mlp", "attention", "varlen_attention", "mcore")}
         if handle is not None:
-            row["attention_backend"] = str(handle.state.attention)
+            row["attention_backend"] = handle.plan["attention"].line()
             handle.revert()
         if base.startswith("megatron"):
             row["choices"] = step.choices

@@ -101,7 +101,7 @@ def main() -> None:
     if args.tile_rows is not None:  # the mode's tile size has no public knob: set the default the call uses
         import actorcore.hf.features.batch_invariant as bi
 
-        bi.batch_invariant_decoder.__defaults__ = (args.tile_rows, bi.NORM_TILE_ROWS)
+        bi.batch_invariant_decoder.__defaults__ = (args.tile_rows, bi.NORM_TILE_ROWS, None)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     model, sequences, g = model_and_sequences("qwen2", TINY if args.tiny else QWEN25_15B, device, args.sequences,
                                            args.min_len, args.max_len, checkpointing={"use_reentrant": False})

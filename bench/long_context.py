@@ -679,7 +679,7 @@ def main() -> None:
                                         offload_activations=offload or False, recompute_norms=args.recompute_norms,
                                         fused_decoder=True if args.fused_decoder else "auto",
                                         attention_backend=backend)
-                cell["attention_choice"] = str(handle.state.attention)
+                cell["attention_choice"] = handle.plan["attention"].line()
             step = _transformers_step if variant == "transformers" else _actorcore_step
             first_backend = backend in (None, attention_backends[0])
             record = (args.memory_history and device == "cuda" and rank == 0 and tokens == longest

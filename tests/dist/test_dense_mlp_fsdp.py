@@ -37,7 +37,7 @@ def _worker(rank, world_size, patch_first):
         loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     return {"log_probs": log_probs, "grads": grads, "ran": trace["dense_mlp:modules"],
-            "expected": len(micro) * len(handle.state.dense_mlps), "mlps": len(handle.state.dense_mlps)}
+            "expected": len(micro) * len(handle.state.targets("dense_mlp")), "mlps": len(handle.state.targets("dense_mlp"))}
 
 
 def test_dense_mlp_under_fsdp2_with_gradient_accumulation():

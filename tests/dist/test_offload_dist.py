@@ -19,15 +19,6 @@ def _batch(i):
     return ac.pack([torch.randint(3, 131, (n,), generator=g) for n in LENGTHS[i]])
 
 
-def _checkpointed(model):
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train()
-
-
 def _step(model, batch, parallel):
     import actorcore as ac
 
@@ -52,12 +43,12 @@ def _worker(rank, world_size):
 
     import actorcore as ac
     from actorcore.parallel import ParallelContext
-    from actorcore.testing.tiny_configs import build_tiny_model
+    from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 
     ctx = ParallelContext(sp_group=dist.new_group(list(range(world_size))))
     runs = []
     for offload, norms in ((False, False), (True, False), (1, False), (True, True)):
-        model = _checkpointed(build_tiny_model("llama", seed=3))
+        model = checkpointed(build_tiny_model("llama", seed=3))
         ac.patch_model(model, parallel=ctx, tiled_mlp_shards=3, offload_activations=offload, recompute_norms=norms)
         runs.append(_step(model, _batch(0), ctx))
     sp = {"bitwise": _bitwise(runs[0], runs[1]), "counts": runs[1][3], "plain_counts": runs[0][3],
@@ -66,7 +57,7 @@ def _worker(rank, world_size):
 
     runs = []
     for offload, norms in ((False, False), (True, False), (True, True)):
-        model = _checkpointed(build_tiny_model("llama", seed=5))
+        model = checkpointed(build_tiny_model("llama", seed=5))
         ac.patch_model(model, offload_activations=offload, recompute_norms=norms)
         for layer in model.model.layers:
             fully_shard(layer)

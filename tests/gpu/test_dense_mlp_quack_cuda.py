@@ -81,10 +81,10 @@ def test_fused_decoder_with_quack_mlp(model_type):
     distances = {}
     for request in (False, "auto"):
         handle = ac.patch_model(model, fused_decoder=True, dense_mlp=request)
-        assert bool(handle.state.dense_mlps) == (request == "auto")
+        assert bool(handle.state.targets("dense_mlp")) == (request == "auto")
         trace = Counter()
         run, ran = _quack_kernels_ran(lambda: _step(model, batch, trace))
-        assert trace[FUSED_TRACE_KEY] == len(handle.state.fused_layers) >= 1
+        assert trace[FUSED_TRACE_KEY] == len(handle.state.targets("fused_decoder")) >= 1
         distances[request] = _distance(run, want)
         if request == "auto":
             assert ran, "no quack kernel ran"

@@ -65,7 +65,7 @@ def test_fused_matches_eager_and_ran(model_type):
     eager = _step(model, batch, Counter())
     handle.revert()
     handle = ac.patch_model(model, fused_decoder=True, checkpointing="auto", memory_budget_gib=64)
-    fused_layers = len(patch_state(model).fused_layers)
+    fused_layers = len(patch_state(model).targets("fused_decoder"))
     assert fused_layers >= 1
     trace = Counter()
     fused = _step(model, batch, trace)
@@ -104,7 +104,7 @@ def test_fp32_stays_eager_and_true_refuses_it():
 
     model = build_tiny_model("llama", seed=2).cuda()
     handle = ac.patch_model(model, fused_decoder="auto")
-    assert patch_state(model).fused_layers == ()
+    assert patch_state(model).targets("fused_decoder") == ()
     handle.revert()
     with pytest.raises(ValueError, match="fp32 stays eager"):
         ac.patch_model(model, fused_decoder=True)
@@ -130,7 +130,7 @@ def test_the_default_patch_fuses_a_bf16_cuda_model():
     handle.revert()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     handle = ac.patch_model(model, offload_activations=True)
-    assert patch_state(model).fused_layers == ()
+    assert patch_state(model).targets("fused_decoder") == ()
     handle.revert()
 
 
@@ -152,8 +152,8 @@ def test_attention_runs_inside_the_compiled_layer(model_type):
     handle = ac.patch_model(model, fused_decoder=False, checkpointing="full")
     eager = _step(model, batch, Counter())
     handle.revert()
-    handle = ac.patch_model(model, fused_decoder=True, checkpointing="selective")
-    fused_layers = [model.model.layers[i] for i in patch_state(model).fused_layers]
+    handle = ac.patch_model(model, fused_decoder=True)  # not checkpointed: each fused layer keeps its graph
+    fused_layers = [model.model.layers[i] for i in patch_state(model).targets("fused_decoder")]
     trace = Counter()
     fused = _step(model, batch, trace)
     _compare(eager, fused)

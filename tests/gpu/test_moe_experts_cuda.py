@@ -78,7 +78,7 @@ def _module_runner(tokens, hidden, num_experts):
 def test_experts_module_within_bf16_rounding_of_eager(model_type):
     model = _model(model_type)
     handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=False)
-    experts = model.model.get_submodule(handle.state.moe_experts[0])
+    experts = model.model.get_submodule(handle.state.targets("moe_experts")[0])
     from actorcore.hf.features.class_paths import TRACE_ATTR
     from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY
 
@@ -132,19 +132,19 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
     handle.revert()
     handle = ac.patch_model(model, fused_decoder=fused)  # "auto", the default: the path where the decoder is fused
     refused = get_spec(model_type).moe_experts_auto_refusal is not None  # unless the spec says why not
-    assert bool(handle.state.moe_experts) == (fused and not refused)
+    assert bool(handle.state.targets("moe_experts")) == (fused and not refused)
     handle.revert()
     handle = ac.patch_model(model, fused_decoder=fused, moe_experts="grouped")
-    modules = len(handle.state.moe_experts)
+    modules = len(handle.state.targets("moe_experts"))
     assert modules >= 1
     trace = Counter()
     path = _step(model, batch, trace)
     if fused:  # compiled layers take the path by construction, with one compilation for every layer
         from actorcore.hf.features.class_paths import names_inside as _names_inside
 
-        compiled = _names_inside(handle.parts.decoder, [handle.parts.layers[i] for i in handle.state.fused_layers],
-                                 handle.state.moe_experts)
-        assert compiled and trace[FUSED_TRACE_KEY] == len(handle.state.fused_layers)
+        compiled = _names_inside(handle.parts.decoder, [handle.parts.layers[i] for i in handle.state.targets("fused_decoder")],
+                                 handle.state.targets("moe_experts"))
+        assert compiled and trace[FUSED_TRACE_KEY] == len(handle.state.targets("fused_decoder"))
         assert trace[MOE_EXPERTS_KEY] == modules - len(compiled)  # the hybrids' linear-attention layers stay eager
         assert not [r for reasons in guard_failures.values() for r in reasons if "experts" in str(r)], guard_failures
     else:
@@ -196,7 +196,7 @@ def test_fused_path_as_close_to_fp32_as_transformers_experts(model_type):
     distances = {}
     for experts in (False, "grouped"):
         handle = ac.patch_model(model, fused_decoder=True, moe_experts=experts)
-        assert bool(handle.state.moe_experts) == (experts == "grouped")
+        assert bool(handle.state.targets("moe_experts")) == (experts == "grouped")
         distances[experts] = _distance(_step(model, batch, Counter()), reference)
         handle.revert()
     _assert_no_further_from_fp32(distances["grouped"], distances[False], "transformers' experts")

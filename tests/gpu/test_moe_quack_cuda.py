@@ -48,7 +48,7 @@ def _quack_kernels_ran(fn):
 def test_experts_module_within_bf16_rounding_of_fp32(hidden, intermediate, tokens):
     model = _model("qwen3_moe", hidden_size=hidden, moe_intermediate_size=intermediate)
     handle = ac.patch_model(model, moe_experts="quack", fused_decoder=False)
-    module = model.model.get_submodule(handle.state.moe_experts[0])
+    module = model.model.get_submodule(handle.state.targets("moe_experts")[0])
     assert module._actorcore_quack
     reference = copy.deepcopy(module).float()
     reference.__class__ = reference._actorcore_base
@@ -89,7 +89,7 @@ def test_fused_decoder_with_quack_experts(model_type):
         trace = Counter()
         run, ran = _quack_kernels_ran(lambda: _step(model, batch, trace))
         assert ran == (kernel == "quack"), (kernel, ran)
-        assert trace[FUSED_TRACE_KEY] == len(handle.state.fused_layers) >= 1
+        assert trace[FUSED_TRACE_KEY] == len(handle.state.targets("fused_decoder")) >= 1
         distances[kernel] = _distance(run, reference)
         if kernel == "quack":
             tol = TOL["moe_experts_vs_eager_bf16"]

@@ -97,3 +97,30 @@ def test_patch_refusals_and_revert_restores_trls_method(tmp_path):
     handle.revert()
     assert trainer._get_per_token_logps_and_entropies.__func__ is type(trainer).__dict__[TRAINER_METHOD]
     patch_trainer(trainer).revert()  # patching again after a revert is allowed
+
+
+def test_the_policy_model_takes_the_plan(tmp_path):
+    """``patch_trainer`` patches the policy model with ``patch_model``'s plan (its options passed through: here
+    selective checkpointing in place of TRL's own), the loss's calls run it (the trace shows the features), and
+    ``revert`` removes it; a model patched before keeps its patch."""
+    import actorcore as ac
+
+    trainer = _trainer(tmp_path, max_steps=1, gradient_checkpointing=True)
+    handle = patch_trainer(trainer, checkpointing="selective")
+    assert handle.plan["checkpointing"].explicit and handle.plan["checkpointing"].by == "compat.trl.patch_trainer"
+    assert "the model is not on a CUDA device" in handle.plan["fused_decoder"].why  # the CPU: eager
+    trainer.train()
+    layers = trainer.model.config.num_hidden_layers
+    assert handle.trace["plan:checkpointing"] >= 1 and handle.trace["checkpoint:selective"] >= layers
+    handle.revert()
+    assert handle.plan is None
+    with pytest.raises(TypeError, match="did you mean 'recompute_norms'"):
+        patch_trainer(trainer, recompute_norm=True)
+    own = ac.patch_model(trainer.model, recompute_norms=True)
+    with pytest.raises(ValueError, match="already patched by actorcore"):
+        patch_trainer(trainer, checkpointing="full")
+    handle = patch_trainer(trainer)
+    assert handle.model_patch is None and handle.plan.value("recompute_norms") is True
+    handle.revert()
+    assert ac.hf.patch.is_patched(trainer.model)
+    own.revert()

@@ -19,9 +19,10 @@ from actorcore.errors import (
     VisionInputsNotAppliedError,
 )
 from actorcore.hf.call import DecoderCall
-from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
+from actorcore.hf.features.base import DecoderFeature, entry_order, patch_trace_bound
 from actorcore.hf.features import DECODER_FEATURES
 from actorcore.hf.features.instance_forwards import install_forwards, wrapped_forward
+from actorcore.hf.features.plan import Conflict, FeatureOption
 from actorcore.testing.reference import reference_logprobs, right_padded
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
@@ -49,7 +50,7 @@ def test_bypassed_batch_invariant_forwards_are_an_error(monkeypatch):
     model = build_tiny_model("llama")
     ac.compute_logprobs(model, _batch(), batch_invariant=True)  # runs when nothing bypasses it
     monkeypatch.setattr("actorcore.hf.features.batch_invariant.batch_invariant_decoder", _nothing)
-    with pytest.raises(BatchInvariantNotAppliedError, match="batch-invariant linears ran 0 times for 2"):
+    with pytest.raises(BatchInvariantNotAppliedError, match="batch-invariant linears did not run in 14 linears"):
         ac.compute_logprobs(model, _batch(), batch_invariant=True)
 
 
@@ -84,31 +85,59 @@ def test_vlm_decoder_that_ignores_the_merged_embeddings_is_an_error(monkeypatch)
 
 
 class _ScaledFinalNorm:
-    """An instance forward of the decoder's final norm, for the patch's lifetime: the norm's output times 1."""
+    """An instance forward of the decoder's final norm, for the patch's lifetime: the norm's output times a scale."""
 
-    def __init__(self, norm, previous, trace):
-        self.norm, self.previous, self.trace = norm, previous, trace
+    def __init__(self, norm, previous, trace, scale):
+        self.norm, self.previous, self.trace, self.scale = norm, previous, trace, scale
 
     def __call__(self, hidden_states):
         if self.trace.counts is not None:
             self.trace.counts["example:final_norm"] += 1
-        return wrapped_forward(self.norm, self.previous)(hidden_states) * 1.0
+        return wrapped_forward(self.norm, self.previous)(hidden_states) * self.scale
+
+
+class _ExampleScale(FeatureOption):
+    """``example_scale``: "auto", False or a float. ``"auto"`` reads a fact (the model's dtype) and another
+    feature's decision (tiled MLP): 1.0 on an fp32 model whose MLPs are tiled, else off."""
+
+    name = "example_scale"
+    keywords = {"example_scale": "auto"}
+    needs = ("tiled_mlp_shards",)
+    conflicts = (Conflict("recompute_norms", holds=lambda mine, other, decided, facts: mine.on and other.on,
+                          why="both replace the final norm's forward", instead="example_scale=False"),)
+    doc = "the final norm's output times this scale (an example)."
+
+    def resolve(self, asked, facts, decided):
+        scale = asked["example_scale"]
+        if scale == "auto":
+            if facts.dtype == torch.float32 and decided["tiled_mlp_shards"].on:
+                return self.decision(asked, 1.0, "auto: an fp32 model with tiled MLPs", [0])
+            return self.decision(asked, False, "auto: not an fp32 model with tiled MLPs")
+        if scale is not False and not isinstance(scale, float):
+            raise ValueError(f"example_scale must be 'auto', False or a float, got {scale!r}")
+        return self.decision(asked, scale, "asked", [0] if scale else [])
 
 
 class _ExampleFeature(DecoderFeature):
-    """What a new feature is: install for the patch's lifetime, enter the call, check its trace key."""
+    """What a new feature is: its option, installed for the patch's lifetime, entered around the call after the
+    feature it names, checked by its trace key."""
 
     name = "example"
+    options = (_ExampleScale(),)
+    after = ("recompute_norms",)
 
     def __init__(self):
         self.entered = 0
 
     def install(self, handle):
-        norm = handle.parts.decoder.norm
-        handle.add_undo(install_forwards([norm], lambda m, prev: _ScaledFinalNorm(m, prev, handle.state.trace))[1])
+        scale = handle.state.value("example_scale")
+        if scale:
+            norm = handle.parts.decoder.norm
+            handle.add_undo(install_forwards(
+                [norm], lambda m, prev: _ScaledFinalNorm(m, prev, handle.state.trace, scale))[1])
 
     def active(self, call: DecoderCall) -> bool:
-        return call.patch is not None
+        return call.patch is not None and bool(call.patch.value("example_scale"))
 
     @contextlib.contextmanager
     def enter(self, call: DecoderCall):
@@ -122,19 +151,36 @@ class _ExampleFeature(DecoderFeature):
 
 
 def test_a_new_feature_is_one_object_in_one_list(monkeypatch):
+    """One object added to the one list: ``patch_model`` takes its option's keyword (a misspelt one is a
+    ``TypeError`` naming it), resolves its ``"auto"`` rule from the facts and the other features' decisions into the
+    plan (with why), refuses its declared conflict when both are asked for, installs it, and every call enters it
+    (in its declared place) and checks that it ran."""
     feature = _ExampleFeature()
-    features = (*DECODER_FEATURES, feature)
+    features = entry_order((feature, *DECODER_FEATURES))  # listed first, entered after the feature it names
+    assert features.index(feature) == [f.name for f in features].index("recompute_norms") + 1
     monkeypatch.setattr("actorcore.hf.decoder.DECODER_FEATURES", features)
     monkeypatch.setattr("actorcore.hf.patch.DECODER_FEATURES", features)
     model = build_tiny_model("llama", seed=1)
     batch = _batch()
     with torch.no_grad():
         want_lp, _ = reference_logprobs(build_tiny_model("llama", seed=1), *right_padded(_sequences()))
-    handle = ac.patch_model(model, tiled_mlp_shards=2)
+    with pytest.raises(TypeError, match="did you mean 'example_scale'"):
+        ac.patch_model(model, example_scal=1.0)
+    with pytest.raises(ValueError, match="example_scale must be"):
+        ac.patch_model(model, example_scale="yes")
+    with pytest.raises(ValueError, match=r"example_scale=2.0 and recompute_norms=True cannot both hold: both "
+                                         r"replace the final norm's forward; pass example_scale=False"):
+        ac.patch_model(model, example_scale=2.0, recompute_norms=True)
+    handle = ac.patch_model(model, recompute_norms=True)  # "auto" yields: off, and says why
+    assert handle.plan["example_scale"].value is False and "not an fp32 model with tiled MLPs" in str(handle.plan)
+    handle.revert()
+    handle = ac.patch_model(model, tiled_mlp_shards=2)  # "auto" from the facts and tiled MLP's decision: on
+    assert handle.plan["example_scale"].value == 1.0 and "example_scale: 1.0 on 1 layers" in str(handle.plan)
     assert isinstance(model.model.norm.forward, _ScaledFinalNorm)
     trace = Counter()
     out = ac.compute_logprobs(model, batch, trace=trace)
     assert feature.entered == 1 and trace["example:final_norm"] == 1 and trace["tiled_mlp:forward"] == 2
+    assert trace["plan:example"] == 1 and "example" in handle.calls[-1].ran
     assert (out.log_probs - want_lp).abs().max().item() <= TOL["packed_vs_hf_fp32"]
     with torch.no_grad():
         model(input_ids=batch.input_ids[None])  # a plain forward: the patch's slot is unbound, nothing counts

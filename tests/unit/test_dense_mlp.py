@@ -5,11 +5,12 @@ up interleaved column by column, SwiGLU and its gradient from the accumulators),
 element against the model's own MLP and per token against the model's own forward: the interleaved weight, the
 cuBLAS GEMMs, the gradients read back as the projections'. Also: which MLPs are covered, the option's values and
 refusals, ``"auto"`` with quack faked present, the trace proving the path ran (a bypassed class raises), the model's
-own forward keeping its MLP code, ``revert`` and ``copy.deepcopy``."""
+own forward keeping its MLP code, ``revert``, ``copy.deepcopy`` and ``torch.save``."""
 
 from __future__ import annotations
 
 import copy
+import io
 from collections import Counter
 
 import pytest
@@ -88,7 +89,7 @@ def test_patched_model_matches_its_own_forward_and_ran(quack_stand_in, model_typ
 
     want_lp, want_grads = own_forward()
     handle = ac.patch_model(model, dense_mlp="quack")
-    mlps = _mlps(model, handle.state.dense_mlps)
+    mlps = _mlps(model, handle.state.targets("dense_mlp"))
     assert mlps and all(isinstance(m, QuackGatedMLP) for m in mlps)
     trace = Counter()
     out = ac.compute_logprobs(model, ac.pack(sequences), temperature=TEMPERATURE, trace=trace)
@@ -107,10 +108,17 @@ def test_patched_model_matches_its_own_forward_and_ran(quack_stand_in, model_typ
     again_lp, _ = own_forward()
     assert torch.equal(again_lp, want_lp)
 
-    clone = copy.deepcopy(model)
-    trace = Counter()
-    ac.compute_logprobs(clone, ac.pack(sequences), temperature=TEMPERATURE, trace=trace)
-    assert trace[DENSE_MLP_KEY] == len(mlps)
+    with torch.no_grad():
+        want_lp = ac.compute_logprobs(model, ac.pack(sequences), temperature=TEMPERATURE).log_probs
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the path class is made at run time: pickled through its base (reduce_to_path_class)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        trace = Counter()
+        with torch.no_grad():
+            got_lp = ac.compute_logprobs(clone, ac.pack(sequences), temperature=TEMPERATURE, trace=trace).log_probs
+        assert trace[DENSE_MLP_KEY] == len(mlps) and torch.equal(got_lp, want_lp)
+        assert all(isinstance(m, QuackGatedMLP) for m in _mlps(clone, handle.state.targets("dense_mlp")))
 
     handle.revert()
     assert not any(isinstance(m, QuackGatedMLP) for m in model.modules())
@@ -125,7 +133,7 @@ def _grads(model):
 def test_a_bypassed_mlp_raises(quack_stand_in):
     model = build_tiny_model("llama", seed=1)
     handle = ac.patch_model(model, dense_mlp="quack")
-    mlp = _mlps(model, handle.state.dense_mlps)[0]
+    mlp = _mlps(model, handle.state.targets("dense_mlp"))[0]
     mlp.__class__ = mlp._actorcore_base  # what a transformers that swaps the module's class would do
     with pytest.raises(PatchNotAppliedError, match=r"quack's gated MLP ran in 1 of 2 MLP modules"):
         ac.compute_logprobs(model, ac.pack([torch.arange(3, 12)]))
@@ -162,7 +170,7 @@ def test_request_values_and_refusals():
         ac.patch_model(model, dense_mlp="quack")
     for request in ("auto", False):  # the CPU: nothing fused, nothing installed
         handle = ac.patch_model(model, dense_mlp=request)
-        assert handle.state.dense_mlps == ()
+        assert handle.state.targets("dense_mlp") == ()
         handle.revert()
 
 
@@ -174,10 +182,10 @@ def test_auto_takes_the_fused_layers_where_quack_runs(monkeypatch):
     parts = DecoderParts.of(model, spec)
     monkeypatch.setattr(dense_mlp, "_device_refusal", lambda module: None)
     monkeypatch.setattr(dense_mlp, "quack_refusal", lambda: None)
-    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(1,)) == ("layers.1.mlp",)
-    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=()) == ()
+    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(1,))[0] == ("layers.1.mlp",)
+    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=())[0] == ()
     monkeypatch.setattr(dense_mlp, "quack_refusal", lambda: "quack-kernels is not installed")
-    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(0, 1)) == ()
+    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(0, 1)) == ((), "quack-kernels is not installed")
 
 
 def test_widths_quack_cannot_load_are_refused():

@@ -38,3 +38,28 @@ def test_every_summary_link_reaches_a_dated_run():
     assert len(anchors) >= 10
     missing = [a for a in anchors if f'<a id="{a}"></a>' not in log]
     assert not missing, f"benchmarks.md links to runs benchmark_log.md does not have: {missing}"
+
+
+def test_the_docs_list_every_decoder_feature_and_option():
+    """The feature table of docs/architecture.md names every decoder feature, docs/features.md every option keyword of
+    ``patch_model``, the package docstring of ``hf.features`` every module of it, and ``hf/patch.py``'s docstring
+    every option: adding a feature or an option without its docs fails here."""
+    import actorcore.hf.features as features
+    import actorcore.hf.patch as patch
+    from actorcore.hf.features import DECODER_FEATURES
+    from actorcore.hf.features.plan import option_keywords
+
+    architecture = (REPO / "docs" / "architecture.md").read_text()
+    missing = [f.name for f in DECODER_FEATURES if f"| `{f.name}` |" not in architecture]
+    assert not missing, f"docs/architecture.md's decoder-feature table does not list {missing}"
+    text = (REPO / "docs" / "features.md").read_text()
+    keywords = option_keywords(DECODER_FEATURES)
+    missing = [k for k in keywords if f"`{k}`" not in text]
+    assert not missing, f"docs/features.md does not name the patch_model options {missing}"
+    missing = [k for k in keywords if f"``{k}``" not in patch.__doc__ and f"``{k}=" not in patch.__doc__]
+    assert not missing, f"hf/patch.py's docstring does not say what the options {missing} install"
+    folder = REPO / "src" / "actorcore" / "hf" / "features"
+    modules = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    missing = [m for m in modules if f"``{m}``" not in features.__doc__]
+    assert not missing, f"hf/features/__init__.py's docstring does not name the modules {missing}"
+    assert all(f"``{k}" in patch.patch_model.__doc__ for k in keywords)  # its docstring is built from the options

@@ -141,6 +141,11 @@ def test_resolve_backend_reports_the_choice_and_refuses_what_cannot_run(hopper, 
         resolve("fa4", device=torch.device("cpu"))
     with pytest.raises(ValueError, match="cannot apply attention sinks"):
         resolve("torch_varlen", sinks=True)
+    with pytest.raises(ValueError, match="the torch_varlen backend runs fp16 / bf16 inputs on CUDA devices, not "
+                                         "torch.float32 on cpu"):
+        resolve("torch_varlen", device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="flash-attn 2 is not installed"):
+        resolve("flash_attn")
     with pytest.raises(ValueError, match="unknown attention backend 'fa3'"):
         resolve("fa3")
     monkeypatch.setattr(backends, "FA4_MEASURED", MappingProxyType({(9, 0): "faster"}))
@@ -251,7 +256,8 @@ def test_patch_option_runs_fa4_in_every_layer_and_checks_it(stand_in, model_type
     seqs = _sequences()
     ids, mask = right_padded(seqs)
     handle = ac.patch_model(model, attention_backend="fa4")
-    assert handle.state.attention.backend == "fa4" and handle.state.attention.requested == "fa4"
+    decision = handle.plan["attention"]
+    assert decision.value == "fa4" and decision.asked == {"attention_backend": "fa4"} and decision.explicit
     trace = Counter()
     with torch.no_grad():
         out = ac.compute_logprobs(model, ac.pack(seqs), trace=trace)
@@ -272,15 +278,18 @@ def test_patch_option_runs_fa4_in_every_layer_and_checks_it(stand_in, model_type
 
 def test_patch_option_is_validated_and_reported(caplog):
     model = build_tiny_model("qwen2")
-    with pytest.raises(ValueError, match="attention_backend must be one of"):
+    with pytest.raises(ValueError, match="attention_backend must be 'auto', 'fa4', 'flash_attn', 'torch_varlen' or "
+                                         "'segments', got 'fa3'"):
         ac.patch_model(model, attention_backend="fa3")
     with pytest.raises(ValueError, match="attention_backend='fa4': FA4 runs on CUDA devices only"):
         ac.patch_model(model, attention_backend="fa4")
     assert not is_patched(model)
     with caplog.at_level("INFO", logger="actorcore.hf.patch"):
         handle = ac.patch_model(model)
-    assert str(handle.state.attention) == "segments (flash kernels need CUDA and 16-bit inputs)"
-    assert "attention=segments (flash kernels need CUDA" in caplog.text
+    line = ("attention: 'segments' (attention_backend='auto', default): auto: flash kernels need CUDA and 16-bit "
+            "inputs")
+    assert handle.plan["attention"].line().startswith(line) and not handle.plan["attention"].explicit
+    assert line in str(handle.plan) and line in caplog.text
     handle.revert()
     handle = ac.patch_model(model, attention_backend="segments")
     trace = Counter()

@@ -1,8 +1,8 @@
 """The fused decoder's mechanics (``patch_model(fused_decoder=True)``), run on the CPU with Inductor's C++ kernels in
 fp32 (the product enables it only on CUDA for 16-bit models; this test lifts that refusal): per token and per
 gradient element against the eager packed path, with layer checkpointing (transformers >= 5.24 checkpoints inside
-the class's forward, which the instance forward takes over) and with ``checkpointing="selective"`` (fused layers
-not checkpointed, saving gate and up but not their SwiGLU product); the trace proves the compiled layers ran; a
+the class's forward, which the instance forward takes over) and with ``checkpointing="auto"`` keeping every layer
+(fused layers kept as compiled, saving gate and up but not their SwiGLU product); the trace proves the compiled layers ran; a
 pack of another length compiles nothing new; the model's own forward stays eager; a deep copy runs its own layers;
 ``revert`` restores the layers; bypassed layers raise."""
 
@@ -73,7 +73,7 @@ def test_fused_layers_on_the_cpu(monkeypatch):
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
 
     model.zero_grad(set_to_none=True)
-    handle = ac.patch_model(model, fused_decoder=True, checkpointing="selective")
+    handle = ac.patch_model(model, fused_decoder=True, checkpointing="auto", memory_budget_gib=1e6)  # all kept
     trace, saved = Counter(), []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         _close(eager, _train_step(model, batch, trace))
@@ -99,10 +99,11 @@ def test_bypassed_fused_layers_are_an_error(monkeypatch):
     handle.revert()
 
 
-def test_auto_is_the_default_and_fuses_only_measured_combinations(monkeypatch, caplog):
+def test_auto_is_the_default_and_fuses_only_measured_combinations(monkeypatch):
     """``patch_model`` fuses by default where the fused decoder can run and was measured (no SP, tiled MLP, offload or
-    recomputed norms); with one of those ``"auto"`` stays eager and says why, ``True`` fuses anyway; on the CPU the
-    default installs nothing (the path stays the eager one)."""
+    recomputed norms); with one of those ``"auto"`` stays eager and the plan says why (and that the options that
+    follow the fused decoder stay off with it), ``True`` fuses anyway; on the CPU the default installs nothing (the
+    path stays the eager one)."""
     model = checkpointed(build_tiny_model("llama", seed=5))
     handle = ac.patch_model(model)  # the CPU: nothing fused
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
@@ -114,17 +115,18 @@ def test_auto_is_the_default_and_fuses_only_measured_combinations(monkeypatch, c
     handle.revert()
     for kwargs, what in (({"recompute_norms": True}, "recomputed norms"),
                          ({"offload_activations": True}, "activation offload")):
-        with caplog.at_level("INFO", logger="actorcore.hf.features.fused_decoder"):
-            handle = ac.patch_model(model, **kwargs)
+        handle = ac.patch_model(model, **kwargs)
         assert not any(isinstance(layer.__dict__.get("forward"), FusedLayerForward) for layer in model.model.layers)
-        assert what in caplog.text and "fused_decoder=True fuses it anyway" in caplog.text
+        why = handle.plan["fused_decoder"].why
+        assert what in why and "fused_decoder=True fuses it anyway" in why
+        assert "the decoder is not fused" in handle.plan["dense_mlp"].why
         handle.revert()
         handle = ac.patch_model(model, fused_decoder=True, **kwargs)
         assert all(isinstance(layer.forward, FusedLayerForward) for layer in model.model.layers)
         handle.revert()
-    assert fused_decoder.auto_fusion_refusal(2, None, 0, False).startswith("the fused decoder with Ulysses SP")
-    assert "tiled MLP" in fused_decoder.auto_fusion_refusal(1, 4, 0, False)
-    assert fused_decoder.auto_fusion_refusal(1, None, 0, False) is None
+    handle = ac.patch_model(model, tiled_mlp_shards=2)
+    assert "fused decoder with tiled MLP has not been measured" in handle.plan["fused_decoder"].why
+    handle.revert()
 
 
 def test_packed_attention_traces_into_a_compiled_layer_only_when_asked(monkeypatch):
@@ -187,4 +189,48 @@ def test_packed_attention_traces_into_a_compiled_layer_only_when_asked(monkeypat
     with pytest.raises(torch._dynamo.exc.Unsupported):
         compiled_call(**{attention.IN_GRAPH_KWARG: True})
     assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
+def test_compiled_graphs_report_attention_to_the_call_that_ran_them(monkeypatch):
+    """The compiled forward of a layer class is shared by every model of the class (one compilation), but whether
+    a call's compiled graph ran the packed attention comes from that call: a reference model's graph that held the
+    attention does not make an actor's later call (another graph of the same forward: gradients on) count an
+    attention it did not run. Here a tiny layer class stands for a decoder layer and which captured graphs "hold
+    the attention" is set by hand."""
+    from actorcore.hf.call import TRACE_KWARG, TraceRef
+    from actorcore.hf.features.attention import PACKED_ATTENTION, trace_key
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((4,), 0.5))
+            self.gradient_checkpointing = False
+
+        def forward(self, hidden, **kwargs):
+            return torch.relu(hidden * self.weight) + 1
+
+    holding = {"attention": True}
+    monkeypatch.setattr(fused_decoder, "graph_attention_backends",
+                        lambda graph: {"torch_varlen"} if holding["attention"] else set())
+    reference, actor = Layer(), Layer()
+    x = torch.randn(3, 4)
+
+    def call(layer):
+        trace = Counter()
+        out = FusedLayerForward(layer)(x, **{fused_decoder.FUSED_KWARG: True, TRACE_KWARG: TraceRef(trace)})
+        assert trace["varlen_attention:torch_varlen"] == trace[trace_key(PACKED_ATTENTION)]  # the graph's backend
+        return out, trace[trace_key(PACKED_ATTENTION)]
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, attention = call(reference)  # its graph (no gradients) holds the attention
+    assert attention == 1 and torch.equal(out, torch.relu(x * 0.5) + 1)
+    holding["attention"] = False
+    out, attention = call(actor)  # gradients on: another graph of the same compiled forward, without it
+    assert attention == 0, "a graph compiled for another model's call made this call count the attention"
+    out.sum().backward()
+    assert torch.equal(actor.weight.grad, (x * (x * 0.5 > 0)).sum(0))
+    with torch.no_grad():
+        assert call(reference)[1] == 1  # the first graph again: it still reports to the call that runs it
     torch._dynamo.reset()

@@ -104,7 +104,7 @@ def _grad_tolerance(model):
 
 
 def _experts(model, handle):
-    return [model.model.get_submodule(name) for name in handle.state.moe_experts]
+    return [model.model.get_submodule(name) for name in handle.state.targets("moe_experts")]
 
 
 # --- the Functions against plain torch indexing ------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_checkpointed_layers_recompute_on_the_path(monkeypatch):
         runs.clear()
         handle = ac.patch_model(model, moe_experts="grouped", checkpointing=mode)
         got = _actorcore_step(model, sequences, Counter())
-        assert len(runs) == 2 * len(handle.state.moe_experts), mode
+        assert len(runs) == 2 * len(handle.state.targets("moe_experts")), mode
         _assert_close(plain, got, TOL["packed_vs_hf_fp32"], _grad_tolerance(model))
         handle.revert()
 
@@ -265,7 +265,7 @@ def test_own_forward_bypassed_path_deepcopy_and_revert(monkeypatch):
     assert not runs
 
     twin = copy.deepcopy(model)
-    twin_experts = [twin.model.get_submodule(n) for n in handle.state.moe_experts]
+    twin_experts = [twin.model.get_submodule(n) for n in handle.state.targets("moe_experts")]
     assert all(isinstance(m, SortedExperts) for m in twin_experts)
     with torch.no_grad():
         twin_experts[0].down_proj.mul_(2.0)  # the copy computes with its own weights
@@ -278,7 +278,7 @@ def test_own_forward_bypassed_path_deepcopy_and_revert(monkeypatch):
         assert (twin_lp - twin_own).abs().max().item() > TOL["logprob_changed_at_least"]
         assert torch.equal(twin_own, ac.compute_logprobs(model, ac.pack(sequences)).log_probs)
 
-    bypassed = model.model.get_submodule(handle.state.moe_experts[0])
+    bypassed = model.model.get_submodule(handle.state.targets("moe_experts")[0])
     bypassed.__class__ = bypassed._actorcore_base  # as if another patch had put its own class back
     with pytest.raises(PatchNotAppliedError, match=r"MoE experts path ran in 1 of 2"):
         ac.compute_logprobs(model, ac.pack(sequences))
@@ -301,40 +301,38 @@ def test_misspelt_keyword_is_an_error():
         ac.patch_model(_moe_model("qwen3_moe"), moe_expert="grouped")
 
 
-def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch, caplog):
+def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch):
     """``"auto"`` (the default) installs the path where the decoder is fused (on the GPU; here the fused decoder's
-    refusal is lifted to show the choice), and keeps the model's own experts code elsewhere, saying why; the GPU
-    case: tests/gpu/test_moe_experts_cuda.py."""
+    refusal is lifted to show the choice), and keeps the model's own experts code elsewhere, saying why in the
+    plan; the GPU case: tests/gpu/test_moe_experts_cuda.py."""
     model = _moe_model("qwen3_moe")
-    with caplog.at_level("INFO", logger="actorcore.hf.features.moe_experts"):
-        handle = ac.patch_model(model)  # the CPU: no fused decoder, the model's own experts
-    assert handle.state.moe_experts == () and "the decoder is not fused here" in caplog.text
+    handle = ac.patch_model(model)  # the CPU: no fused decoder, the model's own experts
+    assert handle.state.targets("moe_experts") == () and "the decoder is not fused here" in handle.plan["moe_experts"].why
     assert not isinstance(model.model.layers[0].mlp.experts, SortedExperts)
     handle.revert()
-    assert ac.patch_model(build_tiny_model("llama"), moe_experts="auto").state.moe_experts == ()
+    assert ac.patch_model(build_tiny_model("llama"), moe_experts="auto").state.targets("moe_experts") == ()
 
     import actorcore.hf.features.fused_decoder as fused_decoder
 
     monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
     handle = ac.patch_model(model)
-    assert handle.state.fused_layers and handle.state.moe_experts == ("layers.0.mlp.experts",)
+    assert handle.state.targets("fused_decoder") and handle.state.targets("moe_experts") == ("layers.0.mlp.experts",)
     assert isinstance(model.model.layers[0].mlp.experts, SortedExperts)
     handle.revert()
     handle = ac.patch_model(model, fused_decoder=False)  # eager decoder: the model's own experts
-    assert handle.state.moe_experts == ()
+    assert handle.state.targets("moe_experts") == ()
     handle.revert()
     next_model = _moe_model("qwen3_next")  # its spec keeps its own experts under "auto" (a measured reason)
-    with caplog.at_level("INFO", logger="actorcore.hf.features.moe_experts"):
-        handle = ac.patch_model(next_model)
-    assert handle.state.fused_layers and handle.state.moe_experts == () and "A_log" in caplog.text
+    handle = ac.patch_model(next_model)
+    assert handle.state.targets("fused_decoder") and handle.state.targets("moe_experts") == ()
+    assert "A_log" in handle.plan["moe_experts"].why
     handle.revert()
     handle = ac.patch_model(next_model, moe_experts="grouped")  # asked for: installed
-    assert handle.state.moe_experts
+    assert handle.state.targets("moe_experts")
     handle.revert()
     model.model.layers[0].mlp.experts._is_expert_parallel = True  # a model the path refuses: "auto" keeps its code
-    with caplog.at_level("INFO", logger="actorcore.hf.features.moe_experts"):
-        handle = ac.patch_model(model)
-    assert handle.state.moe_experts == () and "expert-parallel" in caplog.text
+    handle = ac.patch_model(model)
+    assert handle.state.targets("moe_experts") == () and "expert-parallel" in str(handle.plan)
     handle.revert()
 
 
@@ -346,7 +344,7 @@ def test_grouped_refusals():
     experts._is_expert_parallel = True
     with pytest.raises(ValueError, match=r"expert-parallel"):
         ac.patch_model(model, moe_experts="grouped")
-    assert ac.patch_model(model).state.moe_experts == ()  # "auto": the model's own code, no error
+    assert ac.patch_model(model).state.targets("moe_experts") == ()  # "auto": the model's own code, no error
     model = _moe_model("qwen2_moe")
     model.model.layers[0].mlp.experts.__dict__["forward"] = lambda *a: None
     with pytest.raises(ValueError, match=r"already has an instance forward"):
@@ -397,17 +395,17 @@ def test_auto_takes_quack_where_it_runs_and_covers_the_model(monkeypatch):
     model = _moe_model("qwen3_moe")
     for request, kernel in (("auto", "quack"), ("grouped", "grouped")):
         handle = ac.patch_model(model, moe_experts=request)
-        assert handle.state.moe_experts and handle.state.moe_experts_kernel == kernel
+        assert handle.state.targets("moe_experts") and handle.state.value("moe_experts") == kernel
         assert all(m._actorcore_quack == (kernel == "quack") for m in _experts(model, handle))
         handle.revert()
     monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: "Experts has biases")
     handle = ac.patch_model(model)
-    assert handle.state.moe_experts and handle.state.moe_experts_kernel == "grouped"
+    assert handle.state.targets("moe_experts") and handle.state.value("moe_experts") == "grouped"
     handle.revert()
     monkeypatch.setattr(moe_experts, "quack_refusal", lambda: "not installed")
     monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: None)
     handle = ac.patch_model(model)
-    assert handle.state.moe_experts_kernel == "grouped"
+    assert handle.state.value("moe_experts") == "grouped"
     handle.revert()
 
 
@@ -420,10 +418,10 @@ def test_vlm_language_models_take_the_path(model_type):
     sequences = _sequences(4, vocab=TEXT_VOCAB)  # text only: the language model's experts are what is tested
     want = _own_forward_step(model, sequences)
     handle = ac.patch_model(model, moe_experts="grouped")
-    assert handle.state.moe_experts
+    assert handle.state.targets("moe_experts")
     trace = Counter()
     got = _actorcore_step(model, sequences, trace)
-    assert trace[MOE_EXPERTS_KEY] == len(handle.state.moe_experts)
+    assert trace[MOE_EXPERTS_KEY] == len(handle.state.targets("moe_experts"))
     _assert_close(want, got, TOL["packed_vs_hf_fp32"], _grad_tolerance(model))
     handle.revert()
 
@@ -462,7 +460,7 @@ def test_compiled_in_the_fused_decoder_on_the_cpu(monkeypatch):
     handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=True)
     trace = Counter()
     fused = _actorcore_step(model, sequences, trace)
-    assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers == len(handle.state.moe_experts)
+    assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers == len(handle.state.targets("moe_experts"))
     # compiled layers take the path by construction (counted by the fused decoder, not per module); one compilation
     # serves every layer: an object per module in the graph recompiled the layer for each, on a guard on it
     from torch._dynamo.utils import guard_failures
@@ -477,7 +475,7 @@ def test_compiled_in_the_fused_decoder_on_the_cpu(monkeypatch):
     _actorcore_step(model, _sequences(6)[:3], trace)  # another pack (a new trace, other lengths): no recompilation
     assert int(counters["stats"]["unique_graphs"]) == graphs
     assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers
-    bypassed = model.model.get_submodule(handle.state.moe_experts[0])
+    bypassed = model.model.get_submodule(handle.state.targets("moe_experts")[0])
     bypassed.__class__ = bypassed._actorcore_base  # as if another patch had put its own class back
     with pytest.raises(PatchNotAppliedError, match=r"MoE experts path ran in 1 of 2"):
         _actorcore_step(model, sequences, Counter())

@@ -26,7 +26,7 @@ from actorcore.hf.features.offload import (
     host_bytes,
 )
 from actorcore.hf.patch import PatchNotAppliedError
-from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 
 LENGTHS = (40, 9, 27, 1)
 
@@ -34,16 +34,6 @@ LENGTHS = (40, 9, 27, 1)
 def _batch():
     g = torch.Generator().manual_seed(5)
     return ac.pack([torch.randint(3, 131, (n,), generator=g) for n in LENGTHS])
-
-
-def checkpointed(model, reentrant=False):
-    """Gradient checkpointing on every layer, in training mode (5.24 renamed the method; 5.17 has only the old)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    return model.train()
 
 
 def _train_step(model, batch, trace):
@@ -166,7 +156,7 @@ def test_partial_offload_is_bitwise_and_reuses_host_blocks():
     model = checkpointed(build_tiny_model("llama", seed=2, num_hidden_layers=3))
     ac.patch_model(plain)
     handle = ac.patch_model(model, offload_activations=2)
-    assert copy.deepcopy(model)._actorcore_patch.offload_layers == 2
+    assert copy.deepcopy(model)._actorcore_patch.value("offload_activations") == 2
     assert _settled() == 0
     block = host_bytes(batch.num_tokens * model.config.hidden_size * 4)
     for step in range(2):

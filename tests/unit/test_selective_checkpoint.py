@@ -1,6 +1,7 @@
 """``patch_model(checkpointing=...)``: selective checkpointing keeps matmul / attention outputs and recomputes the
 rest; against full layer checkpointing of the same model: bitwise the same log-probs, entropies and every
-gradient (bf16 and fp32, dense, MoE, hybrid and q/k-norm families), alone and composed with tiled MLP and
+gradient (every registered architecture in bf16, VLMs on an image batch; five families in fp32 too; gpt-oss, whose
+experts write into their GEMM outputs, also with recomputed norms and under ``"auto"``), alone and composed with tiled MLP and
 activation offload; ``"auto"`` fits a budget per layer; the self-check proves the selective checkpoints ran; bad options are refused; the fused decoder stays off on the CPU."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch
 from test_offload import _assert_bitwise, _batch, _train_step, checkpointed
 
 import actorcore as ac
+from actorcore.archs import get_spec, registered_model_types
+from actorcore.hf.call import DecoderParts
 from actorcore.hf.features.checkpointing import (
     FULL_LAYERS,
     SELECTIVE_LAYERS,
@@ -22,7 +25,9 @@ from actorcore.hf.features.checkpointing import (
 from actorcore.hf.features.fused_decoder import original_forward
 from actorcore.hf.patch import PatchNotAppliedError, patch_state
 from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY, is_expensive, layers_to_keep
+from actorcore.testing.reference import reference_logprobs, right_padded
 from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tolerances import TOL
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 
@@ -41,15 +46,60 @@ def _full_then(model, batch, composed=None, **patch):
     return full, other, trace
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "qwen3_5_text"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+ARCHS = sorted(m for m in registered_model_types() if not (get_spec(m).vision is not None and get_spec(m).vision.refused))
+# fp32 as well as bf16: the families of the original test and gpt-oss (whose experts write into their GEMM outputs).
+FP32_ARCHS = ("llama", "qwen3", "qwen3_moe", "qwen3_5_text", "gpt_oss")
+
+
+def _model_and_batch(model_type, dtype, seed=3):
+    """A tiny model of any registered architecture and a batch for it (a VLM's with an image and a text-only
+    sequence)."""
+    if get_spec(model_type).vision is None:
+        return build_tiny_model(model_type, seed=seed, dtype=dtype).train(), _batch()
+    from actorcore.hf.vlm.packing import pack_multimodal
+    from actorcore.testing.tiny_vlm import build_tiny_vlm, synthetic_sample
+
+    model = build_tiny_vlm(model_type, seed=seed, dtype=dtype).train()
+    g = torch.Generator().manual_seed(seed)
+    samples = [synthetic_sample(model, images=[(4, 4)], text_lengths=(6, 9), generator=g),
+               synthetic_sample(model, text_lengths=(13,), generator=g)]
+    inputs = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in s.multimodal.items()} for s in samples]
+    return model, pack_multimodal(model, [s.input_ids for s in samples], inputs)
+
+
+@pytest.mark.parametrize("model_type, dtype", [(m, torch.bfloat16) for m in ARCHS]
+                         + [(m, torch.float32) for m in FP32_ARCHS])
 def test_selective_is_bitwise_full_checkpointing(model_type, dtype):
-    model = build_tiny_model(model_type, seed=3, dtype=dtype).train()
-    layers = model.config.num_hidden_layers
-    full, selective, trace = _full_then(model, _batch(), checkpointing="selective")
+    """Every registered architecture: log-probs, entropies and every gradient bitwise those of full checkpointing,
+    and one selective checkpoint per layer ran."""
+    model, batch = _model_and_batch(model_type, dtype)
+    layers = len(DecoderParts.of(model, get_spec(model_type)).layers)
+    full, selective, trace = _full_then(model, batch, checkpointing="selective")
     _assert_bitwise(full, selective)
     assert trace[SELECTIVE_LAYERS] == layers and trace[FULL_LAYERS] == 0
     assert trace[SELECTIVE_TRACE_KEY] == layers  # one selective checkpoint per layer (its contexts serve forward and recompute)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_selective_with_recomputed_norms_and_auto(dtype):
+    """gpt-oss's experts add their bias in place into their grouped GEMMs' output (transformers' grouped_mm
+    experts): selective checkpointing recomputes those GEMMs instead of keeping them, also with recomputed norms
+    and under ``"auto"`` where it keeps layers; per token against the model's own forward in fp32."""
+    model, batch = _model_and_batch("gpt_oss", dtype)
+    layers = model.config.num_hidden_layers
+    full, other, trace = _full_then(model, batch, {"recompute_norms": True}, checkpointing="selective")
+    _assert_bitwise(full, other)
+    assert trace[SELECTIVE_TRACE_KEY] == layers and trace["recompute_norms:forward"] > 0
+    model.zero_grad(set_to_none=True)
+    full, other, trace = _full_then(model, batch, checkpointing="auto", memory_budget_gib=1e6)
+    _assert_bitwise(full, other)
+    assert trace[SELECTIVE_LAYERS] == layers
+    if dtype == torch.float32:  # the model's own forward (padded, unpatched), per token
+        bounds = batch.cu_seqlens.tolist()
+        sequences = [batch.input_ids[a:b] for a, b in zip(bounds, bounds[1:])]
+        with torch.no_grad():
+            want, _ = reference_logprobs(model, *right_padded(sequences), temperature=0.9)
+        assert (other[0] - want).abs().max().item() < TOL["packed_vs_hf_fp32"]
 
 
 def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
@@ -130,6 +180,10 @@ def test_layers_to_keep_and_the_policy():
     assert layers_to_keep(4.0 + 8.9, 4.0, [3.0, 3.0, 1.0, 1.0]) == 0  # under 3 of the largest
     assert is_expensive(torch.ops.aten.mm.default) and is_expensive(torch.ops.aten.addmm.default)
     assert not is_expensive(torch.ops.aten.mul.Tensor) and not is_expensive(torch.ops.aten._softmax.default)
+    import actorcore.kernels.attention.fa4  # noqa: F401 (registers the FA4 ops)
+
+    assert is_expensive(torch.ops.actorcore.fa4_varlen_forward.default)  # the attention, kept
+    assert not is_expensive(torch.ops.actorcore.fa4_varlen_backward.default)
 
 
 def test_composes_with_tiled_mlp_and_offload():
@@ -154,7 +208,7 @@ def test_refusals_and_the_self_check(monkeypatch):
         with pytest.raises(ValueError, match=match):
             ac.patch_model(model, **kwargs)
     handle = ac.patch_model(model, checkpointing="selective")
-    assert patch_state(model).fused_layers == ()  # "auto" on the CPU: eager, unchanged
+    assert patch_state(model).targets("fused_decoder") == ()  # "auto" on the CPU: eager, unchanged
     layer_class = type(model.model.layers[0])
     # As a transformers that ignored the layers' checkpoint function would: the class's plain forward and call.
     monkeypatch.setattr(layer_class, "forward", original_forward(layer_class))

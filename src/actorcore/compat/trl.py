@@ -10,7 +10,11 @@ Switch (trl 1.16)::
 What changes: TRL's ``_get_per_token_logps_and_entropies`` runs the model on padded ``[B, S]`` micro-batches
 (left-padded prompts + right-padded completions) through its chunked LM head. The patched method packs the
 rows without padding (``actorcore.compute_logprobs_padded``) and scores them with actorcore's fused fp32 head;
-everything else in TRL (generation, rewards, advantages, its loss) is TRL's own.
+the policy model is patched with ``patch_model``'s plan (``patch_trainer(trainer, **options)``: the same options;
+the fused decoder where ``"auto"`` takes it: a CUDA model with 16-bit weights, not under TRL's autocast of fp32
+weights; budgeted checkpointing when asked for, in place of TRL's own in actorcore's calls); a separate reference
+model (``ref_model``) runs the packed path unpatched. Everything else in TRL (generation, rewards, advantages, its
+loss) is TRL's own.
 
 The contract kept, exactly as trl 1.16 defines it: returns ``(log_probs, entropies, aux_loss)``; ``log_probs`` and
 ``entropies`` are ``[B, logits_to_keep]`` float32, position ``j`` holding token ``input_ids[:, S - logits_to_keep
@@ -57,20 +61,33 @@ UNSUPPORTED_IMAGE_INPUTS = ("pixel_attention_mask", "spatial_shapes", "num_tiles
 
 @dataclass
 class TrainerPatchHandle:
-    """What ``patch_trainer`` changed on one trainer; ``revert()`` restores TRL's own method (once).
+    """What ``patch_trainer`` changed on one trainer; ``revert()`` restores TRL's own method and the policy model
+    (once).
 
     ``trace`` counts the patched calls (``trl:calls``) and actorcore's per-call trace keys (packed attention per
-    layer, fused head), so a test or a user can see that the fast path ran."""
+    layer, fused head, ``plan:<feature>`` per decoder feature that ran), so a test or a user can see that the fast
+    path ran. ``model_patch``: the ``patch_model`` handle of the policy model (None where the model was patched
+    before, and that patch is kept); ``plan``: the policy model's plan."""
 
     trainer: Any
     previous: Any = None
     had_own: bool = False
     trace: Counter = field(default_factory=Counter)
+    model_patch: Any = None
     reverted: bool = False
+
+    @property
+    def plan(self) -> Any:
+        from actorcore.hf.call import patch_state
+
+        state = patch_state(self.trainer.accelerator.unwrap_model(self.trainer.model))
+        return None if state is None else state.plan
 
     def revert(self) -> None:
         if self.reverted:
             raise ValueError("this TRL patch was already reverted")
+        if self.model_patch is not None:
+            self.model_patch.revert()
         state = self.trainer.__dict__
         if self.had_own:
             state[TRAINER_METHOD] = self.previous
@@ -106,11 +123,25 @@ def _check_trainer(trainer: Any) -> None:
                          "(pip install trl==1.16.0)")
 
 
-def patch_trainer(trainer: Any) -> TrainerPatchHandle:
-    """Bind actorcore's per-token log-prob method on this trainer instance; returns the handle (``revert()``)."""
+def patch_trainer(trainer: Any, **options: Any) -> TrainerPatchHandle:
+    """Bind actorcore's per-token log-prob method on this trainer instance and patch its policy model with
+    ``patch_model``'s plan (``options``: any ``patch_model`` option, e.g. ``checkpointing="auto",
+    memory_budget_gib=40``; by default ``patch_model``'s defaults: the fused decoder where it runs and was measured,
+    TRL's own gradient checkpointing); returns the handle (``revert()``; ``handle.plan``). A policy model patched
+    before keeps its patch (then no options may be given)."""
+    from actorcore.hf.patch import install_plan, is_patched, plan_patch
+
     _check_trainer(trainer)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if is_patched(model) and options:
+        raise ValueError(f"the trainer's model is already patched by actorcore (patch_model): patch_trainer keeps "
+                         f"that patch, so it takes no options ({sorted(options)}); revert the model's patch first "
+                         "to have patch_trainer patch it with these")
+    plan = None if is_patched(model) else plan_patch(model, by="compat.trl.patch_trainer", **options)
+    model_patch = None if plan is None else install_plan(model, plan)
     state = trainer.__dict__
-    handle = TrainerPatchHandle(trainer, previous=state.get(TRAINER_METHOD), had_own=TRAINER_METHOD in state)
+    handle = TrainerPatchHandle(trainer, previous=state.get(TRAINER_METHOD), had_own=TRAINER_METHOD in state,
+                                model_patch=model_patch)
     state[HANDLE_ATTR] = handle
     state[TRAINER_METHOD] = types.MethodType(per_token_logps_and_entropies, trainer)
     logger.info("%s computes per-token log-probs through actorcore (temperature %s)", type(trainer).__name__,

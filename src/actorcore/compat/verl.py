@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from actorcore.batch import PackedBatch, cu_seqlens_from_lengths
-from actorcore.hf.patch import PatchHandle, patch_model
+from actorcore.hf.patch import PatchHandle, install_plan, plan_patch
 from actorcore.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -172,10 +172,25 @@ def _is_critic(model: torch.nn.Module) -> bool:
     return True
 
 
+# The patch_model options verl's loop asks for by default, and why (shown in the handle's plan). A caller passes
+# any patch_model option through apply_monkey_patch's keywords (functools.partial where verl calls it), which
+# replaces these.
+VERL_PLAN = {"fused_decoder": False, "moe_experts": False, "dense_mlp": False}
+VERL_REASONS = {
+    "fused_decoder": "compat.verl: verl calls apply_monkey_patch on the actor it built on the CPU in fp32, before FSDP "
+                     "moves and casts it, so the device and dtype the fused decoder decides from are not those it "
+                     "runs with, and verl's own tests (CPU) cannot run compiled layers under its FSDP wrapping",
+    "moe_experts": "compat.verl: actorcore's experts path has not run under verl's FSDP wrapping (it is exact on "
+                   "any device: pass moe_experts='grouped' to take it)",
+    "dense_mlp": "compat.verl: quack's gated MLP is taken with the fused decoder, which verl's plan leaves off",
+}
+
+
 def apply_monkey_patch(model: torch.nn.Module, ulysses_sp_size: int = 1, use_remove_padding: bool = True,
                        use_fused_kernels: bool = False, fused_kernels_backend: str | None = None,
                        use_prefix_grouper: bool = False, use_tiled_mlp: bool = False, tiled_mlp_shards: int = 4,
-                       *, sp_group: Any = None, parallel: ParallelContext | None = None) -> PatchHandle:
+                       *, sp_group: Any = None, parallel: ParallelContext | None = None,
+                       **options: Any) -> PatchHandle:
     """Patch this model instance the way verl's ``apply_monkey_patch`` does, reversibly.
 
     Arguments in verl's order (0.7.1 to 0.9.1): ``ulysses_sp_size``: Ulysses SP degree (the group is ``sp_group``
@@ -185,7 +200,10 @@ def apply_monkey_patch(model: torch.nn.Module, ulysses_sp_size: int = 1, use_rem
     "liger", accepted for compatibility: actorcore's own fused head serves them all (Triton on CUDA when
     installed, its chunked torch kernel otherwise), and "triton" is refused where triton is not installed;
     ``use_prefix_grouper``: refused (not implemented); ``use_tiled_mlp`` / ``tiled_mlp_shards``: tiled MLP.
-    Returns the ``PatchHandle``; ``handle.revert()`` restores the model.
+    ``options``: any other ``patch_model`` option (``checkpointing="auto", memory_budget_gib=...``,
+    ``offload_activations``, ``recompute_norms``, ``fused_decoder``, ...), the same plan ``patch_model`` builds;
+    by default verl's loop runs the eager decoder and the model's own MLP and experts code (``VERL_REASONS``
+    says why, and so does ``handle.plan``). Returns the ``PatchHandle``; ``handle.revert()`` restores the model.
     """
     if use_prefix_grouper:
         raise ValueError("use_prefix_grouper=True is not supported by actorcore's apply_monkey_patch (it does not "
@@ -208,9 +226,13 @@ def apply_monkey_patch(model: torch.nn.Module, ulysses_sp_size: int = 1, use_rem
         raise ValueError(f"{type(model).__name__} is a value model (critic / reward model): it has no log-probs, so "
                          "use_fused_kernels=True does not apply; patch it with use_fused_kernels=False")
     shards = tiled_mlp_shards if use_tiled_mlp else None
-    # The eager decoder and transformers' own MoE experts: verl wraps the model in FSDP1 / FSDP2 itself, and neither
-    # the compiled layers nor actorcore's experts path have been measured under verl's wrapping on the GPU.
-    handle = patch_model(model, parallel=ctx, tiled_mlp_shards=shards, fused_decoder=False, moe_experts=False)
+    if "tiled_mlp_shards" in options or "parallel" in options:
+        raise TypeError("apply_monkey_patch() takes tiled MLP as use_tiled_mlp / tiled_mlp_shards and the SP group "
+                        "as ulysses_sp_size with sp_group= or parallel=, in verl's way")
+    asked = {**VERL_PLAN, "tiled_mlp_shards": shards, **options}
+    reasons = {k: why for k, why in VERL_REASONS.items() if k not in options}
+    plan = plan_patch(model, ctx, by="compat.verl", reasons=reasons, **asked)
+    handle = install_plan(model, plan, ctx)
     if use_remove_padding or use_fused_kernels:
         kind = "values" if critic else "log_probs" if use_fused_kernels else "logits"
         _install_forward(handle, model, ctx, kind, padded=not use_remove_padding)

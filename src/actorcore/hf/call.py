@@ -19,7 +19,7 @@ Two references carry the call to code transformers calls for us, without module-
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +43,11 @@ class TraceRef:
     would go to a copy; in a patch, as the slot its installed forwards count into (None outside actorcore's
     calls)."""
 
-    __slots__ = ("counts",)
+    __slots__ = ("counts", "standing_down")
 
-    def __init__(self, counts: Any) -> None:
+    def __init__(self, counts: Any, standing_down: frozenset = frozenset()) -> None:
         self.counts = counts
+        self.standing_down = standing_down  # features whose installed paths run the model's own code in this call
 
 
 class ParallelRef:
@@ -75,24 +76,44 @@ def trace_from_kwargs(kwargs: dict[str, Any]) -> Counter | None:
 
 @dataclass(frozen=True)
 class PatchState:
-    """What is patched on a model instance; kept on the instance, so copies of the model carry it (the ``trace``
-    slot with them: the copy's installed forwards hold the copy's slot)."""
+    """What is patched on a model instance: its plan (``hf.features.plan.PatchPlan``: every option's decision, what
+    runs and on what); kept on the instance, so copies of the model carry it (the ``trace`` slot with them: the
+    copy's installed forwards hold the copy's slot). Features read their decisions with ``value`` / ``targets``."""
 
-    sp_size: int
-    tiled_mlp_shards: int | None
-    offload_layers: int = 0  # the leading decoder layers whose checkpointed input is offloaded (0: no offload)
-    recompute_norms: bool = False
-    fused_layers: tuple[int, ...] = ()  # decoder layers that run the fused (compiled) forward (hf.features.fused_decoder)
-    checkpointing: Any = None  # an hf.features.checkpointing.CheckpointPlan, or None: the model's own checkpointing
-    moe_experts: tuple[str, ...] = ()  # experts modules (names in the decoder) on hf.features.moe_experts' path
-    moe_experts_kernel: str = "grouped"  # their kernels: "grouped" (grouped_mm and gathers) or "quack" (fused GEMMs)
-    dense_mlps: tuple[str, ...] = ()  # gated MLP modules (names in the decoder) on quack's gated MLP (hf.features.dense_mlp)
-    # The attention backend asked for and what it comes to here (kernels.attention.backends.BackendChoice; None: no
-    # softmax attention layers)
-    attention: Any = None
+    plan: Any
     # (layer, mode) -> activation bytes per token the layer was measured to keep (hf.features.checkpointing, "auto")
     measured_layer_bytes: dict[tuple[int, str], float] = field(default_factory=dict, compare=False, repr=False)
     trace: TraceRef = field(default_factory=lambda: TraceRef(None), compare=False, repr=False)
+    # The plan of the latest calls (``CallPlan``), newest last: which features ran and which stood down.
+    calls: deque = field(default_factory=lambda: deque(maxlen=CALLS_KEPT), compare=False, repr=False)
+
+    def value(self, option: str) -> Any:
+        return self.plan.value(option)
+
+    def targets(self, option: str) -> tuple:
+        return self.plan.targets(option)
+
+    @property
+    def sp_size(self) -> int:
+        return self.plan.value("parallel") or 1
+
+
+CALLS_KEPT = 8
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """One call's plan, as it ran: the features it entered (in order) and those that stood down for it."""
+
+    ran: tuple[str, ...]
+    stood_down: tuple[str, ...] = ()
+    batch_invariant: bool = False
+    training: bool = False
+
+    def __str__(self) -> str:
+        down = f"; stood down: {', '.join(self.stood_down)}" if self.stood_down else ""
+        kind = "batch-invariant " if self.batch_invariant else ""
+        return f"{kind}{'training' if self.training else 'no-grad'} call ran {', '.join(self.ran)}{down}"
 
 
 def patch_state(model: torch.nn.Module) -> PatchState | None:
@@ -162,6 +183,8 @@ class DecoderCall:
     kwargs: dict[str, Any] = field(default_factory=dict)  # the decoder's keyword arguments (features may add)
     hidden: torch.Tensor | None = None  # the decoder's output ``[1, T, D]``, once it ran
     checkpoint_modes: list[str] | None = None  # per layer, set by hf.features.checkpointing for a training call
+    standing_down: frozenset = frozenset()  # features whose installed paths stand down in this call (their names)
+    notes: dict[str, Any] = field(default_factory=dict)  # what a feature keeps of this call (by the feature's name)
     start: Counter = field(default_factory=Counter)  # the trace as the call found it
 
     def __post_init__(self) -> None:

@@ -5,9 +5,9 @@ Legend: ``T`` packed tokens (this rank's shard under SP), ``D`` hidden.
 The decoder runs on the packed batch (no padding, nothing across sequences): the packing metadata
 (``cu_seq_lens_q/k``, ``max_length_q/k``), the call's ``ParallelContext`` and its trace travel as explicit
 keyword arguments down to the attention functions. Under Ulysses sequence parallelism each rank runs its
-contiguous shard of the padded batch. Everything else the pass does is a decoder feature
-(``hf.features.DECODER_FEATURES``: packed and linear attention, offload, batch-invariant tiles, VLM inputs, tiled
-MLP, recomputed norms, finite checks), entered around the forward and checked after it (``hf.features.base``).
+contiguous shard of the padded batch. Everything else the pass does is a decoder feature (the one list:
+``hf.features.DECODER_FEATURES``), entered around the forward and checked after it (``hf.features.base``); the
+call's trace records which features ran (``plan:<feature>``) and which stood down for it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 from actorcore.archs import ArchSpec, spec_for_model
 from actorcore.batch import PackedBatch, pad_to_multiple, shard_for_sp
 from actorcore.hf.features.batch_invariant import check_batch_invariant_support
-from actorcore.hf.call import PARALLEL_KWARG, TRACE_KWARG, DecoderCall, DecoderParts, ParallelRef, TraceRef, patch_state
+from actorcore.hf.call import (PARALLEL_KWARG, TRACE_KWARG, CallPlan, DecoderCall, DecoderParts, ParallelRef, TraceRef,
+                               patch_state)
 from actorcore.hf.features import DECODER_FEATURES
 from actorcore.hf.inputs import check_batch
 from actorcore.kernels.trace import check_trace
@@ -36,15 +37,22 @@ def decoder_call(model: Any, batch: PackedBatch, parallel: Any = None, trace: Co
     ``batch_invariant``: each token's hidden states do not depend on the rest of the pack (``hf.features.batch_invariant``).
     """
     spec = spec_for_model(model) if spec is None else spec
+    patch = patch_state(model)
+    standing_down: frozenset = frozenset()
     if batch_invariant:
         check_batch_invariant_support(spec)
+        if patch is not None:
+            why = patch.plan.batch_invariant_refusal
+            if why is not None:
+                raise ValueError(f"batch_invariant=True on {type(model).__name__}: {why}")
+            standing_down = frozenset(patch.plan.stands_down_in_batch_invariant_calls())
     sp_size(parallel)
     batch = check_batch(model, batch)
     work = batch if sp_size(parallel) == 1 else pad_to_multiple(batch, sp_size(parallel))
     trace = Counter() if check_trace(trace) is None else trace
     return DecoderCall(model=model, spec=spec, parts=DecoderParts.of(model, spec), batch=work, parallel=parallel,
-                       trace=trace, patch=patch_state(model), check_finite=check_finite,
-                       batch_invariant=batch_invariant)
+                       trace=trace, patch=patch, check_finite=check_finite, batch_invariant=batch_invariant,
+                       standing_down=standing_down)
 
 
 def _decoder_kwargs(call: DecoderCall) -> dict[str, Any]:
@@ -63,6 +71,18 @@ def _decoder_kwargs(call: DecoderCall) -> dict[str, Any]:
     )
 
 
+def _record_plan(call: DecoderCall, active: list) -> None:
+    """The call's plan as it runs: ``plan:<feature>`` per feature entered and ``plan:stood_down:<feature>`` per
+    patched feature standing down, in the call's trace; on a patched model also the patch's latest calls."""
+    for feature in active:
+        call.trace[f"plan:{feature.name}"] += 1
+    for name in sorted(call.standing_down):
+        call.trace[f"plan:stood_down:{name}"] += 1
+    if call.patch is not None:
+        call.patch.calls.append(CallPlan(tuple(f.name for f in active), tuple(sorted(call.standing_down)),
+                                         call.batch_invariant, call.model.training and torch.is_grad_enabled()))
+
+
 def run_decoder(call: DecoderCall) -> torch.Tensor:
     """The packed decoder pass of ``call``: this rank's final hidden states ``[T, D]`` (of ``call.batch``, the
     batch as run).
@@ -74,6 +94,7 @@ def run_decoder(call: DecoderCall) -> torch.Tensor:
     """
     call.kwargs.update(_decoder_kwargs(call))
     active = [feature for feature in DECODER_FEATURES if feature.active(call)]
+    _record_plan(call, active)
     with contextlib.ExitStack() as stack:
         for feature in active:
             stack.enter_context(feature.enter(call))

@@ -45,7 +45,8 @@ class VerifyReport:
 
     ``worst_logprob_token`` / ``worst_entropy_token`` are ``(sequence index, position in that sequence)`` of the
     largest |Δ|. ``tokens`` counts the compared tokens: every token but each sequence's first (nothing predicts
-    it; both sides give 0 there).
+    it; both sides give 0 there). ``plan``: on a model ``patch_model`` patched, the plan its calls ran with (every
+    option's choice and why), so a report says which path was verified.
     """
 
     model_type: str
@@ -58,6 +59,7 @@ class VerifyReport:
     worst_logprob_token: tuple[int, int]
     worst_entropy_token: tuple[int, int]
     tolerance: float
+    plan: str | None = None  # the patch plan actorcore's side ran with (``handle.plan``), None on an unpatched model
 
     @property
     def ok(self) -> bool:
@@ -65,8 +67,9 @@ class VerifyReport:
 
     def summary(self) -> str:
         verdict = "OK" if self.ok else "FAIL"
-        return (f"{verdict}: {self.model_type} ({self.dtype}), {self.tokens} tokens in {self.sequences} sequences: "
-                f"max |Δ log-prob| {self.max_abs_diff_logprob:.2e} at (sequence, position) "
+        patched = "" if self.plan is None else ", patched (report.plan)"
+        return (f"{verdict}: {self.model_type} ({self.dtype}{patched}), {self.tokens} tokens in {self.sequences} "
+                f"sequences: max |Δ log-prob| {self.max_abs_diff_logprob:.2e} at (sequence, position) "
                 f"{self.worst_logprob_token}, max |Δ entropy| {self.max_abs_diff_entropy:.2e} at "
                 f"{self.worst_entropy_token}, tolerance {self.tolerance:.1e}")
 
@@ -122,13 +125,16 @@ def verify(model: Any, batch: PackedBatch, *, temperature: float = 1.0, toleranc
     """Compare ``compute_logprobs`` with the model's own forward per token; return a ``VerifyReport``.
 
     ``model`` is an HF ``...ForCausalLM`` (or a VLM's ``...ForConditionalGeneration``, with ``batch`` from
-    ``actorcore.pack(..., multimodal=..., model=model)``), without ``patch_model`` applied; ``batch`` lives on the
-    model's device. ``tolerance`` defaults to ``VERIFY_TOLERANCE`` for the model's dtype. ``strict=True`` raises
-    ``VerificationError`` on a failure. The model runs in eval mode (dropout off) and gets its mode back.
+    ``actorcore.pack(..., multimodal=..., model=model)``); ``batch`` lives on the model's device. A model
+    ``patch_model`` patched is verified as patched (its calls run the plan, the reference runs the model's own
+    code), and the report carries the plan. ``tolerance`` defaults to ``VERIFY_TOLERANCE`` for the model's dtype.
+    ``strict=True`` raises ``VerificationError`` on a failure. The model runs in eval mode (dropout off) and gets its
+    mode back.
     """
     import actorcore as ac
     from actorcore.archs import spec_for_model
     from actorcore.hf.inputs import check_batch
+    from actorcore.hf.call import patch_state
     from actorcore.hf.head import check_head_options
     from actorcore.hf.reference import reference_logprobs_per_sequence
 
@@ -162,7 +168,7 @@ def verify(model: Any, batch: PackedBatch, *, temperature: float = 1.0, toleranc
         model_type=spec.model_type, dtype=str(dtype).removeprefix("torch."), temperature=float(temperature),
         tokens=sum(int(d.numel()) for d in diff_lp), sequences=len(diff_lp), max_abs_diff_logprob=max_lp,
         max_abs_diff_entropy=max_ent, worst_logprob_token=worst_lp, worst_entropy_token=worst_ent,
-        tolerance=tolerance,
+        tolerance=tolerance, plan=None if patch_state(model) is None else str(patch_state(model).plan),
     )
     logger.info("verify: %s", report.summary())
     if strict:

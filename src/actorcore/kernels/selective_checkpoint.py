@@ -24,15 +24,20 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 SELECTIVE_TRACE_KEY = "checkpoint:selective"  # selective checkpoint contexts created (one per checkpointed forward)
 
 _MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm")
-# Attention kernels, by the name of their op: torch's varlen and SDPA flash / efficient / cuDNN kernels, flash-attn.
+# Attention kernels, by the name of their op: torch's varlen and SDPA flash / efficient / cuDNN kernels, flash-attn,
+# actorcore's FA4 op (``kernels.attention.fa4``).
 _ATTENTION_NAMES = ("varlen_attn", "flash_attention", "efficient_attention", "cudnn_attention", "flash_attn",
-                    "_scaled_dot_product")
+                    "_scaled_dot_product", "fa4_varlen_forward")
+
+
+def _ops(names: Sequence[str]) -> frozenset:
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
 
 
 @functools.cache
 def _kept_ops() -> frozenset:
-    aten = torch.ops.aten
-    return frozenset(getattr(aten, name).default for name in _MATMUL_OPS if hasattr(aten, name))
+    return _ops(_MATMUL_OPS)
 
 
 def is_expensive(op: Any) -> bool:
@@ -43,27 +48,48 @@ def is_expensive(op: Any) -> bool:
     return any(key in name for key in _ATTENTION_NAMES) and "backward" not in name
 
 
+# Grouped / batched GEMMs: what an MoE layer's experts run. Code that adds a bias in place into their output (a kept
+# output must not change after it was kept) has them recomputed instead (``SelectiveContexts(recompute=...)``).
+GROUPED_GEMM_OPS = ("_grouped_mm", "bmm", "baddbmm")
+
+
 def keep_expensive_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Selective-checkpoint policy: matmul and attention outputs saved, everything else recomputed."""
     return CheckpointPolicy.MUST_SAVE if is_expensive(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class KeepExpensiveExcept:
+    """``keep_expensive_policy`` with some ops recomputed although expensive (an object, so a checkpoint's
+    context function holds no closure)."""
+
+    def __init__(self, recompute: frozenset) -> None:
+        self.recompute = recompute
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in self.recompute:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return keep_expensive_policy(ctx, op, *args, **kwargs)
+
+
 class SelectiveContexts:
     """``context_fn`` of a selective checkpoint; counts in the call's trace each time it is used (forward and
-    recompute), which is how a call proves the selective checkpoint ran."""
+    recompute), which is how a call proves the selective checkpoint ran. ``recompute``: names of expensive aten
+    ops whose outputs this layer recomputes instead of keeping (its code writes into them in place)."""
 
-    def __init__(self, trace: Counter | None) -> None:
+    def __init__(self, trace: Counter | None, recompute: Sequence[str] = ()) -> None:
         self.trace = trace
+        self.policy = KeepExpensiveExcept(_ops(recompute)) if recompute else keep_expensive_policy
 
     def __call__(self) -> Any:
         if self.trace is not None:
             self.trace[SELECTIVE_TRACE_KEY] += 1
-        return create_selective_checkpoint_contexts(keep_expensive_policy)
+        return create_selective_checkpoint_contexts(self.policy)
 
 
-def selective_checkpoint_function(trace: Counter | None = None) -> Callable:
-    """A drop-in for a layer's checkpoint function (``checkpoint(fn, *args)``), non-reentrant and selective."""
-    return functools.partial(checkpoint, use_reentrant=False, context_fn=SelectiveContexts(trace))
+def selective_checkpoint_function(trace: Counter | None = None, recompute: Sequence[str] = ()) -> Callable:
+    """A drop-in for a layer's checkpoint function (``checkpoint(fn, *args)``), non-reentrant and selective;
+    ``recompute``: expensive ops (aten names) recomputed rather than kept in this layer."""
+    return functools.partial(checkpoint, use_reentrant=False, context_fn=SelectiveContexts(trace, recompute))
 
 
 def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: Sequence[float]) -> int:

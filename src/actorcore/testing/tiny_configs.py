@@ -124,3 +124,14 @@ def build_tiny_model(model_type: str, *, task: str = "causal_lm", seed: int = 0,
     else:
         raise ValueError(f"task must be 'causal_lm' or 'token_classification', got {task!r}")
     return model.eval()
+
+
+def checkpointed(model: Any, reentrant: bool = False) -> Any:
+    """The model's own gradient checkpointing on every layer (non-reentrant unless asked), in training mode
+    (transformers 5.24 renamed the method; 5.17 has only the old one)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model.train()

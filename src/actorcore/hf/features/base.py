@@ -9,27 +9,35 @@ attention, activation offload, batch-invariant tiles, VLM inputs, finite checks,
         call.hidden = decoder(**call.kwargs)
     for f in active: f.check(call)              # raises a FastPathNotRunError subclass if f did not run
 
-and ``patch_model`` calls ``f.install(handle)`` of every feature once, for what lives as long as the patch.
+and ``patch_model`` resolves every feature's options into the patch's plan (``hf.features.plan``), then calls
+``f.install(handle)`` of every feature once, for what lives as long as the patch.
 
 How to add a feature:
 1. Write a ``DecoderFeature`` subclass in a module of ``hf/features/``, with a ``name`` and the trace keys it
    counts (``"<area>:<what>"``; document them in its module).
-2. ``active(call)``: whether it runs in this call (a call option, ``call.patch``, ``call.spec``).
-3. ``enter(call)``: a context manager around the decoder forward. It may add decoder keyword arguments
+2. Its option (if ``patch_model`` takes one): a ``plan.FeatureOption`` in its ``options``, with the keywords and
+   defaults, ``resolve`` (check the value with a ``ValueError`` saying what to pass; the ``"auto"`` rule from the
+   ``PlanFacts`` and the decisions it ``needs``; the layers or modules it targets; why) and the ``Conflict`` s it
+   declares with other options. ``patch_model`` then takes its keywords, shows its decision in ``handle.plan`` and
+   refuses or yields on a conflict; ``patch_model``'s docstring lists its ``doc``.
+3. ``active(call)``: whether it runs in this call (a call option, its decision: ``call.patch.value(option)``,
+   ``call.spec``). ``after``: the features it enters after. ``in_batch_invariant_call``: whether a batch-invariant
+   call runs it, stands it down (``call.standing_down``) or is refused.
+4. ``enter(call)``: a context manager around the decoder forward. It may add decoder keyword arguments
    (``call.kwargs``), install per-instance forwards on modules for this call (``instance_forwards``;
    ``switched_for_call`` keeps them in force for activation checkpointing's recomputation in backward), or wrap
    the forward in any context.
-4. ``install(handle)`` (optional): per-instance forwards for the patch's lifetime, with their undo added to the
-   handle (``handle.add_undo``); read the request from ``handle.state``. Such forwards are called with the
-   hidden states only, so they count into the patch's trace slot (``handle.state.trace.counts``, None outside
-   actorcore's calls); the feature's ``enter`` returns ``patch_trace_bound(call)``, which points the slot at
-   the call's trace for the forward and its recomputation. The option that asks for it is a keyword of
-   ``patch_model`` recorded in a field of ``PatchState`` (``hf.call``).
-5. ``check(call)``: after the forward, compare ``call.ran(key)`` with what must have run (e.g. one count per
+5. ``install(handle)`` (optional): per-instance forwards for the patch's lifetime, with their undo added to the
+   handle (``handle.add_undo``); read its decision from ``handle.state`` (``value`` / ``targets``). Such forwards
+   are called with the hidden states only, so they count into the patch's trace slot (``handle.state.trace.counts``,
+   None outside actorcore's calls); the feature's ``enter`` returns ``patch_trace_bound(call)``, which points the
+   slot at the call's trace for the forward and its recomputation.
+6. ``check(call)``: after the forward, compare ``call.ran(key)`` with what must have run (e.g. one count per
    layer) and raise the feature's ``actorcore.errors.FastPathNotRunError`` subclass with what ran, what was
    expected, and the likely cause.
-6. Add the object to ``hf.features.DECODER_FEATURES`` (the order is the order of entry), and test it per token
-   against an independent reference, with a negative control: a bypassed feature raises its error.
+7. Add the object to ``hf.features.DECODER_FEATURES``, and test it per token against an independent reference,
+   with a negative control: a bypassed feature raises its error (``tests/unit/test_decoder_features.py`` has an
+   example feature with an option, an ``"auto"`` rule and a conflict).
 Features hold no per-call state: everything of a call lives on the ``DecoderCall``.
 """
 
@@ -42,12 +50,21 @@ from typing import Any, Callable, Iterator
 import torch
 
 from actorcore.hf.call import DecoderCall, TraceRef
+from actorcore.hf.features.plan import after_their_dependencies
 
 
 class DecoderFeature:
     """One feature of the packed decoder pass (see the module docstring). The defaults do nothing."""
 
     name = "feature"
+    options: tuple = ()  # its patch_model options (hf.features.plan.FeatureOption objects)
+    after: tuple[str, ...] = ()  # the features (names) it enters after: their contexts are outside its own
+
+    def in_batch_invariant_call(self, decided: Any) -> str:
+        """What a batch-invariant call does with this feature when its options are on (``decided``: the plan's
+        decisions by option): ``plan.RUNS``, ``plan.STANDS_DOWN`` (the model's own code runs for the call), or why
+        such a call is refused."""
+        return "runs"
 
     def install(self, handle: Any) -> None:
         """At ``patch_model``: install what lives as long as the patch (``handle.add_undo`` for its undo)."""
@@ -61,6 +78,12 @@ class DecoderFeature:
 
     def check(self, call: DecoderCall) -> None:
         """After the forward: raise a ``FastPathNotRunError`` subclass unless the trace shows the feature ran."""
+
+
+def entry_order(features: Any) -> tuple["DecoderFeature", ...]:
+    """The features in the order they enter a call: the given order, moved only where a feature declares that it
+    enters ``after`` another listed later (stable); a name no feature has, or a cycle, is an error."""
+    return tuple(after_their_dependencies(list(features), lambda f: f.after, "decoder features"))
 
 
 @contextlib.contextmanager
@@ -109,14 +132,17 @@ def _recompute_under(checkpoint_fn: Any, switch: Callable[[], Any]) -> Any:
 
 
 @contextlib.contextmanager
-def _bound(slot: TraceRef, counts: Any) -> Iterator[None]:
-    previous, slot.counts = slot.counts, counts
+def _bound(slot: TraceRef, counts: Any, standing_down: frozenset) -> Iterator[None]:
+    previous = slot.counts, slot.standing_down
+    slot.counts, slot.standing_down = counts, standing_down
     try:
         yield
     finally:
-        slot.counts = previous
+        slot.counts, slot.standing_down = previous
 
 
 def patch_trace_bound(call: DecoderCall) -> Any:
-    """The patch's trace slot pointed at the call's trace, for the forward and its recomputation."""
-    return switched_for_call(call.parts.decoder, functools.partial(_bound, call.patch.trace, call.trace))
+    """The patch's trace slot pointed at the call's trace (and the features standing down in it), for the forward
+    and its recomputation."""
+    return switched_for_call(call.parts.decoder, functools.partial(_bound, call.patch.trace, call.trace,
+                                                                   call.standing_down))

@@ -51,13 +51,15 @@ def check_batch_invariant_support(spec: ArchSpec) -> None:
 class InvariantLinearForward:
     """The instance ``forward`` of an ``nn.Linear`` for one call: ``tiled_linear`` with its own parameters."""
 
-    def __init__(self, linear: torch.nn.Linear, tile_rows: int | None, trace: Counter) -> None:
+    def __init__(self, linear: torch.nn.Linear, tile_rows: int | None, trace: Counter, ran: set[int]) -> None:
         self.linear = linear
         self.tile_rows = tile_rows
         self.trace = trace
+        self.ran = ran  # ids of the linears that ran invariant in the call
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         self.trace[LINEAR_TRACE_KEY] += 1
+        self.ran.add(id(self.linear))
         return tiled_linear(input, self.linear.weight, self.linear.bias, self.tile_rows)
 
 
@@ -101,12 +103,13 @@ def invariant_modules(decoder: torch.nn.Module) -> tuple[list[torch.nn.Linear], 
 
 
 @contextlib.contextmanager
-def _installed(linears: list, norms: list, tile_rows: int | None, norm_tile_rows: int, trace: Counter) -> Iterator[None]:
+def _installed(linears: list, norms: list, tile_rows: int | None, norm_tile_rows: int, trace: Counter,
+               ran: set[int]) -> Iterator[None]:
     """The invariant forwards on these modules for one forward (or one recomputation), then the class's again."""
     installed = []
     try:
         for module in linears:
-            module.__dict__["forward"] = InvariantLinearForward(module, tile_rows, trace)
+            module.__dict__["forward"] = InvariantLinearForward(module, tile_rows, trace, ran)
             installed.append(module)
         for module in norms:
             module.__dict__["forward"] = InvariantRowsForward(module, norm_tile_rows, trace)
@@ -118,29 +121,39 @@ def _installed(linears: list, norms: list, tile_rows: int | None, norm_tile_rows
 
 
 def batch_invariant_decoder(decoder: torch.nn.Module, spec: ArchSpec, trace: Counter, tile_rows: int | None = None,
-                            norm_tile_rows: int = NORM_TILE_ROWS) -> Any:
+                            norm_tile_rows: int = NORM_TILE_ROWS, ran: set[int] | None = None) -> Any:
     """Context manager: the decoder's linears and norms run batch-invariant for one call (and its recomputation);
-    ``tile_rows``: one tile height for every linear (``None``: each linear's ``linear_tile_rows``)."""
+    ``tile_rows``: one tile height for every linear (``None``: each linear's ``linear_tile_rows``); ``ran``
+    collects the ids of the linears that ran."""
     check_batch_invariant_support(spec)
     linears, norms = invariant_modules(decoder)
-    return switched_for_call(decoder, functools.partial(_installed, linears, norms, tile_rows, norm_tile_rows, trace))
+    ran = set() if ran is None else ran
+    return switched_for_call(decoder, functools.partial(_installed, linears, norms, tile_rows, norm_tile_rows, trace,
+                                                        ran))
 
 
 class BatchInvariant(DecoderFeature):
-    """``batch_invariant=True``: the invariant forwards for the call; ``check`` requires at least one invariant
-    linear per decoder layer, else something bypassed the modules' forward."""
+    """``batch_invariant=True``: the invariant forwards for the call; ``check`` requires every linear of every
+    decoder layer to have run invariant, else something ran other code (a bypassed forward, a path of another
+    patch whose kernels are not proven invariant: the plan stands those down for the call)."""
 
     name = "batch_invariant"
+    after = ("activation_offload",)
 
     def active(self, call: DecoderCall) -> bool:
         return call.batch_invariant
 
     def enter(self, call: DecoderCall) -> Any:
-        return batch_invariant_decoder(call.parts.decoder, call.spec, call.trace)
+        ran = call.notes.setdefault(self.name, set())
+        return batch_invariant_decoder(call.parts.decoder, call.spec, call.trace, ran=ran)
 
     def check(self, call: DecoderCall) -> None:
-        ran, layers = call.ran(LINEAR_TRACE_KEY), len(call.parts.layers)
-        if ran < layers:
+        ran = call.notes.get(self.name, set())
+        linears = [(i, name) for i, layer in enumerate(call.parts.layers) for name, module in layer.named_modules()
+                   if isinstance(module, torch.nn.Linear) and id(module) not in ran]
+        if linears:
+            i, name = linears[0]
             raise BatchInvariantNotAppliedError(
-                f"batch-invariant linears ran {ran} times for {layers} decoder layers: the installed transformers "
-                "bypassed the modules' forward; refusing to return results that are not batch-invariant")
+                f"batch-invariant linears did not run in {len(linears)} linears of {call.model_name}'s decoder layers "
+                f"(first: layer {i}'s {name}): the installed transformers bypassed the modules' forward, or another "
+                "path computed them; refusing to return results that are not batch-invariant")

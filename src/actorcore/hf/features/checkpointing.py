@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -38,7 +37,11 @@ from actorcore.archs import text_config
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall
 from actorcore.hf.features.base import DecoderFeature
-from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY, layers_to_keep, selective_checkpoint_function
+from actorcore.hf.features.plan import FeatureOption, PlanFacts
+from actorcore.hf.features.moe_experts import is_standard_experts
+from actorcore.kernels.selective_checkpoint import (GROUPED_GEMM_OPS, SELECTIVE_TRACE_KEY, layers_to_keep,
+                                                    selective_checkpoint_function)
+from actorcore.sizes import positive_size
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,9 @@ class CheckpointPlan:
     mode: str
     budget_bytes: float | None = None
 
+    def __str__(self) -> str:
+        return repr(self.mode) if self.budget_bytes is None else f"'{self.mode}' ({self.budget_bytes / 2**30:g} GiB)"
+
 
 def check_checkpointing(mode: Any, memory_budget_gib: Any) -> CheckpointPlan | None:
     if mode is None:
@@ -67,11 +73,9 @@ def check_checkpointing(mode: Any, memory_budget_gib: Any) -> CheckpointPlan | N
         if memory_budget_gib is not None:
             raise ValueError(f"memory_budget_gib is only used by checkpointing='auto', not {mode!r}")
         return CheckpointPlan(mode)
-    if isinstance(memory_budget_gib, bool) or not isinstance(memory_budget_gib, (int, float)) or not (
-            math.isfinite(memory_budget_gib) and memory_budget_gib > 0):
-        raise ValueError(f"checkpointing='auto' needs memory_budget_gib, a positive number of GiB, got "
-                         f"{memory_budget_gib!r}")
-    return CheckpointPlan(mode, float(memory_budget_gib) * 2**30)
+    budget = positive_size("memory_budget_gib", memory_budget_gib, unit="GiB", integer=False,
+                           hint="checkpointing='auto' keeps as many layers as this budget fits; pass e.g. 40")
+    return CheckpointPlan(mode, budget * 2**30)
 
 
 def layer_bytes_per_token(config: Any, element_bytes: int, fused: bool) -> tuple[float, float]:
@@ -95,15 +99,21 @@ def layer_bytes_per_token(config: Any, element_bytes: int, fused: bool) -> tuple
 
 
 def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], tokens: int, config: Any, element_bytes: int,
-                     allocated_bytes: float, measured: dict[tuple[int, str], float] | None = None) -> list[str]:
-    """Each layer's mode for one call: ``"full"``, ``"selective"`` or ``"none"`` (a fused layer, not checkpointed).
+                     allocated_bytes: float, measured: dict[tuple[int, str], float] | None = None,
+                     offloaded: int = 0) -> list[str]:
+    """Each layer's mode for one call: ``"full"``, ``"selective"`` or ``"none"`` (a fused layer under ``"auto"``,
+    kept whole: its compiled graph keeps the matmul outputs and recomputes its pointwise work).
 
     ``measured``: bytes per token that layer ``i`` was measured to keep in mode ``m`` beyond a checkpointed layer
-    (``LayerBytesMeter``, earlier calls), used for ``"auto"`` in place of the estimate from the config."""
+    (``LayerBytesMeter``, earlier calls), used for ``"auto"`` in place of the estimate from the config.
+    ``offloaded``: the leading layers whose checkpointed input activation offload moves: ``"auto"`` keeps no fused
+    layer among them (a fused layer kept whole has no checkpointed input to move; a selective one has)."""
     kept = ["none" if f else "selective" for f in fused]
     if plan.mode == "full":
         return ["full"] * len(fused)
     if plan.mode == "selective":
+        if any(fused):
+            raise ValueError("checkpointing='selective' on fused layers: the plan refuses this pair at patch time")
         return kept
     measured = measured or {}
     per_layer = [layer_bytes_per_token(config, element_bytes, f) for f in fused]
@@ -112,6 +122,9 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], tokens: int, confi
     # Beside the kept layers: the layers' checkpointed inputs and 1 GiB of slack (the head's chunk workspace).
     base = allocated_bytes + ckpt_input + 2**30
     keep = layers_to_keep(plan.budget_bytes, base, [b * tokens for b in kept_per_token])
+    fused_offloaded = [i for i in range(min(offloaded, len(fused))) if fused[i]]
+    if fused_offloaded:
+        keep = min(keep, len(fused) - fused_offloaded[-1] - 1)
     return ["full"] * (len(fused) - keep) + kept[len(fused) - keep:]
 
 
@@ -168,7 +181,7 @@ def checkpointing_for_call(layers: list[torch.nn.Module], modes: list[str], trac
         for layer, mode in zip(layers, modes):
             layer.gradient_checkpointing = mode != "none"
             if mode == "selective":
-                layer._gradient_checkpointing_func = selective_checkpoint_function(trace)
+                layer._gradient_checkpointing_func = selective_checkpoint_function(trace, in_place_outputs(layer))
             elif mode == "full" and not _non_reentrant(layer.__dict__.get("_gradient_checkpointing_func")):
                 layer._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
                                                                        use_reentrant=False)
@@ -181,6 +194,17 @@ def checkpointing_for_call(layers: list[torch.nn.Module], modes: list[str], trac
             for key in ("gradient_checkpointing", "_gradient_checkpointing_func"):
                 layer.__dict__.pop(key, None)
             layer.__dict__.update(attrs)
+
+
+def in_place_outputs(layer: torch.nn.Module) -> tuple[str, ...]:
+    """The expensive ops whose outputs this layer's own code writes into in place, so a selective checkpoint
+    recomputes them rather than keeping them: transformers' standard experts with biases add the bias into their
+    grouped / batched GEMMs' output (``out.add_(bias)``; gpt-oss), which a kept output cannot take. actorcore's
+    experts path (``moe_experts``) adds it out of place: its GEMMs stay kept."""
+    for module in layer.modules():
+        if getattr(module, "has_bias", False) and is_standard_experts(module):
+            return GROUPED_GEMM_OPS
+    return ()
 
 
 def _non_reentrant(fn: Any) -> bool:
@@ -204,27 +228,56 @@ def allocated_bytes_counter(device: torch.device) -> Callable[[], int] | None:
     return functools.partial(torch.cuda.memory_allocated, device)
 
 
+class CheckpointingOption(FeatureOption):
+    """``checkpointing`` and its budget ``memory_budget_gib``: a ``CheckpointPlan`` or None."""
+
+    name = "checkpointing"
+    keywords = {"checkpointing": None, "memory_budget_gib": None}
+    off_value = None
+    doc = ("``None`` (default) keeps the model's own setting; ``'full'`` checkpoints every layer; ``'selective'`` "
+           "keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the gradients of "
+           "``'full'``); ``'auto'`` with ``memory_budget_gib`` keeps as many of the last layers as the budget fits "
+           "(estimated per call from the config and the token count, then measured on CUDA), the others fully "
+           "checkpointed: a kept layer runs selectively, or, fused, as its compiled graph keeps it.")
+
+    def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
+        plan = check_checkpointing(asked["checkpointing"], asked["memory_budget_gib"])
+        if plan is None:
+            return self.decision(asked, None, "the model's own checkpointing setting, untouched")
+        if plan.mode == "auto":
+            why = (f"per training call, as many of the last layers as {plan.budget_bytes / 2**30:g} GiB fits keep "
+                   "their activations (selectively; a fused layer as its compiled graph keeps them), the others fully "
+                   "checkpointed")
+        else:
+            why = {"full": "every layer under torch's non-reentrant checkpoint",
+                   "selective": "every layer keeps its matmul and attention outputs and recomputes the rest"}[plan.mode]
+        return self.decision(asked, plan, why, range(len(facts.parts.layers)))
+
+
 class Checkpointing(DecoderFeature):
     """``patch_model(checkpointing=..., memory_budget_gib=...)``: the layers' checkpointing of each training call,
     planned per call; ``check`` requires every selective layer to have entered its selective checkpoint. Entered
     before the activation offload, which wraps the checkpoint functions set here."""
 
     name = "checkpointing"
+    options = (CheckpointingOption(),)
+    after = ("vision_inputs",)
 
     def active(self, call: DecoderCall) -> bool:
-        return (call.patch is not None and call.patch.checkpointing is not None and call.model.training
+        return (call.patch is not None and call.patch.value("checkpointing") is not None and call.model.training
                 and torch.is_grad_enabled())
 
     def enter(self, call: DecoderCall) -> Any:
         param = next(call.model.parameters())
         allocated_now = allocated_bytes_counter(param.device)
         allocated = allocated_now() if allocated_now is not None else 0
-        fused = set(call.patch.fused_layers) if not call.batch_invariant else set()
+        fused = set(call.patch.targets("fused_decoder")) if "fused_decoder" not in call.standing_down else set()
         tokens = call.batch.num_tokens // call.sp_size  # this rank's shard
         config = text_config(call.model.config)
-        plan, measured = call.patch.checkpointing, call.patch.measured_layer_bytes
+        plan, measured = call.patch.value("checkpointing"), call.patch.measured_layer_bytes
         call.checkpoint_modes = plan_layer_modes(plan, [i in fused for i in range(len(call.parts.layers))], tokens,
-                                                 config, param.element_size(), allocated, measured)
+                                                 config, param.element_size(), allocated, measured,
+                                                 call.patch.value("offload_activations"))
         meter = None
         if plan.mode == "auto" and allocated_now is not None:
             meter = LayerBytesMeter(call.parts.layers, call.checkpoint_modes, tokens,

@@ -20,6 +20,7 @@ from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall, TraceRef
 from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
 from actorcore.hf.features.fused_decoder import FusedDecoder
+from actorcore.hf.features.plan import STANDS_DOWN
 
 TRACE_ATTR = "_actorcore_path_trace"  # the patch's trace slot, on each installed module
 
@@ -50,13 +51,25 @@ def class_in_front(path_class: type, base: type, **attrs: Any) -> type:
         "_actorcore_base": base, "__module__": base.__module__, "__qualname__": base.__qualname__, **attrs})
 
 
-def counted_call(module: torch.nn.Module, key: str) -> bool:
+def reduce_to_path_class(module: torch.nn.Module, make_class: Callable[..., type], *args: Any) -> tuple:
+    """``__reduce_ex__`` of a module of a path class: pickled (``torch.save``) and deep-copied as an empty instance of
+    ``make_class(*args)`` (a module-level function, pickled by name) given the module's state; the class itself is made
+    at run time under its base's name, which pickle cannot look up."""
+    return _path_instance, (make_class, args), module.__getstate__()
+
+
+def _path_instance(make_class: Callable[..., type], args: tuple) -> Any:
+    return object.__new__(make_class(*args))
+
+
+def counted_call(module: torch.nn.Module, key: str, feature: str) -> bool:
     """Whether this forward of an installed module takes the path (counting it under ``key`` when eager): inside
-    a compiled layer always, eager only inside actorcore's calls (the trace slot bound)."""
+    a compiled layer always, eager only inside actorcore's calls (the trace slot bound) where ``feature`` does not
+    stand down (a batch-invariant call runs the model's own code)."""
     if torch.compiler.is_compiling():
         return True
     trace = module.__dict__[TRACE_ATTR]
-    if trace.counts is None:
+    if trace.counts is None or feature in trace.standing_down:
         return False
     trace.counts[key] += 1
     return True
@@ -67,7 +80,7 @@ def modules_that_ran(call: DecoderCall, names: tuple[str, ...], key: str, path_c
     their eager runs under ``key``, or lying inside a layer the fused decoder ran compiled."""
     decoder, in_fused = call.parts.decoder, set()
     if FusedDecoder().active(call):
-        in_fused = names_inside(decoder, [call.parts.layers[i] for i in call.patch.fused_layers], names)
+        in_fused = names_inside(decoder, [call.parts.layers[i] for i in call.patch.targets("fused_decoder")], names)
     bypassed = [name for name in names if not isinstance(decoder.get_submodule(name), path_class)]
     return call.ran(key) + len(in_fused), bypassed
 
@@ -85,10 +98,10 @@ def names_inside(decoder: torch.nn.Module, layers: list[torch.nn.Module], names:
 
 
 class ClassPathFeature(DecoderFeature):
-    """A decoder feature whose modules (named in the patch state's ``names_field``) run as ``class_for(state)(their
-    class)`` for the patch's lifetime; ``check`` requires each of them to have run the path in the call."""
+    """A decoder feature whose modules (its decision's targets: names in the decoder) run as ``class_for(state)(their
+    class)`` for the patch's lifetime; ``check`` requires each of them to have run the path in the call (a
+    batch-invariant call stands it down)."""
 
-    names_field: str  # the PatchState field naming the installed modules (relative to the decoder)
     key: str  # the trace key of their eager runs
     path_class: type  # the class every installed module's class derives from
     what: str  # the path and its modules, for the error: "quack's gated MLP ran in {ran} of {n} MLP modules"
@@ -96,20 +109,24 @@ class ClassPathFeature(DecoderFeature):
     def class_for(self, state: Any) -> Callable[[type], type]:
         raise NotImplementedError
 
+    def in_batch_invariant_call(self, decided: Any) -> str:
+        return STANDS_DOWN  # its kernels are not proven row-count invariant: the model's own code, invariant linears
+
     def install(self, handle: Any) -> None:
-        names = getattr(handle.state, self.names_field)
+        names = handle.state.targets(self.name)
         if names:
             modules = [handle.parts.decoder.get_submodule(name) for name in names]
             handle.add_undo(install_classes(modules, handle.state.trace, self.class_for(handle.state)))
 
     def active(self, call: DecoderCall) -> bool:
-        return call.patch is not None and bool(getattr(call.patch, self.names_field))
+        return (call.patch is not None and bool(call.patch.targets(self.name))
+                and self.name not in call.standing_down)
 
     def enter(self, call: DecoderCall) -> Any:
         return patch_trace_bound(call)
 
     def check(self, call: DecoderCall) -> None:
-        names = getattr(call.patch, self.names_field)
+        names = call.patch.targets(self.name)
         ran, bypassed = modules_that_ran(call, names, self.key, self.path_class)
         if bypassed or ran < len(names):
             raise PatchNotAppliedError(

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from actorcore.archs import submodule
-from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call
+from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call, reduce_to_path_class
+from actorcore.hf.features.plan import FeatureOption, PlanFacts, check_choice
 from actorcore.kernels.gated_mlp_quack import gated_mlp
 from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
 
@@ -83,15 +84,19 @@ def _device_refusal(module: torch.nn.Module) -> str | None:
 
 class QuackGatedMLP:
     """Put in front of a gated MLP's own class for the patch's lifetime (``quack_mlp_class``): its ``forward`` runs
-    ``gated_mlp`` in actorcore's calls, else the class's own forward."""
+    ``gated_mlp`` in actorcore's calls, else the class's own forward. Pickled and deep-copied as an instance of
+    ``quack_mlp_class`` of its base (``class_paths.reduce_to_path_class``)."""
 
     _actorcore_base: type  # the module's own class
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not counted_call(self, DENSE_MLP_KEY):  # not an actorcore call: the model's own MLP code
+        if not counted_call(self, DENSE_MLP_KEY, "dense_mlp"):  # not an actorcore call: the model's own MLP code
             return type(self)._actorcore_base.forward(self, x)
         out = gated_mlp(x.reshape(-1, x.shape[-1]), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return reduce_to_path_class(self, quack_mlp_class, type(self)._actorcore_base)
 
 
 @functools.cache
@@ -117,23 +122,43 @@ def _covered_mlps(parts: Any, spec: Any, layers: list[int]) -> tuple[list[tuple[
     return covered, refused
 
 
-def check_dense_mlp_request(request: Any) -> None:
-    if request not in DENSE_MLP_CHOICES or request is not False and not isinstance(request, str):
-        raise ValueError(f"dense_mlp must be 'auto', 'quack' or False, got {request!r} ('quack' runs the SwiGLU MLPs "
-                         "as quack's GEMMs with the activation inside them, False keeps the model's own MLP code)")
+class DenseMLPOption(FeatureOption):
+    """``dense_mlp``: "auto", "quack" or False; its value: "quack" or False, on the MLP modules it targets (names in
+    the decoder)."""
+
+    name = "dense_mlp"
+    keywords = {"dense_mlp": "auto"}
+    needs = ("fused_decoder",)
+    doc = ("the SwiGLU MLPs (transformers' gated MLP with SiLU, plain projections; also MoE models' shared and dense "
+           "MLPs) run in actorcore's calls with SwiGLU and its backward inside quack's Hopper GEMMs, the other GEMMs "
+           "on cuBLAS. ``'auto'`` (default): the MLPs of the fused layers where quack runs here (``quack-kernels`` "
+           "with the CuTe DSL it pins, a Hopper GPU); ``'quack'`` every covered MLP, refusing where quack cannot "
+           "run; ``False`` keeps the model's own MLP code.")
+
+    def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
+        request = asked["dense_mlp"]
+        check_choice("dense_mlp", request, DENSE_MLP_CHOICES, "'quack' runs the SwiGLU MLPs as quack's GEMMs with "
+                     "the activation inside them, False keeps the model's own MLP code")
+        if request is False:
+            return self.decision(asked, False, "not asked: the model's own MLP code")
+        fused = decided["fused_decoder"].targets
+        if request == "auto" and not fused:
+            return self.decision(asked, False, "auto: the decoder is not fused (quack's gated MLP is taken on fused "
+                                 "layers); the model's own MLP code")
+        names, why = dense_mlp_names(facts.model, facts.parts, facts.spec, request, fused_layers=fused)
+        if not names:
+            return self.decision(asked, False, f"auto: {why}; the model's own MLP code")
+        where = "every covered MLP" if request == "quack" else "the covered MLPs of the fused layers"
+        return self.decision(asked, "quack", f"{where} on quack's gated GEMMs" + (f" ({why})" if why else ""),
+                             names)
 
 
 def dense_mlp_names(model: torch.nn.Module, parts: Any, spec: Any, request: Any, *, fused_layers: tuple[int, ...]
-                    ) -> tuple[str, ...]:
-    """The MLP modules (names in the decoder) to run quack's gated MLP for ``patch_model(dense_mlp=)``. ``"quack"``
-    raises ``ValueError`` with the reason where quack cannot run or covers none; ``"auto"`` takes the covered MLPs
-    of the fused layers where quack runs, else none (and logs why)."""
-    check_dense_mlp_request(request)
-    if request is False:
-        return ()
+                    ) -> tuple[tuple[str, ...], str | None]:
+    """``(the MLP modules (names in the decoder) to run quack's gated MLP, a note)`` for ``"quack"`` (every layer)
+    or ``"auto"`` (the fused layers). ``"quack"`` raises ``ValueError`` with the reason where quack cannot run or
+    covers none; ``"auto"`` returns no names and the reason. The note says which MLPs keep their own code."""
     layers = list(range(len(parts.layers))) if request == "quack" else list(fused_layers)
-    if request == "auto" and not layers:
-        return ()
     covered, refused = _covered_mlps(parts, spec, layers)
     uncovered = f"no MLP of {type(model).__name__} is covered ({refused[0] if refused else 'no gated MLP'})"
     why = quack_refusal() or (None if covered else uncovered)
@@ -141,13 +166,10 @@ def dense_mlp_names(model: torch.nn.Module, parts: Any, spec: Any, request: Any,
         why = f"{type(model).__name__} is tensor-parallel through transformers' tp_plan (its MLPs hold shards)"
     if why is not None:
         if request == "auto":
-            logger.info("dense_mlp='auto' keeps %s's own MLP code: %s", type(model).__name__, why)
-            return ()
+            return (), why
         raise ValueError(f"dense_mlp='quack': {why}; pass dense_mlp=False (the model's own MLP code)")
-    if refused:
-        logger.info("dense_mlp=%r: %d MLPs of %s run quack's gated MLP, %d keep their own code (%s)", request,
-                    len(covered), type(model).__name__, len(refused), refused[0])
-    return tuple(name for name, _ in covered)
+    note = f"{len(refused)} keep their own code: {refused[0]}" if refused else None
+    return tuple(name for name, _ in covered), note
 
 
 class DenseMLP(ClassPathFeature):
@@ -155,7 +177,7 @@ class DenseMLP(ClassPathFeature):
     lifetime; ``check`` requires each of them to have run the path in the call."""
 
     name = "dense_mlp"
-    names_field = "dense_mlps"
+    options = (DenseMLPOption(),)
     key = DENSE_MLP_KEY
     path_class = QuackGatedMLP
     what = "quack's gated MLP ran in {ran} of {n} MLP modules"

@@ -25,6 +25,7 @@ faster side by side; the first call compiles (about 20-30 s on the H200), later 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 from typing import Any, Callable, Iterator
@@ -33,10 +34,10 @@ import torch
 
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import TRACE_KWARG, DecoderCall, parallel_from_kwargs
-from actorcore.hf.features.attention import (ATTENTION_BACKEND_KWARG, IN_GRAPH_KWARG, PACKED_ATTENTION,
-                                             graph_attention_backends, trace_key)
+from actorcore.hf.features.attention import IN_GRAPH_KWARG, PACKED_ATTENTION, graph_attention_backends, trace_key
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.instance_forwards import install_forwards
+from actorcore.hf.features.plan import STANDS_DOWN, Conflict, FeatureOption, PlanFacts, check_choice
 
 logger = logging.getLogger(__name__)
 
@@ -59,35 +60,71 @@ def fusion_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
-def auto_fusion_refusal(sp_size: int, tiled_mlp_shards: int | None, offload_layers: int,
-                        recompute_norms: bool) -> str | None:
-    """Why ``"auto"`` (the default) leaves a model eager that could fuse: the other patches it is combined with
-    (None: fuse). ``"auto"`` fuses only the combinations measured side by side on the GPU (plain, with any
-    checkpointing mode); ``True`` fuses the others too."""
-    others = [name for name, on in (("Ulysses SP", sp_size > 1), ("tiled MLP", tiled_mlp_shards is not None),
-                                    ("activation offload", offload_layers > 0),
-                                    ("recomputed norms", recompute_norms)) if on]
+def auto_fusion_refusal(decided: Any) -> str | None:
+    """Why ``"auto"`` (the default) leaves a model eager that could fuse: the other options asked for (None: fuse).
+    ``"auto"`` fuses only the combinations measured side by side on the GPU (plain, with any checkpointing mode but
+    ``"selective"``); ``True`` fuses the others too."""
+    others = [name for name, on in (("Ulysses SP", decided["parallel"].on),
+                                    ("tiled MLP", decided["tiled_mlp_shards"].on),
+                                    ("activation offload", decided["offload_activations"].on),
+                                    ("recomputed norms", decided["recompute_norms"].on)) if on]
     if others:
-        return f"the fused decoder with {' and '.join(others)} has not been measured on the GPU"
+        return (f"the fused decoder with {' and '.join(others)} has not been measured on the GPU (fused_decoder=True "
+                "fuses it anyway)")
     return None
 
 
-def check_fused_request(model: torch.nn.Module, fused: Any, auto_refusal: str | None = None) -> bool:
-    """Whether to install the fused decoder: ``True`` (refuse where it cannot run), ``False``, or ``"auto"`` (where
-    it can run and ``auto_refusal`` is None)."""
-    if fused not in FUSED_CHOICES or isinstance(fused, int) and not isinstance(fused, bool):
-        raise ValueError(f"fused_decoder must be True, False or 'auto', got {fused!r}")
-    if fused is False:
-        return False
-    refusal = fusion_refusal(model)
-    if refusal is not None and fused is True:
-        raise ValueError(f"fused_decoder=True: {refusal}; pass fused_decoder='auto' (eager where it cannot run) "
-                         "or False")
-    if fused == "auto" and refusal is None and auto_refusal is not None:
-        logger.info("fused_decoder='auto' keeps %s eager: %s (fused_decoder=True fuses it anyway)",
-                    type(model).__name__, auto_refusal)
-        return False
-    return refusal is None
+def _selective(mine: Any, checkpointing: Any, decided: Any, facts: Any) -> bool:
+    return mine.on and checkpointing.value is not None and checkpointing.value.mode == "selective"
+
+
+def _every_layer_offloaded_under_a_budget(mine: Any, offload: Any, decided: Any, facts: Any) -> bool:
+    checkpointing = decided["checkpointing"].value
+    return (mine.on and offload.value == len(facts.parts.layers) and checkpointing is not None
+            and checkpointing.mode == "auto")
+
+
+class FusedDecoderOption(FeatureOption):
+    """``fused_decoder``: True, False or "auto"; its value: whether the attention layers (its targets) fuse."""
+
+    name = "fused_decoder"
+    keywords = {"fused_decoder": "auto"}
+    needs = ("parallel", "tiled_mlp_shards", "offload_activations", "recompute_norms", "checkpointing")
+    conflicts = (
+        Conflict("checkpointing", holds=_selective,
+                 why="a fused layer is not checkpointed selectively: its compiled graph keeps its own tensors "
+                     "instead, so the fused layers would not be checkpointed at all",
+                 instead="checkpointing='auto' with memory_budget_gib (fused layers kept as compiled, the others "
+                         "fully checkpointed), checkpointing='full', or fused_decoder=False"),
+        Conflict("offload_activations", holds=_every_layer_offloaded_under_a_budget,
+                 why="under checkpointing='auto' a fused layer the budget keeps is kept whole (not checkpointed: no "
+                     "input to offload), so offloading every layer would leave the budget nothing to keep",
+                 instead="offload_activations=K (the first K layers; the budget keeps among the others), "
+                         "checkpointing='full', or fused_decoder=False"),
+    )
+    doc = ("the attention decoder layers run their forward compiled by ``torch.compile`` in actorcore's calls (the "
+           "elementwise work between the matmuls fused; within bf16 rounding of eager). ``'auto'`` (default): on a "
+           "CUDA model with 16-bit weights and Triton, without SP, tiled MLP, offload or recomputed norms (not measured "
+           "on the GPU) and not with ``checkpointing='selective'``, else eager; ``True`` refuses where it cannot run "
+           "and fuses with the other options too; ``False`` keeps the eager forward.")
+
+    def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
+        fused = asked["fused_decoder"]
+        check_choice("fused_decoder", fused, FUSED_CHOICES)
+        if fused is False:
+            return self.decision(asked, False, "not asked")
+        refusal = fusion_refusal(facts.model)
+        if refusal is not None and fused is True:
+            raise ValueError(f"fused_decoder=True: {refusal}; pass fused_decoder='auto' (eager where it cannot run) "
+                             "or False")
+        if refusal is None and fused == "auto":
+            refusal = auto_fusion_refusal(decided)
+        if refusal is not None:
+            return self.decision(asked, False, f"auto: {refusal}")
+        ids = {id(layer) for layer in facts.parts.attention_layers}
+        layers = [i for i, layer in enumerate(facts.parts.layers) if id(layer) in ids]
+        why = "a 16-bit CUDA model with Triton" + ("" if fused is True else ", a measured combination")
+        return self.decision(asked, True, f"each attention layer's forward compiled ({why})", layers)
 
 
 @functools.cache
@@ -116,9 +153,13 @@ def original_forward(layer_class: type) -> Callable:
 
 class CompiledLayer:
     """``torch.compile`` of one layer class's forward (Inductor, symbolic token count), shared by all its layers
-    (they are its first argument). Its backend notes which attention backends' ops the graphs Dynamo captured call
-    (``graph_attention_backends``): a layer whose attention was traced into its graph cannot count that call itself
-    at run time, so the fused layer counts it for the graph (``FusedLayerForward``)."""
+    (they are its first argument) and by every model of the class in the process: one compilation. Its backend
+    notes which attention backends' ops each captured graph calls (``graph_attention_backends``) and makes each such
+    graph, when it runs, say so to the layer call it runs in (``GraphRuns``): a layer whose attention was traced into
+    its graph cannot count that call itself, so the fused layer counts it (and the backend) for the graph, from what
+    ran in this call, never from what an earlier model or another backend request compiled. ``graphs`` /
+    ``graphs_with_attention`` / ``attention_backends`` describe the captures (for tests and benchmarks; no check
+    reads them)."""
 
     def __init__(self, forward: Callable) -> None:
         self.graphs = 0
@@ -131,28 +172,52 @@ class CompiledLayer:
 
         backends = graph_attention_backends(gm.graph)
         self.graphs += 1
-        self.graphs_with_attention += bool(backends)
         self.attention_backends |= backends
-        return compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs)
+        if not backends:
+            return compiled
+        self.graphs_with_attention += 1
+        return GraphWithAttention(compiled, frozenset(backends))
 
-    @property
-    def attention_in_graph(self) -> bool:
-        """Whether the attention runs inside this forward's compiled graphs (then it does not count itself)."""
-        return self.graphs_with_attention > 0
+
+class GraphRuns:
+    """What the compiled graphs that ran in one fused layer call held (set for the call by ``FusedLayerForward``)."""
+
+    __slots__ = ("with_attention", "backends")
+
+    def __init__(self) -> None:
+        self.with_attention = 0
+        self.backends: set[str] = set()  # the attention backends whose ops those graphs called
 
 
-def compiled_forward(forward: Callable, attention_backend: str = "auto") -> CompiledLayer:
-    """One compilation per layer class's forward and attention backend request (so that the backends a compiled
-    layer's graphs hold are those of the request it runs)."""
-    return _compiled_forward(forward, attention_backend)
+# The fused layer call a compiled graph runs in: set and reset around each call, so a graph reports to the call
+# that ran it (a context variable, like torch's own grad mode, not a process-wide record).
+_LAYER_CALL: contextvars.ContextVar[GraphRuns | None] = contextvars.ContextVar("actorcore_fused_layer_call",
+                                                                               default=None)
+
+
+class GraphWithAttention:
+    """A compiled graph that holds the packed attention (on ``backends``): each run notes it in the layer call it
+    runs in."""
+
+    def __init__(self, compiled: Callable, backends: frozenset[str]) -> None:
+        self.compiled = compiled
+        self.backends = backends
+        self._boxed_call = getattr(compiled, "_boxed_call", False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        runs = _LAYER_CALL.get()
+        if runs is not None:
+            runs.with_attention += 1
+            runs.backends |= self.backends
+        return self.compiled(*args, **kwargs)
 
 
 @functools.cache
-def _compiled_forward(forward: Callable, attention_backend: str) -> CompiledLayer:
+def compiled_forward(forward: Callable) -> CompiledLayer:
+    """One compilation per layer class's forward (its graphs serve every model of the class and every attention
+    backend request, which Dynamo guards on; what they report goes to the call that runs them)."""
     return CompiledLayer(forward)
-
-
-compiled_forward.cache_clear = _compiled_forward.cache_clear  # type: ignore[attr-defined]
 
 
 def recompute_pointwise() -> contextlib.AbstractContextManager:
@@ -211,13 +276,18 @@ class FusedLayerForward:
         ref = kwargs.get(TRACE_KWARG)
         if ref is not None:  # before the call: a checkpoint's recompute may stop inside it
             ref.counts[FUSED_TRACE_KEY] += 1
-        compiled = compiled_forward(self.forward, kwargs.get(ATTENTION_BACKEND_KWARG, "auto"))
-        with compile_settings():
-            out = compiled.fn(self.layer, *args, **kwargs, **{IN_GRAPH_KWARG: True})
+        compiled = compiled_forward(self.forward)
+        runs = GraphRuns()
+        token = _LAYER_CALL.set(runs)
+        try:
+            with compile_settings():
+                out = compiled.fn(self.layer, *args, **kwargs, **{IN_GRAPH_KWARG: True})
+        finally:
+            _LAYER_CALL.reset(token)
         parallel = parallel_from_kwargs(kwargs)
-        if ref is not None and compiled.attention_in_graph and (parallel is None or parallel.sp_size == 1):
-            ref.counts[trace_key(PACKED_ATTENTION)] += 1  # known once compiled; Ulysses counts itself
-            for backend in compiled.attention_backends:
+        if ref is not None and runs.with_attention and (parallel is None or parallel.sp_size == 1):
+            ref.counts[trace_key(PACKED_ATTENTION)] += 1  # its graph ran the attention; Ulysses counts itself
+            for backend in runs.backends:
                 ref.counts[f"varlen_attention:{backend}"] += 1
         return out
 
@@ -235,38 +305,32 @@ def install_fused_layers(layers: list[torch.nn.Module]) -> tuple[list[FusedLayer
 
 
 class FusedDecoder(DecoderFeature):
-    """``patch_model(fused_decoder=...)``: the fused forwards for the patch's lifetime (on the layers listed in the
-    patch state); every call but a batch-invariant one passes ``FUSED_KWARG``, and ``check`` requires each fused
-    layer to have run compiled."""
+    """``patch_model(fused_decoder=...)``: the fused forwards for the patch's lifetime (on the layers its decision
+    targets); every call passes ``FUSED_KWARG`` (a batch-invariant call stands it down: the eager forward), and
+    ``check`` requires each fused layer to have run compiled."""
 
     name = "fused_decoder"
+    options = (FusedDecoderOption(),)
+
+    def in_batch_invariant_call(self, decided: Any) -> str:
+        return STANDS_DOWN
 
     def install(self, handle: Any) -> None:
-        fused = handle.state.fused_layers
+        fused = handle.state.targets("fused_decoder")
         if fused:
             _, restore = install_fused_layers([handle.parts.layers[i] for i in fused])
             handle.add_undo(restore)
 
     def active(self, call: DecoderCall) -> bool:
-        return call.patch is not None and bool(call.patch.fused_layers) and not call.batch_invariant
+        return call.patch is not None and bool(call.patch.targets("fused_decoder")) and self.name not in call.standing_down
 
     def enter(self, call: DecoderCall) -> Any:
         call.kwargs[FUSED_KWARG] = True
         return contextlib.nullcontext()
 
     def check(self, call: DecoderCall) -> None:
-        ran, layers = call.ran(FUSED_TRACE_KEY), len(call.patch.fused_layers)
+        ran, layers = call.ran(FUSED_TRACE_KEY), len(call.patch.targets("fused_decoder"))
         if ran < layers:
             raise PatchNotAppliedError(
                 f"the fused decoder ran in {ran} of {layers} decoder layers of {call.model_name}: the installed "
                 "transformers bypassed the layers' instance forward; refusing to continue unfused")
-
-
-def fused_layer_indices(model: torch.nn.Module, parts: Any, fused: Any, auto_refusal: str | None = None
-                        ) -> tuple[int, ...]:
-    """The decoder layers to fuse for ``patch_model(fused_decoder=fused)``: the attention layers (a hybrid model's
-    linear-attention layers stay eager), or none."""
-    if not check_fused_request(model, fused, auto_refusal):
-        return ()
-    ids = {id(layer) for layer in parts.attention_layers}
-    return tuple(i for i, layer in enumerate(parts.layers) if id(layer) in ids)

@@ -195,12 +195,12 @@ class LinearAttention(DecoderFeature):
     patch's lifetime (Ulysses SP); ``check`` requires one trace count per linear-attention layer."""
 
     name = "linear_attention"
+    after = ("activation_offload",)
 
     def install(self, handle: Any) -> None:
         modules = handle.parts.linear_modules
         if handle.state.sp_size == 1 or not modules:
             return
-        check_linear_heads(modules, handle.state.sp_size)
         if any(is_installed(m) for m in modules):
             raise ValueError("this model's linear-attention modules already run actorcore's packed forward although "
                              "the model is not patched; revert the other patch (or build a fresh model) first")

@@ -38,7 +38,8 @@ import torch
 
 from actorcore.archs import submodule
 from actorcore.hf.call import DecoderCall
-from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call
+from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call, reduce_to_path_class
+from actorcore.hf.features.plan import FeatureOption, PlanFacts, check_choice
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.kernels.moe_quack import gated_experts
 from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
@@ -137,19 +138,14 @@ class SortedExperts:
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         cls = type(self)
-        if not counted_call(self, MOE_EXPERTS_KEY):  # not an actorcore call: the model's own experts code
+        if not counted_call(self, MOE_EXPERTS_KEY, "moe_experts"):  # not an actorcore call: the model's own experts code
             return cls._actorcore_base.forward(self, hidden_states, top_k_index, top_k_weights)
         return sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights, cls._actorcore_grouped_mm,
                                       cls._actorcore_quack)
 
     def __reduce_ex__(self, protocol: int) -> Any:
         cls = type(self)
-        return _installed_experts, (cls._actorcore_base, cls._actorcore_quack), self.__getstate__()
-
-
-def _installed_experts(base: type, quack: bool) -> torch.nn.Module:
-    """An empty instance of ``sorted_experts_class(base, quack)`` for unpickling (its state is set next)."""
-    return object.__new__(sorted_experts_class(base, quack))
+        return reduce_to_path_class(self, sorted_experts_class, cls._actorcore_base, cls._actorcore_quack)
 
 
 @functools.cache
@@ -234,13 +230,6 @@ def _quack_refusal_for(modules: list[torch.nn.Module]) -> str | None:
     return quack_refusal() or next((r for r in map(quack_module_refusal, modules) if r is not None), None)
 
 
-def check_moe_experts_request(request: Any) -> None:
-    if request not in MOE_EXPERTS_CHOICES or request is not False and not isinstance(request, str):
-        raise ValueError(f"moe_experts must be 'auto', 'grouped', 'quack' or False, got {request!r} ('grouped' "
-                         "installs actorcore's experts path, 'quack' that path with quack's fused GEMMs, False keeps "
-                         "the model's own experts code)")
-
-
 def _model_refusal(model: torch.nn.Module, spec: Any, found: list[tuple[str, torch.nn.Module]]) -> str | None:
     """Why this model's experts cannot run the path (None: they can)."""
     name = type(model).__name__
@@ -254,43 +243,47 @@ def _model_refusal(model: torch.nn.Module, spec: Any, found: list[tuple[str, tor
     return next((why for why in (_module_refusal(module) for _, module in found) if why is not None), None)
 
 
-def moe_experts_names(model: torch.nn.Module, parts: Any, spec: Any, request: Any, *, fused: bool
-                      ) -> tuple[str, ...]:
-    """The experts modules (names relative to the decoder) to install the path on for ``patch_model(moe_experts=)``.
-    ``"grouped"`` raises ``ValueError`` with the reason where it cannot; ``"auto"`` installs it where the decoder is
-    ``fused`` and the path covers the model, else nothing (and logs why)."""
-    check_moe_experts_request(request)
-    if request is False or (request == "auto" and spec.mlp_kind != "moe"):
-        return ()
-    found = moe_experts_modules(parts, spec)
-    why = _model_refusal(model, spec, found)
-    if request == "quack" and why is None:
-        why = _quack_refusal_for([module for _, module in found])
-    if request == "auto":
-        why = AUTO_REFUSAL if not fused else spec.moe_experts_auto_refusal or why
-    if why is not None:
+class MoeExpertsOption(FeatureOption):
+    """``moe_experts``: "auto", "grouped", "quack" or False; its value: the kernels that run ("grouped" / "quack")
+    or False, on the experts modules it targets (names in the decoder)."""
+
+    name = "moe_experts"
+    keywords = {"moe_experts": "auto"}
+    needs = ("fused_decoder",)
+    doc = ("the MoE layers' experts (transformers' standard experts class) run actorcore's path in its calls: the "
+           "same grouped GEMMs and gate activation, with the tokens moved to their experts and back by gathers in "
+           "both directions (deterministic; each token's sum over its experts in fp32, rounded once). ``'grouped'`` "
+           "installs it on any device and dtype and refuses a model it does not cover; ``'quack'`` runs its SwiGLU "
+           "MLP as quack's Hopper GEMMs (refused where they cannot run); ``'auto'`` (default) installs it where the "
+           "decoder is fused (measured faster there), on quack's GEMMs where they run and cover the model, else keeps "
+           "the model's own experts code; ``False`` keeps the model's own experts code.")
+
+    def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
+        request = asked["moe_experts"]
+        check_choice("moe_experts", request, MOE_EXPERTS_CHOICES, "'grouped' installs actorcore's experts path, "
+                     "'quack' that path with quack's fused GEMMs, False keeps the model's own experts code")
+        if request is False:
+            return self.decision(asked, False, "not asked: the model's own experts code")
+        if request == "auto" and facts.spec.mlp_kind != "moe":
+            return self.decision(asked, False, f"auto: {facts.spec.model_type} has no MoE layers")
+        found = moe_experts_modules(facts.parts, facts.spec)
+        why = _model_refusal(facts.model, facts.spec, found)
+        modules = [module for _, module in found]
+        if request == "quack" and why is None:
+            why = _quack_refusal_for(modules)
         if request == "auto":
-            logger.info("moe_experts='auto' keeps %s's own experts code: %s (moe_experts='grouped' installs "
-                        "actorcore's path anyway where it can)", type(model).__name__, why)
-            return ()
-        raise ValueError(f"moe_experts={request!r}: {why}; pass moe_experts=False (the model's own experts code)"
-                         + (" or 'grouped'" if request == "quack" else ""))
-    return tuple(name for name, _ in found)
-
-
-def moe_experts_kernel(parts: Any, request: Any, names: tuple[str, ...]) -> str:
-    """The kernels of the installed path: ``"quack"`` when asked for, and under ``"auto"`` where quack's fused GEMMs
-    run here (``quack_refusal``) and cover every installed module (measured faster on the H200, with less memory
-    and as close to fp32); else ``"grouped"``."""
-    if request == "quack":
-        return "quack"
-    if request != "auto" or not names:
-        return "grouped"
-    why = _quack_refusal_for([parts.decoder.get_submodule(name) for name in names])
-    if why is not None:
-        logger.debug("moe_experts='auto' runs the grouped_mm kernels: %s", why)
-        return "grouped"
-    return "quack"
+            why = AUTO_REFUSAL if not decided["fused_decoder"].on else facts.spec.moe_experts_auto_refusal or why
+        if why is not None:
+            if request == "auto":
+                return self.decision(asked, False, f"auto: {why}; the model's own experts code")
+            raise ValueError(f"moe_experts={request!r}: {why}; pass moe_experts=False (the model's own experts code)"
+                             + (" or 'grouped'" if request == "quack" else ""))
+        kernel, how = request, "asked"
+        if request == "auto":
+            quack_why = _quack_refusal_for(modules)
+            kernel, how = ("grouped", f"grouped_mm: {quack_why}") if quack_why else ("quack", "quack's GEMMs run here")
+        return self.decision(asked, kernel, f"{len(found)} experts modules on actorcore's path ({how})",
+                             (name for name, _ in found))
 
 
 class MoeExperts(ClassPathFeature):
@@ -299,19 +292,19 @@ class MoeExperts(ClassPathFeature):
     or inside a layer the fused decoder ran compiled (that feature checks its own count)."""
 
     name = "moe_experts"
-    names_field = "moe_experts"
+    options = (MoeExpertsOption(),)
     key = MOE_EXPERTS_KEY
     path_class = SortedExperts
     what = "actorcore's MoE experts path ran in {ran} of {n} experts modules"
 
     def class_for(self, state: Any) -> Callable[[type], type]:
-        quack = state.moe_experts_kernel == "quack"
+        quack = state.value("moe_experts") == "quack"
         return lambda base: sorted_experts_class(base, quack)
 
     def enter(self, call: DecoderCall) -> Any:
         """Refuse, before the forward, weights cast since the patch (``model.double()``) to a dtype the path does not
         run: else grouped_mm fails deep inside the first MoE layer."""
-        for name in call.patch.moe_experts:
+        for name in call.patch.targets(self.name):
             why = _dtype_refusal(call.parts.decoder.get_submodule(name))
             if why is not None:
                 raise ValueError(f"{why}: the model was cast after patch_model installed actorcore's MoE experts path "

@@ -28,6 +28,7 @@ from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall, TraceRef
 from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
 from actorcore.hf.features.instance_forwards import install_forwards, wrapped_forward
+from actorcore.hf.features.plan import FeatureOption, PlanFacts
 
 NORM_FORWARD_KEY = "recompute_norms:forward"
 NORM_RUN_KEY = "recompute_norms:run"
@@ -86,23 +87,45 @@ def install_recomputed_norms(norms: list[torch.nn.Module], trace: TraceRef
     return install_forwards(norms, make)
 
 
+class RecomputeNorms(FeatureOption):
+    """``recompute_norms``: True or False."""
+
+    name = "recompute_norms"
+    keywords = {"recompute_norms": False}
+    doc = ("True: the decoder's norms keep only their input for backward and run again there (transformers' RMSNorm "
+           "otherwise keeps an fp32 copy of its input and its normalised values: 16 GiB per norm at 512K tokens of "
+           "an 8B model); bitwise the same results.")
+
+    def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
+        on = asked["recompute_norms"]
+        if not isinstance(on, bool):
+            raise ValueError(f"recompute_norms must be True or False, got {on!r}")
+        if not on:
+            return self.decision(asked, False, "not asked")
+        norms = decoder_norms(facts.parts.decoder)
+        if not norms:
+            raise ValueError(f"recompute_norms=True: found no norm module in {facts.model_name}'s decoder (none "
+                             "named ...RMSNorm / ...LayerNorm); pass recompute_norms=False")
+        return self.decision(asked, True, f"the decoder's {len(norms)} norms keep only their input for backward")
+
+
 class RecomputedNorms(DecoderFeature):
     """``patch_model(recompute_norms=True)``: the norms' forwards for the patch's lifetime; ``check`` requires one
     forward per norm of the decoder in every call."""
 
     name = "recompute_norms"
+    options = (RecomputeNorms(),)
+
+    def in_batch_invariant_call(self, decided: Any) -> str:
+        return ("recompute_norms=True and batch_invariant=True do not combine (both replace the norms' forward for "
+                "the call); patch without recompute_norms for batch-invariant calls")
 
     def install(self, handle: Any) -> None:
-        if not handle.state.recompute_norms:
-            return
-        norms = decoder_norms(handle.parts.decoder)
-        if not norms:
-            raise ValueError(f"recompute_norms=True: found no norm module in {type(handle.model).__name__}'s decoder "
-                             "(none named ...RMSNorm / ...LayerNorm); pass recompute_norms=False")
-        handle.add_undo(install_recomputed_norms(norms, handle.state.trace)[1])
+        if handle.state.value("recompute_norms"):
+            handle.add_undo(install_recomputed_norms(decoder_norms(handle.parts.decoder), handle.state.trace)[1])
 
     def active(self, call: DecoderCall) -> bool:
-        return call.patch is not None and call.patch.recompute_norms
+        return call.patch is not None and call.patch.value("recompute_norms")
 
     def enter(self, call: DecoderCall) -> Any:
         return patch_trace_bound(call)

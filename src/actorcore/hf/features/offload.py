@@ -48,6 +48,7 @@ import torch.utils.checkpoint
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall
 from actorcore.hf.features.base import DecoderFeature
+from actorcore.hf.features.plan import FeatureOption, PlanFacts
 
 logger = logging.getLogger(__name__)
 
@@ -400,6 +401,31 @@ def offloaded_layers(layers: Any, trace: Counter, model_name: str,
             layer.__dict__["_gradient_checkpointing_func"] = original
 
 
+class OffloadActivations(FeatureOption):
+    """``offload_activations``: True (every layer), False, or K (the first K layers); its value: K."""
+
+    name = "offload_activations"
+    keywords = {"offload_activations": False}
+    off_value = 0
+    needs = ("checkpointing",)
+    doc = ("in every training call the checkpointed decoder layers' inputs wait in pinned CPU memory until backward "
+           "(copies on a side stream, prefetched one layer ahead; bitwise the same results). An int K offloads only "
+           "the first K layers' inputs (host memory: K x tokens x hidden x dtype bytes per call). Needs the layers "
+           "checkpointed: by ``checkpointing=`` or by the model's own non-reentrant gradient checkpointing.")
+
+    def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
+        layers = check_offload_layers(asked["offload_activations"], len(facts.parts.layers), facts.model_name)
+        if not layers:
+            return self.decision(asked, 0, "not asked")
+        if decided["checkpointing"].value is None:
+            check_checkpointed(facts.parts.layers, facts.model_name)
+            how = "the model's own non-reentrant checkpoint"
+        else:
+            how = f"checkpointing={decided['checkpointing'].value.mode!r}"
+        return self.decision(asked, layers, f"the first {layers} layers' checkpointed inputs ({how}) wait in pinned "
+                             "host memory until backward", range(layers))
+
+
 class ActivationOffload(DecoderFeature):
     """``patch_model(offload_activations=...)``: every training call (gradients recorded, else nothing is
     checkpointed) runs the checkpointed layers under the offload hooks; ``check`` requires every layer to have run
@@ -407,25 +433,38 @@ class ActivationOffload(DecoderFeature):
     wrappers of the checkpoint functions (for the recomputation) then run inside the offload's."""
 
     name = "activation_offload"
+    options = (OffloadActivations(),)
+    after = ("checkpointing",)
 
     def install(self, handle: Any) -> None:
-        if handle.state.offload_layers:
-            if handle.state.checkpointing is None:  # with a checkpointing plan, each call sets the layers'
-                check_checkpointed(handle.parts.layers, type(handle.model).__name__)
+        if handle.state.value("offload_activations"):
             handle.add_undo(release_offload_buffers)
 
     def active(self, call: DecoderCall) -> bool:
-        return call.patch is not None and call.patch.offload_layers > 0 and torch.is_grad_enabled()
+        return call.patch is not None and call.patch.value("offload_activations") > 0 and torch.is_grad_enabled()
 
     def enter(self, call: DecoderCall) -> contextlib.AbstractContextManager:
-        # Only the layers checkpointed in this call (the planned checkpointing may leave the last ones out).
+        # Only the layers checkpointed in this call: the planned checkpointing keeps no fused layer of the first K
+        # (the offloaded ones) whole, but may keep some of the others.
         layers = call.checkpointed_layers
-        return offloaded_layers(layers, call.trace, call.model_name, min(call.patch.offload_layers, len(layers)))
+        return offloaded_layers(layers, call.trace, call.model_name, self._offloaded(call))
+
+    def _offloaded(self, call: DecoderCall) -> int:
+        """How many of the call's checkpointed layers offload: the first K of the decoder's layers, all checkpointed
+        (the planned checkpointing keeps none of them whole)."""
+        first = call.parts.layers[:call.patch.value("offload_activations")]
+        checkpointed = {id(layer) for layer in call.checkpointed_layers}
+        return sum(id(layer) in checkpointed for layer in first)
 
     def check(self, call: DecoderCall) -> None:
         layers = len(call.checkpointed_layers)
-        offload = min(call.patch.offload_layers, layers)
+        offload, asked = self._offloaded(call), call.patch.value("offload_activations")
         ran, kept, tensors = call.ran(OFFLOAD_LAYERS), call.ran(OFFLOAD_KEPT), call.ran(OFFLOAD_TENSORS)
+        if offload < asked:
+            raise PatchNotAppliedError(
+                f"activation offload: only {offload} of the first {asked} decoder layers of {call.model_name} were "
+                "checkpointed in this call, so the others had no input to offload; refusing to continue without the "
+                "offload that was asked for")
         if ran < offload or ran + kept < layers:
             raise PatchNotAppliedError(
                 f"activation offload ran in {ran + kept} of {layers} decoder layers of {call.model_name} ({ran} of "

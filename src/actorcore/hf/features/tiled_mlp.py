@@ -14,10 +14,12 @@ from typing import Any, Callable
 import torch
 
 from actorcore.archs import submodule
+from actorcore.archs.support import tiled_mlp_refusal
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall, TraceRef
 from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
 from actorcore.hf.features.instance_forwards import install_forwards, wrapped_forward
+from actorcore.hf.features.plan import FeatureOption, PlanFacts
 from actorcore.kernels.tiled_mlp import tiled_mlp
 
 TILED_MLP_KEY = "tiled_mlp:forward"
@@ -42,13 +44,38 @@ class TiledMLPForward:
         return tiled_mlp(plain, hidden_states, self.shards, params)
 
 
+class TiledMLPShards(FeatureOption):
+    """``tiled_mlp_shards``: None (off) or the number of token shards each MLP runs over."""
+
+    name = "tiled_mlp_shards"
+    keywords = {"tiled_mlp_shards": None}
+    off_value = None
+    doc = ("each decoder layer's MLP runs its forward over this many token shards, recomputed per shard in backward "
+           "(long sequences: the MLP's intermediate activations one shard at a time); None (default) leaves it. "
+           "Refused for MoE models.")
+
+    def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
+        shards = asked["tiled_mlp_shards"]
+        if shards is None:
+            return self.decision(asked, None, "not asked")
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"tiled_mlp_shards must be a positive int or None, got {shards!r}")
+        why = tiled_mlp_refusal(facts.spec)
+        if why:
+            raise ValueError(f"tiled MLP does not support {facts.spec.model_type}: {why}; pass tiled_mlp_shards=None "
+                             "(Ulysses SP alone works for MoE models)")
+        layers = range(len(facts.parts.layers))
+        return self.decision(asked, shards, f"every layer's MLP over {shards} token shards", layers)
+
+
 class TiledMLP(DecoderFeature):
     """The tiled MLP forwards for the patch's lifetime; ``check`` requires one per decoder layer in every call."""
 
     name = "tiled_mlp"
+    options = (TiledMLPShards(),)
 
     def install(self, handle: Any) -> None:
-        shards = handle.state.tiled_mlp_shards
+        shards = handle.state.value("tiled_mlp_shards")
         if shards is None:
             return
         mlps = [submodule(layer, handle.spec.mlp) for layer in handle.parts.layers]
@@ -57,7 +84,7 @@ class TiledMLP(DecoderFeature):
         handle.add_undo(restore)
 
     def active(self, call: DecoderCall) -> bool:
-        return call.patch is not None and call.patch.tiled_mlp_shards is not None
+        return call.patch is not None and call.patch.value("tiled_mlp_shards") is not None
 
     def enter(self, call: DecoderCall) -> Any:
         return patch_trace_bound(call)

@@ -115,6 +115,13 @@ def backend_refusal(backend: str, device: torch.device, dtype: torch.dtype, *, s
         return f"the {backend} backend cannot apply attention sinks; use backend='segments', 'fa4' or 'auto'"
     if backend == "torch_varlen" and (softcap is not None or dropout):
         return "the torch_varlen backend supports neither softcap nor dropout; use 'segments'"
+    if device.type != "cuda" or dtype not in FLASH_DTYPES:
+        return (f"the {backend} backend runs fp16 / bf16 inputs on CUDA devices, not {dtype} on {device.type}; use "
+                "'segments' or 'auto'")
+    if backend == "flash_attn" and not _has_flash_attn():
+        return "flash-attn 2 is not installed (pip install flash-attn); use 'torch_varlen', 'segments' or 'auto'"
+    if backend == "torch_varlen" and not _has_torch_varlen():
+        return "this torch has no torch.nn.attention.varlen.varlen_attn; use 'segments' or 'auto'"
     return None
 
 
