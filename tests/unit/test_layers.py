@@ -19,7 +19,7 @@ LAYERS = [
     {"actorcore.parallel"},
     {"actorcore.archs"},
     {"actorcore.hf", "actorcore.mcore", "actorcore.export"},
-    {"actorcore.compat", "actorcore.cli", "actorcore.__main__"},
+    {"actorcore.compat", "actorcore.cli", "actorcore.__main__", "actorcore.engines"},
 ]
 SEPARATE = [("actorcore.hf", "actorcore.mcore"), ("actorcore.export", "actorcore.hf"),
             ("actorcore.export", "actorcore.mcore")]
