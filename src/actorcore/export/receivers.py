@@ -2,7 +2,8 @@
 
 - ``load_into(model, stream)``: a plain transformers model in this process, checked name by name.
 - ``load_into_vllm(model, stream)``: vLLM's model interface, ``model.load_weights(weights)`` where ``weights`` is an
-  iterable of ``(name, tensor)`` and the return value is the set of names loaded.
+  iterable of ``(name, tensor)`` and the return value is the set of names loaded (a model before its post-load
+  processing; a running engine is updated through ``actorcore.engines.VllmBridge``).
 - ``load_into_sglang(engine, stream)``: SGLang's ``Engine.update_weights_from_tensor(named_tensors, load_format=None,
   flush_cache=True)``, once per bucket with ``flush_cache=False``, then ``engine.flush_cache()``.
 
@@ -87,6 +88,13 @@ def _check_one(model: torch.nn.Module, name: str, tensor: torch.Tensor, target: 
 def load_into_vllm(model: Any, stream: Iterable[Bucket]) -> set[str]:
     """Feed each bucket to vLLM's ``model.load_weights(weights)`` (the model's own loader maps checkpoint names to
     its fused parameters); return the union of the names it reports loaded.
+
+    The low-level call, and only that: it does NOT run vLLM's reload protocol (after an engine has started, its
+    layers hold post-processed weights: on vLLM's CPU build every linear is repacked and this call fails half-way,
+    leaving some layers new and some old), does not rerun the post-processing an update needs (repacked or
+    quantised linears, fused MoE experts, a tied lm-head's copy), does not reset the prefix cache, and verifies
+    nothing. To update a running engine use ``actorcore.engines.VllmBridge``, which does all of that and raises
+    when the engine does not compute with the sent weights.
 
     Use the default ``names="checkpoint"`` stream: vLLM loads checkpoint names.
     """
