@@ -35,6 +35,7 @@ from actorcore.buckets import Bucket
 from actorcore.engines import vllm_worker
 from actorcore.engines.probe import ProbeResult, compare_probe, probe_tokens
 from actorcore.errors import EngineUpdateError
+from actorcore.sizes import positive_size
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,9 @@ class VllmBridge:
         self.llm = llm
         self.transport = transport
         self.reset_running_requests = bool(reset_running_requests)
-        self.timeout = timeout
+        self.timeout = None if timeout is None else positive_size("timeout", timeout, unit="seconds", integer=False,
+                                                                  hint="pass seconds, or None to wait while the "
+                                                                       "engine's process runs")
         config = llm.llm_engine.model_config
         if str(getattr(config, "logprobs_mode", "raw_logprobs")) in _LOGIT_MODES:
             raise ValueError(f"the engine reports logits (logprobs_mode={config.logprobs_mode!r}); the bridge verifies "
@@ -96,7 +99,8 @@ class VllmBridge:
         block_size = int(getattr(llm.llm_engine.vllm_config.cache_config, "block_size", 16) or 16)
         limit = int(config.max_model_len) - generated - 1
         length = probe_length if probe_length is not None else min(2 * block_size + 5, limit)
-        if not 2 <= length <= limit or generated < 0:
+        if isinstance(length, bool) or not isinstance(length, int) or not isinstance(generated, int) \
+                or not 2 <= length <= limit or generated < 0:
             raise ValueError(f"probe_length must be in [2, max_model_len - generated - 1 = {limit}] and generated "
                              f">= 0, got {probe_length} and {generated}")
         self.generated = generated
@@ -238,7 +242,7 @@ class VllmBridge:
                     except BaseException:
                         receiving.result(swallow=True)  # the worker reports and blocks; ours is the error raised
                         raise
-                return receiving.result()[0]
+                return _one_report(receiving.result())
 
     def _deliver_group(self, stream: Iterable[Bucket]) -> dict[str, Any]:
         from actorcore.export.transport import broadcast_stream
@@ -250,7 +254,7 @@ class VllmBridge:
         except BaseException:
             receiving.result(swallow=True)
             raise
-        return receiving.result()[0]
+        return _one_report(receiving.result())
 
     def _abort_unfinished(self) -> None:
         engine = self.llm.llm_engine
@@ -294,6 +298,14 @@ class VllmBridge:
             out["generated"] = torch.tensor([lp[t].logprob for t, lp in zip(done.token_ids, done.logprobs)],
                                             dtype=torch.float32)
         return out
+
+
+def _one_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' reports as one: every worker must have taken the same tensors (tensor parallel shards)."""
+    counts = {r["tensors"] for r in reports}
+    if len(counts) != 1:
+        raise EngineUpdateError(f"the engine's workers took different numbers of tensors ({sorted(counts)})")
+    return reports[0]
 
 
 def _vocab_size(hf_config: Any) -> int:
