@@ -1,29 +1,12 @@
-"""Rollout engines fed from the trainer: a bridge per engine that makes a weight update exact or loud, and the
-trainer-engine agreement of a rollout's log-probs. vLLM is imported only by what runs it."""
+"""Rollout engines fed from the trainer: a bridge per engine that makes a weight update exact or loud
+(``VllmBridge``), and the trainer-engine agreement of a rollout's log-probs (``rollout_agreement``). vLLM itself is
+imported only by what runs it (the bridge's calls, the worker extension inside vLLM's process)."""
 
-from __future__ import annotations
+from actorcore.engines.agreement import Agreement, rollout_agreement
+from actorcore.engines.probe import ProbeResult
+from actorcore.engines.vllm import EngineUpdate, VllmBridge
+from actorcore.engines.vllm_worker import TESTED_VLLM, WORKER_EXTENSION
+from actorcore.errors import EngineUpdateError
 
-import importlib
-from typing import Any
-
-_EXPORTS = {
-    "VllmBridge": "actorcore.engines.vllm",
-    "EngineUpdate": "actorcore.engines.vllm",
-    "WORKER_EXTENSION": "actorcore.engines.vllm_worker",
-    "TESTED_VLLM": "actorcore.engines.vllm_worker",
-    "ProbeResult": "actorcore.engines.probe",
-    "Agreement": "actorcore.engines.agreement",
-    "rollout_agreement": "actorcore.engines.agreement",
-    "EngineUpdateError": "actorcore.errors",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'actorcore.engines' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__all__ = ["Agreement", "EngineUpdate", "EngineUpdateError", "ProbeResult", "TESTED_VLLM", "VllmBridge",
+           "WORKER_EXTENSION", "rollout_agreement"]
