@@ -172,6 +172,11 @@ def _step(model, batch, **patch):
     return out.log_probs.detach(), grads, trace, choice
 
 
+# head dim 64 (the tiny configs' 16 is not among fa4.HEAD_DIMS: the first GPU run of this test, at 16, found the
+# gradients through FA4 1.29 from fp32 against FA2's 0.011, its forward exact)
+HF_ROUTE_SIZES = {"qwen2": dict(hidden_size=256), "gpt_oss": dict(head_dim=64)}
+
+
 @pytest.mark.parametrize("model_type,fused", [("qwen2", False), ("qwen2", True), ("gpt_oss", False)])
 def test_hf_route_on_fa4_is_as_close_to_fp32_as_fa2(model_type, fused):
     """A bf16 model patched with ``attention_backend="fa4"`` (eager, or its attention traced into the fused decoder's
@@ -182,12 +187,13 @@ def test_hf_route_on_fa4_is_as_close_to_fp32_as_fa2(model_type, fused):
     from actorcore.testing.tiny_configs import build_tiny_model
     from actorcore.testing.tolerances import TOL
 
-    fp32 = build_tiny_model(model_type, seed=3).cuda()
+    sizes = HF_ROUTE_SIZES[model_type]  # a head dim FA4 is taken for (fa4.HEAD_DIMS)
+    fp32 = build_tiny_model(model_type, seed=3, **sizes).cuda()
     if model_type == "gpt_oss":
         with torch.no_grad():
             for layer in fp32.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 2.0, generator=torch.Generator(device="cuda").manual_seed(1))
-    model = build_tiny_model(model_type, seed=3, dtype=torch.bfloat16).cuda()
+    model = build_tiny_model(model_type, seed=3, dtype=torch.bfloat16, **sizes).cuda()
     model.load_state_dict(fp32.state_dict())
     seqs, batch = _tiny_batch(model)
     layers = model.config.num_hidden_layers

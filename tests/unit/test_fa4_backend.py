@@ -62,8 +62,9 @@ def test_fa4_refusals_name_the_reason(monkeypatch):
     assert fa4.fa4_refusal(**ok) is None
     for change, words in ((dict(device=torch.device("cpu"), capability=None), "CUDA devices only"),
                           (dict(capability=(8, 0)), "Hopper (sm90) only"), (dict(capability=(10, 0)), "sm100"),
-                          (dict(dtype=torch.float32), "fp16 / bf16"), (dict(head_dim=4), "head dims of 8-256"),
-                          (dict(head_dim=264), "not 264"), (dict(head_dim=100), "steps of 8")):
+                          (dict(dtype=torch.float32), "fp16 / bf16"),
+                          (dict(head_dim=16), "proven exact on the GPU, 64, 128, 256, not 16"),
+                          (dict(head_dim=264), "not 264"), (dict(head_dim=96), "not 96")):
         assert words in fa4.fa4_refusal(**{**ok, **change}), change
     assert "no attention dropout" in fa4.fa4_refusal(**ok, dropout=0.1)
     assert fa4.fa4_refusal(**ok, window=True, softcap=True, sinks=True) is None  # all of FA4_FEATURES
@@ -135,7 +136,7 @@ def test_resolve_backend_reports_the_choice_and_refuses_what_cannot_run(hopper, 
     assert (choice.backend, choice.requested) == ("torch_varlen", "auto") and "FA4 not measured on sm90" in str(choice)
     assert "need CUDA and 16-bit" in resolve("auto", device=torch.device("cpu")).reason
     assert resolve("fa4").backend == "fa4" and resolve("fa4").reason == "asked for"
-    with pytest.raises(ValueError, match="attention_backend='fa4': FA4 takes head dims of 8-256"):
+    with pytest.raises(ValueError, match="attention_backend='fa4': FA4 is taken for the head dims proven exact"):
         resolve("fa4", head_dim=576)
     with pytest.raises(ValueError, match="attention_backend='fa4': FA4 runs on CUDA devices only"):
         resolve("fa4", device=torch.device("cpu"))
@@ -150,7 +151,7 @@ def test_resolve_backend_reports_the_choice_and_refuses_what_cannot_run(hopper, 
         resolve("fa3")
     monkeypatch.setattr(backends, "FA4_MEASURED", MappingProxyType({(9, 0): "faster"}))
     assert str(resolve("auto")) == "fa4 (FA4 measured faster on sm90)"
-    assert "FA4 takes head dims" in resolve("auto", head_dim=512).reason
+    assert "head dims proven exact" in resolve("auto", head_dim=512).reason
 
 
 def test_fa4_backend_per_element_with_windows_softcap_sinks_and_gqa(stand_in):

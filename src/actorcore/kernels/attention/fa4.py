@@ -16,8 +16,8 @@ release is taken (``fa4_refusal``).
 What it covers (read from flash-attn-4 4.0.0b36's SM90 path; each proven per element on the GPU by
 ``tests/gpu/test_fa4_attention_cuda.py``): causal attention within each segment, grouped-query heads, sliding
 windows, logit softcapping, attention sinks (a learned logit per query head in every softmax denominator, with its
-gradient), fp16 / bf16, one head dim of 8-256 in steps of 8 for q, k and v (the caller pads unequal ones). Not
-covered: attention dropout, fp32, GPUs other than Hopper (the only ones it was run on).
+gradient), fp16 / bf16, one head dim for q, k and v (the caller pads unequal ones) among ``HEAD_DIMS``, the ones
+proven exact on the GPU. Not covered: attention dropout, fp32, GPUs other than Hopper (the only ones it was run on).
 """
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ FA4_VERSION = "4.0.0b36"
 INSTALL_HINT = (f"pip install 'actorcore[fa4]' (flash-attn-4=={FA4_VERSION} over quack-kernels 0.6.4 and the "
                 "nvidia-cutlass-dsl 4.6.2 it pins; nvidia-cutlass-dsl[cu13] on CUDA 13)")
 FA4_DTYPES = (torch.float16, torch.bfloat16)
-HEAD_DIM_RANGE = (8, 256)  # FA4's SM90 kernels: 16-byte aligned rows, so multiples of 8 for 16-bit inputs
-HEAD_DIM_MULTIPLE = 8
+# The head dims FA4 is taken for: those proven per element against fp32 on Hopper (forward and the three gradients,
+# tests/gpu/test_fa4_attention_cuda.py; H100, 2026-12-06). Its kernels take 8-256 in steps of 8, but at head dim 16
+# the HF route's gradients through FA4 were 1.29 (relative norm) from fp32 against FA2's 0.011 on the same model,
+# while its forward agreed: a head dim is added here only once it is measured exact.
+HEAD_DIMS = (64, 128, 256)
 HOPPER = 9  # the compute capability major FA4 is taken on
 # What FA4 is taken for besides plain causal attention, read from flash-attn-4 4.0.0b36's SM90 path; a feature that
 # tests/gpu/test_fa4_attention_cuda.py shows wrong on the GPU is removed here, and such calls fall back (or are refused
@@ -75,9 +78,9 @@ def fa4_refusal(device: torch.device, dtype: torch.dtype, head_dim: int, capabil
                f"{capability[1]}"
     if dtype not in FA4_DTYPES:
         return f"FA4 takes fp16 / bf16 inputs, not {dtype}"
-    low, high = HEAD_DIM_RANGE
-    if not low <= head_dim <= high or head_dim % HEAD_DIM_MULTIPLE:
-        return f"FA4 takes head dims of {low}-{high} in steps of {HEAD_DIM_MULTIPLE}, not {head_dim}"
+    if head_dim not in HEAD_DIMS:
+        return (f"FA4 is taken for the head dims proven exact on the GPU, {', '.join(map(str, HEAD_DIMS))}, not "
+                f"{head_dim} (fa4.HEAD_DIMS)")
     if dropout:
         return "FA4 has no attention dropout (set the model's attention_dropout to 0.0 for training)"
     missing = [name for name, used in (("window", window), ("softcap", softcap), ("sinks", sinks))
