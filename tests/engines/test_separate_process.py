@@ -12,15 +12,33 @@ from actorcore.testing.engines import ENGINE_FAMILIES, engine_model, save_for_en
 from actorcore.testing.tolerances import TOL
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3_moe"])
-def test_updates_over_ipc_and_a_process_group(model_type, tmp_path, monkeypatch):
-    from actorcore.engines import WORKER_EXTENSION, VllmBridge
+@pytest.fixture
+def engine_processes(monkeypatch):
+    """vLLM's engine core and workers in their own processes. vLLM caches its environment at the first in-process
+    engine (the session's), so the variable alone would give an in-process engine core over worker processes, whose
+    shutdown tears down this process's vLLM groups, which the session's engines share: the cache is lifted for the
+    test. ``check(llm)`` asserts the engine core runs elsewhere."""
+    import vllm.envs
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # never fork a process holding engines
+    monkeypatch.setattr(vllm.envs, "__getattr__", getattr(vllm.envs.__getattr__, "__wrapped__",
+                                                          vllm.envs.__getattr__))
+
+    def check(llm):
+        assert type(llm.llm_engine.engine_core).__name__ != "InprocClient", "the engine core runs in this process"
+        return llm
+    return check
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3_moe"])
+def test_updates_over_ipc_and_a_process_group(model_type, tmp_path, engine_processes):
+    from actorcore.engines import WORKER_EXTENSION, VllmBridge
+
     overrides, _ = ENGINE_FAMILIES[model_type]
     model = engine_model(model_type, overrides)
-    llm = start_engine(save_for_engine(model, str(tmp_path / "model")), worker_extension_cls=WORKER_EXTENSION)
+    llm = engine_processes(start_engine(save_for_engine(model, str(tmp_path / "model")),
+                                        worker_extension_cls=WORKER_EXTENSION))
     try:
         bridge = VllmBridge(llm, transport="ipc")
         assert not bridge.colocated
@@ -37,13 +55,11 @@ def test_updates_over_ipc_and_a_process_group(model_type, tmp_path, monkeypatch)
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_an_engine_without_the_extension_is_refused(tmp_path, monkeypatch):
+def test_an_engine_without_the_extension_is_refused(tmp_path, engine_processes):
     from actorcore.engines import VllmBridge
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     overrides, _ = ENGINE_FAMILIES["qwen3"]
-    llm = start_engine(save_for_engine(engine_model("qwen3", overrides), str(tmp_path / "model")))
+    llm = engine_processes(start_engine(save_for_engine(engine_model("qwen3", overrides), str(tmp_path / "model"))))
     try:
         with pytest.raises(ValueError, match="worker_extension_cls='actorcore.engines.vllm_worker"):
             VllmBridge(llm)

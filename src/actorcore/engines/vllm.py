@@ -19,6 +19,7 @@ Both layouts users run vLLM in:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -26,7 +27,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -161,9 +162,10 @@ class VllmBridge:
     def update(self, stream: Iterable[Bucket], *, reference: Any) -> EngineUpdate:
         """Load ``stream`` (checkpoint-named buckets: ``hf_weight_stream(model)``, ``mcore_weight_stream(model)``)
         into the engine, reset its prefix cache, and verify it against ``reference``: the trainer's model (an HF
-        model, or an ``McoreModel``), a function ``PackedBatch -> log-probs [T]``, or a tensor holding the
-        trainer's log-probs of ``bridge.probe_batch`` (what a multi-rank trainer computes on every rank, then passes
-        on the rank that holds the engine; it verifies the probe's prompt only). Returns an ``EngineUpdate``.
+        model, scored in eval mode as the engine computes, without dropout; or an ``McoreModel``), a function
+        ``PackedBatch -> log-probs [T]``, or a tensor holding the trainer's log-probs of ``bridge.probe_batch`` (what
+        a multi-rank trainer computes on every rank, then passes on the rank that holds the engine; it verifies the
+        probe's prompt only). Returns an ``EngineUpdate``.
 
         Raises ``EngineUpdateError`` (the engine is then blocked until an update succeeds) when the stream did not
         reach every layer, the prefix cache could not be reset, or the engine's probe log-probs differ from the
@@ -364,7 +366,7 @@ def _reference_function(reference: Any, probe_batch: PackedBatch) -> Callable[[P
 
         def of_model(batch: PackedBatch) -> torch.Tensor:
             device = next(reference.parameters()).device
-            with torch.no_grad():
+            with torch.no_grad(), _in_eval_mode(reference):
                 return compute_logprobs(reference, batch.to(device), entropy=False).log_probs.float().cpu()
         return of_model
     if type(reference).__name__ == "McoreModel":
@@ -378,6 +380,19 @@ def _reference_function(reference: Any, probe_batch: PackedBatch) -> Callable[[P
         return lambda batch: torch.as_tensor(reference(batch)).detach().float().cpu().reshape(-1)
     raise ValueError(f"reference must be the trainer's model, an McoreModel, a function of a PackedBatch, or a "
                      f"tensor of log-probs of bridge.probe_batch; got {type(reference).__name__}")
+
+
+@contextlib.contextmanager
+def _in_eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode, each module's own mode back afterwards: a trainer's model is in train mode, and its
+    dropout (which the engine does not run) would make the probe's reference random."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
 
 
 class _InThread:
