@@ -322,14 +322,15 @@ def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch):
     handle = ac.patch_model(model, fused_decoder=False)  # eager decoder: the model's own experts
     assert handle.state.targets("moe_experts") == ()
     handle.revert()
-    next_model = _moe_model("qwen3_next")  # its spec keeps its own experts under "auto" (a measured reason)
-    handle = ac.patch_model(next_model)
-    assert handle.state.targets("fused_decoder") and handle.state.targets("moe_experts") == ()
-    assert "A_log" in handle.plan["moe_experts"].why
-    handle.revert()
-    handle = ac.patch_model(next_model, moe_experts="grouped")  # asked for: installed
-    assert handle.state.targets("moe_experts")
-    handle.revert()
+    for hybrid in ("qwen3_next", "qwen3_5_moe_text"):  # linear-attention layers: "auto" keeps their own experts
+        next_model = _moe_model(hybrid)
+        handle = ac.patch_model(next_model)
+        assert handle.state.targets("fused_decoder") and handle.state.targets("moe_experts") == ()
+        assert "A_log" in handle.plan["moe_experts"].why
+        handle.revert()
+        handle = ac.patch_model(next_model, moe_experts="grouped")  # asked for: installed
+        assert handle.state.targets("moe_experts")
+        handle.revert()
     model.model.layers[0].mlp.experts._is_expert_parallel = True  # a model the path refuses: "auto" keeps its code
     handle = ac.patch_model(model)
     assert handle.state.targets("moe_experts") == () and "expert-parallel" in str(handle.plan)

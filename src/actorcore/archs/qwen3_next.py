@@ -15,10 +15,6 @@ from actorcore.archs.spec import LinearAttentionSpec
 
 SPEC = dataclasses.replace(
     QWEN3_5, model_type="qwen3_next", mlp_kind="moe",
-    moe_experts_auto_refusal=(
-        "under the fused decoder the experts path put the DeltaNet decay parameters' gradients (A_log, dt_bias) 2-4x "
-        "further from the fp32 model than transformers' grouped_mm experts on two of four seeds of the tiny model "
-        "(0.034-0.037 of their norm against 0.009-0.018, measured on the H200), every other parameter as close"),
     linear_attention=LinearAttentionSpec(module="linear_attn", projections="grouped"),
     mcore=dataclasses.replace(
         QWEN3_5.mcore,

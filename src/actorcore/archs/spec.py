@@ -100,9 +100,6 @@ class ArchSpec:
     head: tuple[HeadTransform, ...] = ()
     # Config fields that must be falsy/None for this spec to be valid, with the reason if they are not.
     unsupported_config: tuple[tuple[str, str], ...] = ()
-    # Why ``patch_model(moe_experts="auto")`` keeps the model's own experts code although the path covers it (a
-    # measured reason), or None; ``moe_experts="grouped"`` still installs the path.
-    moe_experts_auto_refusal: str | None = None
     # Layers whose MLP kind differs (MoE models with dense layers): config-driven, resolved at use.
     notes: str = ""
     # Megatron-Core part (``McoreSpec``: conversion rules and config overrides, or ``refused=`` with the

@@ -22,7 +22,6 @@ Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``l
     logprob:triton_forward_tma    those of them that used TMA loads
     logprob:triton_backward       launches of the Triton grad_logits recompute kernel (one per backward block)
     logprob:triton_fused_loss     chunks run by the Triton loss-fused forward (``linear_logprob_loss``)
-    logprob:quack_loss_stats      those of them whose statistics came from quack's GEMM (``logprob.quack_stats``)
     varlen_attention:<backend>    calls per attention backend that ran: fa4, flash_attn, torch_varlen, segments
                                   (inside a layer the fused decoder compiled: counted by the layer, one per call)
     varlen_attention:at_positions calls of ``causal_attention_at_positions`` (context-parallel query chunks) that

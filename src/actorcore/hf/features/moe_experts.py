@@ -22,8 +22,8 @@ construction; the ``MoeExperts`` feature requires every installed module to have
 Where: ``"grouped"`` installs it on any device and dtype it runs in (float32 on the CPU too), refusing what it does
 not cover (expert parallelism, other experts classes); ``False`` keeps the model's own experts code; ``"auto"`` (the
 default) installs it where the fused decoder runs (a CUDA model with 16-bit weights), the combination measured
-faster side by side on the H200 (``bench/actor_step.py``), and keeps the model's own experts elsewhere or where the
-path refuses the model. Exactness, measured there per parameter (``tests/gpu/test_moe_experts_cuda.py``): under the
+faster side by side on the H200 (``bench/actor_step.py``), and keeps the model's own experts elsewhere, where the
+path refuses the model, or where the model has linear-attention layers (``LINEAR_ATTENTION_REFUSAL``). Exactness, measured there per parameter (``tests/gpu/test_moe_experts_cuda.py``): under the
 fused decoder the path is as close to the fp32 model as transformers' ``grouped_mm`` experts under the same decoder;
 with the eager decoder within bf16 rounding of transformers' eager experts.
 """
@@ -50,6 +50,14 @@ MOE_EXPERTS_KEY = "moe_experts:modules"
 MOE_EXPERTS_CHOICES = ("auto", "grouped", "quack", False)
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 AUTO_REFUSAL = "the decoder is not fused here (the path was measured faster only inside the fused decoder)"
+# "auto" on a model with linear-attention layers: measured on the H200 (tests/gpu/test_moe_experts_cuda.py, the tiny
+# Qwen3-Next with its MoE block in a fused layer), the fused decoder with this path put the Gated DeltaNet decay
+# parameters' gradients 2-4x further from the fp32 model than transformers' grouped_mm experts on two of four seeds;
+# the other hybrid MoE models share those layers.
+LINEAR_ATTENTION_REFUSAL = (
+    "the model has linear-attention (Gated DeltaNet) layers, whose decay parameters' gradients (A_log, dt_bias) "
+    "measured 2-4x further from the fp32 model under the fused decoder with this path than with transformers' "
+    "grouped_mm experts (moe_experts='grouped' still installs it)")
 
 
 @functools.cache
@@ -271,8 +279,10 @@ class MoeExpertsOption(FeatureOption):
         modules = [module for _, module in found]
         if request == "quack" and why is None:
             why = _quack_refusal_for(modules)
-        if request == "auto":
-            why = AUTO_REFUSAL if not decided["fused_decoder"].on else facts.spec.moe_experts_auto_refusal or why
+        if request == "auto" and not decided["fused_decoder"].on:
+            why = AUTO_REFUSAL
+        elif request == "auto" and facts.spec.linear_attention is not None:
+            why = LINEAR_ATTENTION_REFUSAL
         if why is not None:
             if request == "auto":
                 return self.decision(asked, False, f"auto: {why}; the model's own experts code")

@@ -10,21 +10,27 @@ grad_logits, grad_hidden on cuBLAS, grad_weight accumulated by quack's GEMM (fas
 
 Measured on the H200 (docs/bench_head.md): each stage alone is 4-5% faster than what the Triton path runs, but
 the whole head is within -1.3% to +1.6% of the Triton path across the RL shapes, as the board holds its power
-limit either way. So it is an engine option (``TritonEngine(loss_gemm="quack" | "auto")``), not the default.
+limit either way. So it lives here, as a benchmark variant of the Triton engine (``QuackStatsEngine``, the
+``quack_stats_loss`` cells of ``bench/logprob.py``; ``bench/head_quack.py`` times its stages and checks them per token
+against fp32 logits), not in the product.
 
-Taken where it runs exactly as measured: an sm90 GPU, bf16 hidden and weight, a vocabulary that is a multiple
-of 128 (one maximum per tile), 16-byte aligned rows, no softcap, not the batch-invariant mode. quack is imported
-on first use.
+It runs where it was measured: an sm90 GPU, bf16 hidden and weight, a vocabulary that is a multiple of 128 (one
+maximum per tile), 16-byte aligned rows, no softcap, not the batch-invariant mode; elsewhere it refuses with the
+reason. quack is imported on first use.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
+from actorcore.kernels.logprob._common import merge_partial_stats
+from actorcore.kernels.logprob.triton_engine import TritonEngine
 from actorcore.kernels.quack_runtime import gemm_interface, quack_refusal
+from actorcore.kernels.trace import add
 
 TILE_N = 128  # vocabulary columns per tile: one stored maximum each
 LN2 = math.log(2.0)
@@ -112,3 +118,24 @@ def tile_partials(k_CN, s_CN, a_CN, zy_C, inv_t, shift_CN, entropy=True):
 def add_grad_weight(grad_w_VD: torch.Tensor, g_CV: torch.Tensor, h_CD: torch.Tensor) -> None:
     """grad_weight += G^T h on quack's GEMM (fp32 accumulators, rounded once into the weight's dtype)."""
     gemm_interface().gemm_add_inplace(g_CV.t(), h_CD, grad_w_VD, tuned=False)
+
+
+@dataclass(frozen=True)
+class QuackStatsEngine(TritonEngine):
+    """The Triton engine with the loss-fused forward's statistics and the grad_weight accumulation on quack's GEMMs
+    (trace key ``logprob:quack_loss_stats``: chunks whose statistics came from quack)."""
+
+    def _stats_and_shifted_logits(self, h_CD, weight_VD, labels_C, z_CV, shift_CN, temperature, softcap, entropy,
+                                  trace=None):
+        why = quack_stats_refusal(h_CD, weight_VD, softcap, self.batch_invariant)
+        if why is not None:
+            raise ValueError(f"the quack statistics GEMM cannot run here: {why}; use TritonEngine")
+        add(trace, "logprob:quack_loss_stats")
+        return merge_partial_stats(*stats_and_shifted_logits(h_CD, weight_VD, labels_C, z_CV, shift_CN, temperature,
+                                                             entropy))
+
+    def _shift_cols(self) -> int:
+        return TILE_N
+
+    def _accumulate_grad_weight(self, grad_w_VD, g_CV, h_CD) -> None:
+        add_grad_weight(grad_w_VD, g_CV, h_CD)
