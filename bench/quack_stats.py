@@ -29,7 +29,7 @@ import torch
 
 from actorcore.kernels.logprob._common import merge_partial_stats
 from actorcore.kernels.logprob.triton_engine import TritonEngine
-from actorcore.kernels.quack_runtime import gemm_interface, quack_refusal
+from actorcore.kernels.quack.runtime import gemm_interface, quack_refusal
 from actorcore.kernels.trace import add
 
 TILE_N = 128  # vocabulary columns per tile: one stored maximum each

@@ -244,7 +244,7 @@ def _quack_stand_in_case(directory: str) -> dict:
     parallel = McoreParallel(tp=2, ep=2)
     initialize_megatron(parallel)
     config = AutoConfig.from_pretrained(directory)
-    undo = use_quack_stand_in(megatron=True)
+    undo = use_quack_stand_in()
     try:
         out = {}
         for kernel in ("quack", "grouped"):

@@ -1,5 +1,5 @@
 """CUDA (Hopper), with quack-kernels installed: quack's gated MLP (``patch_model(dense_mlp=...)``,
-``kernels.gated_mlp_quack``) per element against fp32 math from the same bf16 values, no further from it than the
+``kernels.quack.gated_mlp``) per element against fp32 math from the same bf16 values, no further from it than the
 eager bf16 MLP, bitwise from run to run; under the fused decoder the model's log-probs within bf16 rounding of eager
 and every parameter's gradient as close to the fp32 model as the compiled MLP's, ``verify`` passing; ``"auto"`` takes
 it; the trace proves the fused layers ran, the profiler that quack's kernels ran (none with ``dense_mlp=False``).
@@ -34,7 +34,7 @@ def _batch(seed=0):
 
 @pytest.mark.parametrize("hidden,intermediate,tokens", [(64, 88, 301), (512, 1408, 2048)])
 def test_mlp_within_bf16_rounding_of_fp32(hidden, intermediate, tokens):
-    from actorcore.kernels.gated_mlp_quack import gated_mlp
+    from actorcore.kernels.quack.gated_mlp import gated_mlp
 
     mlp = _model("qwen2", hidden_size=hidden, intermediate_size=intermediate).model.layers[0].mlp
     reference = copy.deepcopy(mlp).float()

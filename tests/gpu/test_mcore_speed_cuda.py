@@ -146,7 +146,7 @@ def test_defaults_within_bf16_rounding_of_eager_and_as_close_to_fp32(model_type)
 
 def test_quack_experts_within_bf16_rounding_of_grouped_mm():
     pytest.importorskip("megatron.core")
-    from actorcore.kernels.quack_runtime import quack_refusal
+    from actorcore.kernels.quack.runtime import quack_refusal
 
     if quack_refusal() is not None:
         pytest.skip(quack_refusal())

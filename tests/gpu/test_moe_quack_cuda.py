@@ -1,5 +1,5 @@
 """CUDA (Hopper), with quack-kernels installed: the MoE experts path with quack's fused GEMMs
-(``patch_model(moe_experts="quack")``, ``kernels.moe_quack``) per element against fp32 math from the same bf16
+(``patch_model(moe_experts="quack")``, ``kernels.quack.moe``) per element against fp32 math from the same bf16
 values, no further from it than the sorted ``grouped_mm`` path; under the fused decoder the model's log-probs within
 bf16 rounding of eager and every parameter's gradient as close to the fp32 model as the grouped path's; the trace
 proves the fused layers ran, the profiler that quack's kernels ran (and none on the grouped path); models whose
@@ -27,7 +27,7 @@ SWIGLU_EXPERTS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"
 @pytest.fixture(autouse=True)
 def _needs_quack():
     pytest.importorskip("quack")
-    from actorcore.kernels.quack_runtime import quack_refusal
+    from actorcore.kernels.quack.runtime import quack_refusal
 
     why = quack_refusal()
     if why is not None:

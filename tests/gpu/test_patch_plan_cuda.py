@@ -46,7 +46,7 @@ def models():
 def _refusals(model: torch.nn.Module) -> dict:
     from actorcore.hf.features.attention import module_head_dim
     from actorcore.kernels.attention.backends import backend_refusal
-    from actorcore.kernels.quack_runtime import quack_refusal
+    from actorcore.kernels.quack.runtime import quack_refusal
 
     refused = dict(REFUSED)
     if quack_refusal() is not None:  # no Hopper GPU or no quack here: quack's gated MLP is refused, not run

@@ -1,4 +1,4 @@
-"""quack's gated MLP (``patch_model(dense_mlp=...)``, ``hf.features.dense_mlp``, ``kernels.gated_mlp_quack``): what
+"""quack's gated MLP (``patch_model(dense_mlp=...)``, ``hf.features.dense_mlp``, ``kernels.quack.gated_mlp``): what
 runs without a GPU. quack's kernels themselves run on the H200 (``tests/gpu/test_dense_mlp_quack_cuda.py``); here
 a stand-in for its two gated GEMMs, written from quack's documented semantics (``testing.quack_stand_in``: gate and
 up interleaved column by column, SwiGLU and its gradient from the accumulators), checks the arithmetic around them in fp32 per
@@ -18,7 +18,8 @@ import torch
 
 import actorcore as ac
 import actorcore.hf.features.dense_mlp as dense_mlp
-import actorcore.kernels.gated_mlp_quack as gated_mlp_quack
+import actorcore.kernels.quack.gated_mlp as quack_gated_mlp
+import actorcore.kernels.quack.runtime as quack_runtime
 from actorcore.archs import spec_for_model
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderParts
@@ -53,7 +54,7 @@ def test_function_matches_the_models_mlp_per_element(quack_stand_in):
     want = mlp(x)
     want_grads = torch.autograd.grad(want, (x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), grad)
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-    got = gated_mlp_quack._GatedMLP.apply(x.reshape(-1, x.shape[-1]), *weights).view_as(want)
+    got = quack_gated_mlp._GatedMLP.apply(x.reshape(-1, x.shape[-1]), *weights).view_as(want)
     got_grads = torch.autograd.grad(got, (x, *weights), grad)
     tol = TOL["gated_mlp_arithmetic_fp32"]
     assert (want - got).abs().max().item() <= tol * want.abs().max().item()
@@ -64,9 +65,9 @@ def test_function_matches_the_models_mlp_per_element(quack_stand_in):
 def test_gated_mlp_refuses_fp32_and_mixed_dtypes():
     w = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="bf16 / fp16"):
-        gated_mlp_quack.gated_mlp(torch.zeros(3, 4), w, w, w)
+        quack_gated_mlp.gated_mlp(torch.zeros(3, 4), w, w, w)
     with pytest.raises(ValueError, match="bf16 / fp16"):
-        gated_mlp_quack.gated_mlp(torch.zeros(3, 4, dtype=torch.bfloat16), w.half(), w.half(), w.half())
+        quack_gated_mlp.gated_mlp(torch.zeros(3, 4, dtype=torch.bfloat16), w.half(), w.half(), w.half())
 
 
 @pytest.mark.parametrize("model_type", ("qwen2", "qwen3_next"))
@@ -181,17 +182,17 @@ def test_auto_takes_the_fused_layers_where_quack_runs(monkeypatch):
     spec = spec_for_model(model)
     parts = DecoderParts.of(model, spec)
     monkeypatch.setattr(dense_mlp, "_device_refusal", lambda module: None)
-    monkeypatch.setattr(dense_mlp, "quack_refusal", lambda: None)
+    monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: None)
     assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(1,))[0] == ("layers.1.mlp",)
     assert dense_mlp_names(model, parts, spec, "auto", fused_layers=())[0] == ()
-    monkeypatch.setattr(dense_mlp, "quack_refusal", lambda: "quack-kernels is not installed")
+    monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: "quack-kernels is not installed")
     assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(0, 1)) == ((), "quack-kernels is not installed")
 
 
 def test_widths_quack_cannot_load_are_refused():
     """quack's tile loads move 16-byte rows: 16-bit widths must be multiples of 8 (checked before the first GEMM,
     so ``"auto"`` keeps the model's own code instead of failing in it)."""
-    from actorcore.kernels.quack_runtime import width_refusal
+    from actorcore.kernels.quack.runtime import width_refusal
 
     assert width_refusal("Qwen2MLP", hidden=1536, intermediate=8960) is None
     why = width_refusal("Qwen2MLP", hidden=64, intermediate=90)

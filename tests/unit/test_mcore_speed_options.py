@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import actorcore.kernels.quack.runtime as quack_runtime
+
 pytest.importorskip("megatron.core")
 
 
@@ -48,7 +50,7 @@ def test_quack_covers_swiglu_experts_only(monkeypatch):
     does not cover the others are named."""
     import actorcore.mcore.grouped_experts as grouped_experts
 
-    monkeypatch.setattr(grouped_experts, "quack_refusal", lambda: None)
+    monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: None)
     qwen3_moe = _config("qwen3_moe")
     assert grouped_experts.resolve_moe_experts("auto", qwen3_moe, torch.bfloat16) == "quack"
     assert grouped_experts.resolve_moe_experts("auto", qwen3_moe, torch.float32) == "grouped"

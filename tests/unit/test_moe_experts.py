@@ -23,6 +23,7 @@ from actorcore.archs import spec_for_model
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
 import actorcore.hf.features.moe_experts as moe_experts
+import actorcore.kernels.quack.runtime as quack_runtime
 from actorcore.hf.features.class_paths import TRACE_ATTR
 from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, SortedExperts, sorted_experts_forward
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
@@ -391,7 +392,7 @@ def test_auto_takes_quack_where_it_runs_and_covers_the_model(monkeypatch):
     ``quack_module_refusal`` pass (here faked: the CPU has no Hopper GPU), the grouped kernels where either refuses;
     ``"grouped"`` stays grouped."""
     monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)  # as on CUDA: "auto" installs the path
-    monkeypatch.setattr(moe_experts, "quack_refusal", lambda: None)
+    monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: None)
     monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: None)
     model = _moe_model("qwen3_moe")
     for request, kernel in (("auto", "quack"), ("grouped", "grouped")):
@@ -403,7 +404,7 @@ def test_auto_takes_quack_where_it_runs_and_covers_the_model(monkeypatch):
     handle = ac.patch_model(model)
     assert handle.state.targets("moe_experts") and handle.state.value("moe_experts") == "grouped"
     handle.revert()
-    monkeypatch.setattr(moe_experts, "quack_refusal", lambda: "not installed")
+    monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: "not installed")
     monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: None)
     handle = ac.patch_model(model)
     assert handle.state.value("moe_experts") == "grouped"

@@ -2,8 +2,8 @@
 packed and ring attention (``attention/``: FlashAttention-4, flash-attn 2, torch's varlen kernel or per-sequence SDPA,
 chosen in ``attention.backends``), packed linear attention (``linear_attention/``); one-file concerns
 beside them (``tiled_mlp``, ``batch_invariant``, ``precision``, ``trace``, the MoE token moves ``moe_permute``, and
-quack's Hopper GEMMs with fused epilogues for MoE experts and SwiGLU MLPs: ``quack_runtime``, ``moe_quack``,
-``gated_mlp_quack``).
+and quack's Hopper GEMMs with fused epilogues for MoE experts and SwiGLU MLPs in ``quack/``, behind its one
+availability probe ``quack.runtime.quack_refusal``).
 
 Nothing heavy is imported here; import the submodule you need, e.g.
 ``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch (and triton / flash-attn /

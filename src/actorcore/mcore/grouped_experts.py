@@ -10,7 +10,7 @@ experts need TransformerEngine or the ``grouped_gemm`` package. On the H200 the 
 expert, ``local_experts.{e}.linear_fc1.weight`` ...), so the same state dict, sharded state dict, conversion rules
 and Megatron DDP / optimizer treatment; only the forward runs each projection of all local experts as one grouped
 GEMM (``kernels.grouped_gemm``: torch's ``grouped_mm``), or the SwiGLU MLP as quack's gated GEMMs
-(``kernels.moe_quack.gated_expert_rows``) where quack runs. The token dispatchers (all-gather, all-to-all: expert
+(``kernels.quack.moe.gated_expert_rows``) where quack runs. The token dispatchers (all-gather, all-to-all: expert
 parallelism), the router (auxiliary loss, score-correction bias) and the combine are megatron-core's, unchanged.
 
 The math is ``MLP.forward``'s with ``per_token_scale`` (what ``SequentialMLP`` calls per expert): fc1 (+ bias), the
@@ -38,7 +38,7 @@ import torch
 
 from actorcore.kernels.grouped_gemm import consecutive, group_offsets, grouped_linear
 from actorcore.kernels.moe_permute import bias_of_rows
-from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
+from actorcore.kernels.quack import runtime as quack_runtime
 from actorcore.mcore.fused_ops import compiled, expert_activation
 
 try:  # megatron-core is optional; this module is only imported after require_megatron()
@@ -110,7 +110,7 @@ class GroupedExperts(SequentialMLP):
         offsets = group_offsets(counts, rows.device)
         fc1, fc2 = self.expert_tensors("linear_fc1.weight"), self.expert_tensors("linear_fc2.weight")
         if self.kernel == QUACK and rows.shape[0]:  # (a rank without rows takes the grouped GEMMs' empty path)
-            from actorcore.kernels.moe_quack import gated_expert_rows
+            from actorcore.kernels.quack.moe import gated_expert_rows
 
             return gated_expert_rows(rows, probs, fc1, fc2, offsets), None
         bias1, bias2 = (None if b is None else torch.stack(b) for b in (self.expert_tensors("linear_fc1.bias"),
@@ -152,7 +152,7 @@ def quack_experts_refusal(config: Any, dtype: torch.dtype) -> str | None:
     clamp, no offset) without biases, bf16 / fp16, widths multiples of 8, on a GPU quack runs on."""
     import torch.nn.functional as F
 
-    why = grouped_experts_refusal(config) or quack_refusal()
+    why = grouped_experts_refusal(config) or quack_runtime.quack_refusal()
     if why is not None:
         return why
     checks = (
@@ -167,7 +167,7 @@ def quack_experts_refusal(config: Any, dtype: torch.dtype) -> str | None:
     if why is not None:
         return f"quack's gated GEMMs run SwiGLU experts only: {why}"
     width = config.moe_ffn_hidden_size // config.expert_tensor_parallel_size
-    return width_refusal("the experts", hidden=config.hidden_size, intermediate=width)
+    return quack_runtime.width_refusal("the experts", hidden=config.hidden_size, intermediate=width)
 
 
 def check_moe_experts_request(request: Any) -> None:

@@ -105,7 +105,7 @@ TOL: dict[str, float] = {
     # log-probs / entropies absolute, parameter gradients as a relative L2 norm (the bf16 decoder floor, as for the
     # fused decoder; the fused decoder's gradients are compared by their distance to fp32, the key below).
     "moe_experts_module_vs_fp32_bf16_rel": 2e-2,
-    # quack's gated MLP (hf.features.dense_mlp) and experts (kernels.moe_quack): the arithmetic around quack's GEMMs
+    # quack's gated MLP (hf.features.dense_mlp) and experts (kernels.quack.moe): the arithmetic around quack's GEMMs
     # on the CPU in fp32 (a stand-in for them) vs the model's own MLP / experts, relative to the max magnitude (fp32
     # reassociation); on CUDA in bf16, one MLP's output and gradients vs fp32 math from the same bf16 values,
     # relative to the max magnitude (bf16 rounding).

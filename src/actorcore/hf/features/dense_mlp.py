@@ -1,5 +1,5 @@
 """quack's gated MLP (``patch_model(dense_mlp=...)``): the decoder's SwiGLU MLPs with the activation inside their
-GEMMs (``kernels.gated_mlp_quack``).
+GEMMs (``kernels.quack.gated_mlp``).
 
 Why: in the fused decoder the largest elementwise kernels left on a dense model's actor step are SwiGLU's forward
 and backward passes, at the HBM rate; quack's epilogues compute them from the GEMMs' accumulators instead.
@@ -13,7 +13,7 @@ Covered: transformers' gated MLP as Llama writes it (the same ``forward`` code: 
 up_proj(x))``), plain ``nn.Linear`` projections without bias (a LoRA-wrapped projection is not covered), SiLU, 16-bit
 weights on a CUDA device: the MLPs of the decoder layers and the shared or dense MLPs of MoE models. ``"quack"``
 installs it on every covered MLP and refuses where quack cannot run or nothing is covered; ``"auto"`` (the default)
-installs it on the covered MLPs of fused layers where quack runs (``quack_runtime.quack_refusal``), else nothing;
+installs it on the covered MLPs of fused layers where quack runs (``kernels.quack.runtime.quack_refusal``), else nothing;
 ``False`` keeps the model's own MLP code.
 """
 
@@ -28,8 +28,8 @@ import torch
 from actorcore.archs import submodule
 from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call, reduce_to_path_class
 from actorcore.hf.features.plan import FeatureOption, PlanFacts, check_choice
-from actorcore.kernels.gated_mlp_quack import gated_mlp
-from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
+from actorcore.kernels.quack import runtime as quack_runtime
+from actorcore.kernels.quack.gated_mlp import gated_mlp
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def _device_refusal(module: torch.nn.Module) -> str | None:
                                      for w in weights):
         return f"{type(module).__name__} is not a 16-bit CUDA module"
     intermediate, hidden = weights[0].shape
-    return width_refusal(type(module).__name__, hidden=hidden, intermediate=intermediate)
+    return quack_runtime.width_refusal(type(module).__name__, hidden=hidden, intermediate=intermediate)
 
 
 class QuackGatedMLP:
@@ -161,7 +161,7 @@ def dense_mlp_names(model: torch.nn.Module, parts: Any, spec: Any, request: Any,
     layers = list(range(len(parts.layers))) if request == "quack" else list(fused_layers)
     covered, refused = _covered_mlps(parts, spec, layers)
     uncovered = f"no MLP of {type(model).__name__} is covered ({refused[0] if refused else 'no gated MLP'})"
-    why = quack_refusal() or (None if covered else uncovered)
+    why = quack_runtime.quack_refusal() or (None if covered else uncovered)
     if getattr(model, "_tp_size", None) not in (None, 1):
         why = f"{type(model).__name__} is tensor-parallel through transformers' tp_plan (its MLPs hold shards)"
     if why is not None:

@@ -41,8 +41,8 @@ from actorcore.hf.call import DecoderCall
 from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call, reduce_to_path_class
 from actorcore.hf.features.plan import FeatureOption, PlanFacts, check_choice
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
-from actorcore.kernels.moe_quack import gated_experts
-from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
+from actorcore.kernels.quack import runtime as quack_runtime
+from actorcore.kernels.quack.moe import gated_experts
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def sorted_experts_forward(experts: torch.nn.Module, hidden_states_TD: torch.Ten
                            top_k_weights_TK: torch.Tensor, grouped_mm: Callable, quack: bool = False) -> torch.Tensor:
     """transformers' experts math (``grouped_mm_experts_forward``) with the tokens moved by gathers both ways;
     ``grouped_mm(x, weight, offsets)``: transformers' grouped GEMM dispatcher. ``quack``: the SwiGLU MLP as quack's
-    GEMMs with the gather and the activation inside them (``kernels.moe_quack``; a module ``quack_module_refusal``
+    GEMMs with the gather and the activation inside them (``kernels.quack.moe``; a module ``quack_module_refusal``
     passes)."""
     if getattr(experts, "_is_expert_parallel", False):
         raise ValueError(f"{type(experts).__name__} is expert-parallel (experts split over ranks): actorcore's MoE "
@@ -230,12 +230,12 @@ def quack_module_refusal(module: torch.nn.Module) -> str | None:
     why = next((reason for ok, reason in checks if not ok), None)
     if why is not None:
         return f"{name} {why}: quack's fused experts GEMMs run SwiGLU experts only"
-    return width_refusal(name, hidden=module.down_proj.shape[1], intermediate=module.down_proj.shape[2])
+    return quack_runtime.width_refusal(name, hidden=module.down_proj.shape[1], intermediate=module.down_proj.shape[2])
 
 
 def _quack_refusal_for(modules: list[torch.nn.Module]) -> str | None:
     """Why quack's fused GEMMs cannot run these experts modules here (None: they can)."""
-    return quack_refusal() or next((r for r in map(quack_module_refusal, modules) if r is not None), None)
+    return quack_runtime.quack_refusal() or next((r for r in map(quack_module_refusal, modules) if r is not None), None)
 
 
 def _model_refusal(model: torch.nn.Module, spec: Any, found: list[tuple[str, torch.nn.Module]]) -> str | None:

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from actorcore.kernels.quack_runtime import quack_refusal
+from actorcore.kernels.quack import runtime as quack_runtime
 
 FA4_VERSION = "4.0.0b36"
 INSTALL_HINT = (f"pip install 'actorcore[fa4]' (flash-attn-4=={FA4_VERSION} over quack-kernels 0.6.4 and the "
@@ -60,7 +60,7 @@ def installed_refusal() -> str | None:
                 f"change between its beta releases, and takes only the tested {FA4_VERSION} ({INSTALL_HINT})")
     if importlib.util.find_spec("flash_attn.cute") is None:
         return f"flash-attn-4 is installed but flash_attn.cute cannot be found ({INSTALL_HINT})"
-    return quack_refusal()
+    return quack_runtime.quack_refusal()
 
 
 def fa4_refusal(device: torch.device, dtype: torch.dtype, head_dim: int, capability: tuple[int, int] | None, *,

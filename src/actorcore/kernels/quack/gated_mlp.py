@@ -17,14 +17,14 @@ order as the two projections' gradients.
 
 Math: ``down @ (silu(gate @ x) * (up @ x))``: transformers' gated MLP with SiLU, no biases. SwiGLU from the fp32
 accumulators (eager rounds gate and up to bf16 first): within bf16 rounding of eager, closer to fp32. CUDA on
-Hopper or newer (``quack_runtime.quack_refusal``), bf16 / fp16 only.
+Hopper or newer (``runtime.quack_refusal``), bf16 / fp16 only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from actorcore.kernels.quack_runtime import gemm_interface
+from actorcore.kernels.quack import runtime
 
 
 def _interleaved(gate_ID: torch.Tensor, up_ID: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def _interleaved(gate_ID: torch.Tensor, up_ID: torch.Tensor) -> torch.Tensor:
 class _GatedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, gate_ID, up_ID, down_DI):
-        q = gemm_interface()
+        q = runtime.gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
             preact_TO, act_TI = q.gemm_gated(x_TD, _interleaved(gate_ID, up_ID).T, activation="swiglu", tuned=False)
             out_TD = act_TI @ down_DI.T
@@ -45,7 +45,7 @@ class _GatedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out_TD):
         x_TD, gate_ID, up_ID, down_DI, preact_TO = ctx.saved_tensors
-        q = gemm_interface()
+        q = runtime.gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
             # the down projection's input gradient with SwiGLU's backward in its epilogue (and SwiGLU recomputed)
             grad_preact_TO, act_TI = q.gemm_dgated(grad_out_TD.contiguous(), down_DI, preact_TO, activation="swiglu",

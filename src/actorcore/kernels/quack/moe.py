@@ -34,7 +34,7 @@ import torch
 
 from actorcore.kernels.grouped_gemm import stack_experts
 from actorcore.kernels.moe_permute import ExpertOrder, sum_rows_per_token, weighted_rows_per_token
-from actorcore.kernels.quack_runtime import gemm_interface
+from actorcore.kernels.quack import runtime
 
 
 def _gated_forward(q, x, gate_up_EOD, cu_seqlens, A_idx):
@@ -70,7 +70,7 @@ class _GatedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TD, weights_TK, gate_up_EOD, down_EDI, token_of_row, pair_of_row, row_of_pair, cu_seqlens):
-        q = gemm_interface()
+        q = runtime.gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
             preact, act = _gated_forward(q, x_TD, gate_up_EOD, cu_seqlens, token_of_row)
             rows = q.gemm(act, down_EDI.mT, cu_seqlens_m=cu_seqlens, tuned=False)
@@ -83,7 +83,7 @@ class _GatedExperts(torch.autograd.Function):
     def backward(ctx, grad_out_TD):
         x_TD, weights_TK, gate_up_EOD, down_EDI, preact, token_of_row, pair_of_row, row_of_pair, cu_seqlens = \
             ctx.saved_tensors
-        q = gemm_interface()
+        q = runtime.gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
             weight_of_row = weights_TK.reshape(-1).index_select(0, pair_of_row).float()
             grad_x_rows, grad_weight_of_row, grad_gate_up, grad_down = _gated_backward(
@@ -119,7 +119,7 @@ class _GatedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_SD, probs_S, cu_seqlens, per_expert, *weights):
         gate_up_EOD, down_EDI = _pair(weights, per_expert)
-        q = gemm_interface()
+        q = runtime.gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
             preact, act = _gated_forward(q, rows_SD, gate_up_EOD, cu_seqlens, None)
             scaled = (act * probs_S[:, None]).to(act.dtype)  # the probabilities before the down projection
@@ -132,7 +132,7 @@ class _GatedRows(torch.autograd.Function):
     def backward(ctx, grad_out_SD):
         rows_SD, probs_S, preact, cu_seqlens, *weights = ctx.saved_tensors
         gate_up_EOD, down_EDI = _pair(weights, ctx.per_expert)
-        q = gemm_interface()
+        q = runtime.gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
             grad_rows, grad_probs, grad_gate_up, grad_down = _gated_backward(
                 q, grad_out_SD.contiguous(), rows_SD, gate_up_EOD, down_EDI, preact, probs_S.float(), cu_seqlens,
