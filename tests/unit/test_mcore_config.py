@@ -3,6 +3,7 @@ Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V3 (config.json values, no downloads), fiel
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -23,7 +24,7 @@ from actorcore.mcore.config import (  # noqa: E402
     mcore_to_hf_config,
     uses_interleaved_mrope,
 )
-from actorcore.archs import get_spec  # noqa: E402
+from actorcore.archs import UnsupportedArchitectureError, get_spec  # noqa: E402
 from actorcore.mcore.model import megatron_model_types, refused_megatron_model_types  # noqa: E402
 from actorcore.mcore.parallel import McoreParallel  # noqa: E402
 
@@ -354,3 +355,23 @@ def test_cp_comm_type_selects_the_ring_or_the_all_gather_and_refuses_the_rest():
         config = hf_to_mcore_config(hf, McoreParallel(cp=2), cp_comm_type=refused)
         with pytest.raises(ValueError, match="cp_comm_type=.* is not supported.*'all_gather'.*'p2p'"):
             PackedCoreAttention(config, 1, None, "self")
+
+
+def test_the_megatron_route_refuses_logit_transforms_it_does_not_apply(monkeypatch):
+    """The Megatron route runs the HF route's config check (an undeclared head transform is refused before anything
+    is built), and refuses a declared one that is active: its head applies none."""
+    import actorcore.mcore.model as mcore_model
+    from actorcore.archs import HeadTransform
+    from actorcore.mcore import build_gpt_model
+    from actorcore.testing.tiny_configs import tiny_config
+
+    config = tiny_config("qwen3")
+    config.logits_scaling = 4.0
+    with pytest.raises(UnsupportedArchitectureError, match=r"config.logits_scaling=4.0 changes the logits"):
+        build_gpt_model(config)
+    declared = dataclasses.replace(get_spec("qwen3"), head=(HeadTransform("divide", "logits_scaling"),))
+    monkeypatch.setattr(mcore_model, "get_spec", lambda model_type: declared)
+    with pytest.raises(UnsupportedArchitectureError, match=r"logits_scaling=4.0 .* Megatron route's head does not"):
+        mcore_model.mcore_spec_for(config)
+    config.logits_scaling = 1.0  # neutral: nothing to apply
+    assert mcore_model.mcore_spec_for(config) is declared.mcore

@@ -30,6 +30,7 @@ from actorcore.batch import (IGNORE_INDEX, PackedBatch, next_token_labels, pad_t
                              unpad)
 from actorcore.context_split import CpShard, split_for_cp
 from actorcore.kernels.logprob import check_options
+from actorcore.kernels.precision import value_head
 from actorcore.kernels.trace import check_trace
 from actorcore.mcore.cpu_runtime import te_absent_fixes
 from actorcore.mcore.handle import McoreModel, require_model
@@ -194,12 +195,11 @@ def mtp_logprobs_from_hidden(chunk: Any, mtp_hidden_TD: list[torch.Tensor], batc
 
 def values_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, context: ParallelContext,
                        shard: CpShard | None = None) -> torch.Tensor:
-    """Critic head, in float32, at each token itself (as the HF critic)."""
+    """Critic head at each token itself, in float32 with autocast off in forward and backward (the HF critic's
+    ``kernels.precision.value_head``)."""
     head = chunk.value_head
     hidden_TD = _all_tokens_on_every_tp_rank(chunk, hidden_TD, context)
-    values = torch.nn.functional.linear(hidden_TD.float(), head.weight.float(),
-                                        None if head.bias is None else head.bias.float())
-    return unpad(_merge_cp(values.squeeze(-1), shard, context), batch)
+    return unpad(_merge_cp(value_head(hidden_TD, head.weight, head.bias), shard, context), batch)
 
 
 def _forward_step(model: McoreModel, batches: list[PackedBatch], shards: list[CpShard] | None, head: Callable,

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from actorcore.archs.spec import LINEAR_PROJECTIONS
 from actorcore.errors import PackingNotAppliedError
-from actorcore.kernels.linear_attention.gated_deltanet import (decay_and_beta, gated_norm_recomputed, mix_packed,
-                                                               split_grouped_projections)
+from actorcore.kernels.linear_attention.gated_deltanet import (decay_and_beta, gated_norm_recomputed, in_projections,
+                                                               mix_packed)
 
 try:  # megatron-core is optional; this module is only imported by mcore/model.py after require_megatron()
     from megatron.core.transformer.module import MegatronModule
@@ -113,16 +113,8 @@ class PackedGatedDeltaNet(MegatronModule):
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(q/k/v channels [T, C], z [T, m, V], b [T, m], a [T, m])`` for this rank's heads; under sequence
         parallelism the column-parallel projections gather the tokens, so ``T`` is the whole batch."""
-        n, m, K, V = self.n, self.m, self.K, self.V
-        if self.projections == "separate":
-            mixed = self.in_proj_qkv(hidden)[0]
-            T = mixed.shape[0] * mixed.shape[1]
-            z = self.in_proj_z(hidden)[0].reshape(T, m, V)
-            return (mixed.reshape(T, -1), z, self.in_proj_b(hidden)[0].reshape(T, m),
-                    self.in_proj_a(hidden)[0].reshape(T, m))
-        qkvz, ba = self.in_proj_qkvz(hidden)[0], self.in_proj_ba(hidden)[0]
-        T = qkvz.shape[0] * qkvz.shape[1]
-        return split_grouped_projections(qkvz.reshape(T, -1), ba.reshape(T, -1), n, m, K, V)
+        return in_projections(self.projections, lambda name: getattr(self, name)(hidden)[0].flatten(0, 1), self.n,
+                              self.m, self.K, self.V)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, packed_seq_params: Any = None,
                 **_: Any) -> tuple[torch.Tensor, None]:

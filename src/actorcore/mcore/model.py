@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from actorcore.archs import get_spec, registered_model_types
+from actorcore.archs import check_config, get_spec, registered_model_types, text_config
 from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.errors import UnsupportedConfigError
 from actorcore.mcore._megatron import require_megatron
@@ -53,11 +53,21 @@ def refused_megatron_model_types() -> dict[str, str]:
 
 
 def mcore_spec_for(hf_config: Any):
-    """The arch's Megatron part, or a clear error saying why there is none."""
+    """The arch's Megatron part, or a clear error saying why there is none. The config passes the HF route's checks
+    (``archs.check_config``: unsupported fields, logit transforms the spec does not declare), and the Megatron
+    route's head applies no logit transform: a config whose declared one is active is refused."""
     spec = get_spec(hf_config.model_type)
     if spec.mcore.refused:
         reason = spec.mcore.refused
         raise UnsupportedArchitectureError(f"{spec.model_type} is not supported on the Megatron-Core route: {reason}")
+    check_config(spec, hf_config)
+    text = text_config(hf_config)
+    for transform in spec.head:
+        value = getattr(text, transform.field, None)
+        if not transform.is_neutral(value):
+            raise UnsupportedArchitectureError(
+                f"{spec.model_type}: config.{transform.field}={value!r} changes the logits in the model's own forward "
+                f"({transform.op}), which the Megatron route's head does not apply; use the Hugging Face route")
     return spec.mcore
 
 

@@ -43,6 +43,7 @@ from actorcore.archs import get_spec
 from actorcore.archs.megatron_rules import VISION_TOWER
 from actorcore.mcore.parallel import McoreParallel
 from actorcore.mcore.projected_tower import build_projected_tower, fuse_attention_qkv
+from actorcore.visual_merge import VisualFeatures, merge_visual_features, scatter_features, tower_outputs
 
 
 def is_vlm_config(hf_config: Any) -> bool:
@@ -149,13 +150,12 @@ def _forward_adding_deepstack(self: Any, *args: Any, **kwargs: Any) -> Any:
     return hidden_states, context
 
 
-def _tower_outputs(tower: torch.nn.Module, pixels: torch.Tensor, grid_I3: torch.Tensor
+def _tower_outputs(tower: torch.nn.Module, pixels: torch.Tensor, grid_I3: torch.Tensor, deepstack: bool
                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Merged tower features ``[N, D]`` of every image (or video) of the batch, in order, and the deepstack
     features (one ``[N, D]`` per deepstack layer; none for towers without): one tower call."""
     out = tower(pixels.to(next(tower.parameters()).dtype), grid_thw=grid_I3)
-    features = out.pooler_output if hasattr(out, "pooler_output") else out
-    return features, list(getattr(out, "deepstack_features", None) or [])
+    return tower_outputs(out, f"the vision tower ({type(tower).__name__})", deepstack)
 
 
 def _full_sequence(chunk: Any, embeds_T1D: torch.Tensor) -> torch.Tensor:
@@ -179,37 +179,33 @@ def _this_rank_tokens(chunk: Any, full_T1D: torch.Tensor) -> torch.Tensor:
 
 
 def vlm_inputs(chunk: Any, batch: Any, config: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """The decoder input (word embeddings with the tower's features at the placeholder tokens, as HF's
-    ``masked_scatter``) and, for deepstack, what each of the first decoder layers adds (the deepstack features at
-    the placeholder tokens, 0 elsewhere), both ``[T, 1, D]`` (``[T / tp, 1, D]`` under sequence parallelism;
-    ``config``: the VLM's HF config)."""
+    """The decoder input (word embeddings with the tower's features at the placeholder tokens: the HF route's merge,
+    ``actorcore.visual_merge``) and, for deepstack, what each of the first decoder layers adds (the deepstack
+    features at the visual tokens, 0 elsewhere), both ``[T, 1, D]`` (``[T / tp, 1, D]`` under sequence parallelism;
+    ``config``: the VLM's HF config). The tower runs once over the batch's images and once over its videos."""
     ids_T = batch.input_ids
     embeds = _full_sequence(chunk, chunk.embedding(input_ids=ids_T.unsqueeze(0), position_ids=None))
     tower = getattr(chunk, VISION_TOWER)
     vision = get_spec(config.model_type).vision
-    deltas: list[torch.Tensor] | None = None
-    for pixels_key, grid_key, token_field in (("pixel_values", "image_grid_thw", vision.image_token_field),
-                                              ("pixel_values_videos", "video_grid_thw", vision.video_token_field)):
-        if token_field is None:
-            continue
-        mask_T = ids_T == int(getattr(config, token_field))
+    features, masks = VisualFeatures(), {}
+    for kind, pixels_key, grid_key, token_field in (
+            ("image", "pixel_values", "image_grid_thw", vision.image_token_field),
+            ("video", "pixel_values_videos", "video_grid_thw", vision.video_token_field)):
+        masks[kind] = torch.zeros_like(ids_T, dtype=torch.bool) if token_field is None else \
+            ids_T == int(getattr(config, token_field))
         pixels = batch.multimodal.get(pixels_key)
-        if pixels is None:
-            if bool(mask_T.any()):
-                raise ValueError(f"the batch has {int(mask_T.sum())} {token_field} placeholders but no "
-                                 f"{pixels_key}: pack it with actorcore.pack(..., multimodal=, model=)")
+        if token_field is None or pixels is None:
             continue
-        features, deepstack = _tower_outputs(tower, pixels, batch.multimodal[grid_key])
-        if features.shape[0] != int(mask_T.sum()):
-            raise ValueError(f"{int(mask_T.sum())} {token_field} placeholder tokens but the vision tower made "
-                             f"{features.shape[0]} features: the batch's tokens and {grid_key} do not match")
-        mask_T11 = mask_T[:, None, None].expand_as(embeds)
-        embeds = embeds.masked_scatter(mask_T11, features.to(embeds.dtype))
-        if vision.deepstack:
-            deltas = deltas or [torch.zeros_like(embeds) for _ in deepstack]
-            deltas = [d.masked_scatter(mask_T11, f.to(embeds.dtype)) for d, f in zip(deltas, deepstack)]
-    deepstack_deltas = None if deltas is None else tuple(_this_rank_tokens(chunk, d) for d in deltas)
-    return _this_rank_tokens(chunk, embeds), deepstack_deltas
+        merged, deepstack = _tower_outputs(tower, pixels, batch.multimodal[grid_key], vision.deepstack)
+        setattr(features, f"{kind}_ND", merged)
+        setattr(features, f"deepstack_{kind}", deepstack)
+    embeds, deepstack = merge_visual_features(embeds, masks["image"], masks["video"], features)
+    if deepstack is None:
+        return _this_rank_tokens(chunk, embeds), None
+    visual_T, joint = deepstack
+    deltas = tuple(_this_rank_tokens(chunk, scatter_features(torch.zeros_like(embeds), visual_T, layer_ND, "visual"))
+                   for layer_ND in joint)
+    return _this_rank_tokens(chunk, embeds), deltas
 
 
 def vlm_chunk_forward(chunk: Any, batch: Any, params: Any, config: Any) -> torch.Tensor:
