@@ -65,7 +65,7 @@ PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-ex
 # recompute "auto" at ``--budget-gib``, the HF paths' budget); "megatron before": megatron-core's sequential experts,
 # unfused layers, no recompute (the route before these options). They run last (they move the HF model off the GPU).
 # Any actorcore or megatron path with " fa4" appended ("actorcore fused fa4", "megatron fa4") runs the same with its
-# attention on FlashAttention-4 (``patch_model(attention_backend="fa4")``, ``mcore.attention.use_attention_backend``),
+# attention on FlashAttention-4 (``patch_model(attention_backend="fa4")``, ``mcore.build.attention.use_attention_backend``),
 # right after the path without it: before and after in one process. The paths without it keep "auto".
 FA4_SUFFIX = " fa4"
 
@@ -211,7 +211,7 @@ def megatron_step(model, packs, advs, device, options: dict):
     import actorcore as ac
     from actorcore.mcore import McoreParallel, build_gpt_model, initialize_megatron, load_hf_into_mcore
     from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.run.forward import compute_logprobs
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -436,7 +436,7 @@ def main() -> None:
                 continue
             step = actorcore_step(model, packs, pack_advs, device)
         elif base.startswith("megatron"):
-            from actorcore.mcore.attention import use_attention_backend
+            from actorcore.mcore.build.attention import use_attention_backend
 
             if megatron is None or megatron[0] != base:
                 megatron = None  # the previous Megatron model is gone before the next one is built

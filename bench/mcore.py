@@ -148,7 +148,7 @@ def _mcore_layout(name: str, hf_dir: str, batches, args) -> tuple[dict, torch.Te
     from actorcore.batch import pad_to_multiple
     from actorcore.mcore import McoreParallel, build_gpt_model, initialize_megatron, load_hf_into_mcore
     from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.run.forward import compute_logprobs
 
     # One token count for every micro-batch (pipeline P2P shapes are fixed), a multiple of 8 for TP / CP.
     target = -(-max(b.num_tokens for b in batches) // 8) * 8

@@ -1,5 +1,5 @@
 """Vision features into a packed batch's text embeddings: the one merge both routes run (``hf/vlm/inputs.py`` for the
-Hugging Face route, ``mcore/vlm.py`` for the Megatron route).
+Hugging Face route, ``mcore/run/vlm_inputs.py`` for the Megatron route).
 
 Legend: ``T`` tokens of the packed batch, ``D`` text hidden size, ``N`` visual tokens of one kind (image or video
 placeholders).

@@ -45,7 +45,7 @@ def _megatron_grads_as_hf(model) -> dict[str, torch.Tensor]:
     """Every parameter's gradient, HF-named and gathered over TP / PP (the export's converters are linear)."""
     import dataclasses
 
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
     if model.config.num_moe_experts:  # transformers 5 holds experts stacked (experts.gate_up_proj): export that layout
         model = dataclasses.replace(model, expert_layout="grouped")
@@ -64,8 +64,8 @@ def _layout(model_type: str, tp: int, pp: int, cp: int, ep: int, directory: str)
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(tp=tp, pp=pp, cp=cp, ep=ep)
@@ -90,7 +90,7 @@ def _run_and_reduce(model, trace) -> dict:
     from megatron.core import parallel_state as ps
 
     import actorcore as ac
-    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.run.forward import compute_logprobs
 
     batches = [ac.pack(s) for s in _sequences()]
     got = compute_logprobs(model, batches)
@@ -110,9 +110,9 @@ def _critic(directory: str) -> list[torch.Tensor]:
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.forward import compute_values
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_values
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(cp=CRITIC_CP)

@@ -41,8 +41,8 @@ def _layout(tp: int, pp: int, cp: int, directory: str) -> dict:
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(tp=tp, pp=pp, cp=cp)

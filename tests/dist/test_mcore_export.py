@@ -43,11 +43,11 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from actorcore.export import iter_tensors, load_into, save_sharded_safetensors
-    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.convert.load import load_hf_into_mcore
     from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import mcore_weight_stream
+    from actorcore.mcore.convert.weight_stream import mcore_weight_stream
 
     results = {}
     with CpuRuntime():

@@ -1,4 +1,4 @@
-"""The Megatron route's core attention on the FA4 backend (``mcore.attention.use_attention_backend``), one gloo rank on
+"""The Megatron route's core attention on the FA4 backend (``mcore.build.attention.use_attention_backend``), one gloo rank on
 the CPU: flash-attn-4's entry points are the stand-in of ``actorcore.testing.fa4_stand_in`` (the kernels need a Hopper
 GPU), so what is proven is the route's side: every core attention runs the backend it is given, with gpt-oss's
 sinks (``softmax_offset``) and its sliding-window layer, forward and backward through Megatron's schedule, and the
@@ -21,10 +21,10 @@ pytest.importorskip("megatron.core")
 def _fa4_case(directory: str) -> dict:
     from test_mcore_logprobs import _batches, _sequences, _tiny_hf, reference_logprobs_packed
 
-    from actorcore.mcore.attention import use_attention_backend
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.build.attention import use_attention_backend
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.testing.fa4_stand_in import use_fa4_stand_in
 

@@ -34,7 +34,7 @@ def _rotated(interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from transformers.models.glm4_moe import modeling_glm4_moe as glm
 
-    from actorcore.mcore.config import gpt_model_args
+    from actorcore.mcore.build.config import gpt_model_args
     from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.testing.tiny_configs import tiny_config
 
@@ -57,7 +57,7 @@ def _rotated(interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def test_partial_rope_layout_is_megatrons_per_token():
     """rotary_percent = partial_rotary_factor, non-interleaved: equal per token and head; the second half of each
     head passes through. (Interleaved pairs, GLM-4's layout, would differ: the check can fail.)"""
-    from actorcore.mcore.config import gpt_model_args
+    from actorcore.mcore.build.config import gpt_model_args
     from actorcore.testing.tiny_configs import tiny_config
 
     assert gpt_model_args(tiny_config("glm4_moe"))["rotary_percent"] == 0.5
@@ -71,7 +71,7 @@ def test_partial_rope_layout_is_megatrons_per_token():
 def test_config_maps_both_ways_and_refuses_what_differs():
     from transformers import AutoConfig
 
-    from actorcore.mcore.config import UnsupportedConfigError, gpt_model_args, hf_to_mcore_config, mcore_to_hf_config
+    from actorcore.mcore.build.config import UnsupportedConfigError, gpt_model_args, hf_to_mcore_config, mcore_to_hf_config
     from actorcore.testing.tiny_configs import tiny_config
 
     hf = tiny_config("glm4_moe")
@@ -132,7 +132,7 @@ def world2(tmp_path_factory):
 @pytest.mark.parametrize("name", ["tp2", "tp2_ep1"])
 def test_tp2_sequence_parallel_logprobs_and_every_gradient(world2, name):
     """TP=2 x EP=2 and TP=2 x EP=1 (each rank routes only its own tokens through all experts: the expert
-    gradients are summed over Megatron's expert data parallel group by its DDP, mcore/expert_grads.py)."""
+    gradients are summed over Megatron's expert data parallel group by its DDP, mcore/build/expert_grads.py)."""
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
     for rank, result in enumerate(world2[name]):
         assert result["sp"] and result["seen_tokens"] == result["sp_tokens"]
@@ -188,9 +188,9 @@ def _schedules_plain_and_overlapped(directory: str) -> dict:
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(tp=2, ep=2)

@@ -79,12 +79,12 @@ def _dequantized_reference(directory: str) -> dict[str, torch.Tensor]:
 def _mxfp4_case(directory: str) -> dict:
     from actorcore.archs import get_spec
     from actorcore.export.mxfp4 import quantize_stream_mxfp4
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.safetensors_reader import safetensors_dtype
-    from actorcore.mcore.weight_stream import gather_hf_state_dict, mcore_weight_stream
+    from actorcore.mcore.convert.safetensors_reader import safetensors_dtype
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict, mcore_weight_stream
     from test_mcore_logprobs import _batches
     from transformers import AutoConfig
 

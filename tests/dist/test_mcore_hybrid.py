@@ -73,7 +73,7 @@ def _reference(model, sequences):
 
 def _local_grad(name: str, full: torch.Tensor, hf_config, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's slice of an HF gradient, as the weight rules shard the parameter."""
-    from actorcore.mcore.transforms import shard_for_tp, shard_sections
+    from actorcore.mcore.convert.transforms import shard_for_tp, shard_sections
 
     if name.endswith(("conv1d.weight", "in_proj_qkv.weight")):
         key = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
@@ -87,11 +87,11 @@ def _local_grad(name: str, full: torch.Tensor, hf_config, tp_rank: int, tp_size:
 def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
     from safetensors.torch import load_file
 
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
     hf = _tiny_hf(model_type)
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
@@ -135,9 +135,9 @@ def _leak_case(model_type: str, leak: str, directory: str) -> dict:
     """Megatron at TP=2: the packed batch vs each sequence alone, and (to show the one path is live) the same
     sequence with its first token changed."""
     import actorcore as ac
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     hf = _tiny_hf(model_type, leak)
@@ -157,9 +157,9 @@ def _leak_case(model_type: str, leak: str, directory: str) -> dict:
 
 def _save_case(directory: str, saved: str) -> bool:
     """Megatron's distributed checkpoint of Qwen3.5 saved at TP=2."""
-    from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.dist_checkpoint import save_mcore_checkpoint
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     hf = _tiny_hf("qwen3_5_text")
@@ -174,10 +174,10 @@ def _reload_case(directory: str, saved: str) -> bool:
     """... loaded at TP=1 (two data-parallel ranks): the exported weights are the HF checkpoint's, bitwise."""
     from safetensors.torch import load_file
 
-    from actorcore.mcore.dist_checkpoint import load_mcore_checkpoint
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.dist_checkpoint import load_mcore_checkpoint
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
     hf = _tiny_hf("qwen3_5_text")
     initialize_megatron(McoreParallel())
@@ -192,10 +192,10 @@ def _mtp_dropped_case(directory: str) -> bool:
     """A checkpoint with the released models' ``mtp.*`` tensors loads (they are dropped) and exports without them."""
     from safetensors.torch import load_file
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
     hf = _tiny_hf("qwen3_5_text")
     initialize_megatron(McoreParallel(tp=2))

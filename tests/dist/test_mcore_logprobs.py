@@ -51,9 +51,9 @@ def _reference_values(critic, sequences: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _case(model_type: str, tp: int, pp: int, ep: int, directory: str, overrides: dict) -> dict:
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     hf = _tiny_hf(model_type, **overrides)
@@ -217,11 +217,11 @@ def test_logprobs_gpt_oss_ep2(world2):
 
 def _vp_case(directory: str) -> dict:
     """4 layers on 2 pipeline ranks x 2 virtual stages (interleaved schedule)."""
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
     from actorcore.testing.tiny_configs import build_tiny_model
 
     hf = build_tiny_model("qwen3", seed=5, num_hidden_layers=4)
@@ -254,9 +254,9 @@ def test_virtual_pipeline_stages(world2):
 
 
 def _critic_case(directory: str) -> dict:
-    from actorcore.mcore.forward import compute_values
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_values
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.testing.tiny_configs import build_tiny_model
 
@@ -281,9 +281,9 @@ def test_critic_values_tp2(world2):
 
 
 def _moe_tp2_case(directory: str) -> dict:
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     hf = _tiny_hf("deepseek_v3")

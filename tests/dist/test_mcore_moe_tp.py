@@ -3,7 +3,7 @@
 Qwen3-MoE (q/k norms, a dense layer, routed experts) and DeepSeek-V3 (MLA, sigmoid grouped routing with a
 score-correction bias, a shared expert) at TP=2 x EP=2 and at TP=2 x EP=1 (sequence parallelism by default for
 MoE at TP > 1; at EP=1 every rank holds all experts and routes only its own tokens, so the expert gradients
-are reduced over Megatron's expert data parallel group: ``mcore/expert_grads.py``), gpt-oss (attention sinks split
+are reduced over Megatron's expert data parallel group: ``mcore/build/expert_grads.py``), gpt-oss (attention sinks split
 over TP with the heads, biases on every linear) at TP=2 x EP=2, and dense Qwen3 at TP=2 with sequence parallelism
 asked for: per-token log-probs and entropy
 equal plain transformers' fp32 forward, and every parameter's gradient, after Megatron's own
@@ -43,7 +43,7 @@ def _grads_as_hf(model) -> dict[str, torch.Tensor]:
     stacked, as transformers 5 holds them in memory)."""
     import dataclasses
 
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
     if model.config.num_moe_experts:
         model = dataclasses.replace(model, expert_layout="grouped")
@@ -67,9 +67,9 @@ def _case(model_type: str, ep: int, overrides: dict, directory: str) -> dict:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from test_mcore_logprobs import LENGTHS, _batches, _sequences, _tiny_hf, reference_logprobs_packed
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     hf = _tiny_hf(model_type)

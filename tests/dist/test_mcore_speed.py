@@ -1,6 +1,6 @@
 """The Megatron route's speed paths on gloo (2 CPU processes, one spawn for every case): the grouped experts
-(``mcore/grouped_experts.py``), the fused layers (``mcore/layer.py``) and the budgeted recompute
-(``mcore/recompute.py``).
+(``mcore/build/grouped_experts.py``), the fused layers (``mcore/build/layer.py``) and the budgeted recompute
+(``mcore/build/recompute.py``).
 
 - Grouped experts at EP=2, TP=2 and TP=2 x EP=2 for every MoE family of the route (Qwen3-MoE, Qwen2-MoE with one
   expert per token, Mixtral, DeepSeek-V3, GLM-4.5, gpt-oss with its biases and clamped SwiGLU, the hybrids Qwen3-Next
@@ -72,10 +72,10 @@ def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: 
     from test_mcore_moe_tp import _grads_as_hf
 
     from actorcore.kernels.grouped_gemm import consecutive
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.grouped_experts import GroupedExperts
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.build.grouped_experts import GroupedExperts
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     hf = _tiny_hf(model_type, **overrides)
@@ -103,7 +103,7 @@ def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: 
 
 def _train_step(model, batches, trace: Counter) -> tuple[list, dict]:
     """Forward-backward of the summed log-probs; (log-probs, every parameter's local gradient by name)."""
-    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.run.forward import compute_logprobs
 
     for chunk in model.chunks:
         chunk.zero_grad(set_to_none=True)
@@ -119,11 +119,11 @@ def _checkpoint_swap_case(directory: str, root: str) -> dict:
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from actorcore.mcore.dist_checkpoint import load_mcore_checkpoint, save_mcore_checkpoint
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.dist_checkpoint import load_mcore_checkpoint, save_mcore_checkpoint
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
     parallel = McoreParallel(ep=2)
     initialize_megatron(parallel)
@@ -154,8 +154,8 @@ def _checkpoint_swap_case(directory: str, root: str) -> dict:
 def _selective_and_kept_budget(model, batches) -> float:
     """A budget in GiB under which ``"auto"`` keeps the last layer's activations whole and recomputes the first one's
     elementwise work (from the planner's own estimate on the CPU, where nothing is allocated)."""
-    from actorcore.mcore.call_plan import _is_moe, decoder_layers
-    from actorcore.mcore.recompute import SLACK_BYTES, layer_bytes_per_token
+    from actorcore.mcore.run.call_plan import _is_moe, decoder_layers
+    from actorcore.mcore.build.recompute import SLACK_BYTES, layer_bytes_per_token
 
     layers = decoder_layers(model)
     estimates = [layer_bytes_per_token(model.config, 4, _is_moe(layer)) for layer in layers]
@@ -172,8 +172,8 @@ def _recompute_case(directory: str) -> dict:
     """TP=2 x EP=2, Qwen3-MoE (a MoE and a dense layer): one training step per recompute mode and fused choice."""
     from transformers import AutoConfig
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(tp=2, ep=2)
@@ -200,9 +200,9 @@ def _edge_rows_case(directories: dict[str, str]) -> dict:
     expert parameter."""
     from transformers import AutoConfig
 
-    from actorcore.mcore.call_plan import _is_moe
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.call_plan import _is_moe
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(ep=2)
@@ -236,8 +236,8 @@ def _quack_stand_in_case(directory: str) -> dict:
     one with the grouped_mm experts, same weights."""
     from transformers import AutoConfig
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.testing.quack_stand_in import use_quack_stand_in
 

@@ -116,13 +116,13 @@ def _samples(model):
 
 def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
     import actorcore as ac
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.safetensors_reader import SafetensorsReader
-    from actorcore.mcore.weight_layout import global_mcore_name
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.safetensors_reader import SafetensorsReader
+    from actorcore.mcore.convert.weight_layout import global_mcore_name
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
     hf = _tiny_vlm(model_type)
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
@@ -243,7 +243,7 @@ def test_deepstack_layers_on_a_later_stage_are_refused():
     """Deepstack decoder layers must all be on the first pipeline stage (the one with the vision tower)."""
     from types import SimpleNamespace
 
-    from actorcore.mcore.vlm import add_deepstack
+    from actorcore.mcore.build.vlm import add_deepstack
 
     chunk = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(layer_number=1)]))
     with pytest.raises(ValueError, match="first pipeline stage"):
@@ -257,7 +257,7 @@ def test_vision_tower_class_without_an_auto_mapping(monkeypatch):
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-    from actorcore.mcore.vlm import vision_tower_class
+    from actorcore.mcore.build.vlm import vision_tower_class
 
     assert vision_tower_class(Qwen2_5_VLVisionConfig()) is Qwen2_5_VisionTransformerPretrainedModel
     monkeypatch.setattr(modeling_auto, "MODEL_MAPPING", {})

@@ -29,11 +29,11 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.forward import compute_logprobs, mtp_loss
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.run.forward import compute_logprobs, mtp_loss
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
     parallel = McoreParallel(tp=tp, pp=pp)
     context = initialize_megatron(parallel)

@@ -49,12 +49,12 @@ def _run_nccl(fn, world_size: int, args: tuple) -> list:
 def _worker(rank: int, world_size: int, tp: int, pp: int, ep: int, hf_dir: str) -> dict:
     import actorcore as ac
     from actorcore.batch import pad_to_multiple
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import mcore_weight_stream
+    from actorcore.mcore.convert.weight_stream import mcore_weight_stream
     from transformers import AutoConfig
 
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
@@ -126,10 +126,10 @@ def _cp_worker(rank: int, world_size: int, hf_dir: str, cp_comm: str, dtype: tor
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(cp=2)

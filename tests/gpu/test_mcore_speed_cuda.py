@@ -1,6 +1,6 @@
-"""The Megatron route's speed paths on one GPU (NCCL, one rank), bf16: the fused layers (``mcore/layer.py``, Inductor's
+"""The Megatron route's speed paths on one GPU (NCCL, one rank), bf16: the fused layers (``mcore/build/layer.py``, Inductor's
 Triton kernels), the grouped experts on torch's ``grouped_mm`` and on quack's gated GEMMs
-(``mcore/grouped_experts.py``) and the budgeted recompute (``mcore/recompute.py``).
+(``mcore/build/grouped_experts.py``) and the budgeted recompute (``mcore/build/recompute.py``).
 
 - Per token and per gradient, the route's defaults on CUDA (``"auto"``: fused layers, grouped or quack experts)
   against megatron-core's eager layers and sequential experts with the same bf16 weights: within bf16 rounding
@@ -46,7 +46,7 @@ def _step(model, trace: Counter) -> tuple[list[torch.Tensor], dict[str, torch.Te
     """One forward-backward of the summed log-probs: (log-probs per batch, every gradient as HF names)."""
     from test_mcore_moe_tp import _grads_as_hf
 
-    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.run.forward import compute_logprobs
 
     for chunk in model.chunks:
         chunk.zero_grad(set_to_none=True)
@@ -58,8 +58,8 @@ def _variants_worker(rank: int, world_size: int, directory: str, variants: dict)
     from test_mcore_moe_tp_cuda import _on_cpu
     from transformers import AutoConfig
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     initialize_megatron(McoreParallel())
@@ -164,11 +164,11 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
     from test_mcore_moe_tp_cuda import _on_cpu
     from transformers import AutoConfig
 
-    from actorcore.mcore.call_plan import _is_moe, decoder_layers
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.call_plan import _is_moe, decoder_layers
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.recompute import SLACK_BYTES, layer_bytes_per_token
+    from actorcore.mcore.build.recompute import SLACK_BYTES, layer_bytes_per_token
 
     import actorcore as ac
 
@@ -190,7 +190,7 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
         del probe
         model = build_gpt_model(config, McoreParallel(), torch.bfloat16, fused_layers=True, **options)
         load_hf_into_mcore(model, directory)
-        from actorcore.mcore.forward import compute_logprobs
+        from actorcore.mcore.run.forward import compute_logprobs
 
         runs = []
         for _ in range(2):

@@ -41,11 +41,11 @@ from test_mcore_vlm import _samples, _tiny_vlm  # noqa: E402
 
 def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, hf_dir: str) -> dict:
     import actorcore as ac
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
     from megatron.core import parallel_state
 
     hf = _tiny_vlm(model_type)  # on the CPU: only its rope-index function is used, to pack

@@ -150,11 +150,11 @@ def test_value_head_inside_autocast_is_fp32():
 
 
 def test_megatron_value_head_inside_autocast_is_fp32(monkeypatch):
-    """The Megatron route's critic head (``mcore.forward.values_from_hidden``) keeps the same promise: fp32 values
+    """The Megatron route's critic head (``mcore.run.forward.values_from_hidden``) keeps the same promise: fp32 values
     and gradients inside a caller's autocast region (one rank: the TP copy is the identity)."""
     import types
 
-    import actorcore.mcore.forward as mcore_forward
+    import actorcore.mcore.run.forward as mcore_forward
 
     monkeypatch.setattr(mcore_forward, "_all_tokens_on_every_tp_rank", lambda chunk, hidden_TD, context: hidden_TD)
     batch = ac.pack([torch.arange(n) % 17 for n in LENGTHS])

@@ -247,7 +247,7 @@ def test_the_int4_release_is_refused_on_the_megatron_route(tmp_path, config_hold
     """The release's INT4 experts are not dequantized on the Megatron route: the reader refuses the checkpoint,
     naming the packed tensors and what to do, instead of reporting each expert as missing."""
     from actorcore.errors import CheckpointError
-    from actorcore.mcore.safetensors_reader import SafetensorsReader
+    from actorcore.mcore.convert.safetensors_reader import SafetensorsReader
     from actorcore.testing.kimi_release import save_release_checkpoint, with_int4_experts
 
     save_release_checkpoint(build_tiny_vlm("kimi_k25", seed=5, tie_word_embeddings=False), str(tmp_path))

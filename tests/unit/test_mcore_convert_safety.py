@@ -93,7 +93,7 @@ def test_crafted_pickle_runs_nothing(tmp_path, checkpoints, capsys, target):
 def test_byte_items_are_never_unpickled(tmp_path, checkpoints):
     """torch unpickles a checkpoint's byte items with ``weights_only=False``; they must never be read: the
     conversion succeeds with every byte item overwritten by garbage."""
-    from actorcore.mcore.safe_load import read_dcp_metadata
+    from actorcore.mcore.convert.safe_load import read_dcp_metadata
 
     mcore = _copy_tree(checkpoints[1], str(tmp_path / "mcore"))
     metadata = read_dcp_metadata(os.path.join(mcore, ".metadata"))

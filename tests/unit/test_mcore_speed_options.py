@@ -1,5 +1,5 @@
 """The Megatron route's speed options resolve as documented and refuse what cannot run, with the reason
-(``mcore/grouped_experts.py``'s ``moe_experts``, ``mcore/layer.py``'s ``fused_layers``): on this CPU machine
+(``mcore/build/grouped_experts.py``'s ``moe_experts``, ``mcore/build/layer.py``'s ``fused_layers``): on this CPU machine
 ``"auto"`` takes the grouped experts and leaves the layers eager; quack is refused without a Hopper GPU; a config the
 grouped experts or the fused layers do not cover falls back under ``"auto"`` and is refused when asked for."""
 
@@ -14,14 +14,14 @@ pytest.importorskip("megatron.core")
 
 
 def _config(model_type: str, **overrides):
-    from actorcore.mcore.config import hf_to_mcore_config
+    from actorcore.mcore.build.config import hf_to_mcore_config
     from actorcore.testing.tiny_configs import tiny_config
 
     return hf_to_mcore_config(tiny_config(model_type), **overrides)
 
 
 def test_moe_experts_resolve_and_refuse():
-    from actorcore.mcore.grouped_experts import resolve_moe_experts
+    from actorcore.mcore.build.grouped_experts import resolve_moe_experts
 
     config = _config("qwen3_moe")
     assert resolve_moe_experts("auto", config, torch.float32) == "grouped"
@@ -37,7 +37,7 @@ def test_moe_experts_resolve_and_refuse():
 
 
 def test_experts_the_grouped_path_does_not_cover_stay_megatrons():
-    from actorcore.mcore.grouped_experts import resolve_moe_experts
+    from actorcore.mcore.build.grouped_experts import resolve_moe_experts
 
     config = _config("qwen3_moe", moe_grouped_gemm=True)
     assert resolve_moe_experts("auto", config, torch.float32) == "sequential"
@@ -48,7 +48,7 @@ def test_experts_the_grouped_path_does_not_cover_stay_megatrons():
 def test_quack_covers_swiglu_experts_only(monkeypatch):
     """Where quack runs (its probe answered yes here), "auto" takes it for bf16 SwiGLU experts, and the reasons it
     does not cover the others are named."""
-    import actorcore.mcore.grouped_experts as grouped_experts
+    import actorcore.mcore.build.grouped_experts as grouped_experts
 
     monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: None)
     qwen3_moe = _config("qwen3_moe")
@@ -62,7 +62,7 @@ def test_quack_covers_swiglu_experts_only(monkeypatch):
 
 
 def test_fused_layers_resolve_and_refuse():
-    from actorcore.mcore.layer import resolve_fused_layers
+    from actorcore.mcore.build.layer import resolve_fused_layers
 
     config = _config("qwen3_moe")
     assert resolve_fused_layers("auto", config, torch.float32) is False  # fp32 stays eager

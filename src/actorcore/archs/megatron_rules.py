@@ -432,7 +432,7 @@ EXPERT_BIAS_RULES = (
 SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.shared_experts.")
 
 
-# Vision-language models: the Megatron route runs the HF vision tower as it is (``actorcore.mcore.vlm``), as the
+# Vision-language models: the Megatron route runs the HF vision tower as it is (``actorcore.mcore.build.vlm``), as the
 # submodule ``vision_tower`` of the first pipeline stage's model; its parameters keep their HF names under it.
 VISION_TOWER = "vision_tower"
 
@@ -467,7 +467,7 @@ DEEPSEEK_MTP_RULES = MtpRules(
 )
 
 
-# ---- Hybrid Gated DeltaNet / gated attention (Qwen3-Next, Qwen3.5): see mcore/linear_attention.py. ------------
+# ---- Hybrid Gated DeltaNet / gated attention (Qwen3-Next, Qwen3.5): see mcore/build/linear_attention.py. ------------
 
 # Qwen3-Next / Qwen3.5's multi-token-prediction head, as vLLM's ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py`` load and run
 # it: h' = fc(cat(pre_fc_norm_embedding(emb(t+1)), pre_fc_norm_hidden(h))) -> the decoder layer mtp.layers.{i} (full
@@ -531,7 +531,7 @@ GDN_GROUPED_RULES = _GDN_COMMON_RULES + (
 # gpt-oss: biases on every linear (q/k/v/o, router, experts), a learned sink logit per attention head (split over
 # tensor-parallel ranks with the heads), and experts stacked per layer with the input dim first: ``gate_up_proj``
 # ``[E, D, 2F]`` (gate and up columns interleaved) and ``down_proj`` ``[E, F, D]``, the layout its checkpoints store
-# (in bf16, or as MXFP4 ``*_blocks`` / ``*_scales`` that the reader dequantises; ``mcore/safetensors_reader.py``).
+# (in bf16, or as MXFP4 ``*_blocks`` / ``*_scales`` that the reader dequantises; ``mcore/convert/safetensors_reader.py``).
 _GPT_OSS_EXPERTS = _M + "mlp.experts.local_experts.{expert}."
 GPT_OSS_EXPERT_RULES = (
     WeightRule(_GPT_OSS_EXPERTS + "linear_fc1.weight", (_L + "mlp.experts.gate_up_proj",),

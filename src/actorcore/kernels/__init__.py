@@ -28,7 +28,7 @@ Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``l
                                   ran one SDPA call per run of positions; ``...:at_positions:<backend>`` those that
                                   ran one varlen flash call (torch_varlen, flash_attn) over every run's key prefix
     varlen_attention:cp_ring      context-parallel attention calls that ran the ring exchange (Megatron route,
-                                  ``cp_comm_type="p2p"``; counted by ``mcore.attention``, one per layer call, each
+                                  ``cp_comm_type="p2p"``; counted by ``mcore.build.attention``, one per layer call, each
                                   running ``block_attention``'s plain per-block kernel once per CP rank);
                                   ``varlen_attention:cp_ring_flash`` those whose blocks ran ``flash_blocks``
     causal_conv1d:<backend>       packed causal conv1d calls (``linear_attention.packed.causal_conv1d_packed``): torch, fla

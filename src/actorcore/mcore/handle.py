@@ -15,7 +15,7 @@ import torch
 
 from actorcore.archs.megatron_rules import McoreSpec
 from actorcore.mcore.parallel import McoreParallel
-from actorcore.mcore.recompute import RecomputePlan
+from actorcore.mcore.build.recompute import RecomputePlan
 from actorcore.parallel.context import ParallelContext
 
 # How the checkpoint stores a MoE layer's experts: one tensor per expert (``experts.{e}.gate_proj.weight``), or
@@ -32,12 +32,12 @@ class McoreModel:
     VLM's ``model_type``; the whole config is ``vlm_config``). ``spec``: the architecture's Megatron rules.
     ``expert_layout``: the layout the checkpoint stores the experts in (``per_expert`` or ``grouped``): load
     checks it, export writes it. ``mla_full_width_projections``: MLA kv down projections patched for exact
-    gradients under TP + sequence parallelism (``mcore/mla.py``).
+    gradients under TP + sequence parallelism (``mcore/build/mla.py``).
 
     The speed choices ``build_gpt_model`` resolved (each with a way off there): ``moe_experts``, the routed experts'
-    kernel (``"grouped"``, ``"quack"``, ``"sequential"``; None without MoE layers, ``mcore/grouped_experts.py``);
-    ``fused_layers``, the layers' elementwise work compiled (``mcore/layer.py``); ``recompute``, the activation
-    recompute plan (None: none; ``mcore/recompute.py``), and ``measured_layer_bytes``, what CUDA calls measured each
+    kernel (``"grouped"``, ``"quack"``, ``"sequential"``; None without MoE layers, ``mcore/build/grouped_experts.py``);
+    ``fused_layers``, the layers' elementwise work compiled (``mcore/build/layer.py``); ``recompute``, the activation
+    recompute plan (None: none; ``mcore/build/recompute.py``), and ``measured_layer_bytes``, what CUDA calls measured each
     layer to keep (by ``(layer index, mode)``), which ``recompute="auto"`` plans later calls with.
     """
 

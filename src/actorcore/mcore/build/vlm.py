@@ -3,16 +3,17 @@
 
 Kimi-K2.5: plain 1-D positions (the packed batch's ``[T]``, as for a text model), and the tower is MoonViT with
 the ``mm_projector`` as one module running the HF base model's own features method, its attention held fused as
-the checkpoints store it (``mcore/projected_tower.py``).
+the checkpoints store it (``mcore/build/projected_tower.py``).
 
 The language model is built from the HF ``text_config`` by the ordinary converter (its ``mrope_section`` becomes
-Megatron's ``position_embedding_type="mrope"``; Qwen3-VL's interleaved layout is ``mcore/rotary.py``'s module) and
+Megatron's ``position_embedding_type="mrope"``; Qwen3-VL's interleaved layout is ``mcore/build/rotary.py``'s module) and
 takes the packed batch's ``[3, T]`` M-RoPE positions; Megatron applies them to THD input per token
 (``cu_seqlens[-1] == T`` selects its exact per-token mapping). The vision tower is the transformers module built
 from ``vision_config`` (``AutoModel.from_config``: nothing of the ViT is restated here), held by the first
 pipeline stage's model as ``vision_tower`` and replicated on every tensor-parallel rank: each rank runs it on all
 the batch's images (one call) and all its videos (one call), and its output replaces the word embeddings at the
-image and video placeholder tokens (as HF's ``masked_scatter``), which go into the decoder as ``decoder_input``.
+image and video placeholder tokens (as HF's ``masked_scatter``), which go into the decoder as ``decoder_input``
+(each call: ``mcore/run/vlm_inputs.py``).
 
 Deepstack (Qwen3-VL): the tower also returns one feature map per ``vision_config.deepstack_visual_indexes``
 entry; decoder layer ``i`` adds map ``i`` to its output at the visual tokens (transformers'
@@ -33,7 +34,6 @@ and a value head.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import types
 from typing import Any
 
@@ -42,8 +42,7 @@ import torch
 from actorcore.archs import get_spec
 from actorcore.archs.megatron_rules import VISION_TOWER
 from actorcore.mcore.parallel import McoreParallel
-from actorcore.mcore.projected_tower import build_projected_tower, fuse_attention_qkv
-from actorcore.visual_merge import VisualFeatures, merge_visual_features, scatter_features, tower_outputs
+from actorcore.mcore.build.projected_tower import build_projected_tower, fuse_attention_qkv
 
 
 def is_vlm_config(hf_config: Any) -> bool:
@@ -63,7 +62,7 @@ def language_config(hf_config: Any) -> Any:
 
 def build_vision_tower(hf_config: Any, dtype: torch.dtype, device: Any) -> torch.nn.Module:
     """The HF vision tower of the VLM config's ``vision_config`` (transformers' own module and math), in ``dtype``;
-    with a projector (Kimi-K2.5) the tower and projector as one module (``mcore/projected_tower.py``). Its random
+    with a projector (Kimi-K2.5) the tower and projector as one module (``mcore/build/projected_tower.py``). Its random
     initial weights (before a checkpoint is loaded) come from a fixed seed, so every rank's replica is the same;
     the caller's RNG state is left as it was."""
     vision = get_spec(hf_config.model_type).vision
@@ -148,80 +147,3 @@ def _forward_adding_deepstack(self: Any, *args: Any, **kwargs: Any) -> Any:
     if deltas is not None:
         hidden_states = hidden_states + deltas[self.layer_number - 1]
     return hidden_states, context
-
-
-def _tower_outputs(tower: torch.nn.Module, pixels: torch.Tensor, grid_I3: torch.Tensor, deepstack: bool
-                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Merged tower features ``[N, D]`` of every image (or video) of the batch, in order, and the deepstack
-    features (one ``[N, D]`` per deepstack layer; none for towers without): one tower call."""
-    out = tower(pixels.to(next(tower.parameters()).dtype), grid_thw=grid_I3)
-    return tower_outputs(out, f"the vision tower ({type(tower).__name__})", deepstack)
-
-
-def _full_sequence(chunk: Any, embeds_T1D: torch.Tensor) -> torch.Tensor:
-    """Under sequence parallelism Megatron's embedding returns this rank's ``T / tp`` tokens: every token (the
-    backward keeps this rank's slice of the gradient, which the embedding's own backward gathers again)."""
-    if not chunk.config.sequence_parallel:
-        return embeds_T1D
-    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-    return gather_from_sequence_parallel_region(embeds_T1D, tensor_parallel_output_grad=False)
-
-
-def _this_rank_tokens(chunk: Any, full_T1D: torch.Tensor) -> torch.Tensor:
-    """Under sequence parallelism this rank's ``T / tp`` tokens (the backward gathers every rank's gradient, so the
-    replicated vision tower gets the whole gradient on every TP rank); otherwise all of them."""
-    if not chunk.config.sequence_parallel:
-        return full_T1D
-    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
-
-    return scatter_to_sequence_parallel_region(full_T1D)
-
-
-def vlm_inputs(chunk: Any, batch: Any, config: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """The decoder input (word embeddings with the tower's features at the placeholder tokens: the HF route's merge,
-    ``actorcore.visual_merge``) and, for deepstack, what each of the first decoder layers adds (the deepstack
-    features at the visual tokens, 0 elsewhere), both ``[T, 1, D]`` (``[T / tp, 1, D]`` under sequence parallelism;
-    ``config``: the VLM's HF config). The tower runs once over the batch's images and once over its videos."""
-    ids_T = batch.input_ids
-    embeds = _full_sequence(chunk, chunk.embedding(input_ids=ids_T.unsqueeze(0), position_ids=None))
-    tower = getattr(chunk, VISION_TOWER)
-    vision = get_spec(config.model_type).vision
-    features, masks = VisualFeatures(), {}
-    for kind, pixels_key, grid_key, token_field in (
-            ("image", "pixel_values", "image_grid_thw", vision.image_token_field),
-            ("video", "pixel_values_videos", "video_grid_thw", vision.video_token_field)):
-        masks[kind] = torch.zeros_like(ids_T, dtype=torch.bool) if token_field is None else \
-            ids_T == int(getattr(config, token_field))
-        pixels = batch.multimodal.get(pixels_key)
-        if token_field is None or pixels is None:
-            continue
-        merged, deepstack = _tower_outputs(tower, pixels, batch.multimodal[grid_key], vision.deepstack)
-        setattr(features, f"{kind}_ND", merged)
-        setattr(features, f"deepstack_{kind}", deepstack)
-    embeds, deepstack = merge_visual_features(embeds, masks["image"], masks["video"], features)
-    if deepstack is None:
-        return _this_rank_tokens(chunk, embeds), None
-    visual_T, joint = deepstack
-    deltas = tuple(_this_rank_tokens(chunk, scatter_features(torch.zeros_like(embeds), visual_T, layer_ND, "visual"))
-                   for layer_ND in joint)
-    return _this_rank_tokens(chunk, embeds), deltas
-
-
-def vlm_chunk_forward(chunk: Any, batch: Any, params: Any, config: Any) -> torch.Tensor:
-    """One chunk's forward on a packed VLM batch (positions ``[3, T]``, or ``[T]`` for a model with 1-D positions)
-    of the VLM ``config``; what ``GPTModel.forward`` returns."""
-    rows = 1 if get_spec(config.model_type).vision.rope_index is None else 2
-    if batch.position_ids.dim() != rows:
-        raise ValueError(f"a {config.model_type} batch on the Megatron route needs its "
-                         f"{'[T]' if rows == 1 else '[3, T] M-RoPE'} position ids, got shape "
-                         f"{list(batch.position_ids.shape)}: pack it with actorcore.pack(sequences, multimodal=..., "
-                         "model=hf_model)")
-    decoder_input = None
-    if chunk.pre_process:
-        decoder_input, deepstack = vlm_inputs(chunk, batch, config)
-        if deepstack is not None:
-            params = dataclasses.replace(params, deepstack=deepstack)
-    positions = batch.position_ids.unsqueeze(0 if rows == 1 else 1)
-    return chunk(batch.input_ids.unsqueeze(0), positions, None, decoder_input=decoder_input,
-                 packed_seq_params=params)

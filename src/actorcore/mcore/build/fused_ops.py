@@ -5,8 +5,8 @@ Legend: ``T`` tokens (this rank's), ``B`` = 1 (packed batches), ``D`` hidden, ``
 Why: between its GEMMs and attention a Megatron layer runs its norms, residual adds and gated activation as
 separate memory-bound kernels, each reading and writing the whole ``[T, D]`` (or ``[T, O]``) tensor, several in
 fp32; on the H200 they were a quarter of the Megatron route's MoE step (384 ms of elementwise kernels). Compiled,
-each region is one or two fused kernels forward and backward. These are the regions ``mcore/layer.py``'s fused
-layers (and ``mcore/grouped_experts.py``'s experts) run, written as Megatron's own modules compute them:
+each region is one or two fused kernels forward and backward. These are the regions ``mcore/build/layer.py``'s fused
+layers (and ``mcore/build/grouped_experts.py``'s experts) run, written as Megatron's own modules compute them:
 
 - ``residual_add``: Megatron's bias-dropout-add at dropout 0 (``x + bias``, then ``residual + x``, the residual cast
   to ``x``'s dtype);

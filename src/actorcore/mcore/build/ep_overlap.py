@@ -5,7 +5,7 @@ With the option, megatron-core 0.16.1's schedule for a forward-backward without 
 (``combined_1f1b``): each micro-batch's forward runs layer by layer interleaved with the
 previous micro-batch's backward, from the chunk's schedule plan (``GPTModel.build_schedule_plan``: attention,
 token dispatch, experts and combine as separate nodes), the
-all-to-alls on a second CUDA stream. ``actorcore.mcore.forward`` hands the schedule that plan for the same packed
+all-to-alls on a second CUDA stream. ``actorcore.mcore.run.forward`` hands the schedule that plan for the same packed
 batch; forward-only calls take the plain schedule. On the CPU the streams and events are no-ops
 (``CpuRuntime``), so the two schedules compute the same operations: on gloo the log-probs, entropy and gradients
 are bit-identical to the plain schedule's. The overlap itself only exists on CUDA.
@@ -38,7 +38,7 @@ def check_ep_overlap(hf_config: Any, parallel: Any, dtype: torch.dtype, *, mtp: 
     the plain schedule does (see the module docstring); nothing to check when the option is off."""
     if not config_overrides.get(OPTION):
         return
-    from actorcore.mcore.config import mcore_fields
+    from actorcore.mcore.build.config import mcore_fields
 
     pattern = mcore_fields(hf_config)[0].get("moe_layer_freq")
     missing = []

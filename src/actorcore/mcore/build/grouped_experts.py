@@ -39,7 +39,7 @@ import torch
 from actorcore.kernels.grouped_gemm import consecutive, group_offsets, grouped_linear
 from actorcore.kernels.moe_permute import bias_of_rows
 from actorcore.kernels.quack import runtime as quack_runtime
-from actorcore.mcore.fused_ops import compiled, expert_activation
+from actorcore.mcore.build.fused_ops import compiled, expert_activation
 
 try:  # megatron-core is optional; this module is only imported after require_megatron()
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -80,7 +80,7 @@ class GroupedExperts(SequentialMLP):
 
     ``kernel``: ``"grouped"`` (torch's ``grouped_mm``, one GEMM per expert where it cannot run) or ``"quack"``
     (quack's gated GEMMs; a module ``quack_experts_refusal`` passes); ``fused``: the activation compiled
-    (``fused_ops``, with the fused layers of ``mcore/layer.py``). ``calls`` counts its forwards (a call
+    (``fused_ops``, with the fused layers of ``mcore/build/layer.py``). ``calls`` counts its forwards (a call
     of ``compute_logprobs`` compares it before and after: the proof the path ran)."""
 
     def __init__(self, num_local_experts: int, config: Any, submodules: Any, pg_collection: Any = None,

@@ -1,17 +1,17 @@
 """One call's ``LayerPlan`` on the Megatron route: what each decoder layer runs in this call, what ran, and the
-check that it did (``mcore.forward.run_schedule`` builds and checks it around Megatron's schedule).
+check that it did (``mcore.run.forward.run_schedule`` builds and checks it around Megatron's schedule).
 
 The plan goes to every layer with the micro-batch (``BatchParams.layer_plan``). Its trace counts, per call (and is
 added to the caller's ``trace`` of ``compute_logprobs`` / ``compute_values``):
 
-    mcore:fused_layers                 layer forwards that ran the compiled elementwise regions (``mcore/layer.py``;
+    mcore:fused_layers                 layer forwards that ran the compiled elementwise regions (``mcore/build/layer.py``;
                                        a recompute counts again)
     mcore:recompute_kept_layers        layer forwards of a training call that kept every activation
     mcore:recompute_selective_layers   layer forwards under the selective checkpoint
     mcore:recompute_full_layers        layer forwards under the full checkpoint
     checkpoint:selective               selective checkpoint contexts entered (forward and recompute:
                                        ``kernels.selective_checkpoint``)
-    moe_experts:grouped_calls          forwards of the grouped experts (``mcore/grouped_experts.py``), any kernel
+    moe_experts:grouped_calls          forwards of the grouped experts (``mcore/build/grouped_experts.py``), any kernel
     moe_experts:quack_calls            those of them on quack's gated GEMMs
 
 After the call every fused layer must have run fused, every selective layer under its selective checkpoint and
@@ -28,9 +28,9 @@ import torch
 
 from actorcore.errors import FastPathNotRunError
 from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY
-from actorcore.mcore.grouped_experts import GROUPED_EXPERTS_KEY, QUACK, QUACK_EXPERTS_KEY, GroupedExperts
-from actorcore.mcore.layer import FUSED_KEY
-from actorcore.mcore.recompute import (SELECTIVE, SELECTIVE_KEY, LayerPlan, layer_bytes_per_token,
+from actorcore.mcore.build.grouped_experts import GROUPED_EXPERTS_KEY, QUACK, QUACK_EXPERTS_KEY, GroupedExperts
+from actorcore.mcore.build.layer import FUSED_KEY
+from actorcore.mcore.build.recompute import (SELECTIVE, SELECTIVE_KEY, LayerPlan, layer_bytes_per_token,
                                        micro_batches_in_flight, plan_layer_modes)
 
 

@@ -4,13 +4,13 @@ fused, its elementwise work compiled (``build_gpt_model(..., fused_layers=..., r
 It enters the model through the layer spec (``with_planned_layers``: megatron-core's ``ModuleSpec`` extension
 point); its modules, parameters and state dict are ``TransformerLayer``'s. Each forward reads the call's
 ``LayerPlan`` from the micro-batch's ``BatchParams`` (``packed_seq_params.layer_plan``, set by
-``mcore.forward``): the layer's mode (``mcore/recompute.py``: ``"none"``, ``"selective"`` under PyTorch's
+``mcore.run.forward``): the layer's mode (``mcore/build/recompute.py``: ``"none"``, ``"selective"`` under PyTorch's
 selective checkpoint with actorcore's keep-the-GEMMs policy, ``"full"`` under torch's non-reentrant checkpoint;
 only in a training forward with gradients) and the call's trace, where it counts what ran.
 
 Fused (``fused=True``): the layer's forward is ``TransformerLayer.forward`` for what actorcore's configs build
 (self-attention, no cross-attention, no dropout, no inference context), with its elementwise regions compiled
-(``mcore/fused_ops.py``): the input norm, the attention output's residual add with the pre-MLP norm, and the MLP
+(``mcore/build/fused_ops.py``): the input norm, the attention output's residual add with the pre-MLP norm, and the MLP
 output's residual add; a dense MLP runs its activation compiled (``fused_mlp``), the routed experts theirs in
 ``GroupedExperts``. Attention (its projections, RoPE, q/k norms, core attention) and the MoE router and token
 dispatcher stay Megatron's eager code: their collectives and host synchronisation would split a compiled graph.
@@ -28,8 +28,8 @@ import torch
 import torch.utils.checkpoint
 
 from actorcore.kernels.selective_checkpoint import SelectiveContexts
-from actorcore.mcore.fused_ops import add_then_norm, apply_norm, compiled, gated_activation, residual_add
-from actorcore.mcore.recompute import FULL, FULL_KEY, KEPT_KEY, NONE, SELECTIVE, SELECTIVE_KEY
+from actorcore.mcore.build.fused_ops import add_then_norm, apply_norm, compiled, gated_activation, residual_add
+from actorcore.mcore.build.recompute import FULL, FULL_KEY, KEPT_KEY, NONE, SELECTIVE, SELECTIVE_KEY
 
 try:  # megatron-core is optional; this module is only imported after require_megatron()
     from megatron.core.transformer.mlp import MLP

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from actorcore.mcore.config import mcore_fields
+from actorcore.mcore.build.config import mcore_fields
 from actorcore.mcore.parallel import McoreParallel
-from actorcore.mcore.vlm import is_vlm_config, language_config
+from actorcore.mcore.build.vlm import is_vlm_config, language_config
 from actorcore.sizes import check_config_sizes
 
 

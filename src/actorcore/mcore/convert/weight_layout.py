@@ -1,7 +1,7 @@
 """Rule geometry: how a rank's local Megatron parameters relate to the HF checkpoint's tensors.
 
-Pure functions of a built model and its weight rules, shared by the load (``mcore.load``) and the export
-(``mcore.weight_stream``): global names of local parameters (layer and expert indices), the full HF shapes of a
+Pure functions of a built model and its weight rules, shared by the load (``mcore.convert.load``) and the export
+(``mcore.convert.weight_stream``): global names of local parameters (layer and expert indices), the full HF shapes of a
 rule's parts, tied weights, and the MTP layers' copies of main-model tensors. No collectives, no file access.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from actorcore.archs.megatron_rules import SECTION_SIZES, McoreSpec, WeightRule
-from actorcore.mcore.transforms import local_experts, split_parts, tp_dim
+from actorcore.mcore.convert.transforms import local_experts, split_parts, tp_dim
 from actorcore.parallel.context import ParallelContext
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -1,6 +1,6 @@
 """Budgeted activation recompute for the Megatron route (``build_gpt_model(..., recompute=..., memory_budget_gib=...)``).
 
-Each decoder layer of a forward-backward call runs in one of three modes (``mcore/layer.py`` applies them):
+Each decoder layer of a forward-backward call runs in one of three modes (``mcore/build/layer.py`` applies them):
 
 - ``"none"``: nothing recomputed (every activation kept);
 - ``"selective"``: the layer under PyTorch's selective activation checkpoint with actorcore's policy

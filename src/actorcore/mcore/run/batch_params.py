@@ -2,10 +2,10 @@
 
 It is Megatron's ``PackedSeqParams`` (the THD layout every layer reads), plus what belongs to this call and this
 batch: ``run_mtp`` (run the multi-token-prediction layers in this forward: an option of the call, read by the
-post-processing ``mcore/model.py`` binds, never a flag on a module), ``cp_cache`` (the context-parallel
+post-processing ``mcore/build/model.py`` binds, never a flag on a module), ``cp_cache`` (the context-parallel
 layout that the first attention layer derives and the others reuse), ``deepstack`` (Qwen3-VL: what each of the
-first decoder layers adds to its output, ``mcore/vlm.py``) and ``layer_plan`` (the call's ``LayerPlan``: each
-layer's recompute mode and the call's trace, read by ``mcore/layer.py``'s layers). It lives as long as the
+first decoder layers adds to its output, ``mcore/build/vlm.py``) and ``layer_plan`` (the call's ``LayerPlan``: each
+layer's recompute mode and the call's trace, read by ``mcore/build/layer.py``'s layers). It lives as long as the
 micro-batch.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from actorcore.mcore.attention import CpLayoutCache
+from actorcore.mcore.build.attention import CpLayoutCache
 
-try:  # megatron-core is optional; this module is only imported by mcore/forward.py after require_megatron()
+try:  # megatron-core is optional; this module is only imported by mcore/run/forward.py after require_megatron()
     from megatron.core.packed_seq_params import PackedSeqParams
 except ImportError:  # pragma: no cover - guarded by require_megatron
     @dataclass

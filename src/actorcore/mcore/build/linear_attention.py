@@ -35,7 +35,7 @@ from actorcore.errors import PackingNotAppliedError
 from actorcore.kernels.linear_attention.gated_deltanet import (decay_and_beta, gated_norm_recomputed, in_projections,
                                                                mix_packed)
 
-try:  # megatron-core is optional; this module is only imported by mcore/model.py after require_megatron()
+try:  # megatron-core is optional; this module is only imported by mcore/build/model.py after require_megatron()
     from megatron.core.transformer.module import MegatronModule
 except ImportError:  # pragma: no cover - guarded by require_megatron
     MegatronModule = torch.nn.Module  # type: ignore[misc,assignment]
