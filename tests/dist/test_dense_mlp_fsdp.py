@@ -7,10 +7,11 @@ forward on both ranks' micro-batches; the trace proves the path ran in every lay
 from collections import Counter
 
 import torch
-from test_tiled_mlp_fsdp import _loss, _micro_batches  # the same micro-batches and loss
+from support.fsdp_steps import micro_batch_loss, micro_batches  # the same micro-batches and loss
 
 from actorcore.testing.distributed import run_distributed
 from actorcore.testing.tolerances import TOL
+
 
 def _worker(rank, world_size, patch_first):
     from torch.distributed.fsdp import fully_shard
@@ -28,11 +29,11 @@ def _worker(rank, world_size, patch_first):
     fully_shard(model)
     if not patch_first:  # the parameters are FSDP2's sharded DTensors when the path is installed
         handle = ac.patch_model(model, dense_mlp="quack")
-    micro = _micro_batches() if rank == 0 else _micro_batches()[::-1]
+    micro = micro_batches() if rank == 0 else micro_batches()[::-1]
     trace, log_probs = Counter(), []
     for i, seqs in enumerate(micro):
         model.set_requires_gradient_sync(i == len(micro) - 1)
-        loss, lp = _loss(model, seqs, trace)
+        loss, lp = micro_batch_loss(model, seqs, trace)
         log_probs.append(lp)
         loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
@@ -44,9 +45,9 @@ def test_dense_mlp_under_fsdp2_with_gradient_accumulation():
     from actorcore.testing.tiny_configs import build_tiny_model
 
     reference = build_tiny_model("qwen2", seed=9, dtype=torch.float64)  # the model's own forward, unpatched
-    want_lp = [_loss(reference, seqs)[1] for seqs in _micro_batches()]
-    total = sum(_loss(reference, seqs)[0] for seqs in _micro_batches()) + sum(
-        _loss(reference, seqs)[0] for seqs in _micro_batches()[::-1])
+    want_lp = [micro_batch_loss(reference, seqs)[1] for seqs in micro_batches()]
+    total = sum(micro_batch_loss(reference, seqs)[0] for seqs in micro_batches()) + sum(
+        micro_batch_loss(reference, seqs)[0] for seqs in micro_batches()[::-1])
     (total / 2).backward()  # FSDP2 averages the two ranks' accumulated gradients
     for patch_first in (True, False):
         results = run_distributed(_worker, 2, args=(patch_first,))

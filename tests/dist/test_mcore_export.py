@@ -15,6 +15,7 @@ import torch
 
 from actorcore.testing.distributed import run_distributed
 
+
 pytest.importorskip("megatron.core")
 
 BUCKET_BYTES = 12_000  # several tensors per bucket, and buckets mixing tensors of both pipeline stages
@@ -28,7 +29,7 @@ CASES = [
 
 
 def _save(root: str) -> None:
-    from test_mcore_roundtrip import randomize_constant_tensors
+    from support.mcore_weights import randomize_constant_tensors
 
     from actorcore.testing.tiny_configs import build_tiny_model
 

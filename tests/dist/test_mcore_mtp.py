@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
-from actorcore.testing.mtp import MTP_CONFIG_FIELDS, mtp_tensor_names, reference_mtp, write_mtp_checkpoint
+from support.mtp import MTP_CONFIG_FIELDS, mtp_tensor_names, reference_mtp, write_mtp_checkpoint
 
 pytest.importorskip("megatron.core")
 
@@ -70,7 +70,7 @@ def _arch_layouts(case: str, model_type: str, mtp_dir: str, saved_dir: str) -> d
     from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
-    from actorcore.testing.mcore_cases import stapled_attributes
+    from support.mcore_cases import stapled_attributes
 
     hf_config = AutoConfig.from_pretrained(mtp_dir)
     layout = checkpoint_expert_layout(mtp_dir, hf_config)
@@ -121,7 +121,7 @@ def mtp_world(tmp_path_factory):
     """Every case's checkpoint, its plain-torch reference, the two-rank results, and the CLI's conversions (both ways,
     and back from the PP=2 Megatron checkpoint)."""
     from actorcore.cli.convert import main as convert
-    from actorcore.testing.checkpoints import load_checkpoint_tensors
+    from support.checkpoints import load_checkpoint_tensors
 
     root = str(tmp_path_factory.mktemp("mcore_mtp"))
     dirs, references = {}, {}
@@ -341,7 +341,7 @@ def test_mtp_tensors_dropped_with_a_warning_without_mtp(mtp_world, tmp_path, cap
     from safetensors.torch import load_file
 
     from actorcore.cli.convert import main as convert
-    from actorcore.testing.checkpoints import load_checkpoint_tensors
+    from support.checkpoints import load_checkpoint_tensors
 
     model_type, mtp_dir, _ = mtp_world["dirs"]["qwen3_5_text"]
     state = load_file(os.path.join(mtp_dir, "model.safetensors"))

@@ -9,7 +9,9 @@ import os
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases, stapled_attributes
+from support.mcore_cases import spawn_cases, stapled_attributes
+from support.mcore_weights import randomize_constant_tensors
+
 
 pytest.importorskip("megatron.core")
 
@@ -26,17 +28,6 @@ def _archs() -> tuple[list[str], list[str]]:
 DENSE, MOE = _archs()
 
 
-def randomize_constant_tensors(model, seed: int = 0) -> None:
-    """Norm weights (ones), biases and DeepSeek's expert bias (zeros) get distinct random values, so a
-    mapping that swapped two of them could not pass."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            if tensor.is_floating_point() and tensor.numel() > 1 and bool((tensor == tensor.flatten()[0]).all()):
-                noise = torch.randn(tensor.shape, generator=gen) * 0.1
-                tensor.copy_((tensor.float() + noise).to(tensor.dtype))
-
-
 def _save_tiny(model_type: str, directory: str, **overrides) -> None:
     from actorcore.archs import get_spec
     from actorcore.testing.tiny_configs import build_tiny_model
@@ -46,7 +37,7 @@ def _save_tiny(model_type: str, directory: str, **overrides) -> None:
     model = build(model_type, seed=3, **overrides)
     randomize_constant_tensors(model)
     if model_type == "kimi_k25":  # under the release's names, which the Megatron route exports
-        from actorcore.testing.kimi_release import save_release_checkpoint
+        from support.kimi_release import save_release_checkpoint
 
         save_release_checkpoint(model, directory)
     else:

@@ -29,8 +29,9 @@ from collections import Counter
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases
+from support.mcore_cases import spawn_cases
 from actorcore.testing.tolerances import TOL
+
 
 pytest.importorskip("megatron.core")
 
@@ -54,7 +55,7 @@ EDGE_ROWS = ([0, 1], [1, 0], [0, 0], [3, 1])
 
 
 def _sequences() -> list[list[torch.Tensor]]:
-    from test_mcore_logprobs import _sequences as logprob_sequences
+    from support.mcore_logprobs import logprob_sequences
 
     return logprob_sequences() + [TWO_TOKENS]
 
@@ -68,8 +69,8 @@ def _batches():
 def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: str) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from test_mcore_logprobs import _tiny_hf, reference_logprobs_packed
-    from test_mcore_moe_tp import _grads_as_hf
+    from support.mcore_logprobs import tiny_hf, reference_logprobs_packed
+    from support.mcore_moe_tp import grads_as_hf
 
     from actorcore.kernels.grouped_gemm import consecutive
     from actorcore.mcore.run.forward import compute_logprobs
@@ -78,7 +79,7 @@ def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: 
     from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
-    hf = _tiny_hf(model_type, **overrides)
+    hf = tiny_hf(model_type, **overrides)
     parallel = McoreParallel(tp=tp, ep=ep)
     initialize_megatron(parallel)
     model = build_gpt_model(hf.config, parallel)  # "auto": the grouped experts on the CPU
@@ -97,7 +98,7 @@ def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: 
     for sequences in _sequences():
         (reference_logprobs_packed(hf, sequences)[0].sum() * (-1.0 / len(batches))).backward()
     return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "ref": ref,
-            "grads": _grads_as_hf(model), "ref_grads": {n: p.grad for n, p in hf.named_parameters() if p.grad is not None},
+            "grads": grads_as_hf(model), "ref_grads": {n: p.grad for n, p in hf.named_parameters() if p.grad is not None},
             "experts": model.moe_experts, "trace": dict(trace), "in_place": in_place}
 
 
@@ -258,13 +259,13 @@ def _quack_stand_in_case(directory: str) -> dict:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    from test_mcore_logprobs import _tiny_hf
+    from support.mcore_logprobs import tiny_hf
 
     root = str(tmp_path_factory.mktemp("mcore_speed"))
     cases = []
     for name, (model_type, tp, ep, overrides) in FAMILY_CASES.items():
         directory = os.path.join(root, name)
-        _tiny_hf(model_type, **overrides).save_pretrained(directory)
+        tiny_hf(model_type, **overrides).save_pretrained(directory)
         cases.append((name, _family_case, (model_type, tp, ep, overrides, directory)))
     cases.append(("checkpoint_swap", _checkpoint_swap_case, (os.path.join(root, "qwen3_moe_ep2"), root)))
     cases.append(("recompute", _recompute_case, (os.path.join(root, "qwen3_moe_ep2"),)))
@@ -276,7 +277,7 @@ def world2(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILY_CASES))
 def test_grouped_experts_match_transformers_per_token_and_gradient(world2, name):
-    from test_mcore_moe_tp import assert_matches_transformers
+    from support.mcore_moe_tp import assert_matches_transformers
 
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
     for rank, result in enumerate(world2[name]):
@@ -291,9 +292,9 @@ def test_grouped_experts_match_transformers_per_token_and_gradient(world2, name)
 def test_checkpoint_saved_with_grouped_experts_loads_into_sequential_and_back(world2, tmp_path):
     from safetensors.torch import load_file
 
-    from test_mcore_logprobs import _tiny_hf
+    from support.mcore_logprobs import tiny_hf
 
-    hf = _tiny_hf("qwen3_moe")
+    hf = tiny_hf("qwen3_moe")
     hf.save_pretrained(tmp_path)
     original = load_file(os.path.join(tmp_path, "model.safetensors"))
     tol = TOL["grouped_experts_vs_sequential_fp32_rel"]

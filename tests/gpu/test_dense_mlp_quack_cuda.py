@@ -12,13 +12,14 @@ from collections import Counter
 
 import pytest
 import torch
-from test_fused_decoder_cuda import _step
-from test_moe_experts_cuda import _assert_no_further_from_fp32, _distance
-from test_moe_quack_cuda import _needs_quack, _quack_kernels_ran  # noqa: F401 (the autouse skip without quack)
+from support.fused_decoder_steps import step
+from support.moe_experts_cuda import assert_no_further_from_fp32, grad_distance
+from support.moe_quack_cuda import needs_quack, quack_kernels_ran  # noqa: F401 (the autouse skip without quack)
 
 import actorcore as ac
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
+
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -54,7 +55,7 @@ def test_mlp_within_bf16_rounding_of_fp32(hidden, intermediate, tokens):
 
     want = run(reference, lambda m, xs: m(xs), torch.float32)
     eager = run(mlp, lambda m, xs: m(xs), torch.bfloat16)
-    path, ran = _quack_kernels_ran(lambda: run(mlp, quack, torch.bfloat16))
+    path, ran = quack_kernels_ran(lambda: run(mlp, quack, torch.bfloat16))
     assert ran, "no quack kernel ran"
     again = run(mlp, quack, torch.bfloat16)
     for w, e, p, a in zip(want, eager, path, again):
@@ -73,19 +74,19 @@ def test_fused_decoder_with_quack_mlp(model_type):
     batch = _batch()
     reference = copy.deepcopy(model).float()
     handle = ac.patch_model(reference, fused_decoder=False, moe_experts=False, dense_mlp=False)
-    want = _step(reference, batch, Counter())
+    want = step(reference, batch, Counter())
     handle.revert()
     handle = ac.patch_model(model, fused_decoder=False, dense_mlp=False)
-    eager = _step(model, batch, Counter())
+    eager = step(model, batch, Counter())
     handle.revert()
     distances = {}
     for request in (False, "auto"):
         handle = ac.patch_model(model, fused_decoder=True, dense_mlp=request)
         assert bool(handle.state.targets("dense_mlp")) == (request == "auto")
         trace = Counter()
-        run, ran = _quack_kernels_ran(lambda: _step(model, batch, trace))
+        run, ran = quack_kernels_ran(lambda: step(model, batch, trace))
         assert trace[FUSED_TRACE_KEY] == len(handle.state.targets("fused_decoder")) >= 1
-        distances[request] = _distance(run, want)
+        distances[request] = grad_distance(run, want)
         if request == "auto":
             assert ran, "no quack kernel ran"
             tol = TOL["fused_decoder_vs_eager_bf16"]
@@ -95,4 +96,4 @@ def test_fused_decoder_with_quack_mlp(model_type):
         elif model_type in ("llama", "qwen3"):  # no MoE experts that could run quack's kernels
             assert not ran
         handle.revert()
-    _assert_no_further_from_fp32(distances["auto"], distances[False], "the compiled MLP")
+    assert_no_further_from_fp32(distances["auto"], distances[False], "the compiled MLP")

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_autocast_cuda import _exact_fp32  # noqa: F401 - autouse: the fp32 reference's matmuls without TF32
+from support.cuda_fp32 import exact_fp32  # noqa: F401 - autouse: the fp32 reference's matmuls without TF32
 from torch.utils.checkpoint import checkpoint
 
 

@@ -16,6 +16,8 @@ import torch
 import actorcore as ac
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
+from support.fused_decoder_steps import step
+
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,15 +27,6 @@ LENGTHS = ((7, 64, 1, 33), (5, 90, 17))
 def _batch(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return ac.pack([torch.randint(3, 131, (n,), generator=g) for n in lengths]).to("cuda")
-
-
-def _step(model, batch, trace):
-    out = ac.compute_logprobs(model, batch, temperature=0.9, trace=trace)
-    weights = torch.linspace(0.5, 1.5, out.log_probs.numel(), device="cuda")
-    (-(out.log_probs * weights).sum() - 0.1 * out.entropy.sum()).backward()
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out.log_probs.detach(), out.entropy.detach(), grads
 
 
 def _compare(eager, fused):
@@ -62,17 +55,17 @@ def test_fused_matches_eager_and_ran(model_type):
     model = build_tiny_model(model_type, seed=1, dtype=torch.bfloat16).cuda().train()
     batch, other = _batch(LENGTHS[0]), _batch(LENGTHS[1], seed=1)
     handle = ac.patch_model(model, fused_decoder=False, checkpointing="full")
-    eager = _step(model, batch, Counter())
+    eager = step(model, batch, Counter())
     handle.revert()
     handle = ac.patch_model(model, fused_decoder=True, checkpointing="auto", memory_budget_gib=64)
     fused_layers = len(patch_state(model).targets("fused_decoder"))
     assert fused_layers >= 1
     trace = Counter()
-    fused = _step(model, batch, trace)
+    fused = step(model, batch, trace)
     assert trace[FUSED_TRACE_KEY] >= fused_layers
     _compare(eager, fused)
     graphs = _graphs()
-    _step(model, other, Counter())
+    step(model, other, Counter())
     assert _graphs() == graphs, "a pack of another length compiled again"
     report = ac.verify(model, batch)  # the model's own forward is the eager one: verify still passes
     assert report.ok, report
@@ -120,11 +113,11 @@ def test_the_default_patch_fuses_a_bf16_cuda_model():
     model = build_tiny_model("qwen3", seed=4, dtype=torch.bfloat16).cuda().train()
     batch = _batch(LENGTHS[0])
     handle = ac.patch_model(model, fused_decoder=False)
-    eager = _step(model, batch, Counter())
+    eager = step(model, batch, Counter())
     handle.revert()
     handle = ac.patch_model(model)
     trace = Counter()
-    fused = _step(model, batch, trace)
+    fused = step(model, batch, trace)
     assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers
     _compare(eager, fused)
     handle.revert()
@@ -150,12 +143,12 @@ def test_attention_runs_inside_the_compiled_layer(model_type):
     model = build_tiny_model(model_type, seed=2, dtype=torch.bfloat16).cuda().train()
     batch = _batch(LENGTHS[0])
     handle = ac.patch_model(model, fused_decoder=False, checkpointing="full")
-    eager = _step(model, batch, Counter())
+    eager = step(model, batch, Counter())
     handle.revert()
     handle = ac.patch_model(model, fused_decoder=True)  # not checkpointed: each fused layer keeps its graph
     fused_layers = [model.model.layers[i] for i in patch_state(model).targets("fused_decoder")]
     trace = Counter()
-    fused = _step(model, batch, trace)
+    fused = step(model, batch, trace)
     _compare(eager, fused)
     compiled = {id(c): c for c in (compiled_forward(layer.forward.forward) for layer in fused_layers)}
     for c in compiled.values():

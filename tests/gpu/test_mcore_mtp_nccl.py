@@ -14,6 +14,7 @@ import torch
 
 from actorcore.testing.tolerances import TOL
 
+
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 LENGTHS = (9, 2, 12, 5, 3)
@@ -57,13 +58,13 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
 def test_mtp_on_nccl(tp, pp, model_type):
     pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
-    from test_mcore_nccl import _run_nccl
+    from support.mcore_nccl import run_nccl
 
-    from actorcore.testing.mtp import reference_mtp, write_mtp_checkpoint
+    from support.mtp import reference_mtp, write_mtp_checkpoint
 
     with tempfile.TemporaryDirectory() as root:
         mtp_dir, donor_dir = write_mtp_checkpoint(root, model_type)
-        results = _run_nccl(_worker, 2, (tp, pp, mtp_dir))
+        results = run_nccl(_worker, 2, (tp, pp, mtp_dir))
         reference = load_file(os.path.join(mtp_dir, "model.safetensors"))
         main_ref, mtp_rows, ref_loss, ref_grad = reference_mtp(mtp_dir, donor_dir, _sequences(), MTP_SCALE)
     tol, grad_tol = TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"]

@@ -28,6 +28,7 @@ import torch
 
 from actorcore.testing.tolerances import TOL
 
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "dist"))
@@ -37,25 +38,25 @@ MODEL_TYPES = ("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 def _batches():
     import actorcore as ac
-    from test_mcore_logprobs import _sequences
+    from support.mcore_logprobs import logprob_sequences
 
-    return [ac.pack(sequences) for sequences in _sequences()]
+    return [ac.pack(sequences) for sequences in logprob_sequences()]
 
 
 def _step(model, trace: Counter) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """One forward-backward of the summed log-probs: (log-probs per batch, every gradient as HF names)."""
-    from test_mcore_moe_tp import _grads_as_hf
+    from support.mcore_moe_tp import grads_as_hf
 
     from actorcore.mcore.run.forward import compute_logprobs
 
     for chunk in model.chunks:
         chunk.zero_grad(set_to_none=True)
     out = compute_logprobs(model, _batches(), loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace)
-    return [o.log_probs for o in out], _grads_as_hf(model)
+    return [o.log_probs for o in out], grads_as_hf(model)
 
 
 def _variants_worker(rank: int, world_size: int, directory: str, variants: dict) -> dict:
-    from test_mcore_moe_tp_cuda import _on_cpu
+    from support.mcore_moe_tp_cuda import on_cpu
     from transformers import AutoConfig
 
     from actorcore.mcore.convert.load import load_hf_into_mcore
@@ -69,28 +70,28 @@ def _variants_worker(rank: int, world_size: int, directory: str, variants: dict)
         model = build_gpt_model(config, McoreParallel(), dtype, **options)
         load_hf_into_mcore(model, directory)
         trace = Counter()
-        out[name] = _on_cpu((*_step(model, trace), dict(trace), model.moe_experts, model.fused_layers))
+        out[name] = on_cpu((*_step(model, trace), dict(trace), model.moe_experts, model.fused_layers))
         del model
         torch.cuda.empty_cache()
     return out
 
 
 def _run(directory: str, variants: dict) -> dict:
-    from test_mcore_nccl import _run_nccl
+    from support.mcore_nccl import run_nccl
 
-    return _run_nccl(_variants_worker, 1, (directory, variants))[0]
+    return run_nccl(_variants_worker, 1, (directory, variants))[0]
 
 
 def _fp32_reference(hf) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """transformers' own fp32 forward on the CPU, and its gradients of the same loss (Megatron averages it over the
     micro-batches)."""
-    from test_mcore_logprobs import _sequences, reference_logprobs_packed
+    from support.mcore_logprobs import logprob_sequences, reference_logprobs_packed
 
     hf.zero_grad()
     log_probs = []
-    for sequences in _sequences():
+    for sequences in logprob_sequences():
         lp = reference_logprobs_packed(hf, sequences)[0]
-        (lp.sum() * (-1.0 / len(_sequences()))).backward()
+        (lp.sum() * (-1.0 / len(logprob_sequences()))).backward()
         log_probs.append(lp.detach())
     return log_probs, {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
 
@@ -117,9 +118,9 @@ def _assert_within_bf16_rounding(got, want, where: str) -> None:
 def test_defaults_within_bf16_rounding_of_eager_and_as_close_to_fp32(model_type):
     pytest.importorskip("megatron.core")
     pytest.importorskip("triton")
-    from test_mcore_logprobs import _tiny_hf
+    from support.mcore_logprobs import tiny_hf
 
-    hf = _tiny_hf(model_type)
+    hf = tiny_hf(model_type)
     with tempfile.TemporaryDirectory() as directory:
         hf.save_pretrained(directory)
         results = _run(directory, {
@@ -150,10 +151,10 @@ def test_quack_experts_within_bf16_rounding_of_grouped_mm():
 
     if quack_refusal() is not None:
         pytest.skip(quack_refusal())
-    from test_mcore_logprobs import _tiny_hf
+    from support.mcore_logprobs import tiny_hf
 
     with tempfile.TemporaryDirectory() as directory:
-        _tiny_hf("qwen3_moe", moe_intermediate_size=48).save_pretrained(directory)  # widths multiples of 8
+        tiny_hf("qwen3_moe", moe_intermediate_size=48).save_pretrained(directory)  # widths multiples of 8
         results = _run(directory, {"grouped": (torch.bfloat16, dict(moe_experts="grouped", fused_layers=False)),
                                    "quack": (torch.bfloat16, dict(moe_experts="quack", fused_layers=False))})
     assert results["quack"][3] == "quack" and results["quack"][2]["moe_experts:quack_calls"] >= len(_batches())
@@ -161,7 +162,7 @@ def test_quack_experts_within_bf16_rounding_of_grouped_mm():
 
 
 def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
-    from test_mcore_moe_tp_cuda import _on_cpu
+    from support.mcore_moe_tp_cuda import on_cpu
     from transformers import AutoConfig
 
     from actorcore.mcore.run.call_plan import _is_moe, decoder_layers
@@ -200,7 +201,7 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
             trace = Counter()
             lp = compute_logprobs(model, batch, loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace).log_probs
             grads = {n: p.grad for n, p in model.chunks[0].named_parameters() if p.grad is not None}
-            runs.append(_on_cpu((lp, grads, dict(trace), torch.cuda.max_memory_allocated())))
+            runs.append(on_cpu((lp, grads, dict(trace), torch.cuda.max_memory_allocated())))
         out[str(mode)] = (runs, dict(model.measured_layer_bytes), options.get("memory_budget_gib"))
         del model
         torch.cuda.empty_cache()
@@ -210,7 +211,7 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
 def test_recompute_modes_and_the_budget_on_cuda():
     pytest.importorskip("megatron.core")
     pytest.importorskip("triton")
-    from test_mcore_nccl import _run_nccl
+    from support.mcore_nccl import run_nccl
 
     from actorcore.testing.tiny_configs import build_tiny_model
 
@@ -219,7 +220,7 @@ def test_recompute_modes_and_the_budget_on_cuda():
                           head_dim=128, num_hidden_layers=8, vocab_size=4096, mlp_only_layers=[1])
     with tempfile.TemporaryDirectory() as directory:
         hf.save_pretrained(directory)
-        result = _run_nccl(_budget_worker, 1, (directory,))[0]
+        result = run_nccl(_budget_worker, 1, (directory,))[0]
     none_runs = result["None"][0]
     layers = 8
     for mode, key in (("full", "mcore:recompute_full_layers"), ("selective", "mcore:recompute_selective_layers")):

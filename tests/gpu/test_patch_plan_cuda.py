@@ -2,7 +2,7 @@
 included (the fused decoder, quack's gated MLP where quack runs, the ``torch_varlen`` and ``fa4`` attention backends
 where they run): each works as asked, per token and per gradient
 against the same weights' own forward in fp32 with the trace proving each requested feature ran, or is refused
-before any work (``actorcore.testing.option_pairs``: the CPU test ``tests/unit/test_patch_plan.py`` runs the same
+before any work (``support.option_pairs``: the CPU test ``tests/unit/test_patch_plan.py`` runs the same
 table with the GPU-only values refused). Skipped without CUDA / triton."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from actorcore.testing.option_pairs import (
+from support.option_pairs import (
     REFUSED,
     Tolerances,
     backend_refusals,

@@ -11,7 +11,7 @@ import torch
 
 import actorcore as ac
 from actorcore.kernels.logprob import linear_logprob_entropy_vocab_shard
-from actorcore.testing.head_reference import captured_final_hidden, head_fp64
+from support.head_reference import captured_final_hidden, head_fp64
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 

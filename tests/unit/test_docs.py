@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from actorcore.testing.docs import REPO
+from support.docs import REPO
 
 DOCS = sorted(str(p.relative_to(REPO)) for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")])
 # Our tracker's style ("issue 15", "item 2", "#12"); an upstream reference names its project (owner/repo#N, or

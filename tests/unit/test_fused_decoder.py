@@ -13,14 +13,14 @@ from collections import Counter
 
 import pytest
 import torch
-from test_offload import _batch, _train_step, checkpointed
+from support.decoder_steps import seeded_batch, train_step
 
 import actorcore as ac
 import actorcore.hf.features.fused_decoder as fused_decoder
 from actorcore.hf.features.checkpointing import UNCHECKPOINTED_LAYERS
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY, FusedLayerForward
-from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 from actorcore.testing.tolerances import TOL
 
 
@@ -45,9 +45,9 @@ def test_fused_layers_on_the_cpu(monkeypatch):
     monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
     model = checkpointed(build_tiny_model("llama", seed=3))
     layers = model.config.num_hidden_layers
-    batch = _batch()
+    batch = seeded_batch()
     handle = ac.patch_model(model)
-    eager = _train_step(model, batch, Counter())
+    eager = train_step(model, batch, Counter())
     handle.revert()
     model.zero_grad(set_to_none=True)
 
@@ -55,13 +55,13 @@ def test_fused_layers_on_the_cpu(monkeypatch):
     forwards = [layer.forward for layer in model.model.layers]
     assert all(isinstance(f, FusedLayerForward) for f in forwards)
     trace = Counter()
-    fused = _train_step(model, batch, trace)
+    fused = train_step(model, batch, trace)
     _close(eager, fused)
     assert trace[FUSED_TRACE_KEY] == 2 * layers  # each layer's forward and its recompute in backward
     graphs = _graphs()
     g = torch.Generator().manual_seed(9)
     model.zero_grad(set_to_none=True)
-    _train_step(model, ac.pack([torch.randint(3, 131, (n,), generator=g) for n in (5, 40, 12)]), Counter())
+    train_step(model, ac.pack([torch.randint(3, 131, (n,), generator=g) for n in (5, 40, 12)]), Counter())
     assert _graphs() == graphs, "a pack of another length compiled again"
     calls = sum(f.calls for f in forwards)
     with torch.no_grad():
@@ -76,7 +76,7 @@ def test_fused_layers_on_the_cpu(monkeypatch):
     handle = ac.patch_model(model, fused_decoder=True, checkpointing="auto", memory_budget_gib=1e6)  # all kept
     trace, saved = Counter(), []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        _close(eager, _train_step(model, batch, trace))
+        _close(eager, train_step(model, batch, trace))
     assert trace[UNCHECKPOINTED_LAYERS] == layers and trace[FUSED_TRACE_KEY] == layers  # no recompute
     # The partitioner keeps gate and up, and recomputes act(gate) * up for the down projection's weight gradient.
     inner = [s for s in saved if s.numel() == batch.num_tokens * model.config.intermediate_size]
@@ -95,7 +95,7 @@ def test_bypassed_fused_layers_are_an_error(monkeypatch):
         layer.__dict__["forward"] = lambda *args, _plain=plain, **kwargs: _plain(
             *args, **{k: v for k, v in kwargs.items() if k != fused_decoder.FUSED_KWARG})
     with pytest.raises(PatchNotAppliedError, match="fused decoder ran in 0 of"):
-        ac.compute_logprobs(model, _batch())
+        ac.compute_logprobs(model, seeded_batch())
     handle.revert()
 
 

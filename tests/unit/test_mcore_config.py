@@ -127,7 +127,7 @@ def test_mtp_config_fields_are_not_reported_unknown():
     """The fields ``build_gpt_model(..., mtp=True)`` reads (the MTP layer count, the refused dedicated embedding) are
     understood, for every architecture with MTP rules; a field nobody reads still is reported."""
     from actorcore.mcore.build.config import warn_unknown_fields
-    from actorcore.testing.mtp import MTP_CONFIG_FIELDS
+    from support.mtp import MTP_CONFIG_FIELDS
     from actorcore.testing.tiny_configs import tiny_config
 
     every_qwen3_next_field = dict(num_nextn_predict_layers=1, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)

@@ -14,7 +14,7 @@ from actorcore.archs import get_spec, registered_model_types
 from actorcore.archs.megatron_rules import McoreSpec, WeightRule
 from actorcore.mcore.convert import transforms as T
 from actorcore.mcore.build.model import megatron_model_types, refused_megatron_model_types
-from actorcore.testing.docs import doc_between
+from support.docs import doc_between
 
 
 def test_megatron_archs_and_refusals_are_declared():

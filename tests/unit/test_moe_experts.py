@@ -15,7 +15,6 @@ from collections import Counter
 
 import pytest
 import torch
-from test_offload import checkpointed
 
 import actorcore as ac
 import actorcore.hf.features.fused_decoder as fused_decoder
@@ -27,8 +26,9 @@ import actorcore.kernels.quack.runtime as quack_runtime
 from actorcore.hf.features.class_paths import TRACE_ATTR
 from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, SortedExperts, sorted_experts_forward
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
-from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 from actorcore.testing.tolerances import TOL
+
 
 # Every registered text MoE architecture (the VLMs share these experts classes: see test_vlm_moe_experts_found).
 COVERED = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "qwen3_next",

@@ -18,7 +18,7 @@ import torch
 import actorcore as ac
 import actorcore.hf.features.fused_decoder as fused_decoder
 from actorcore.hf.features.checkpointing import FULL_LAYERS, SELECTIVE_LAYERS, UNCHECKPOINTED_LAYERS
-from actorcore.testing.option_pairs import (
+from support.option_pairs import (
     REFUSED,
     Tolerances,
     backend_refusals,
