@@ -1,4 +1,4 @@
-"""One SwiGLU MLP, forward+backward over one pack of tokens: the compiled transformers MLP (what the fused decoder
+"""One SwiGLU MLP, forward+backward over one pack of tokens: the compiled transformers MLP (what the compiled decoder
 runs) against quack's gated MLP (``kernels.quack.gated_mlp``: SwiGLU in the epilogues of two quack GEMMs, the other
 four on cuBLAS), eager and compiled, in one process on one GPU. Per variant: milliseconds (CUDA events, median of
 ``--repeats``), the kernel-time breakdown by category (``step_profile``), and the max error of the output and the

@@ -1,5 +1,5 @@
 """The Megatron route's speed paths on gloo (2 CPU processes, one spawn for every case): the grouped experts
-(``mcore/build/grouped_experts.py``), the fused layers (``mcore/build/layer.py``) and the budgeted recompute
+(``mcore/build/grouped_experts.py``), the compiled layers (``mcore/build/layer.py``) and the budgeted recompute
 (``mcore/build/recompute.py``).
 
 - Grouped experts at EP=2, TP=2 and TP=2 x EP=2 for every MoE family of the route (Qwen3-MoE, Qwen2-MoE with one
@@ -14,7 +14,7 @@
   SwiGLU) equal the sequential ones per element, output and every gradient.
 - Recompute "full", "selective" and "auto" (a budget that keeps one layer's activations and recomputes the other
   selectively) give bitwise the gradients and log-probs of no recompute, at TP=2 x EP=2 (the all-to-alls and the
-  sequence-parallel gathers inside the checkpoints); the fused layers (compiled by Inductor on the CPU, fp32) equal
+  sequence-parallel gathers inside the checkpoints); the compiled layers (compiled by Inductor on the CPU, fp32) equal
   the eager ones per token and per gradient within fp32 reduction order, and under the selective checkpoint
   bitwise their own gradients without it. Each run's trace proves the modes and the fused regions ran.
 
@@ -184,14 +184,14 @@ def _recompute_case(directory: str) -> dict:
     reference = build_gpt_model(config, parallel)
     budget = _selective_and_kept_budget(reference, batches)
     variants = {"none": {}, "full": dict(recompute="full"), "selective": dict(recompute="selective"),
-                "auto": dict(recompute="auto", memory_budget_gib=budget), "fused": dict(fused_layers=True),
-                "fused_selective": dict(fused_layers=True, recompute="selective")}
+                "auto": dict(recompute="auto", memory_budget_gib=budget), "fused": dict(compiled_layers=True),
+                "fused_selective": dict(compiled_layers=True, recompute="selective")}
     out = {}
     for name, options in variants.items():
         model = build_gpt_model(config, parallel, **options)
         load_hf_into_mcore(model, directory)
         trace = Counter()
-        out[name] = (*_train_step(model, batches, trace), dict(trace), model.fused_layers)
+        out[name] = (*_train_step(model, batches, trace), dict(trace), model.compiled_layers)
     return out
 
 
@@ -317,11 +317,11 @@ def test_checkpoint_saved_with_grouped_experts_loads_into_sequential_and_back(wo
 
 @pytest.mark.slow
 def test_recompute_modes_give_bitwise_the_gradients_of_none(world2):
-    fp32_tol, grad_tol = TOL["fused_decoder_vs_eager_fp32"], TOL["grad_fused_decoder_vs_eager_fp32_rel"]
+    fp32_tol, grad_tol = TOL["compiled_decoder_vs_eager_fp32"], TOL["grad_compiled_decoder_vs_eager_fp32_rel"]
     for rank, result in enumerate(world2["recompute"]):
         none_lp, none_grads, none_trace, _ = result["none"]
         assert none_trace["mcore:recompute_kept_layers"] == 2 * len(_sequences()) and not none_trace.get(
-            "mcore:fused_layers")
+            "mcore:compiled_layers")
         for name in ("full", "selective", "auto"):
             lp, grads, trace, fused = result[name]
             assert not fused
@@ -335,7 +335,7 @@ def test_recompute_modes_give_bitwise_the_gradients_of_none(world2):
         auto = result["auto"][2]
         assert auto["mcore:recompute_selective_layers"] == auto["mcore:recompute_kept_layers"] == len(_sequences())
         fused_lp, fused_grads, fused_trace, fused = result["fused"]
-        assert fused and fused_trace["mcore:fused_layers"] == 2 * len(_sequences())
+        assert fused and fused_trace["mcore:compiled_layers"] == 2 * len(_sequences())
         for a, b in zip(fused_lp, none_lp):
             torch.testing.assert_close(a, b, atol=fp32_tol, rtol=0)
         for param, grad in fused_grads.items():
@@ -343,7 +343,7 @@ def test_recompute_modes_give_bitwise_the_gradients_of_none(world2):
                                        msg=f"rank {rank} {param}")
         selective_lp, selective_grads, selective_trace, _ = result["fused_selective"]
         assert selective_trace["checkpoint:selective"] == 2 * len(_sequences())
-        assert selective_trace["mcore:fused_layers"] >= 2 * 2 * len(_sequences())  # forward and recompute
+        assert selective_trace["mcore:compiled_layers"] >= 2 * 2 * len(_sequences())  # forward and recompute
         for a, b in zip(selective_lp, fused_lp):
             assert torch.equal(a, b), rank
         for param, grad in selective_grads.items():

@@ -2,13 +2,13 @@
 option and with a batch-invariant call: each works as asked, per token against the model's own fp32 forward and per
 parameter gradient (averaged over the SP group) with the trace proving both features ran, or is refused before any
 work (``support.option_pairs``; the pairs without SP: ``tests/unit/test_patch_plan.py``). quack's GEMMs run
-as the test stand-in; the fused decoder and the ``torch_varlen`` and ``fa4`` attention backends are refused on the
+as the test stand-in; the compiled decoder and the ``torch_varlen`` and ``fa4`` attention backends are refused on the
 CPU."""
 
 from actorcore.testing.distributed import run_distributed
 from support.option_pairs import ASKS
 
-CPU_REFUSED = {"fused_decoder": "not on a CUDA device", "torch_varlen": "runs fp16 / bf16 inputs on CUDA devices",
+CPU_REFUSED = {"compiled_decoder": "not on a CUDA device", "torch_varlen": "runs fp16 / bf16 inputs on CUDA devices",
                "fa4": "FA4 runs on CUDA devices only"}  # SP on FA4's stand-in: tests/dist/test_fa4_sp.py
 
 

@@ -1,12 +1,12 @@
-"""The Megatron route's speed paths on one GPU (NCCL, one rank), bf16: the fused layers (``mcore/build/layer.py``, Inductor's
+"""The Megatron route's speed paths on one GPU (NCCL, one rank), bf16: the compiled layers (``mcore/build/layer.py``, Inductor's
 Triton kernels), the grouped experts on torch's ``grouped_mm`` and on quack's gated GEMMs
 (``mcore/build/grouped_experts.py``) and the budgeted recompute (``mcore/build/recompute.py``).
 
-- Per token and per gradient, the route's defaults on CUDA (``"auto"``: fused layers, grouped or quack experts)
+- Per token and per gradient, the route's defaults on CUDA (``"auto"``: compiled layers, grouped or quack experts)
   against megatron-core's eager layers and sequential experts with the same bf16 weights: within bf16 rounding
   (log-probs absolute, gradients as a relative L2 norm), and no further from transformers' fp32 forward than the
   eager route (the table's factor and floor); the defaults resolve as documented (fp32 stays unfused), and the
-  trace proves the fused layers and the grouped experts ran.
+  trace proves the compiled layers and the grouped experts ran.
 - quack's experts against the grouped_mm ones (skipped where quack does not run).
 - ``recompute="auto"`` on a budget: the first call plans from the estimate and measures what each kept layer
   holds, the second plans with the measurement and stays within the budget; every mode's gradients within bf16
@@ -70,7 +70,7 @@ def _variants_worker(rank: int, world_size: int, directory: str, variants: dict)
         model = build_gpt_model(config, McoreParallel(), dtype, **options)
         load_hf_into_mcore(model, directory)
         trace = Counter()
-        out[name] = on_cpu((*_step(model, trace), dict(trace), model.moe_experts, model.fused_layers))
+        out[name] = on_cpu((*_step(model, trace), dict(trace), model.moe_experts, model.compiled_layers))
         del model
         torch.cuda.empty_cache()
     return out
@@ -107,11 +107,11 @@ def _distance(result, reference) -> tuple[float, dict[str, float]]:
 def _assert_within_bf16_rounding(got, want, where: str) -> None:
     (lp, grads), (want_lp, want_grads) = got[:2], want[:2]
     for a, b in zip(lp, want_lp):
-        torch.testing.assert_close(a, b, atol=TOL["fused_decoder_vs_eager_bf16"], rtol=0, msg=where)
+        torch.testing.assert_close(a, b, atol=TOL["compiled_decoder_vs_eager_bf16"], rtol=0, msg=where)
     assert sorted(grads) == sorted(want_grads), where
     for name, grad in want_grads.items():
         diff = (grads[name].float() - grad.float()).norm()
-        assert diff <= TOL["grad_fused_decoder_vs_eager_bf16_rel_norm"] * grad.float().norm() + 1e-6, (where, name)
+        assert diff <= TOL["grad_compiled_decoder_vs_eager_bf16_rel_norm"] * grad.float().norm() + 1e-6, (where, name)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -124,14 +124,14 @@ def test_defaults_within_bf16_rounding_of_eager_and_as_close_to_fp32(model_type)
     with tempfile.TemporaryDirectory() as directory:
         hf.save_pretrained(directory)
         results = _run(directory, {
-            "eager": (torch.bfloat16, dict(moe_experts="sequential", fused_layers=False)),
+            "eager": (torch.bfloat16, dict(moe_experts="sequential", compiled_layers=False)),
             "defaults": (torch.bfloat16, {}),
             "fp32_defaults": (torch.float32, {}),
         })
     eager, defaults, fp32 = results["eager"], results["defaults"], results["fp32_defaults"]
     moe = model_type != "qwen3"
     assert defaults[4] is True and fp32[4] is False  # fused in bf16 on CUDA, fp32 unchanged
-    assert defaults[2]["mcore:fused_layers"] >= 2 * len(_batches())
+    assert defaults[2]["mcore:compiled_layers"] >= 2 * len(_batches())
     if moe:
         assert defaults[3] in ("grouped", "quack") and fp32[3] == "grouped" and eager[3] == "sequential"
         assert defaults[2]["moe_experts:grouped_calls"] >= len(_batches())
@@ -155,8 +155,8 @@ def test_quack_experts_within_bf16_rounding_of_grouped_mm():
 
     with tempfile.TemporaryDirectory() as directory:
         tiny_hf("qwen3_moe", moe_intermediate_size=48).save_pretrained(directory)  # widths multiples of 8
-        results = _run(directory, {"grouped": (torch.bfloat16, dict(moe_experts="grouped", fused_layers=False)),
-                                   "quack": (torch.bfloat16, dict(moe_experts="quack", fused_layers=False))})
+        results = _run(directory, {"grouped": (torch.bfloat16, dict(moe_experts="grouped", compiled_layers=False)),
+                                   "quack": (torch.bfloat16, dict(moe_experts="quack", compiled_layers=False))})
     assert results["quack"][3] == "quack" and results["quack"][2]["moe_experts:quack_calls"] >= len(_batches())
     _assert_within_bf16_rounding(results["quack"], results["grouped"], "quack vs grouped_mm")
 
@@ -180,7 +180,7 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
                                                                                             generator=g)])
     out = {}
     for mode in (None, "full", "selective", "auto"):
-        probe = build_gpt_model(config, McoreParallel(), torch.bfloat16, fused_layers=True)
+        probe = build_gpt_model(config, McoreParallel(), torch.bfloat16, compiled_layers=True)
         load_hf_into_mcore(probe, directory)
         options = {"recompute": mode}
         if mode == "auto":  # room for about half the layers selectively, on top of what is allocated now
@@ -189,7 +189,7 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
             budget = base + 0.5 * sum(e[1] for e in estimates) * batch.num_tokens
             options["memory_budget_gib"] = budget / 2**30
         del probe
-        model = build_gpt_model(config, McoreParallel(), torch.bfloat16, fused_layers=True, **options)
+        model = build_gpt_model(config, McoreParallel(), torch.bfloat16, compiled_layers=True, **options)
         load_hf_into_mcore(model, directory)
         from actorcore.mcore.run.forward import compute_logprobs
 

@@ -4,7 +4,7 @@ gradients within bf16 rounding of fp32 math from the same bf16 values, and no fu
 experts; the whole model's log-probs, entropies and parameter gradients with the eager decoder; under the fused
 decoder (where ``"auto"``, the default, installs it: asserted here) the log-probs and entropies within bf16 rounding
 of eager, and every parameter's gradient as close to the fp32 model's as transformers' own ``grouped_mm`` experts
-under the same fused decoder are (the yardstick: on two of the tiny models the bf16 eager model itself is 11-21% of
+under the same compiled decoder are (the yardstick: on two of the tiny models the bf16 eager model itself is 11-21% of
 a gradient's norm from fp32, so bf16 paths are compared by their distance to fp32, not to each other); two runs are
 bitwise equal (the experts module's outputs and gradients, the model's log-probs); the trace proves it ran in every
 MoE layer; ``verify`` still passes.
@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 import torch
-from support.fused_decoder_steps import step
+from support.compiled_decoder_steps import step
 
 import actorcore as ac
 from actorcore.testing.tolerances import TOL
@@ -43,7 +43,7 @@ def _compare(eager, path):
 @pytest.mark.parametrize("model_type", COVERED)
 def test_experts_module_within_bf16_rounding_of_eager(model_type):
     model = moe_model(model_type)
-    handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=False)
+    handle = ac.patch_model(model, moe_experts="sorted", compiled_decoder=False)
     experts = model.model.get_submodule(handle.state.targets("moe_experts")[0])
     from actorcore.hf.features.class_paths import TRACE_ATTR
     from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY
@@ -73,21 +73,21 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
     from torch._dynamo.utils import guard_failures
 
     from actorcore.archs import get_spec
-    from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
+    from actorcore.hf.features.compiled_decoder import COMPILED_TRACE_KEY
     from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY
 
     # The tiny Qwen3-Next's one MoE block sits in its linear-attention layer, which stays eager: here it moves to the
     # full-attention layer, so that a compiled layer holds experts (Qwen3.5-MoE keeps MoE in an eager layer).
     model = moe_model(model_type, **(dict(mlp_only_layers=[0]) if model_type == "qwen3_next" else {}))
     batch = moe_batch()
-    handle = ac.patch_model(model, moe_experts=False, fused_decoder=False)  # eager decoder, eager experts
+    handle = ac.patch_model(model, moe_experts=False, compiled_decoder=False)  # eager decoder, eager experts
     eager = step(model, batch, Counter())
     handle.revert()
-    handle = ac.patch_model(model, fused_decoder=fused)  # "auto", the default: the path where the decoder is fused
+    handle = ac.patch_model(model, compiled_decoder=fused)  # "auto", the default: the path where the decoder is compiled
     refused = get_spec(model_type).linear_attention is not None  # hybrids keep their own experts under "auto"
     assert bool(handle.state.targets("moe_experts")) == (fused and not refused)
     handle.revert()
-    handle = ac.patch_model(model, fused_decoder=fused, moe_experts="grouped")
+    handle = ac.patch_model(model, compiled_decoder=fused, moe_experts="sorted")
     modules = len(handle.state.targets("moe_experts"))
     assert modules >= 1
     trace = Counter()
@@ -95,9 +95,9 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
     if fused:  # compiled layers take the path by construction, with one compilation for every layer
         from actorcore.hf.features.class_paths import names_inside as _names_inside
 
-        compiled = _names_inside(handle.parts.decoder, [handle.parts.layers[i] for i in handle.state.targets("fused_decoder")],
+        compiled = _names_inside(handle.parts.decoder, [handle.parts.layers[i] for i in handle.state.targets("compiled_decoder")],
                                  handle.state.targets("moe_experts"))
-        assert compiled and trace[FUSED_TRACE_KEY] == len(handle.state.targets("fused_decoder"))
+        assert compiled and trace[COMPILED_TRACE_KEY] == len(handle.state.targets("compiled_decoder"))
         assert trace[MOE_EXPERTS_KEY] == modules - len(compiled)  # the hybrids' linear-attention layers stay eager
         assert not [r for reasons in guard_failures.values() for r in reasons if "experts" in str(r)], guard_failures
     else:
@@ -120,7 +120,7 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
                                             "gradients: its spec keeps transformers' experts under 'auto'"))
     if m == "qwen3_next" else m for m in COVERED])
 def test_fused_path_as_close_to_fp32_as_transformers_experts(model_type):
-    """Under the fused decoder, the path against transformers' own ``grouped_mm`` experts under the same fused
+    """Under the compiled decoder, the path against transformers' own ``grouped_mm`` experts under the same fused
     decoder, both measured by their distance to the fp32 model (same values, eager): per token in log-probs and per
     parameter in gradients the path is no further from fp32 than transformers' experts, up to the table's factor
     and floor. Where it is not (qwen3_next: strict xfail), the spec keeps the model's own experts under ``"auto"``,
@@ -131,11 +131,11 @@ def test_fused_path_as_close_to_fp32_as_transformers_experts(model_type):
     reference = fp32_reference(model, batch)
     model.set_experts_implementation("grouped_mm")
     distances = {}
-    for experts in (False, "grouped"):
-        handle = ac.patch_model(model, fused_decoder=True, moe_experts=experts)
-        assert bool(handle.state.targets("moe_experts")) == (experts == "grouped")
+    for experts in (False, "sorted"):
+        handle = ac.patch_model(model, compiled_decoder=True, moe_experts=experts)
+        assert bool(handle.state.targets("moe_experts")) == (experts == "sorted")
         distances[experts] = grad_distance(step(model, batch, Counter()), reference)
         handle.revert()
-    assert_no_further_from_fp32(distances["grouped"], distances[False], "transformers' experts")
+    assert_no_further_from_fp32(distances["sorted"], distances[False], "transformers' experts")
 
 

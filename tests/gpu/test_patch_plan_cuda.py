@@ -1,5 +1,5 @@
 """CUDA: every pair of ``patch_model`` options (and a batch-invariant call) on a bf16 model, the GPU-only values
-included (the fused decoder, quack's gated MLP where quack runs, the ``torch_varlen`` and ``fa4`` attention backends
+included (the compiled decoder, quack's gated MLP where quack runs, the ``torch_varlen`` and ``fa4`` attention backends
 where they run): each works as asked, per token and per gradient
 against the same weights' own forward in fp32 with the trace proving each requested feature ran, or is refused
 before any work (``support.option_pairs``: the CPU test ``tests/unit/test_patch_plan.py`` runs the same
@@ -51,8 +51,8 @@ def _refusals(model: torch.nn.Module) -> dict:
     refused = dict(REFUSED)
     if quack_refusal() is not None:  # no Hopper GPU or no quack here: quack's gated MLP is refused, not run
         for pair in option_pairs():
-            if "dense_mlp" in pair and frozenset(pair) not in refused:
-                refused[frozenset(pair)] = "dense_mlp='quack'"
+            if "swiglu_mlp" in pair and frozenset(pair) not in refused:
+                refused[frozenset(pair)] = "swiglu_mlp='quack'"
     # An attention backend that cannot run here (FA4 off Hopper or without flash-attn-4) is refused first.
     head_dim = module_head_dim(model.model.layers[0].self_attn)
     cannot = {ask: f"attention_backend='{ask}'" for ask in ("torch_varlen", "fa4")

@@ -1,5 +1,5 @@
 """One seeded packed batch and one training step of a tiny model through compute_logprobs, and a bitwise
-comparison of two steps: the decoder features' exactness tests (offload, checkpointing, fused layers) share them."""
+comparison of two steps: the decoder features' exactness tests (offload, checkpointing, compiled layers) share them."""
 
 import torch
 

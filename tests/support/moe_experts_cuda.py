@@ -11,7 +11,7 @@ import actorcore as ac
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 
-from support.fused_decoder_steps import step
+from support.compiled_decoder_steps import step
 
 
 LENGTHS = (7, 64, 1, 33, 90)
@@ -68,7 +68,7 @@ def fp32_reference(model, batch):
     """The same bf16 values in fp32, eager decoder, transformers' eager experts: log-probs, entropies, gradients."""
     reference = copy.deepcopy(model).float()
     reference.set_experts_implementation("eager")
-    handle = ac.patch_model(reference, moe_experts=False, fused_decoder=False)
+    handle = ac.patch_model(reference, moe_experts=False, compiled_decoder=False)
     out = step(reference, batch, Counter())
     handle.revert()
     return out

@@ -27,25 +27,25 @@ ASKS: dict[str, dict[str, Any] | None] = {
     "recompute_norms": {"recompute_norms": True},
     "selective": {"checkpointing": "selective"},
     "budgeted": {"checkpointing": "auto", "memory_budget_gib": 1e6},  # room for every layer of a tiny model
-    "fused_decoder": {"fused_decoder": True},
-    "moe_experts": {"moe_experts": "grouped"},
-    "dense_mlp": {"dense_mlp": "quack"},
+    "compiled_decoder": {"compiled_decoder": True},
+    "moe_experts": {"moe_experts": "sorted"},
+    "swiglu_mlp": {"swiglu_mlp": "quack"},
     "batch_invariant": None,
 }
 # The decoder feature each ask turns on (its name in the call's trace: ``plan:<feature>``).
 FEATURE = {"segments": "packed_attention", "torch_varlen": "packed_attention", "fa4": "packed_attention",
            "tiled_mlp": "tiled_mlp", "offload": "activation_offload", "recompute_norms": "recompute_norms",
-           "selective": "checkpointing", "budgeted": "checkpointing", "fused_decoder": "fused_decoder",
-           "moe_experts": "moe_experts", "dense_mlp": "dense_mlp", "batch_invariant": "batch_invariant"}
+           "selective": "checkpointing", "budgeted": "checkpointing", "compiled_decoder": "compiled_decoder",
+           "moe_experts": "moe_experts", "swiglu_mlp": "swiglu_mlp", "batch_invariant": "batch_invariant"}
 # Pairs refused (at patch time, or for the batch-invariant call before any work) and what the error says.
 REFUSED: dict[frozenset, str] = {
     frozenset({"tiled_mlp", "moe_experts"}): "tiled MLP does not support",  # tiled MLP refuses MoE models
-    frozenset({"fused_decoder", "selective"}): "cannot both hold",
+    frozenset({"compiled_decoder", "selective"}): "cannot both hold",
     frozenset({"recompute_norms", "batch_invariant"}): "do not combine",
     frozenset({"moe_experts", "batch_invariant"}): "batch_invariant=True does not support",  # MoE models
 }
 # Features a batch-invariant call stands down (the model's own code runs, through the invariant linears).
-STANDS_DOWN = {"fused_decoder", "dense_mlp"}
+STANDS_DOWN = {"compiled_decoder", "swiglu_mlp"}
 # The tiny models: a dense one (every option but the MoE path) and an MoE one with a dense shared expert.
 DENSE_MODEL, MOE_MODEL = "qwen2", "qwen2_moe"
 LENGTHS = (11, 4, 7)

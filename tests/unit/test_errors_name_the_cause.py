@@ -139,7 +139,7 @@ def test_an_mxfp4_checkpoint_without_its_quantization_config_is_named(tmp_path):
 @pytest.fixture
 def patched_moe():
     model = build_tiny_model("qwen3_moe", seed=0)
-    handle = ac.patch_model(model, moe_experts="grouped")
+    handle = ac.patch_model(model, moe_experts="sorted")
     yield model, ac.compute_logprobs(model, _batch()).log_probs
     handle.revert()
 

@@ -2,7 +2,7 @@
 rest; against full layer checkpointing of the same model: bitwise the same log-probs, entropies and every
 gradient (every registered architecture in bf16, VLMs on an image batch; five families in fp32 too; gpt-oss, whose
 experts write into their GEMM outputs, also with recomputed norms and under ``"auto"``), alone and composed with tiled MLP and
-activation offload; ``"auto"`` fits a budget per layer; the self-check proves the selective checkpoints ran; bad options are refused; the fused decoder stays off on the CPU."""
+activation offload; ``"auto"`` fits a budget per layer; the self-check proves the selective checkpoints ran; bad options are refused; the compiled decoder stays off on the CPU."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from actorcore.hf.features.checkpointing import (
     layer_bytes_per_token,
     plan_layer_modes,
 )
-from actorcore.hf.features.fused_decoder import original_forward
+from actorcore.hf.features.compiled_decoder import original_forward
 from actorcore.hf.patch import PatchNotAppliedError, patch_state
 from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY, is_expensive, layers_to_keep
 from actorcore.testing.reference import reference_logprobs, right_padded
@@ -123,7 +123,7 @@ def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
     roomy = plan_layer_modes(CheckpointPlan("auto", 1e15), [False] * layers, batch.num_tokens, config, 2, 0)
     assert roomy == ["selective"] * layers
     fused = plan_layer_modes(CheckpointPlan("auto", 1e15), [True] * layers, batch.num_tokens, config, 2, 0)
-    assert fused == ["none"] * layers  # a fused layer keeps its compiled graph's tensors instead
+    assert fused == ["none"] * layers  # a compiled layer keeps its compiled graph's tensors instead
 
 
 def test_auto_plans_with_what_the_kept_layers_were_measured_to_hold(monkeypatch):
@@ -203,12 +203,12 @@ def test_refusals_and_the_self_check(monkeypatch):
                           ({"checkpointing": "auto", "memory_budget_gib": -1}, "memory_budget_gib"),
                           ({"memory_budget_gib": 4}, "checkpointing='auto'"),
                           ({"checkpointing": "full", "memory_budget_gib": 4}, "only used by"),
-                          ({"fused_decoder": True}, "not on a CUDA device"),
-                          ({"fused_decoder": "yes"}, "fused_decoder must be")):
+                          ({"compiled_decoder": True}, "not on a CUDA device"),
+                          ({"compiled_decoder": "yes"}, "compiled_decoder must be")):
         with pytest.raises(ValueError, match=match):
             ac.patch_model(model, **kwargs)
     handle = ac.patch_model(model, checkpointing="selective")
-    assert patch_state(model).targets("fused_decoder") == ()  # "auto" on the CPU: eager, unchanged
+    assert patch_state(model).targets("compiled_decoder") == ()  # "auto" on the CPU: eager, unchanged
     layer_class = type(model.model.layers[0])
     # As a transformers that ignored the layers' checkpoint function would: the class's plain forward and call.
     monkeypatch.setattr(layer_class, "forward", original_forward(layer_class))

@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from actorcore._moved import renamed
+
 MLP_ACTIVATIONS = ("hidden_act", "clamped_swiglu")
 PARALLEL_STYLES = ("column", "row", "vocab", "replicated", "expert")
 # rename: one tensor as is; qkv: q, k, v fused per query group; gate_up: [gate; up] stacked on dim 0;
@@ -397,7 +399,8 @@ def moe_rules(hf_moe: str = "mlp.", *, gate: str = "gate_proj", up: str = "up_pr
     )
 
 
-SHARED_EXPERT_RULES = (
+# Qwen's one shared expert per MoE layer (``mlp.shared_expert``) with its sigmoid gate (``mlp.shared_expert_gate``).
+QWEN_SHARED_EXPERT_RULES = (
     *gated_mlp_rules(_L + "mlp.shared_expert.", _M + "mlp.shared_experts."),
     WeightRule(_M + "mlp.shared_experts.gate_weight", (_L + "mlp.shared_expert_gate.weight",)),
 )
@@ -429,7 +432,8 @@ EXPERT_BIAS_RULES = (
     WeightRule(_M + "mlp.router.expert_bias", (_L + "mlp.gate.e_score_correction_bias",), keeps_fp32=True),
 )
 
-SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.shared_experts.")
+# DeepSeek's shared experts (``mlp.shared_experts``: one gated MLP of their combined width, no gate of their own).
+DEEPSEEK_SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.shared_experts.")
 
 
 # Vision-language models: the Megatron route runs the HF vision tower as it is (``actorcore.mcore.build.vlm``), as the
@@ -549,3 +553,14 @@ GPT_OSS_RULES = EMBEDDING_RULES + ATTENTION_RULES + QKV_BIAS_RULES + (
     WeightRule(_M + "mlp.router.weight", (_L + "mlp.router.weight",)),
     WeightRule(_M + "mlp.router.bias", (_L + "mlp.router.bias",)),
 ) + GPT_OSS_EXPERT_RULES
+
+
+# Names renamed because the two differed by one letter; the old ones still import for one release, with a warning.
+_RENAMED = {"SHARED_EXPERT_RULES": "QWEN_SHARED_EXPERT_RULES", "SHARED_EXPERTS_RULES": "DEEPSEEK_SHARED_EXPERTS_RULES"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        renamed(f"actorcore.archs.megatron_rules.{name}", _RENAMED[name])
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

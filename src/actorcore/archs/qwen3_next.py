@@ -7,7 +7,7 @@ where the config has neither, as vLLM's ``qwen3_next_mtp.py`` assumes."""
 import dataclasses
 
 from actorcore.archs.megatron_rules import (DENSE_MLP_RULES, EMBEDDING_RULES, GATED_ATTENTION_RULES,
-                                            GDN_GROUPED_RULES, QWEN_MTP_RULES, SHARED_EXPERT_RULES,
+                                            GDN_GROUPED_RULES, QWEN_MTP_RULES, QWEN_SHARED_EXPERT_RULES,
                                             grouped_expert_rules, moe_rules)
 from actorcore.archs.qwen3_5_text import HYBRID_OVERRIDES
 from actorcore.archs.qwen3_5_text import SPEC as QWEN3_5
@@ -19,7 +19,7 @@ SPEC = dataclasses.replace(
     mcore=dataclasses.replace(
         QWEN3_5.mcore,
         rules=(EMBEDDING_RULES + GATED_ATTENTION_RULES + GDN_GROUPED_RULES + DENSE_MLP_RULES + moe_rules()
-               + SHARED_EXPERT_RULES),
+               + QWEN_SHARED_EXPERT_RULES),
         grouped_expert_rules=grouped_expert_rules(), text_mrope=False,
         config_overrides={**HYBRID_OVERRIDES, "moe_shared_expert_gate": True},
         mtp=dataclasses.replace(QWEN_MTP_RULES, count_fields=("num_nextn_predict_layers", "mtp_num_hidden_layers"))),

@@ -23,7 +23,7 @@ Tracing which path ran: the public entry points (``linear_logprob_entropy``, ``l
     logprob:triton_backward       launches of the Triton grad_logits recompute kernel (one per backward block)
     logprob:triton_fused_loss     chunks run by the Triton loss-fused forward (``linear_logprob_loss``)
     varlen_attention:<backend>    calls per attention backend that ran: fa4, flash_attn, torch_varlen, segments
-                                  (inside a layer the fused decoder compiled: counted by the layer, one per call)
+                                  (inside a layer the compiled decoder compiled: counted by the layer, one per call)
     varlen_attention:at_positions calls of ``causal_attention_at_positions`` (context-parallel query chunks) that
                                   ran one SDPA call per run of positions; ``...:at_positions:<backend>`` those that
                                   ran one varlen flash call (torch_varlen, flash_attn) over every run's key prefix

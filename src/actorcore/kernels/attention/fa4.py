@@ -7,7 +7,7 @@ kernels use Hopper's asynchronous tensor-core instructions (the FlashAttention-3
 ``cu_seqlens`` for packed sequences.
 
 How: two custom ops, ``actorcore::fa4_varlen_forward`` and ``actorcore::fa4_varlen_backward``, joined by
-``register_autograd``. Eager calls and the fused decoder's compiled layers run the same ops: Dynamo sees one opaque
+``register_autograd``. Eager calls and the compiled decoder's compiled layers run the same ops: Dynamo sees one opaque
 op with a fake implementation (FA4 compiles its kernels with the CuTe DSL on first use, which no graph can hold).
 The ops call ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd``, the entry points flash-attn-4's
 own autograd function calls. They are not its public API and change between its beta releases, so only the tested

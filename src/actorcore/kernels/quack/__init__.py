@@ -4,7 +4,7 @@
   release installed beside it), the operand-width check (``width_refusal``) and the one entry point to quack's GEMMs
   (``gemm_interface``). Callers read them through the module (``runtime.quack_refusal()``), so a test stand-in
   replaces quack in one place.
-- ``gated_mlp``: a dense SwiGLU MLP with the activation inside two of its GEMMs (``patch_model(dense_mlp=...)``).
+- ``gated_mlp``: a dense SwiGLU MLP with the activation inside two of its GEMMs (``patch_model(swiglu_mlp=...)``).
 - ``moe``: MoE experts' SwiGLU MLP with the token gather and the activation inside the GEMMs (HF route's
   ``moe_experts="quack"``) and the same GEMMs over rows a dispatcher sorted (the Megatron route's quack experts).
 

@@ -80,7 +80,7 @@ class GroupedExperts(SequentialMLP):
 
     ``kernel``: ``"grouped"`` (torch's ``grouped_mm``, one GEMM per expert where it cannot run) or ``"quack"``
     (quack's gated GEMMs; a module ``quack_experts_refusal`` passes); ``fused``: the activation compiled
-    (``fused_ops``, with the fused layers of ``mcore/build/layer.py``). ``calls`` counts its forwards (a call
+    (``fused_ops``, with the compiled layers of ``mcore/build/layer.py``). ``calls`` counts its forwards (a call
     of ``compute_logprobs`` compares it before and after: the proof the path ran)."""
 
     def __init__(self, num_local_experts: int, config: Any, submodules: Any, pg_collection: Any = None,

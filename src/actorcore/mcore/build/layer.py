@@ -1,5 +1,5 @@
 """``PlannedTransformerLayer``: Megatron's ``TransformerLayer`` with each call's recompute mode and, when built
-fused, its elementwise work compiled (``build_gpt_model(..., fused_layers=..., recompute=...)``).
+fused, its elementwise work compiled (``build_gpt_model(..., compiled_layers=..., recompute=...)``).
 
 It enters the model through the layer spec (``with_planned_layers``: megatron-core's ``ModuleSpec`` extension
 point); its modules, parameters and state dict are ``TransformerLayer``'s. Each forward reads the call's
@@ -14,7 +14,7 @@ Fused (``fused=True``): the layer's forward is ``TransformerLayer.forward`` for 
 output's residual add; a dense MLP runs its activation compiled (``fused_mlp``), the routed experts theirs in
 ``GroupedExperts``. Attention (its projections, RoPE, q/k norms, core attention) and the MoE router and token
 dispatcher stay Megatron's eager code: their collectives and host synchronisation would split a compiled graph.
-A fused forward counts under ``FUSED_KEY``. On CUDA with 16-bit weights by default (``fused_layers="auto"``);
+A fused forward counts under ``COMPILED_KEY``. On CUDA with 16-bit weights by default (``compiled_layers="auto"``);
 ``True`` compiles on any device (Inductor's C++ kernels on the CPU), fp32 too.
 """
 
@@ -37,8 +37,8 @@ try:  # megatron-core is optional; this module is only imported after require_me
 except ImportError:  # pragma: no cover - guarded by require_megatron
     MLP = TransformerLayer = torch.nn.Module  # type: ignore[misc,assignment]
 
-FUSED_KEY = "mcore:fused_layers"  # layer forwards that ran the compiled elementwise regions
-FUSED_CHOICES = ("auto", True, False)
+COMPILED_KEY = "mcore:compiled_layers"  # layer forwards that ran the compiled elementwise regions
+COMPILED_CHOICES = ("auto", True, False)
 
 
 class PlannedTransformerLayer(TransformerLayer):
@@ -76,7 +76,7 @@ class PlannedTransformerLayer(TransformerLayer):
         if not self.fused:
             return super().forward(*args, **kwargs)
         if plan is not None:
-            plan.count(FUSED_KEY)
+            plan.count(COMPILED_KEY)
         return self._fused_forward(*args, **kwargs)
 
     def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, context: Any = None,
@@ -88,7 +88,7 @@ class PlannedTransformerLayer(TransformerLayer):
         residual adds compiled."""
         if inference_context is not None:
             raise ValueError("the fused Megatron layers run training and scoring forwards, not inference with a KV "
-                             "cache: build the model with fused_layers=False")
+                             "cache: build the model with compiled_layers=False")
         normed = compiled(apply_norm)(self.input_layernorm, hidden_states)
         attention = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
                                         rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
@@ -112,7 +112,7 @@ def fused_mlp(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return mlp.linear_fc2(inter)
 
 
-def fused_layers_refusal(config: Any) -> str | None:
+def compiled_layers_refusal(config: Any) -> str | None:
     """Why the fused forward does not cover this config's layers (None: it does)."""
     checks = (
         (config.hidden_dropout, f"hidden_dropout={config.hidden_dropout} (the fused residual adds have no dropout)"),
@@ -122,20 +122,20 @@ def fused_layers_refusal(config: Any) -> str | None:
         (getattr(config, "cpu_offloading", False), "Megatron's activation offload"),
         (getattr(config, "cuda_graph_impl", "none") not in (None, "none"), "CUDA graphs"),
     )
-    return next((f"the fused layers do not run {what}" for on, what in checks if on), None)
+    return next((f"the compiled layers do not run {what}" for on, what in checks if on), None)
 
 
-def resolve_fused_layers(request: Any, config: Any, dtype: torch.dtype) -> bool:
-    """``build_gpt_model(fused_layers=request)``: ``True`` (refused where the fused forward does not cover the
+def resolve_compiled_layers(request: Any, config: Any, dtype: torch.dtype) -> bool:
+    """``build_gpt_model(compiled_layers=request)``: ``True`` (refused where the fused forward does not cover the
     config), ``False``, or ``"auto"``: on CUDA with bf16 / fp16 weights and Triton, where it was built to be faster."""
-    if request not in FUSED_CHOICES or isinstance(request, int) and not isinstance(request, bool):
-        raise ValueError(f"fused_layers must be True, False or 'auto', got {request!r}")
+    if request not in COMPILED_CHOICES or isinstance(request, int) and not isinstance(request, bool):
+        raise ValueError(f"compiled_layers must be True, False or 'auto', got {request!r}")
     if request is False:
         return False
-    why = fused_layers_refusal(config)
+    why = compiled_layers_refusal(config)
     if request is True:
         if why is not None:
-            raise ValueError(f"fused_layers=True: {why}; pass fused_layers=False")
+            raise ValueError(f"compiled_layers=True: {why}; pass compiled_layers=False")
         return True
     return why is None and torch.cuda.is_available() and dtype in (torch.bfloat16, torch.float16) \
         and _has_triton()

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from actorcore._moved import renamed
 from actorcore.archs import check_config, get_spec, registered_model_types, text_config
 from actorcore.archs.spec import UnsupportedArchitectureError
 from actorcore.errors import UnsupportedConfigError
@@ -173,7 +174,7 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype:
 
 def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype: torch.dtype | None = None, *,
                     value_head: bool = False, vocab_multiple: int = 128, mtp: bool = False,
-                    expert_layout: str | None = None, moe_experts: str = "auto", fused_layers: bool | str = "auto",
+                    expert_layout: str | None = None, moe_experts: str = "auto", compiled_layers: bool | str = "auto",
                     recompute: str | None = None, memory_budget_gib: float | None = None,
                     **config_overrides: Any) -> McoreModel:
     """This rank's model (``McoreModel``: its chunks, ``len == vp or 1``, and their HF side), after
@@ -200,11 +201,15 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     ``moe_experts``: the routed experts' kernel (``mcore/build/grouped_experts.py``): ``"auto"`` (quack's gated GEMMs where
     quack runs, else torch's ``grouped_mm``), ``"grouped"``, ``"quack"``, or ``"sequential"`` (megatron-core's
     ``SequentialMLP``); the same parameters, state dict and conversion either way.
-    ``fused_layers``: the layers' norms, residual adds and activations compiled (``mcore/build/layer.py``): ``"auto"`` on
-    CUDA with 16-bit weights, ``True``, ``False``.
+    ``compiled_layers``: the layers' norms, residual adds and activations compiled (``mcore/build/layer.py``):
+    ``"auto"`` on CUDA with 16-bit weights, ``True``, ``False``.
     ``recompute`` / ``memory_budget_gib``: activation recompute per layer and call (``mcore/build/recompute.py``):
     ``None`` (none), ``"full"``, ``"selective"``, or ``"auto"`` within ``memory_budget_gib``.
+    ``fused_layers=``: the old name of ``compiled_layers`` (kept for one release, with a DeprecationWarning).
     """
+    if "fused_layers" in config_overrides:
+        renamed("build_gpt_model(fused_layers=...)", "compiled_layers=...")
+        compiled_layers = config_overrides.pop("fused_layers")
     require_megatron()
     parallel = parallel or McoreParallel()
     dtype = dtype or checkpoint_dtype(hf_config)
@@ -221,7 +226,7 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     recompute_plan = check_recompute(recompute, memory_budget_gib)
     context = context_from_megatron()  # refusals above need no parallel state
     parallel.check_context(context)
-    options = LayerOptions(moe_experts, fused_layers, recompute_plan)
+    options = LayerOptions(moe_experts, compiled_layers, recompute_plan)
     chunks, options = _build_chunks(hf_config, parallel, dtype, value_head=value_head, vocab_multiple=vocab_multiple,
                                     mtp=mtp, options=options, config_overrides=config_overrides)
     if vlm_config is not None:
@@ -234,7 +239,7 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     return McoreModel(chunks=chunks, hf_config=hf_config, spec=spec, parallel=parallel, context=context,
                       vocab_multiple=vocab_multiple, value_head=value_head, vlm_config=vlm_config,
                       expert_layout=expert_layout, mla_full_width_projections=patched, moe_experts=options.moe_experts,
-                      fused_layers=options.fused_layers, recompute=options.recompute)
+                      compiled_layers=options.compiled_layers, recompute=options.recompute)
 
 
 def _fix_expert_output_biases(chunk: Any) -> None:
@@ -297,22 +302,22 @@ class LayerOptions:
     """The layers' speed options of ``build_gpt_model``: as asked, then as resolved for the built config."""
 
     moe_experts: Any
-    fused_layers: Any
+    compiled_layers: Any
     recompute: RecomputePlan | None
 
     def resolved(self, config: Any, dtype: torch.dtype) -> "LayerOptions":
         """Refuses what the config cannot run; ``"auto"`` becomes a choice."""
         from actorcore.mcore.build.grouped_experts import resolve_moe_experts
-        from actorcore.mcore.build.layer import resolve_fused_layers
+        from actorcore.mcore.build.layer import resolve_compiled_layers
 
         check_recompute_config(self.recompute, config)
         overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
-        fused = self.fused_layers
+        fused = self.compiled_layers
         if overlap and (fused is True or self.recompute is not None):
             raise ValueError("overlap_moe_expert_parallel_comm=True runs the layers through Megatron's schedule plan, "
-                             "which bypasses the fused layers' and recompute's forward: pass fused_layers=False and "
-                             "recompute=None with it")
-        fused = False if overlap and fused == "auto" else resolve_fused_layers(fused, config, dtype)
+                             "which bypasses the compiled layers' and recompute's forward: pass "
+                             "compiled_layers=False and recompute=None with it")
+        fused = False if overlap and fused == "auto" else resolve_compiled_layers(fused, config, dtype)
         return LayerOptions(resolve_moe_experts(self.moe_experts, config, dtype), fused, self.recompute)
 
 
@@ -321,8 +326,8 @@ def _with_layer_options(layer_spec: Any, options: LayerOptions) -> Any:
     from actorcore.mcore.build.grouped_experts import with_grouped_experts
     from actorcore.mcore.build.layer import with_planned_layers
 
-    layer_spec = with_grouped_experts(layer_spec, options.moe_experts, options.fused_layers)
-    return with_planned_layers(layer_spec, options.fused_layers)
+    layer_spec = with_grouped_experts(layer_spec, options.moe_experts, options.compiled_layers)
+    return with_planned_layers(layer_spec, options.compiled_layers)
 
 
 def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *, value_head: bool,

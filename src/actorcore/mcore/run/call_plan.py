@@ -4,8 +4,8 @@ check that it did (``mcore.run.forward.run_schedule`` builds and checks it aroun
 The plan goes to every layer with the micro-batch (``BatchParams.layer_plan``). Its trace counts, per call (and is
 added to the caller's ``trace`` of ``compute_logprobs`` / ``compute_values``):
 
-    mcore:fused_layers                 layer forwards that ran the compiled elementwise regions (``mcore/build/layer.py``;
-                                       a recompute counts again)
+    mcore:compiled_layers              layer forwards that ran the compiled elementwise regions
+                                       (``mcore/build/layer.py``; a recompute counts again)
     mcore:recompute_kept_layers        layer forwards of a training call that kept every activation
     mcore:recompute_selective_layers   layer forwards under the selective checkpoint
     mcore:recompute_full_layers        layer forwards under the full checkpoint
@@ -14,7 +14,7 @@ added to the caller's ``trace`` of ``compute_logprobs`` / ``compute_values``):
     moe_experts:grouped_calls          forwards of the grouped experts (``mcore/build/grouped_experts.py``), any kernel
     moe_experts:quack_calls            those of them on quack's gated GEMMs
 
-After the call every fused layer must have run fused, every selective layer under its selective checkpoint and
+After the call every compiled layer must have run fused, every selective layer under its selective checkpoint and
 every grouped experts module of the decoder once per micro-batch, else ``FastPathNotRunError``.
 """
 
@@ -29,7 +29,7 @@ import torch
 from actorcore.errors import FastPathNotRunError
 from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY
 from actorcore.mcore.build.grouped_experts import GROUPED_EXPERTS_KEY, QUACK, QUACK_EXPERTS_KEY, GroupedExperts
-from actorcore.mcore.build.layer import FUSED_KEY
+from actorcore.mcore.build.layer import COMPILED_KEY
 from actorcore.mcore.build.recompute import (SELECTIVE, SELECTIVE_KEY, LayerPlan, layer_bytes_per_token,
                                        micro_batches_in_flight, plan_layer_modes)
 
@@ -95,8 +95,8 @@ def check_plan_ran(model: Any, plan: LayerPlan, micro_batches: int) -> None:
     if plan.caller_trace is not None:
         plan.caller_trace.update(plan.trace)
     layers = decoder_layers(model)
-    if model.fused_layers and plan.trace[FUSED_KEY] < len(layers) * micro_batches:
-        raise FastPathNotRunError(f"the fused Megatron layers ran {plan.trace[FUSED_KEY]} times for {len(layers)} "
+    if model.compiled_layers and plan.trace[COMPILED_KEY] < len(layers) * micro_batches:
+        raise FastPathNotRunError(f"the fused Megatron layers ran {plan.trace[COMPILED_KEY]} times for {len(layers)} "
                                   f"layers x {micro_batches} micro-batches: a layer ran Megatron's own forward")
     selective = sum(mode == SELECTIVE for mode in plan.modes.values()) * micro_batches
     if plan.trace[SELECTIVE_TRACE_KEY] < selective:

@@ -301,7 +301,7 @@ def compute_logprobs(model: McoreModel, batches: PackedBatch | Sequence[PackedBa
     as without MTP.
 
     ``trace`` (a ``collections.Counter``): what ran is added to it (``mcore/run/call_plan.py`` lists the keys: the
-    fused layers, each layer's recompute mode, the grouped experts' forwards, the attention kernels).
+    compiled layers, each layer's recompute mode, the grouped experts' forwards, the attention kernels).
     """
     model = require_model(model, "compute_logprobs")
     single = isinstance(batches, PackedBatch)

@@ -1,4 +1,4 @@
-"""One training step of a model on the GPU, as the fused-decoder, MoE and quack GPU tests run it."""
+"""One training step of a model on the GPU, as the compiled-decoder, MoE and quack GPU tests run it."""
 
 from __future__ import annotations
 

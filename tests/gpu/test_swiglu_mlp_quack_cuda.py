@@ -1,8 +1,8 @@
-"""CUDA (Hopper), with quack-kernels installed: quack's gated MLP (``patch_model(dense_mlp=...)``,
+"""CUDA (Hopper), with quack-kernels installed: quack's gated MLP (``patch_model(swiglu_mlp=...)``,
 ``kernels.quack.gated_mlp``) per element against fp32 math from the same bf16 values, no further from it than the
-eager bf16 MLP, bitwise from run to run; under the fused decoder the model's log-probs within bf16 rounding of eager
+eager bf16 MLP, bitwise from run to run; under the compiled decoder the model's log-probs within bf16 rounding of eager
 and every parameter's gradient as close to the fp32 model as the compiled MLP's, ``verify`` passing; ``"auto"`` takes
-it; the trace proves the fused layers ran, the profiler that quack's kernels ran (none with ``dense_mlp=False``).
+it; the trace proves the compiled layers ran, the profiler that quack's kernels ran (none with ``swiglu_mlp=False``).
 Skipped without CUDA or quack."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from support.fused_decoder_steps import step
+from support.compiled_decoder_steps import step
 from support.moe_experts_cuda import assert_no_further_from_fp32, grad_distance
 from support.moe_quack_cuda import needs_quack, quack_kernels_ran  # noqa: F401 (the autouse skip without quack)
 
@@ -66,30 +66,30 @@ def test_mlp_within_bf16_rounding_of_fp32(hidden, intermediate, tokens):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2_moe", "deepseek_v3"])
-def test_fused_decoder_with_quack_mlp(model_type):
+def test_compiled_decoder_with_quack_mlp(model_type):
     pytest.importorskip("triton")
-    from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
+    from actorcore.hf.features.compiled_decoder import COMPILED_TRACE_KEY
 
     model = _model(model_type)
     batch = _batch()
     reference = copy.deepcopy(model).float()
-    handle = ac.patch_model(reference, fused_decoder=False, moe_experts=False, dense_mlp=False)
+    handle = ac.patch_model(reference, compiled_decoder=False, moe_experts=False, swiglu_mlp=False)
     want = step(reference, batch, Counter())
     handle.revert()
-    handle = ac.patch_model(model, fused_decoder=False, dense_mlp=False)
+    handle = ac.patch_model(model, compiled_decoder=False, swiglu_mlp=False)
     eager = step(model, batch, Counter())
     handle.revert()
     distances = {}
     for request in (False, "auto"):
-        handle = ac.patch_model(model, fused_decoder=True, dense_mlp=request)
-        assert bool(handle.state.targets("dense_mlp")) == (request == "auto")
+        handle = ac.patch_model(model, compiled_decoder=True, swiglu_mlp=request)
+        assert bool(handle.state.targets("swiglu_mlp")) == (request == "auto")
         trace = Counter()
         run, ran = quack_kernels_ran(lambda: step(model, batch, trace))
-        assert trace[FUSED_TRACE_KEY] == len(handle.state.targets("fused_decoder")) >= 1
+        assert trace[COMPILED_TRACE_KEY] == len(handle.state.targets("compiled_decoder")) >= 1
         distances[request] = grad_distance(run, want)
         if request == "auto":
             assert ran, "no quack kernel ran"
-            tol = TOL["fused_decoder_vs_eager_bf16"]
+            tol = TOL["compiled_decoder_vs_eager_bf16"]
             assert (eager[0] - run[0]).abs().max().item() < tol and (eager[1] - run[1]).abs().max().item() < tol
             report = ac.verify(model, batch)
             assert report.ok, report

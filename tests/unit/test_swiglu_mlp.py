@@ -1,5 +1,5 @@
-"""quack's gated MLP (``patch_model(dense_mlp=...)``, ``hf.features.dense_mlp``, ``kernels.quack.gated_mlp``): what
-runs without a GPU. quack's kernels themselves run on the H200 (``tests/gpu/test_dense_mlp_quack_cuda.py``); here
+"""quack's gated MLP (``patch_model(swiglu_mlp=...)``, ``hf.features.swiglu_mlp``, ``kernels.quack.gated_mlp``): what
+runs without a GPU. quack's kernels themselves run on the H200 (``tests/gpu/test_swiglu_mlp_quack_cuda.py``); here
 a stand-in for its two gated GEMMs, written from quack's documented semantics (``testing.quack_stand_in``: gate and
 up interleaved column by column, SwiGLU and its gradient from the accumulators), checks the arithmetic around them in fp32 per
 element against the model's own MLP and per token against the model's own forward: the interleaved weight, the
@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import actorcore as ac
-import actorcore.hf.features.dense_mlp as dense_mlp
+import actorcore.hf.features.swiglu_mlp as swiglu_mlp
 import actorcore.kernels.quack.gated_mlp as quack_gated_mlp
 import actorcore.kernels.quack.runtime as quack_runtime
 from actorcore.archs import spec_for_model
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderParts
-from actorcore.hf.features.dense_mlp import DENSE_MLP_KEY, QuackGatedMLP, dense_mlp_names, mlp_refusal
+from actorcore.hf.features.swiglu_mlp import SWIGLU_MLP_KEY, QuackGatedMLP, swiglu_mlp_names, mlp_refusal
 from actorcore.testing.quack_stand_in import use_quack_stand_in
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
@@ -73,7 +73,7 @@ def test_gated_mlp_refuses_fp32_and_mixed_dtypes():
 @pytest.mark.parametrize("model_type", ("qwen2", "qwen3_next"))
 def test_patched_model_matches_its_own_forward_and_ran(quack_stand_in, model_type):
     """Per token and per parameter gradient against the model's own forward (one sequence at a time, fp32), with
-    ``dense_mlp="quack"``; the trace counts every installed MLP; a deep copy runs its own MLPs; ``revert`` restores
+    ``swiglu_mlp="quack"``; the trace counts every installed MLP; a deep copy runs its own MLPs; ``revert`` restores
     the classes."""
     model = build_tiny_model(model_type, seed=2).train()
     g = torch.Generator().manual_seed(0)
@@ -89,13 +89,13 @@ def test_patched_model_matches_its_own_forward_and_ran(quack_stand_in, model_typ
         return lp.detach(), _grads(model)
 
     want_lp, want_grads = own_forward()
-    handle = ac.patch_model(model, dense_mlp="quack")
-    mlps = _mlps(model, handle.state.targets("dense_mlp"))
+    handle = ac.patch_model(model, swiglu_mlp="quack")
+    mlps = _mlps(model, handle.state.targets("swiglu_mlp"))
     assert mlps and all(isinstance(m, QuackGatedMLP) for m in mlps)
     trace = Counter()
     out = ac.compute_logprobs(model, ac.pack(sequences), temperature=TEMPERATURE, trace=trace)
     (out.log_probs * torch.linspace(0.5, 1.5, out.log_probs.numel())).sum().backward()
-    assert trace[DENSE_MLP_KEY] == len(mlps)
+    assert trace[SWIGLU_MLP_KEY] == len(mlps)
     assert (out.log_probs - want_lp).abs().max().item() < TOL["packed_vs_hf_fp32"]
     got_grads = _grads(model)
     assert got_grads.keys() == want_grads.keys()
@@ -118,8 +118,8 @@ def test_patched_model_matches_its_own_forward_and_ran(quack_stand_in, model_typ
         trace = Counter()
         with torch.no_grad():
             got_lp = ac.compute_logprobs(clone, ac.pack(sequences), temperature=TEMPERATURE, trace=trace).log_probs
-        assert trace[DENSE_MLP_KEY] == len(mlps) and torch.equal(got_lp, want_lp)
-        assert all(isinstance(m, QuackGatedMLP) for m in _mlps(clone, handle.state.targets("dense_mlp")))
+        assert trace[SWIGLU_MLP_KEY] == len(mlps) and torch.equal(got_lp, want_lp)
+        assert all(isinstance(m, QuackGatedMLP) for m in _mlps(clone, handle.state.targets("swiglu_mlp")))
 
     handle.revert()
     assert not any(isinstance(m, QuackGatedMLP) for m in model.modules())
@@ -133,8 +133,8 @@ def _grads(model):
 
 def test_a_bypassed_mlp_raises(quack_stand_in):
     model = build_tiny_model("llama", seed=1)
-    handle = ac.patch_model(model, dense_mlp="quack")
-    mlp = _mlps(model, handle.state.targets("dense_mlp"))[0]
+    handle = ac.patch_model(model, swiglu_mlp="quack")
+    mlp = _mlps(model, handle.state.targets("swiglu_mlp"))[0]
     mlp.__class__ = mlp._actorcore_base  # what a transformers that swaps the module's class would do
     with pytest.raises(PatchNotAppliedError, match=r"quack's gated MLP ran in 1 of 2 MLP modules"):
         ac.compute_logprobs(model, ac.pack([torch.arange(3, 12)]))
@@ -165,28 +165,28 @@ def test_refuses_what_it_does_not_cover():
 
 def test_request_values_and_refusals():
     model = build_tiny_model("qwen2")
-    with pytest.raises(ValueError, match=r"dense_mlp must be 'auto', 'quack' or False, got 'quak'"):
-        ac.patch_model(model, dense_mlp="quak")
-    with pytest.raises(ValueError, match=r"dense_mlp='quack': .*(Hopper|not installed)"):
-        ac.patch_model(model, dense_mlp="quack")
+    with pytest.raises(ValueError, match=r"swiglu_mlp must be 'auto', 'quack' or False, got 'quak'"):
+        ac.patch_model(model, swiglu_mlp="quak")
+    with pytest.raises(ValueError, match=r"swiglu_mlp='quack': .*(Hopper|not installed)"):
+        ac.patch_model(model, swiglu_mlp="quack")
     for request in ("auto", False):  # the CPU: nothing fused, nothing installed
-        handle = ac.patch_model(model, dense_mlp=request)
-        assert handle.state.targets("dense_mlp") == ()
+        handle = ac.patch_model(model, swiglu_mlp=request)
+        assert handle.state.targets("swiglu_mlp") == ()
         handle.revert()
 
 
-def test_auto_takes_the_fused_layers_where_quack_runs(monkeypatch):
-    """``"auto"``: the covered MLPs of the fused layers when quack runs (faked: the CPU has no Hopper GPU), none
-    where quack refuses or nothing is fused."""
+def test_auto_takes_the_compiled_layers_where_quack_runs(monkeypatch):
+    """``"auto"``: the covered MLPs of the compiled layers when quack runs (faked: the CPU has no Hopper GPU), none
+    where quack refuses or nothing is compiled."""
     model = build_tiny_model("qwen2")
     spec = spec_for_model(model)
     parts = DecoderParts.of(model, spec)
-    monkeypatch.setattr(dense_mlp, "_device_refusal", lambda module: None)
+    monkeypatch.setattr(swiglu_mlp, "_device_refusal", lambda module: None)
     monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: None)
-    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(1,))[0] == ("layers.1.mlp",)
-    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=())[0] == ()
+    assert swiglu_mlp_names(model, parts, spec, "auto", compiled_layers=(1,))[0] == ("layers.1.mlp",)
+    assert swiglu_mlp_names(model, parts, spec, "auto", compiled_layers=())[0] == ()
     monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: "quack-kernels is not installed")
-    assert dense_mlp_names(model, parts, spec, "auto", fused_layers=(0, 1)) == ((), "quack-kernels is not installed")
+    assert swiglu_mlp_names(model, parts, spec, "auto", compiled_layers=(0, 1)) == ((), "quack-kernels is not installed")
 
 
 def test_widths_quack_cannot_load_are_refused():

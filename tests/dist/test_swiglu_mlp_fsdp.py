@@ -1,4 +1,4 @@
-"""quack's gated MLP (``patch_model(dense_mlp="quack")``) under FSDP2 (gloo, 2 processes, float64) with gradient
+"""quack's gated MLP (``patch_model(swiglu_mlp="quack")``) under FSDP2 (gloo, 2 processes, float64) with gradient
 accumulation over two micro-batches, on ``testing.quack_stand_in``'s GEMMs (the CPU has no Hopper GPU): the path
 reads the parameters FSDP2 unsharded in forward and again in backward, and its gradients reach FSDP2's
 reduce-scatter. Log-probs per token and the accumulated gradients against one process running the model's own
@@ -23,12 +23,12 @@ def _worker(rank, world_size, patch_first):
     use_quack_stand_in()
     model = build_tiny_model("qwen2", seed=9, dtype=torch.float64)
     if patch_first:
-        handle = ac.patch_model(model, dense_mlp="quack")
+        handle = ac.patch_model(model, swiglu_mlp="quack")
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     if not patch_first:  # the parameters are FSDP2's sharded DTensors when the path is installed
-        handle = ac.patch_model(model, dense_mlp="quack")
+        handle = ac.patch_model(model, swiglu_mlp="quack")
     micro = micro_batches() if rank == 0 else micro_batches()[::-1]
     trace, log_probs = Counter(), []
     for i, seqs in enumerate(micro):
@@ -37,11 +37,11 @@ def _worker(rank, world_size, patch_first):
         log_probs.append(lp)
         loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    return {"log_probs": log_probs, "grads": grads, "ran": trace["dense_mlp:modules"],
-            "expected": len(micro) * len(handle.state.targets("dense_mlp")), "mlps": len(handle.state.targets("dense_mlp"))}
+    return {"log_probs": log_probs, "grads": grads, "ran": trace["swiglu_mlp:modules"],
+            "expected": len(micro) * len(handle.state.targets("swiglu_mlp")), "mlps": len(handle.state.targets("swiglu_mlp"))}
 
 
-def test_dense_mlp_under_fsdp2_with_gradient_accumulation():
+def test_swiglu_mlp_under_fsdp2_with_gradient_accumulation():
     from actorcore.testing.tiny_configs import build_tiny_model
 
     reference = build_tiny_model("qwen2", seed=9, dtype=torch.float64)  # the model's own forward, unpatched

@@ -1,8 +1,8 @@
-"""The fused decoder's mechanics (``patch_model(fused_decoder=True)``), run on the CPU with Inductor's C++ kernels in
+"""The compiled decoder's mechanics (``patch_model(compiled_decoder=True)``), run on the CPU with Inductor's C++ kernels in
 fp32 (the product enables it only on CUDA for 16-bit models; this test lifts that refusal): per token and per
 gradient element against the eager packed path, with layer checkpointing (transformers >= 5.24 checkpoints inside
 the class's forward, which the instance forward takes over) and with ``checkpointing="auto"`` keeping every layer
-(fused layers kept as compiled, saving gate and up but not their SwiGLU product); the trace proves the compiled layers ran; a
+(compiled layers kept as compiled, saving gate and up but not their SwiGLU product); the trace proves the compiled layers ran; a
 pack of another length compiles nothing new; the model's own forward stays eager; a deep copy runs its own layers;
 ``revert`` restores the layers; bypassed layers raise."""
 
@@ -16,22 +16,22 @@ import torch
 from support.decoder_steps import seeded_batch, train_step
 
 import actorcore as ac
-import actorcore.hf.features.fused_decoder as fused_decoder
+import actorcore.hf.features.compiled_decoder as compiled_decoder
 from actorcore.hf.features.checkpointing import UNCHECKPOINTED_LAYERS
 from actorcore.errors import PatchNotAppliedError
-from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY, FusedLayerForward
+from actorcore.hf.features.compiled_decoder import COMPILED_TRACE_KEY, CompiledLayerForward
 from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 from actorcore.testing.tolerances import TOL
 
 
 def _close(eager, fused):
     (lp_e, ent_e, g_e), (lp_f, ent_f, g_f) = eager, fused
-    tol = TOL["fused_decoder_vs_eager_fp32"]
+    tol = TOL["compiled_decoder_vs_eager_fp32"]
     assert (lp_e - lp_f).abs().max().item() < tol and (ent_e - ent_f).abs().max().item() < tol
     assert g_e.keys() == g_f.keys()
     for name in g_e:
         scale = g_e[name].abs().max().item()
-        assert (g_e[name] - g_f[name]).abs().max().item() <= TOL["grad_fused_decoder_vs_eager_fp32_rel"] * scale, name
+        assert (g_e[name] - g_f[name]).abs().max().item() <= TOL["grad_compiled_decoder_vs_eager_fp32_rel"] * scale, name
 
 
 def _graphs() -> int:
@@ -41,8 +41,8 @@ def _graphs() -> int:
 
 
 @pytest.mark.slow
-def test_fused_layers_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+def test_compiled_layers_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)
     model = checkpointed(build_tiny_model("llama", seed=3))
     layers = model.config.num_hidden_layers
     batch = seeded_batch()
@@ -51,13 +51,13 @@ def test_fused_layers_on_the_cpu(monkeypatch):
     handle.revert()
     model.zero_grad(set_to_none=True)
 
-    handle = ac.patch_model(model, fused_decoder=True)
+    handle = ac.patch_model(model, compiled_decoder=True)
     forwards = [layer.forward for layer in model.model.layers]
-    assert all(isinstance(f, FusedLayerForward) for f in forwards)
+    assert all(isinstance(f, CompiledLayerForward) for f in forwards)
     trace = Counter()
     fused = train_step(model, batch, trace)
     _close(eager, fused)
-    assert trace[FUSED_TRACE_KEY] == 2 * layers  # each layer's forward and its recompute in backward
+    assert trace[COMPILED_TRACE_KEY] == 2 * layers  # each layer's forward and its recompute in backward
     graphs = _graphs()
     g = torch.Generator().manual_seed(9)
     model.zero_grad(set_to_none=True)
@@ -73,64 +73,64 @@ def test_fused_layers_on_the_cpu(monkeypatch):
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
 
     model.zero_grad(set_to_none=True)
-    handle = ac.patch_model(model, fused_decoder=True, checkpointing="auto", memory_budget_gib=1e6)  # all kept
+    handle = ac.patch_model(model, compiled_decoder=True, checkpointing="auto", memory_budget_gib=1e6)  # all kept
     trace, saved = Counter(), []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         _close(eager, train_step(model, batch, trace))
-    assert trace[UNCHECKPOINTED_LAYERS] == layers and trace[FUSED_TRACE_KEY] == layers  # no recompute
+    assert trace[UNCHECKPOINTED_LAYERS] == layers and trace[COMPILED_TRACE_KEY] == layers  # no recompute
     # The partitioner keeps gate and up, and recomputes act(gate) * up for the down projection's weight gradient.
     inner = [s for s in saved if s.numel() == batch.num_tokens * model.config.intermediate_size]
     assert len(inner) == 2 * layers, inner
     handle.revert()
 
 
-def test_bypassed_fused_layers_are_an_error(monkeypatch):
+def test_bypassed_compiled_layers_are_an_error(monkeypatch):
     """Negative control: layers that run their plain forward (as a transformers that bypassed the instance forward
     would) make the call raise instead of returning unfused results."""
-    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)
     model = build_tiny_model("llama", seed=4).train()
-    handle = ac.patch_model(model, fused_decoder=True)
+    handle = ac.patch_model(model, compiled_decoder=True)
     for layer in model.model.layers:
-        plain = fused_decoder.original_forward(type(layer)).__get__(layer)
+        plain = compiled_decoder.original_forward(type(layer)).__get__(layer)
         layer.__dict__["forward"] = lambda *args, _plain=plain, **kwargs: _plain(
-            *args, **{k: v for k, v in kwargs.items() if k != fused_decoder.FUSED_KWARG})
-    with pytest.raises(PatchNotAppliedError, match="fused decoder ran in 0 of"):
+            *args, **{k: v for k, v in kwargs.items() if k != compiled_decoder.COMPILED_KWARG})
+    with pytest.raises(PatchNotAppliedError, match="compiled decoder ran in 0 of"):
         ac.compute_logprobs(model, seeded_batch())
     handle.revert()
 
 
-def test_auto_is_the_default_and_fuses_only_measured_combinations(monkeypatch):
-    """``patch_model`` fuses by default where the fused decoder can run and was measured (no SP, tiled MLP, offload or
+def test_auto_is_the_default_and_compiles_only_measured_combinations(monkeypatch):
+    """``patch_model`` compiles by default where the compiled decoder can run and was measured (no SP, tiled MLP, offload or
     recomputed norms); with one of those ``"auto"`` stays eager and the plan says why (and that the options that
-    follow the fused decoder stay off with it), ``True`` fuses anyway; on the CPU the default installs nothing (the
+    follow the compiled decoder stay off with it), ``True`` compiles anyway; on the CPU the default installs nothing (the
     path stays the eager one)."""
     model = checkpointed(build_tiny_model("llama", seed=5))
-    handle = ac.patch_model(model)  # the CPU: nothing fused
+    handle = ac.patch_model(model)  # the CPU: nothing compiled
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
     handle.revert()
 
-    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)
     handle = ac.patch_model(model)
-    assert all(isinstance(layer.forward, FusedLayerForward) for layer in model.model.layers)
+    assert all(isinstance(layer.forward, CompiledLayerForward) for layer in model.model.layers)
     handle.revert()
     for kwargs, what in (({"recompute_norms": True}, "recomputed norms"),
                          ({"offload_activations": True}, "activation offload")):
         handle = ac.patch_model(model, **kwargs)
-        assert not any(isinstance(layer.__dict__.get("forward"), FusedLayerForward) for layer in model.model.layers)
-        why = handle.plan["fused_decoder"].why
-        assert what in why and "fused_decoder=True fuses it anyway" in why
-        assert "the decoder is not fused" in handle.plan["dense_mlp"].why
+        assert not any(isinstance(layer.__dict__.get("forward"), CompiledLayerForward) for layer in model.model.layers)
+        why = handle.plan["compiled_decoder"].why
+        assert what in why and "compiled_decoder=True compiles it anyway" in why
+        assert "the decoder is not compiled" in handle.plan["swiglu_mlp"].why
         handle.revert()
-        handle = ac.patch_model(model, fused_decoder=True, **kwargs)
-        assert all(isinstance(layer.forward, FusedLayerForward) for layer in model.model.layers)
+        handle = ac.patch_model(model, compiled_decoder=True, **kwargs)
+        assert all(isinstance(layer.forward, CompiledLayerForward) for layer in model.model.layers)
         handle.revert()
     handle = ac.patch_model(model, tiled_mlp_shards=2)
-    assert "fused decoder with tiled MLP has not been measured" in handle.plan["fused_decoder"].why
+    assert "compiled decoder with tiled MLP has not been measured" in handle.plan["compiled_decoder"].why
     handle.revert()
 
 
 def test_packed_attention_traces_into_a_compiled_layer_only_when_asked(monkeypatch):
-    """The packed attention inside a layer the fused decoder compiles (``IN_GRAPH_KWARG``, traced under its settings
+    """The packed attention inside a layer the compiled decoder compiles (``IN_GRAPH_KWARG``, traced under its settings
     with a symbolic token count) is traced into the layer's one graph: torch's varlen op, its scale a number (the
     module's float attributes specialised). Without that keyword (a user's own ``torch.compile``), or where the
     backend is not traceable, it leaves the graph, so it still counts itself. The CPU has no varlen kernel: the
@@ -169,7 +169,7 @@ def test_packed_attention_traces_into_a_compiled_layer_only_when_asked(monkeypat
 
     def compiled_call(**flag):
         torch._dynamo.reset()
-        with fused_decoder.compile_settings():
+        with compiled_decoder.compile_settings():
             torch.compile(module, fullgraph=True, dynamic=True, backend=capture)(q, k, v, **packing, **flag)
 
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="Captured"):
@@ -211,14 +211,14 @@ def test_compiled_graphs_report_attention_to_the_call_that_ran_them(monkeypatch)
             return torch.relu(hidden * self.weight) + 1
 
     holding = {"attention": True}
-    monkeypatch.setattr(fused_decoder, "graph_attention_backends",
+    monkeypatch.setattr(compiled_decoder, "graph_attention_backends",
                         lambda graph: {"torch_varlen"} if holding["attention"] else set())
     reference, actor = Layer(), Layer()
     x = torch.randn(3, 4)
 
     def call(layer):
         trace = Counter()
-        out = FusedLayerForward(layer)(x, **{fused_decoder.FUSED_KWARG: True, TRACE_KWARG: TraceRef(trace)})
+        out = CompiledLayerForward(layer)(x, **{compiled_decoder.COMPILED_KWARG: True, TRACE_KWARG: TraceRef(trace)})
         assert trace["varlen_attention:torch_varlen"] == trace[trace_key(PACKED_ATTENTION)]  # the graph's backend
         return out, trace[trace_key(PACKED_ATTENTION)]
 
