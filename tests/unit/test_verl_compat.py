@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import actorcore as ac
 from actorcore.compat.verl import apply_monkey_patch, batch_from_position_ids
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL

@@ -146,8 +146,6 @@ def submodule(root: Any, path: str) -> Any:
 def _missing_submodule(root: Any, path: str, err: AttributeError) -> Exception:
     """The error for a spec path the model does not have, by what is most likely wrong: a base model given where
     the task model is needed, a layer count edited after the model was built, or (only then) a layout change."""
-    from actorcore.errors import UnsupportedArchitectureError
-
     name = type(root).__name__
     prefix = getattr(root, "base_model_prefix", None)
     if prefix and path.split(".")[0] == prefix and getattr(root, "base_model", None) is root:

@@ -1,9 +1,11 @@
 """Kernel layer: model-agnostic compute, a folder per concern: the fused log-prob/entropy head (``logprob/``),
 packed and ring attention (``attention/``: FlashAttention-4, flash-attn 2, torch's varlen kernel or per-sequence SDPA,
-chosen in ``attention.backends``), packed linear attention (``linear_attention/``); one-file concerns
-beside them (``tiled_mlp``, ``batch_invariant``, ``precision``, ``trace``, the MoE token moves ``moe_permute``, and
-and quack's Hopper GEMMs with fused epilogues for MoE experts and SwiGLU MLPs in ``quack/``, behind its one
-availability probe ``quack.runtime.quack_refusal``).
+chosen in ``attention.backends``), packed linear attention (``linear_attention/``), quack's Hopper GEMMs with fused
+epilogues for MoE experts and SwiGLU MLPs (``quack/``, behind its one availability probe
+``quack.runtime.quack_refusal``); one-file concerns beside them: ``tiled_mlp``, ``batch_invariant``, ``precision``
+(autocast-free fp32 numerics, the critic's value head), ``trace``, ``selective_checkpoint`` (the selective
+checkpointing policy), the MoE token moves ``moe_permute``, grouped GEMMs over rows sorted by expert
+(``grouped_gemm``) and the MXFP4 weights of gpt-oss checkpoints (``mxfp4``).
 
 Nothing heavy is imported here; import the submodule you need, e.g.
 ``from actorcore.kernels.logprob import linear_logprob_entropy``. Kernels import only torch (and triton / flash-attn /

@@ -3,8 +3,9 @@
 outputs through Megatron's schedule) and ``convert/`` (HF checkpoints <-> sharded models, weight streams, Megatron
 checkpoints); beside them what all three share: the parallel layout (``parallel``), the model handle (``handle``),
 the CPU runtime (``cpu_runtime``) and the megatron-core probe (``_megatron``). The names below are the route's public
-surface, imported from here; the module paths from before the rooms (``actorcore.mcore.model``, ``.config``,
-``.load``, ``.forward``, ...) still import for one release, with a DeprecationWarning.
+surface, imported from here. The module paths from before the rooms still import for one release, with a
+DeprecationWarning: ``model``, ``config``, ``norm``, ``attention``, ``rotary`` (now in ``build/``), ``forward``
+(``run/``), ``load``, ``weight_stream``, ``dist_checkpoint`` (``convert/``).
 
 Importing this package does not import megatron-core; the functions that need it import it lazily and
 raise ``MegatronNotInstalledError`` with the install command when it is missing.

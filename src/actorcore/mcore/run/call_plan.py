@@ -30,8 +30,8 @@ from actorcore.errors import FastPathNotRunError
 from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY
 from actorcore.mcore.build.grouped_experts import GROUPED_EXPERTS_KEY, QUACK, QUACK_EXPERTS_KEY, GroupedExperts
 from actorcore.mcore.build.layer import COMPILED_KEY
-from actorcore.mcore.build.recompute import (SELECTIVE, SELECTIVE_KEY, LayerPlan, layer_bytes_per_token,
-                                       micro_batches_in_flight, plan_layer_modes)
+from actorcore.mcore.build.recompute import (SELECTIVE, LayerPlan, layer_bytes_per_token, micro_batches_in_flight,
+                                             plan_layer_modes)
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
