@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast clean
+.PHONY: demo lint test test-fast clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -52,6 +52,18 @@ $(ENGINE_STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/actorcore demo
+
+# Lint: ruff (a small rule set: syntax, undefined and unused names, imports, escapes; pyproject.toml) and codespell,
+# pinned, into the venv. Measured: a few seconds once installed.
+LINT_STAMP := $(VENV)/.installed-lint
+
+$(LINT_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q "ruff==0.17.5" "codespell==2.4.3"
+	@touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/codespell src tests bench examples docs README.md Makefile pyproject.toml .ci
 
 # tests/verl runs once per verl version; ACTORCORE_REQUIRE_VERL makes a missing verl an error there, not a skip.
 # tests/engines runs in the engine environment; ACTORCORE_REQUIRE_VLLM makes a missing vLLM an error there.

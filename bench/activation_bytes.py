@@ -1,5 +1,5 @@
-"""What the fused decoder's compiled layers keep for backward, with and without the partitioner setting
-(``hf.features.fused_decoder.recompute_pointwise``), and the actor step it allows at several pack sizes.
+"""What the compiled decoder's compiled layers keep for backward, with and without the partitioner setting
+(``hf.features.compiled_decoder.recompute_pointwise``), and the actor step it allows at several pack sizes.
 
 Per setting, in one process: activation bytes per token and decoder layer = (allocated after the forward of one
 32K-token pack without checkpointing - the same with full checkpointing) / tokens / layers; then the step of
@@ -60,7 +60,7 @@ def forward_bytes(ac, model, pack, adv, checkpointing, device):
 
 def step_row(ac, model, sequences, advantages, max_tokens, active, device):
     packs, advs = packs_of(sequences, advantages, max_tokens)
-    handle = ac.patch_model(model, checkpointing=None)  # no checkpointing: the fused layers keep their graphs
+    handle = ac.patch_model(model, checkpointing=None)  # no checkpointing: the compiled layers keep their graphs
     step = actorcore_step(model, packs, advs, device)
     try:
         if device == "cuda":
@@ -85,7 +85,7 @@ def step_row(ac, model, sequences, advantages, max_tokens, active, device):
 
 def main() -> None:
     import actorcore as ac
-    import actorcore.hf.features.fused_decoder as fused_decoder
+    import actorcore.hf.features.compiled_decoder as compiled_decoder
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
@@ -102,13 +102,13 @@ def main() -> None:
     active, layers = active_parameters(model), model.config.num_hidden_layers
     sequences, advantages = batch_sequences(shape["vocab_size"], args.model == "tiny")
     first, first_adv = (p[0] for p in packs_of(sequences, advantages, 32768))
-    library_setting, rows = fused_decoder.recompute_pointwise, []
+    library_setting, rows = compiled_decoder.recompute_pointwise, []
     settings = ("recompute pointwise",) if args.bytes_only else ("recompute pointwise", "partitioner default")
     for setting in settings:
         torch._dynamo.reset()
-        fused_decoder.compiled_forward.cache_clear()
+        compiled_decoder.compiled_forward.cache_clear()
         on = setting == "recompute pointwise"
-        fused_decoder.recompute_pointwise = library_setting if on else contextlib.nullcontext
+        compiled_decoder.recompute_pointwise = library_setting if on else contextlib.nullcontext
         try:
             kept, tokens = forward_bytes(ac, model, first, first_adv, None, device)  # no checkpointing
             full, _ = forward_bytes(ac, model, first, first_adv, "full", device)
@@ -125,7 +125,7 @@ def main() -> None:
                 print(f"[row] {json.dumps(row)}", flush=True)
                 rows.append(row)
         finally:
-            fused_decoder.recompute_pointwise = library_setting
+            compiled_decoder.recompute_pointwise = library_setting
     meta = {"model": args.model, "layers": layers, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     write_json(args.out, f"activation_bytes_{args.model}.json", {"meta": meta, "rows": rows})

@@ -1,5 +1,5 @@
 """The actor step side by side: actorcore (before: eager decoder + full checkpointing + transformers' experts; after:
-fused decoder + budgeted checkpointing + on MoE models actorcore's experts path, and the same with transformers'
+compiled decoder + budgeted checkpointing + on MoE models actorcore's experts path, and the same with transformers'
 experts) against plain transformers (padded micro-batches; its own packing), transformers with Liger-Kernel's
 patches and actorcore's own Megatron-Core route (``megatron``), on one GPU, in one run.
 
@@ -57,15 +57,15 @@ PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-ex
          "actorcore fused quack-mlp", "actorcore fused quack-mlp no-ckpt",
          "transformers padded", "transformers packed", "transformers+liger padded", "megatron before", "megatron")
 # On MoE models "actorcore fused" and "actorcore fused no-ckpt" run actorcore's gather-only experts path
-# (``moe_experts="grouped"``, the default under the fused decoder), "actorcore fused transformers-experts" transformers'
+# (``moe_experts="grouped"``, the default under the compiled decoder), "actorcore fused transformers-experts" transformers'
 # own grouped_mm forward, "... quack-experts" that path with quack's fused GEMMs (``moe_experts="quack"``).
-# The dense SwiGLU MLPs stay compiled (``dense_mlp=False``) except on the "... quack-mlp" paths (``dense_mlp="quack"``).
+# The dense SwiGLU MLPs stay compiled (``swiglu_mlp=False``) except on the "... quack-mlp" paths (``swiglu_mlp="quack"``).
 # "megatron": actorcore's Megatron-Core route on this one GPU (``megatron_step``) with its speed options as
 # ``--mcore-experts`` / ``--mcore-fused`` / ``--mcore-recompute`` set them (by default the route's defaults, and
 # recompute "auto" at ``--budget-gib``, the HF paths' budget); "megatron before": megatron-core's sequential experts,
 # unfused layers, no recompute (the route before these options). They run last (they move the HF model off the GPU).
 # Any actorcore or megatron path with " fa4" appended ("actorcore fused fa4", "megatron fa4") runs the same with its
-# attention on FlashAttention-4 (``patch_model(attention_backend="fa4")``, ``mcore.attention.use_attention_backend``),
+# attention on FlashAttention-4 (``patch_model(attention_backend="fa4")``, ``mcore.build.attention.use_attention_backend``),
 # right after the path without it: before and after in one process. The paths without it keep "auto".
 FA4_SUFFIX = " fa4"
 
@@ -131,7 +131,7 @@ def actorcore_step(model, packs, advs, device):
             res.loss.backward()
             out.append(res.logprob.detach().float())
         return [lp.cpu() for lp in out]  # after the last pack: no host sync between packs
-    step.trace = trace  # the last step's kernels, fused layers and checkpointing modes
+    step.trace = trace  # the last step's kernels, compiled layers and checkpointing modes
     return step
 
 
@@ -190,10 +190,10 @@ def megatron_options(name: str, args) -> dict:
     """``build_gpt_model``'s speed options for a Megatron path: "megatron before" turns each off; "megatron" takes
     the flags (``--mcore-*``), recompute "auto" at the HF paths' budget by default."""
     if name == "megatron before":
-        return dict(moe_experts="sequential", fused_layers=False, recompute=None)
+        return dict(moe_experts="sequential", compiled_layers=False, recompute=None)
     fused = {"auto": "auto", "on": True, "off": False}[args.mcore_fused]
     recompute = None if args.mcore_recompute == "none" else args.mcore_recompute
-    return dict(moe_experts=args.mcore_experts, fused_layers=fused, recompute=recompute,
+    return dict(moe_experts=args.mcore_experts, compiled_layers=fused, recompute=recompute,
                 memory_budget_gib=args.budget_gib if recompute == "auto" else None)
 
 
@@ -211,7 +211,7 @@ def megatron_step(model, packs, advs, device, options: dict):
     import actorcore as ac
     from actorcore.mcore import McoreParallel, build_gpt_model, initialize_megatron, load_hf_into_mcore
     from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.run.forward import compute_logprobs
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -241,7 +241,7 @@ def megatron_step(model, packs, advs, device, options: dict):
             outs = compute_logprobs(mcore_model, batches, entropy=False, loss_fn=loss, trace=trace)
         return [o.log_probs[: b.num_tokens].float().cpu() for o, b in zip(outs, batches)]
     step.trace = trace
-    step.choices = {"moe_experts": mcore_model.moe_experts, "fused_layers": mcore_model.fused_layers,
+    step.choices = {"moe_experts": mcore_model.moe_experts, "compiled_layers": mcore_model.compiled_layers,
                     "recompute": None if mcore_model.recompute is None else mcore_model.recompute.mode}
     return step, chunks
 
@@ -372,7 +372,7 @@ def main() -> None:
     parser.add_argument("--mcore-experts", default="auto", choices=("auto", "grouped", "quack", "sequential"),
                         help="the megatron path's routed experts (build_gpt_model's moe_experts)")
     parser.add_argument("--mcore-fused", default="auto", choices=("auto", "on", "off"),
-                        help="the megatron path's fused layers (build_gpt_model's fused_layers)")
+                        help="the megatron path's compiled layers (build_gpt_model's compiled_layers)")
     parser.add_argument("--mcore-recompute", default="auto", choices=("auto", "selective", "full", "none"),
                         help="the megatron path's recompute ('auto' at --budget-gib)")
     parser.add_argument("--out", default=None)
@@ -420,15 +420,15 @@ def main() -> None:
         base = name.removesuffix(FA4_SUFFIX)
         if name.startswith("actorcore"):
             fused = base != "actorcore before"
-            # no-ckpt: none (the model's own checkpointing is off here), so the fused layers keep their compiled graphs
+            # no-ckpt: none (the model's own checkpointing is off here), so the compiled layers keep their compiled graphs
             ckpt = "full" if base == "actorcore before" else (None if "no-ckpt" in name else "auto")
             moe = bool(getattr(model.config, "num_experts", None))
             experts = "grouped" if moe and fused and "transformers-experts" not in name else False
             experts = "quack" if "quack-experts" in name else experts
             try:
-                handle = ac.patch_model(model, fused_decoder="auto" if fused else False, checkpointing=ckpt,
+                handle = ac.patch_model(model, compiled_decoder="auto" if fused else False, checkpointing=ckpt,
                                         memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
-                                        moe_experts=experts, dense_mlp="quack" if "quack-mlp" in name else False,
+                                        moe_experts=experts, swiglu_mlp="quack" if "quack-mlp" in name else False,
                                         attention_backend=attention)
             except ValueError as refused:  # e.g. FA4 where it cannot run: a result, not the end of the run
                 rows.append({"path": name, "error": f"refused: {refused}"})
@@ -436,7 +436,7 @@ def main() -> None:
                 continue
             step = actorcore_step(model, packs, pack_advs, device)
         elif base.startswith("megatron"):
-            from actorcore.mcore.attention import use_attention_backend
+            from actorcore.mcore.build.attention import use_attention_backend
 
             if megatron is None or megatron[0] != base:
                 megatron = None  # the previous Megatron model is gone before the next one is built
@@ -465,7 +465,7 @@ def main() -> None:
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_seq))
         if handle is not None or base.startswith("megatron"):
             row["trace"] = {k: v for k, v in step.trace.items() if k.split(":")[0] in (
-                "fused_decoder", "checkpoint", "moe_experts", "dense_mlp", "attention", "varlen_attention", "mcore")}
+                "compiled_decoder", "checkpoint", "moe_experts", "swiglu_mlp", "attention", "varlen_attention", "mcore")}
         if handle is not None:
             row["attention_backend"] = handle.plan["attention"].line()
             handle.revert()

@@ -158,7 +158,7 @@ def main() -> None:
     results["cost"] = {phase: timing[f"batch_invariant {phase}"] / timing[f"plain {phase}"] - 1
                        for phase in ("fwd", "fwd+bwd")}
 
-    lines = [f"# batch_invariant=True: cost and packing invariance", "",
+    lines = ["# batch_invariant=True: cost and packing invariance", "",
              f"{results['device']}, {dtype}, {results['model']}, {len(sequences)} sequences of "
              f"{min(lengths)}-{max(lengths)} tokens ({whole.num_tokens} tokens), activation checkpointing, "
              f"invariant linears in tiles of {results['tile_rows']}; "

@@ -1,5 +1,5 @@
-"""One SwiGLU MLP, forward+backward over one pack of tokens: the compiled transformers MLP (what the fused decoder
-runs) against quack's gated MLP (``kernels.gated_mlp_quack``: SwiGLU in the epilogues of two quack GEMMs, the other
+"""One SwiGLU MLP, forward+backward over one pack of tokens: the compiled transformers MLP (what the compiled decoder
+runs) against quack's gated MLP (``kernels.quack.gated_mlp``: SwiGLU in the epilogues of two quack GEMMs, the other
 four on cuBLAS), eager and compiled, in one process on one GPU. Per variant: milliseconds (CUDA events, median of
 ``--repeats``), the kernel-time breakdown by category (``step_profile``), and the max error of the output and the
 input gradient against fp32 math from the same bf16 values, relative to the max magnitude.
@@ -35,7 +35,7 @@ def build_mlp(hidden: int, intermediate: int) -> torch.nn.Module:
 
 
 def variants(mlp: torch.nn.Module) -> dict:
-    from actorcore.kernels.gated_mlp_quack import gated_mlp
+    from actorcore.kernels.quack.gated_mlp import gated_mlp
 
     def quack(x):
         return gated_mlp(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)

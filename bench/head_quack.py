@@ -5,7 +5,7 @@ MMAs, the epilogue of one tile overlaps the next tile's loads), which the head's
 per 2048-token chunk and 16 chunks back to back (N=32768, H=4096, V=151936 by default):
 
 - the forward statistics: the head's Triton kernel (logits, fp32 statistics, fp16 z - m store) against a quack GEMM
-  whose epilogue computes the same from the fp32 accumulators (the head's own option, ``kernels/logprob/quack_stats``,
+  whose epilogue computes the same from the fp32 accumulators (the benchmark variant ``bench/quack_stats.py``,
   at three tile shapes), and against quack's own
   linear-cross-entropy epilogue (bf16 exp(z - k), no entropy) and a plain bf16 cuBLAS matmul;
 - grad_hidden = G @ W: cuBLAS against quack's GEMM;
@@ -41,7 +41,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from actorcore.kernels.logprob._common import finish_stats, merge_partial_stats
-    from actorcore.kernels.logprob.quack_stats import TILE_N, _stats_epilogue, tile_partials
+    from quack_stats import TILE_N, _stats_epilogue, tile_partials
     from actorcore.kernels.logprob.triton_engine import TritonEngine, padded_row
 
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def main(argv=None):
     record("forward floor: cuBLAS bf16 mm into bf16 logits", repeat(lambda: torch.mm(h, w.t())))
 
     try:
-        epi = _stats_epilogue()  # the head's own epilogue (kernels/logprob/quack_stats.py), at other tile shapes too
+        epi = _stats_epilogue()  # bench/quack_stats.py's epilogue, at other tile shapes too
     except Exception as err:  # noqa: BLE001
         epi = None
         print(f"quack not importable: {type(err).__name__}: {err}")

@@ -28,8 +28,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("host syncs are a CUDA question: run this on a GPU")
     model = build_tiny_model(args.model_type, seed=0, dtype=torch.bfloat16).cuda().train()
-    # fused: no checkpointing (a fused layer keeps its compiled graph); eager: selective checkpointing
-    ac.patch_model(model, fused_decoder="auto" if args.fused == "auto" else False,
+    # fused: no checkpointing (a compiled layer keeps its compiled graph); eager: selective checkpointing
+    ac.patch_model(model, compiled_decoder="auto" if args.fused == "auto" else False,
                    checkpointing=None if args.fused == "auto" else "selective")
     g = torch.Generator().manual_seed(0)
     batch = ac.pack([torch.randint(3, 131, (n,), generator=g) for n in (300, 41, 1000, 7)]).to("cuda")

@@ -15,8 +15,8 @@ Implementations, side by side, all bf16 inputs:
   triton_loss  actorcore linear_logprob_loss on the Triton backend: the same sum of log-probs and
           entropies as a token-wise loss, gradient formed in the forward (6NHV); forward-only cells run
           its no-grad path (the forward statistics kernel, then the loss chunk by chunk)
-  quack_stats_loss  the same engine with ``loss_gemm="quack"``: the statistics from quack's warp-specialised GEMM
-          epilogue (``kernels.logprob.quack_stats``) and grad_weight accumulated by quack's GEMM (Hopper, quack)
+  quack_stats_loss  the same head on ``quack_stats.QuackStatsEngine``: the statistics from quack's warp-specialised
+          GEMM epilogue (``bench/quack_stats.py``) and grad_weight accumulated by quack's GEMM (Hopper, quack)
   liger   Liger-Kernel fused linear cross-entropy, reduction="sum" for fwd+bwd: the gradient is computed
           in the forward, which only a scalar loss allows (no entropy; temperature folded into hidden)
   liger_tok  the same with reduction="none": per-token losses and upstream grads, recompute in backward
@@ -100,12 +100,13 @@ def _ours_loss(backend):
 
 
 def _ours_quack_stats_loss(h, w, y, temperature, loss_reduction):
-    """The loss-fused head with its statistics from quack's GEMM epilogue (an engine option, not the default)."""
+    """The loss-fused head with its statistics from quack's GEMM epilogue (a benchmark variant: ``quack_stats``)."""
+    from quack_stats import QuackStatsEngine
+
     from actorcore.kernels.logprob.fused_loss import _ChunkedTokenLoss, _FusedLossFunction
-    from actorcore.kernels.logprob.triton_engine import TritonEngine
 
     token_loss = _ChunkedTokenLoss(lambda lp, ent: lp + ent, (), True)
-    loss, lp, ent = _FusedLossFunction.apply(h, w, y, TritonEngine(loss_gemm="quack"), token_loss, temperature, None,
+    loss, lp, ent = _FusedLossFunction.apply(h, w, y, QuackStatsEngine(), token_loss, temperature, None,
                                              True, None, None)
     return (loss, None) if loss_reduction == "sum" else (lp, ent)
 

@@ -141,7 +141,7 @@ def parts(n, d, v, res):
     from actorcore.kernels.logprob.triton_blocking import cdiv, padded_row
     from actorcore.kernels.logprob.triton_engine import TritonEngine
 
-    eng = TritonEngine(loss=replace(TritonEngine().loss, subtile=False, num_stages=3))
+    eng = TritonEngine(loss=replace(TritonEngine().loss, num_stages=3))
     rows = min(n, 2048)
     h, w, y, coef = make_inputs(rows, d, v, seed=5)
     z = torch.empty(rows, padded_row(v), dtype=torch.float16, device=DEV)
@@ -159,13 +159,11 @@ def parts(n, d, v, res):
         fe = TritonEngine(fwd=replace(eng.fwd, flatten=flat))
         out[f"forward stats kernel alone (no store), flatten={flat}"] = (time_it(
             lambda: fe.forward_stats(h, w, y, temperature=1.0, softcap=None, entropy=True, chunk_size=None)), flop)
-    for sub, st in ((True, 3), (True, 4)):
-        le = TritonEngine(loss=replace(eng.loss, subtile=sub, num_stages=st))
-        sh = torch.empty(rows, cdiv(v, le._shift_cols()), device=DEV)
-        out[f"fused kernel, subtile={sub}, stages={st}"] = (time_it(
-            lambda: le._stats_and_shifted_logits(h, w, y, zv, sh, 1.0, None, True)), flop)
+    le = TritonEngine(loss=replace(eng.loss, num_stages=4))
+    out["fused kernel, stages=4"] = (time_it(
+        lambda: le._stats_and_shifted_logits(h, w, y, zv, shift, 1.0, None, True)), flop)
     out["fp16 -> grad in place (memory-bound)"] = (time_it(
-        lambda: eng._shifted_to_grad(zv, gv, shift, y, lse, ent, coef[0], coef[1], 1.0, None)), 0)
+        lambda: eng._shifted_to_grad(zv, gv, shift, y, lse, ent, coef[0], coef[1], 1.0, None, eng._shift_cols())), 0)
     gh = torch.empty(rows, d, dtype=DTYPE, device=DEV)
     out["grad_h = G @ W (cuBLAS)"] = (time_it(lambda: torch.mm(gv, w, out=gh)), flop)
     gw = torch.randn_like(w)

@@ -580,7 +580,7 @@ def main() -> None:
     parser.add_argument("--offload-layers", default="all", help="offload variant: all, auto, or K: the first K of "
                         f"the {FULL_LAYERS}-layer model (the layers built are its first ones)")
     parser.add_argument("--sp", type=int, default=1, help="Ulysses SP size (launch with torchrun)")
-    parser.add_argument("--fused-decoder", action="store_true", help="patch_model(fused_decoder=True): the compiled "
+    parser.add_argument("--fused-decoder", action="store_true", help="patch_model(compiled_decoder=True): the compiled "
                         "layers also with SP, tiled MLP and offload (the default 'auto' keeps those eager)")
     parser.add_argument("--timeout", type=int, default=150, help="--sp: process-group timeout in seconds")
     parser.add_argument("--warmup", type=int, default=1)
@@ -631,7 +631,7 @@ def main() -> None:
         model_name += f" as Mistral, attention windowed to {window} tokens"
     results = {"setup": {"model": model_name, "layers": args.layers, "attention_window": window,
                          "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                         "sp": args.sp, "shards": args.shards, "recompute_norms": args.recompute_norms, "fused_decoder": args.fused_decoder, "warmup": args.warmup, "repeats": args.repeats,
+                         "sp": args.sp, "shards": args.shards, "recompute_norms": args.recompute_norms, "compiled_decoder": args.compiled_decoder, "warmup": args.warmup, "repeats": args.repeats,
                          "offload_layers": args.offload_layers, "torch": torch.__version__,
                          "attention_backends": attention_backends,
                          "host_available_gib": (_host_available_bytes() or 0) / 2**30},
@@ -677,7 +677,7 @@ def main() -> None:
             if variant != "transformers":
                 handle = ac.patch_model(model, parallel=parallel, tiled_mlp_shards=args.shards,
                                         offload_activations=offload or False, recompute_norms=args.recompute_norms,
-                                        fused_decoder=True if args.fused_decoder else "auto",
+                                        compiled_decoder=True if args.compiled_decoder else "auto",
                                         attention_backend=backend)
                 cell["attention_choice"] = handle.plan["attention"].line()
             step = _transformers_step if variant == "transformers" else _actorcore_step

@@ -16,7 +16,7 @@ counts against it), peak GiB allocated per rank (weights included), and max |Δ 
 on every real token, for the log-probs of each mode (gathered to every rank; rank 0 writes them). bf16 routes use different attention and GEMM kernels: small differences
 are expected, a wrong weight or mask gives differences of order 1 or more.
 
-The Megatron layouts build with the route's speed options (``build_gpt_model``'s ``moe_experts``, ``fused_layers``,
+The Megatron layouts build with the route's speed options (``build_gpt_model``'s ``moe_experts``, ``compiled_layers``,
 ``recompute`` / ``memory_budget_gib``: ``--mcore-experts``, ``--mcore-fused``, ``--mcore-recompute``,
 ``--budget-gib``; by default the route's defaults and no recompute).
 
@@ -132,7 +132,7 @@ def _shape(args) -> dict:
 def _speed_options(args) -> dict:
     """``build_gpt_model``'s speed options from the ``--mcore-*`` flags."""
     recompute = None if args.mcore_recompute == "none" else args.mcore_recompute
-    return dict(moe_experts=args.mcore_experts, fused_layers={"auto": "auto", "on": True, "off": False}[args.mcore_fused],
+    return dict(moe_experts=args.mcore_experts, compiled_layers={"auto": "auto", "on": True, "off": False}[args.mcore_fused],
                 recompute=recompute, memory_budget_gib=args.budget_gib if recompute == "auto" else None)
 
 
@@ -148,7 +148,7 @@ def _mcore_layout(name: str, hf_dir: str, batches, args) -> tuple[dict, torch.Te
     from actorcore.batch import pad_to_multiple
     from actorcore.mcore import McoreParallel, build_gpt_model, initialize_megatron, load_hf_into_mcore
     from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.run.forward import compute_logprobs
 
     # One token count for every micro-batch (pipeline P2P shapes are fixed), a multiple of 8 for TP / CP.
     target = -(-max(b.num_tokens for b in batches) // 8) * 8

@@ -66,8 +66,8 @@ def _layout(cp: int, hf_config, batch, args, state: dict | None,
             cp_comm: str | None = None) -> tuple[dict, dict, torch.Tensor]:
     from megatron.core import parallel_state as ps
 
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(cp=cp)

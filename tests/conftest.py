@@ -5,6 +5,9 @@
   without it); ``verl``: runs verl's own classes (skips without verl).
 - ``megatron``: the test's module needs megatron-core, which it says the one way the suite uses: it imports
   ``megatron`` (anywhere in the file) or calls ``pytest.importorskip("megatron...")``.
+
+``tests/support/`` holds the helpers several test modules share (imported as ``support.<module>``); it is not a
+tier and nothing in it is collected.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+
 TESTS_DIR = Path(__file__).resolve().parent
 TIERS = ("unit", "dist", "gpu", "verl", "engines")
+collect_ignore = ["support"]
 
 
 def tier_of(path: Path) -> str:

@@ -1,5 +1,5 @@
 """How a weight stream groups its tensors into buckets: a pure function shared by the HF route's stream
-(``export/``) and the Megatron route's (``mcore/weight_stream.py``), which may not import each other."""
+(``export/``) and the Megatron route's (``mcore/convert/weight_stream.py``), which may not import each other."""
 
 from __future__ import annotations
 

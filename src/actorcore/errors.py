@@ -56,8 +56,9 @@ class PackingNotAppliedError(FastPathNotRunError):
     """The packed attention did not run where it should have (e.g. a transformers change bypassed it)."""
 
 
-class PatchNotAppliedError(PackingNotAppliedError):
-    """A patch applied by ``patch_model`` did not run where it should have."""
+class PatchNotAppliedError(FastPathNotRunError):
+    """A patch applied by ``patch_model`` did not run where it should have. (Until this release it subclassed
+    ``PackingNotAppliedError``, though a patch is not packing: catch ``FastPathNotRunError`` for both.)"""
 
 
 class BatchInvariantNotAppliedError(FastPathNotRunError):

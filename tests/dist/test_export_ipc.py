@@ -16,7 +16,7 @@ import torch
 from actorcore.export import TransportError, hf_weight_stream, ipc_receive, ipc_send
 from actorcore.export.ipc import PROTOCOL_VERSION
 from actorcore.export.ipc_buffers import shm_dir
-from actorcore.testing.receiving import module_of
+from support.receiving import module_of
 
 TIMEOUT = 60.0
 

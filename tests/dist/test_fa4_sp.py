@@ -6,10 +6,11 @@ and full layers; gemma2: softcap and a window). flash-attn-4's entry points are 
 
 from collections import Counter
 
-from test_sequence_parallel import _grad_rel_diffs, _loss_weights, _sequences
+from support.sequence_parallel import grad_rel_diffs, loss_weights, sp_sequences
 
 from actorcore.testing.distributed import run_distributed
 from actorcore.testing.tolerances import TOL
+
 
 ARCHS = ("gpt_oss", "gemma2")
 
@@ -34,8 +35,8 @@ def _fa4_sp_worker(rank, world_size):
                     for a, b in zip(reference.model.layers, actor.model.layers):
                         a.self_attn.sinks.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(1))
                         b.self_attn.sinks.copy_(a.self_attn.sinks)
-            batch = ac.pack(_sequences())
-            w = _loss_weights(batch.num_tokens)
+            batch = ac.pack(sp_sequences())
+            w = loss_weights(batch.num_tokens)
             handle = ac.patch_model(actor, parallel=ctx, attention_backend="fa4")
             ref = ac.compute_logprobs(reference, batch)
             calls = len(stand_in.calls)
@@ -45,7 +46,7 @@ def _fa4_sp_worker(rank, world_size):
             (w[0] * out.log_probs).sum().backward()
             results[model_type] = {
                 "logprob": (out.log_probs - ref.log_probs).abs().max().item(),
-                "grads": _grad_rel_diffs(reference, actor, ctx.sp_group, ctx.sp_size),
+                "grads": grad_rel_diffs(reference, actor, ctx.sp_group, ctx.sp_size),
                 "trace": dict(trace), "layers": actor.config.num_hidden_layers,
                 "calls": Counter(kind for kind, _ in stand_in.calls[calls:]),
                 "sinks": {call["sink"] for _, call in stand_in.calls[calls:]}}

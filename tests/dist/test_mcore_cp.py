@@ -7,7 +7,6 @@ first, as Megatron's DDP does (the schedule scales each rank's loss by cp)."""
 
 from __future__ import annotations
 
-import collections
 import tempfile
 
 import pytest
@@ -15,10 +14,11 @@ import torch
 
 from actorcore.testing.distributed import run_distributed
 from actorcore.testing.tolerances import TOL
+from support.mcore_cp import cp_layout, cp_reference, cp_sequences, cp_tiny_hf
+
 
 pytest.importorskip("megatron.core")
 
-LENGTHS = [(5, 11, 3, 9), (14, 2, 7), (1, 6, 12)]
 # (model_type, overrides, tp, pp, cp, ep): 4 ranks each.
 LAYOUTS = [("mistral", {}, 2, 1, 2, 1), ("qwen2", {}, 1, 1, 4, 1),
            ("llama", {"tie_word_embeddings": False}, 1, 2, 2, 1), ("deepseek_v3", {}, 1, 1, 2, 1),
@@ -26,100 +26,21 @@ LAYOUTS = [("mistral", {}, 2, 1, 2, 1), ("qwen2", {}, 1, 1, 4, 1),
 CRITIC_CP = 4
 
 
-def _sequences() -> list[list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(11)
-    return [[torch.randint(3, 131, (n,), generator=gen) for n in lengths] for lengths in LENGTHS]
-
-
-def _tiny_hf(model_type: str, overrides: dict, task: str = "causal_lm"):
-    from test_mcore_roundtrip import randomize_constant_tensors
-
-    from actorcore.testing.tiny_configs import build_tiny_model
-
-    model = build_tiny_model(model_type, seed=5, task=task, **overrides)
-    randomize_constant_tensors(model, seed=1)  # norms and DeepSeek's score-correction bias are not constant
-    return model
-
-
-def _megatron_grads_as_hf(model) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, HF-named and gathered over TP / PP (the export's converters are linear)."""
-    import dataclasses
-
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
-
-    if model.config.num_moe_experts:  # transformers 5 holds experts stacked (experts.gate_up_proj): export that layout
-        model = dataclasses.replace(model, expert_layout="grouped")
-    params = [p for chunk in model.chunks for p in chunk.parameters()]
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = p.grad
-    try:
-        return gather_hf_state_dict(model)
-    finally:
-        for p, data in zip(params, saved):
-            p.data = data
-
-
-def _layout(model_type: str, tp: int, pp: int, cp: int, ep: int, directory: str) -> dict:
-    from megatron.core import parallel_state as ps
-    from transformers import AutoConfig
-
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
-    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-
-    parallel = McoreParallel(tp=tp, pp=pp, cp=cp, ep=ep)
-    context = initialize_megatron(parallel)
-    assert (context.tp_size, context.pp_size, context.cp_size, context.ep_size) == (tp, pp, cp, ep)
-    model = build_gpt_model(AutoConfig.from_pretrained(directory), parallel)
-    load_hf_into_mcore(model, directory)
-    trace: collections.Counter = collections.Counter()
-    for chunk in model.chunks:
-        for layer in chunk.decoder.layers:
-            layer.self_attention.core_attention.trace = trace
-    result = _run_and_reduce(model, trace)
-    ps.destroy_model_parallel()
-    return result
-
-
-def _run_and_reduce(model, trace) -> dict:
-    """Forward-only and forward+backward log-probs of ``_sequences()``, then every parameter's gradient reduced as
-    Megatron's DDP does (sum over the ranks holding a copy: data x context parallel, for experts the expert data
-    parallel ranks; divided by the data x context parallel size), HF-named."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    import actorcore as ac
-    from actorcore.mcore.forward import compute_logprobs
-
-    batches = [ac.pack(s) for s in _sequences()]
-    got = compute_logprobs(model, batches)
-    fb = compute_logprobs(model, batches, loss_fn=lambda out, batch: -out.log_probs.sum())
-    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-    for chunk in model.chunks:
-        for param in chunk.parameters():
-            expert = not getattr(param, "allreduce", True)
-            dist.all_reduce(param.grad, group=ps.get_expert_data_parallel_group() if expert else dp_cp)
-            param.grad /= dist.get_world_size(dp_cp)
-    return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb],
-            "grads": _megatron_grads_as_hf(model), "trace": dict(trace)}
-
-
 def _critic(directory: str) -> list[torch.Tensor]:
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.forward import compute_values
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_values
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(cp=CRITIC_CP)
     initialize_megatron(parallel)
     model = build_gpt_model(AutoConfig.from_pretrained(directory), parallel, value_head=True)
     load_hf_into_mcore(model, directory)
-    values = compute_values(model, [ac.pack(s) for s in _sequences()])
+    values = compute_values(model, [ac.pack(s) for s in cp_sequences()])
     ps.destroy_model_parallel()
     return values
 
@@ -128,22 +49,9 @@ def _worker(rank: int, world_size: int, directories: list[str], critic_directory
     from actorcore.mcore.cpu_runtime import CpuRuntime
 
     with CpuRuntime():
-        layouts = [_layout(model_type, tp, pp, cp, ep, directory)
+        layouts = [cp_layout(model_type, tp, pp, cp, ep, directory)
                    for (model_type, _, tp, pp, cp, ep), directory in zip(LAYOUTS, directories)]
         return {"layouts": layouts, "values": _critic(critic_directory)}
-
-
-def _reference(hf) -> tuple[list, dict[str, torch.Tensor]]:
-    """Per-batch ``[T]`` log-probs / entropy and the gradients of ``mean over batches of -sum(log-probs)``."""
-    from actorcore.testing.reference import reference_logprobs, right_padded
-
-    hf.zero_grad()
-    outputs = []
-    for sequences in _sequences():
-        lp, ent = reference_logprobs(hf, *right_padded(sequences))
-        (lp.sum() * (-1.0 / len(LENGTHS))).backward()
-        outputs.append((lp.detach(), ent.detach()))
-    return outputs, {name: p.grad.clone() for name, p in hf.named_parameters() if p.grad is not None}
 
 
 def _reference_values(critic, sequences: list[torch.Tensor]) -> torch.Tensor:
@@ -159,14 +67,14 @@ def test_context_parallel_equals_transformers():
     with tempfile.TemporaryDirectory() as root:
         directories, references = [], []
         for i, (model_type, overrides, *_sizes) in enumerate(LAYOUTS):
-            hf = _tiny_hf(model_type, overrides)
+            hf = cp_tiny_hf(model_type, overrides)
             hf.save_pretrained(f"{root}/{i}")
             directories.append(f"{root}/{i}")
-            references.append(_reference(hf))
-        critic = _tiny_hf("qwen2", {}, task="token_classification")
+            references.append(cp_reference(hf))
+        critic = cp_tiny_hf("qwen2", {}, task="token_classification")
         critic.save_pretrained(f"{root}/critic")
         with torch.no_grad():
-            ref_values = [_reference_values(critic, sequences) for sequences in _sequences()]
+            ref_values = [_reference_values(critic, sequences) for sequences in cp_sequences()]
         results = run_distributed(_worker, 4, args=(directories, f"{root}/critic"))
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
     for rank, result in enumerate(results):

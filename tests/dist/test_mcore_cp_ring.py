@@ -17,6 +17,7 @@ import torch
 from actorcore.testing.distributed import run_distributed
 from actorcore.testing.tolerances import TOL
 
+
 pytest.importorskip("megatron.core")
 
 # (model_type, overrides, tp, pp, cp): 4 ranks each.
@@ -26,7 +27,7 @@ LAYOUTS = [("mistral", {}, 2, 1, 2), ("qwen2", {}, 1, 1, 4), ("llama", {"tie_wor
 
 def _run(model, comm: str) -> dict:
     """Log-probs / entropy, forward-backward log-probs and HF-named gradients averaged over data x CP ranks."""
-    from test_mcore_cp import _run_and_reduce
+    from support.mcore_cp import run_and_reduce
 
     trace: collections.Counter = collections.Counter()
     for chunk in model.chunks:
@@ -34,15 +35,15 @@ def _run(model, comm: str) -> dict:
         for layer in chunk.decoder.layers:
             layer.self_attention.core_attention.trace = trace
             layer.self_attention.core_attention.cp_ring = comm == "p2p"  # same weights, the other path
-    return _run_and_reduce(model, trace)
+    return run_and_reduce(model, trace)
 
 
 def _layout(tp: int, pp: int, cp: int, directory: str) -> dict:
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(tp=tp, pp=pp, cp=cp)
@@ -65,16 +66,16 @@ def _worker(rank: int, world_size: int, directories: list[str]) -> list[dict]:
 
 
 def test_ring_context_parallel_equals_transformers_and_the_all_gather():
-    from test_mcore_cp import _reference, _tiny_hf
+    from support.mcore_cp import cp_reference, cp_tiny_hf
 
     with tempfile.TemporaryDirectory() as root:
         directories, references = [], []
         for i, (model_type, overrides, *_sizes) in enumerate(LAYOUTS):
-            hf = _tiny_hf(model_type, overrides)
+            hf = cp_tiny_hf(model_type, overrides)
             assert model_type != "mistral" or hf.config.sliding_window < 14  # shorter than the longest sequence
             hf.save_pretrained(f"{root}/{i}")
             directories.append(f"{root}/{i}")
-            references.append(_reference(hf))
+            references.append(cp_reference(hf))
         results = run_distributed(_worker, 4, args=(directories,))
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
     ring_tol, ring_grad_tol = TOL["cp_ring_vs_all_gather_fp32"], TOL["grad_cp_ring_vs_all_gather_fp32_rel"]

@@ -15,6 +15,7 @@ import torch
 
 from actorcore.testing.distributed import run_distributed
 
+
 pytest.importorskip("megatron.core")
 
 BUCKET_BYTES = 12_000  # several tensors per bucket, and buckets mixing tensors of both pipeline stages
@@ -28,7 +29,7 @@ CASES = [
 
 
 def _save(root: str) -> None:
-    from test_mcore_roundtrip import randomize_constant_tensors
+    from support.mcore_weights import randomize_constant_tensors
 
     from actorcore.testing.tiny_configs import build_tiny_model
 
@@ -43,11 +44,11 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from actorcore.export import iter_tensors, load_into, save_sharded_safetensors
-    from actorcore.mcore.load import load_hf_into_mcore
+    from actorcore.mcore.convert.load import load_hf_into_mcore
     from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import mcore_weight_stream
+    from actorcore.mcore.convert.weight_stream import mcore_weight_stream
 
     results = {}
     with CpuRuntime():

@@ -1,4 +1,4 @@
-"""The Megatron route's core attention on the FA4 backend (``mcore.attention.use_attention_backend``), one gloo rank on
+"""The Megatron route's core attention on the FA4 backend (``mcore.build.attention.use_attention_backend``), one gloo rank on
 the CPU: flash-attn-4's entry points are the stand-in of ``actorcore.testing.fa4_stand_in`` (the kernels need a Hopper
 GPU), so what is proven is the route's side: every core attention runs the backend it is given, with gpt-oss's
 sinks (``softmax_offset``) and its sliding-window layer, forward and backward through Megatron's schedule, and the
@@ -12,23 +12,24 @@ from collections import Counter
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases
+from support.mcore_cases import spawn_cases
 from actorcore.testing.tolerances import TOL
+
 
 pytest.importorskip("megatron.core")
 
 
 def _fa4_case(directory: str) -> dict:
-    from test_mcore_logprobs import _batches, _sequences, _tiny_hf, reference_logprobs_packed
+    from support.mcore_logprobs import logprob_batches, logprob_sequences, tiny_hf, reference_logprobs_packed
 
-    from actorcore.mcore.attention import use_attention_backend
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.build.attention import use_attention_backend
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.testing.fa4_stand_in import use_fa4_stand_in
 
-    hf = _tiny_hf("gpt_oss")
+    hf = tiny_hf("gpt_oss")
     initialize_megatron(McoreParallel())
     model = build_gpt_model(hf.config, McoreParallel())
     load_hf_into_mcore(model, directory)
@@ -42,15 +43,15 @@ def _fa4_case(directory: str) -> dict:
         trace = Counter()
         for module in modules:
             module.trace = trace
-        got = compute_logprobs(model, _batches(), loss_fn=lambda out, batch: -out.log_probs.sum())
+        got = compute_logprobs(model, logprob_batches(), loss_fn=lambda out, batch: -out.log_probs.sum())
     finally:
         undo()
     hf.zero_grad()
-    for sequences in _sequences():
-        (reference_logprobs_packed(hf, sequences)[0].sum() * (-1.0 / len(_batches()))).backward()
+    for sequences in logprob_sequences():
+        (reference_logprobs_packed(hf, sequences)[0].sum() * (-1.0 / len(logprob_batches()))).backward()
     grad = next(p.grad for n, p in model.chunks[0].named_parameters() if n == "decoder.final_layernorm.weight")
     with torch.no_grad():
-        ref = [reference_logprobs_packed(hf, sequences)[0] for sequences in _sequences()]
+        ref = [reference_logprobs_packed(hf, sequences)[0] for sequences in logprob_sequences()]
     return {"got": [o.log_probs for o in got], "ref": ref, "trace": dict(trace), "layers": len(modules),
             "windows": [m.sliding_window for m in modules], "calls": [kind for kind, _ in stand_in.calls],
             "sinks": {call["sink"] for _, call in stand_in.calls}, "refusal": refusal,
@@ -59,10 +60,10 @@ def _fa4_case(directory: str) -> dict:
 
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory):
-    from test_mcore_logprobs import _tiny_hf
+    from support.mcore_logprobs import tiny_hf
 
     directory = os.path.join(str(tmp_path_factory.mktemp("mcore_fa4")), "gpt_oss")
-    _tiny_hf("gpt_oss").save_pretrained(directory)
+    tiny_hf("gpt_oss").save_pretrained(directory)
     return spawn_cases(1, [("fa4", _fa4_case, (directory,))])
 
 

@@ -22,8 +22,10 @@ import os
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases
+from support.mcore_cases import spawn_cases
 from actorcore.testing.tolerances import TOL
+from support.mcore_glm4_moe import schedules_plain_and_overlapped
+
 
 pytest.importorskip("megatron.core")
 
@@ -34,7 +36,7 @@ def _rotated(interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from transformers.models.glm4_moe import modeling_glm4_moe as glm
 
-    from actorcore.mcore.config import gpt_model_args
+    from actorcore.mcore.build.config import gpt_model_args
     from actorcore.mcore.cpu_runtime import CpuRuntime
     from actorcore.testing.tiny_configs import tiny_config
 
@@ -57,7 +59,7 @@ def _rotated(interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def test_partial_rope_layout_is_megatrons_per_token():
     """rotary_percent = partial_rotary_factor, non-interleaved: equal per token and head; the second half of each
     head passes through. (Interleaved pairs, GLM-4's layout, would differ: the check can fail.)"""
-    from actorcore.mcore.config import gpt_model_args
+    from actorcore.mcore.build.config import gpt_model_args
     from actorcore.testing.tiny_configs import tiny_config
 
     assert gpt_model_args(tiny_config("glm4_moe"))["rotary_percent"] == 0.5
@@ -71,7 +73,7 @@ def test_partial_rope_layout_is_megatrons_per_token():
 def test_config_maps_both_ways_and_refuses_what_differs():
     from transformers import AutoConfig
 
-    from actorcore.mcore.config import UnsupportedConfigError, gpt_model_args, hf_to_mcore_config, mcore_to_hf_config
+    from actorcore.mcore.build.config import UnsupportedConfigError, gpt_model_args, hf_to_mcore_config, mcore_to_hf_config
     from actorcore.testing.tiny_configs import tiny_config
 
     hf = tiny_config("glm4_moe")
@@ -106,25 +108,25 @@ def world2(tmp_path_factory):
     """Every two-rank case in one spawn: TP=2 (x EP=2) with sequence parallelism (test_mcore_moe_tp's case), PP=2
     (test_mcore_logprobs' case: batches padded to a common length), EP=2 and CP=2 (test_mcore_cp's case: every
     gradient reduced as Megatron's DDP does)."""
-    import test_mcore_cp as cp
-    import test_mcore_logprobs as logprobs
-    import test_mcore_moe_tp as moe_tp
-    from test_mcore_logprobs import _tiny_hf
+    import support.mcore_cp as cp
+    import support.mcore_logprobs as logprobs
+    import support.mcore_moe_tp as moe_tp
+    from support.mcore_logprobs import tiny_hf
 
     root = str(tmp_path_factory.mktemp("mcore_glm4_moe"))
     directory = os.path.join(root, "glm4_moe")
-    _tiny_hf("glm4_moe").save_pretrained(directory)
+    tiny_hf("glm4_moe").save_pretrained(directory)
     layout_dir = os.path.join(root, "layouts")
-    hf = cp._tiny_hf("glm4_moe", {})
+    hf = cp.cp_tiny_hf("glm4_moe", {})
     hf.save_pretrained(layout_dir)
     # TP=2 x EP=2 over the same two ranks, as test_mcore_moe_tp.py trains MoE at TP=2.
-    cases = [("tp2", moe_tp._case, ("glm4_moe", 2, {}, directory)),
-             ("tp2_ep1", moe_tp._case, ("glm4_moe", 1, {}, directory)),  # experts replicated over the TP ranks
-             ("pp2", logprobs._case, ("glm4_moe", 1, 2, 1, directory, {}))]
-    cases += [(name, cp._layout, ("glm4_moe", tp, pp, c, ep, layout_dir)) for name, tp, pp, c, ep in LAYOUTS]
-    cases.append(("ep_overlap", _schedules_plain_and_overlapped, (layout_dir,)))
+    cases = [("tp2", moe_tp.moe_tp_case, ("glm4_moe", 2, {}, directory)),
+             ("tp2_ep1", moe_tp.moe_tp_case, ("glm4_moe", 1, {}, directory)),  # experts replicated over the TP ranks
+             ("pp2", logprobs.logprobs_case, ("glm4_moe", 1, 2, 1, directory, {}))]
+    cases += [(name, cp.cp_layout, ("glm4_moe", tp, pp, c, ep, layout_dir)) for name, tp, pp, c, ep in LAYOUTS]
+    cases.append(("ep_overlap", schedules_plain_and_overlapped, (layout_dir,)))
     results = spawn_cases(2, cases)
-    results["reference"] = cp._reference(hf)
+    results["reference"] = cp.cp_reference(hf)
     return results
 
 
@@ -132,7 +134,7 @@ def world2(tmp_path_factory):
 @pytest.mark.parametrize("name", ["tp2", "tp2_ep1"])
 def test_tp2_sequence_parallel_logprobs_and_every_gradient(world2, name):
     """TP=2 x EP=2 and TP=2 x EP=1 (each rank routes only its own tokens through all experts: the expert
-    gradients are summed over Megatron's expert data parallel group by its DDP, mcore/expert_grads.py)."""
+    gradients are summed over Megatron's expert data parallel group by its DDP, mcore/build/expert_grads.py)."""
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
     for rank, result in enumerate(world2[name]):
         assert result["sp"] and result["seen_tokens"] == result["sp_tokens"]
@@ -146,9 +148,9 @@ def test_tp2_sequence_parallel_logprobs_and_every_gradient(world2, name):
 @pytest.mark.slow
 def test_pp2_logprobs_and_norm_gradients(world2):
     """The first stage holds the dense layer, the last the MoE layer and the head."""
-    from test_mcore_logprobs import _check_logprobs
+    from support.mcore_logprobs import check_logprobs
 
-    _check_logprobs(world2["pp2"])
+    check_logprobs(world2["pp2"])
 
 
 @pytest.mark.slow
@@ -178,35 +180,6 @@ def _check_grads(grads: dict, ref_grads: dict, grad_tol: float, where: str) -> N
         scale = ref_grad.abs().max()  # 0 only for an expert no token was routed to: then exactly 0
         torch.testing.assert_close(grads[name], ref_grad, atol=grad_tol * scale, rtol=0,
                                    msg=lambda m, name=name: f"{where} {name}: {m}")
-
-
-def _schedules_plain_and_overlapped(directory: str) -> dict:
-    """The same bf16 model at TP=2 x EP=2, forward-backward under the plain schedule and, built with
-    ``overlap_moe_expert_parallel_comm=True``, under Megatron's combined 1F1B schedule: outputs and raw gradients."""
-    from megatron.core import parallel_state as ps
-    from test_mcore_cp import _sequences
-    from transformers import AutoConfig
-
-    import actorcore as ac
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
-    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-
-    parallel = McoreParallel(tp=2, ep=2)
-    result = {}
-    for name, overrides in (("plain", {}), ("overlapped", {"overlap_moe_expert_parallel_comm": True})):
-        initialize_megatron(parallel)
-        model = build_gpt_model(AutoConfig.from_pretrained(directory), parallel, dtype=torch.bfloat16, **overrides)
-        load_hf_into_mcore(model, directory)
-        chunk, plans = model.chunks[0], []
-        build_plan = chunk.build_schedule_plan  # counts the schedule plans the combined schedule asked for
-        chunk.build_schedule_plan = lambda *a, **k: (plans.append(1), build_plan(*a, **k))[1]
-        out = compute_logprobs(model, [ac.pack(s) for s in _sequences()], loss_fn=lambda o, b: -o.log_probs.sum())
-        result[name] = {"out": [(o.log_probs, o.entropy) for o in out], "plans": len(plans),
-                        "grads": {n: p.grad.clone() for n, p in chunk.named_parameters() if p.grad is not None}}
-        ps.destroy_model_parallel()
-    return result
 
 
 @pytest.mark.slow

@@ -14,8 +14,9 @@ import os
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases
+from support.mcore_cases import spawn_cases
 from actorcore.testing.tolerances import TOL
+
 
 pytest.importorskip("megatron.core")
 
@@ -25,7 +26,7 @@ OVERRIDES = dict(intermediate_size=96)
 
 
 def _hf_model():
-    from test_mcore_roundtrip import randomize_constant_tensors
+    from support.mcore_weights import randomize_constant_tensors
 
     from actorcore.testing.tiny_configs import build_tiny_model
 
@@ -38,7 +39,7 @@ def _save_mxfp4(directory: str) -> None:
     """The tiny model as a release stores it: experts as ``*_blocks`` / ``*_scales``, everything else bf16."""
     from safetensors.torch import save_file
 
-    from actorcore.testing.mxfp4_reference import reference_quantize_mxfp4
+    from support.mxfp4_reference import reference_quantize_mxfp4
 
     model = _hf_model()
     state = {}
@@ -79,13 +80,13 @@ def _dequantized_reference(directory: str) -> dict[str, torch.Tensor]:
 def _mxfp4_case(directory: str) -> dict:
     from actorcore.archs import get_spec
     from actorcore.export.mxfp4 import quantize_stream_mxfp4
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.safetensors_reader import safetensors_dtype
-    from actorcore.mcore.weight_stream import gather_hf_state_dict, mcore_weight_stream
-    from test_mcore_logprobs import _batches
+    from actorcore.mcore.convert.safetensors_reader import safetensors_dtype
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict, mcore_weight_stream
+    from support.mcore_logprobs import logprob_batches
     from transformers import AutoConfig
 
     parallel = McoreParallel(ep=2)
@@ -101,7 +102,7 @@ def _mxfp4_case(directory: str) -> dict:
     # The same checkpoint into an fp32 model (bf16 -> fp32 is exact), for log-probs against the fp32 reference.
     fp32 = build_gpt_model(config, parallel, torch.float32)
     load_hf_into_mcore(fp32, directory)
-    got = compute_logprobs(fp32, _batches())
+    got = compute_logprobs(fp32, logprob_batches())
     return {"dtype": dtype, "bf16": bf16, "mxfp4": mxfp4, "got": [(o.log_probs, o.entropy) for o in got]}
 
 
@@ -135,13 +136,13 @@ def test_mxfp4_checkpoint_loads_dequantised_and_exports_both_ways(mxfp4_run):
 @pytest.mark.slow
 def test_mxfp4_checkpoint_logprobs_match_transformers(mxfp4_run):
     """The reference: transformers' fp32 forward with the dequantised weights (not actorcore's HF route)."""
-    from test_mcore_logprobs import _sequences, reference_logprobs_packed
+    from support.mcore_logprobs import logprob_sequences, reference_logprobs_packed
 
     directory, results = mxfp4_run
     hf = _hf_model()
     hf.load_state_dict({name: tensor.float() for name, tensor in _dequantized_reference(directory).items()})
     with torch.no_grad():
-        ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
+        ref = [reference_logprobs_packed(hf, sequences) for sequences in logprob_sequences()]
     for result in results:
         for (lp, ent), (ref_lp, ref_ent) in zip(result["got"], ref):
             torch.testing.assert_close(lp, ref_lp, atol=TOL["mcore_vs_hf_fp32"], rtol=0)

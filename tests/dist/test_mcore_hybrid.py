@@ -14,66 +14,28 @@ from collections import Counter
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases
+from support.mcore_cases import spawn_cases
 from actorcore.archs import get_spec
 from actorcore.testing.tolerances import TOL
+from support.mcore_hybrid import LENGTHS, hybrid_reference, hybrid_sequences, tiny_hf
+
 
 pytest.importorskip("megatron.core")
 
-LENGTHS = [(5, 11, 3, 9), (14, 2, 7)]
 GDN = "decoder.layers.0.self_attention."  # layer 0 is a linear-attention layer in every tiny config
-
-
-def _sequences() -> list[list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(11)
-    return [[torch.randint(3, 131, (n,), generator=gen) for n in lengths] for lengths in LENGTHS]
 
 
 def _batches(pad_to: int | None):
     import actorcore as ac
     from actorcore.batch import pad_to_multiple
 
-    batches = [ac.pack(s) for s in _sequences()]
+    batches = [ac.pack(s) for s in hybrid_sequences()]
     return [pad_to_multiple(b, pad_to) if pad_to and b.num_tokens % pad_to else b for b in batches]
-
-
-def _tiny_hf(model_type: str, leak: str | None = None):
-    """The seeded tiny model (norm weights and other constants randomised). ``leak="conv"``: every layer linear
-    attention with a decay so strong that the delta-rule state forgets each token at once (only the conv reaches
-    other tokens); ``leak="delta_rule"``: every layer linear attention with a conv of one tap (only the delta-rule
-    state reaches other tokens, decaying slowly so that a leak would show)."""
-    from test_mcore_roundtrip import randomize_constant_tensors
-
-    from actorcore.testing.tiny_configs import build_tiny_model
-
-    overrides = {} if leak is None else {"layer_types": ["linear_attention", "linear_attention"]}
-    if leak is not None and model_type == "qwen3_next":
-        overrides["mlp_only_layers"] = [1]
-    model = build_tiny_model(model_type, seed=5, **overrides)
-    randomize_constant_tensors(model, seed=1)
-    if leak is None:
-        return model
-    with torch.no_grad():
-        for layer in model.model.layers:
-            gdn = layer.linear_attn
-            if leak == "conv":
-                gdn.A_log.fill_(9.0)      # g = -exp(9) * softplus(a + 20) ~ -1.6e5: exp(g) == 0
-                gdn.dt_bias.fill_(20.0)
-            elif leak == "delta_rule":
-                gdn.conv1d.weight[..., :-1] = 0.0  # only the current token's tap
-                gdn.A_log.fill_(-3.0)  # a slow decay (exp(-3) * softplus(.)): the state remembers far back
-    return model
-
-
-def _reference(model, sequences):
-    from actorcore.testing.reference import reference_logprobs, right_padded
-
-    return reference_logprobs(model, *right_padded(sequences))
 
 
 def _local_grad(name: str, full: torch.Tensor, hf_config, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's slice of an HF gradient, as the weight rules shard the parameter."""
-    from actorcore.mcore.transforms import shard_for_tp, shard_sections
+    from actorcore.mcore.convert.transforms import shard_for_tp, shard_sections
 
     if name.endswith(("conv1d.weight", "in_proj_qkv.weight")):
         key = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
@@ -87,13 +49,13 @@ def _local_grad(name: str, full: torch.Tensor, hf_config, tp_rank: int, tp_size:
 def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
     from safetensors.torch import load_file
 
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
-    hf = _tiny_hf(model_type)
+    hf = tiny_hf(model_type)
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     context = initialize_megatron(parallel)
     model = build_gpt_model(hf.config, parallel, expert_layout=checkpoint_expert_layout(directory, hf.config))
@@ -104,12 +66,12 @@ def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
     batches = _batches(pad_to=32 if pp > 1 else None)
     got = compute_logprobs(model, batches)
     with torch.no_grad():
-        ref = [_reference(hf, s) for s in _sequences()]
+        ref = [hybrid_reference(hf, s) for s in hybrid_sequences()]
 
     fb = compute_logprobs(model, batches, loss_fn=lambda out, batch: -out.log_probs.sum())
     hf.zero_grad()
-    for sequences in _sequences():
-        (_reference(hf, sequences)[0].sum() * (-1.0 / len(LENGTHS))).backward()
+    for sequences in hybrid_sequences():
+        (hybrid_reference(hf, sequences)[0].sum() * (-1.0 / len(LENGTHS))).backward()
     grads = {}
     for chunk in model.chunks:
         first = chunk.decoder.layers[0].layer_number == 1 if len(chunk.decoder.layers) else False
@@ -135,17 +97,17 @@ def _leak_case(model_type: str, leak: str, directory: str) -> dict:
     """Megatron at TP=2: the packed batch vs each sequence alone, and (to show the one path is live) the same
     sequence with its first token changed."""
     import actorcore as ac
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
-    hf = _tiny_hf(model_type, leak)
+    hf = tiny_hf(model_type, leak)
     parallel = McoreParallel(tp=2)
     initialize_megatron(parallel)
     model = build_gpt_model(hf.config, parallel, expert_layout=checkpoint_expert_layout(directory, hf.config))
     load_hf_into_mcore(model, directory)
-    sequences = _sequences()[0]
+    sequences = hybrid_sequences()[0]
     packed = compute_logprobs(model, ac.pack(sequences)).log_probs
     alone = torch.cat([compute_logprobs(model, ac.pack([s])).log_probs for s in sequences])
     changed = sequences[1].clone()
@@ -157,12 +119,12 @@ def _leak_case(model_type: str, leak: str, directory: str) -> dict:
 
 def _save_case(directory: str, saved: str) -> bool:
     """Megatron's distributed checkpoint of Qwen3.5 saved at TP=2."""
-    from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.dist_checkpoint import save_mcore_checkpoint
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
-    hf = _tiny_hf("qwen3_5_text")
+    hf = tiny_hf("qwen3_5_text")
     initialize_megatron(McoreParallel(tp=2))
     model = build_gpt_model(hf.config, McoreParallel(tp=2))
     load_hf_into_mcore(model, directory)
@@ -174,12 +136,12 @@ def _reload_case(directory: str, saved: str) -> bool:
     """... loaded at TP=1 (two data-parallel ranks): the exported weights are the HF checkpoint's, bitwise."""
     from safetensors.torch import load_file
 
-    from actorcore.mcore.dist_checkpoint import load_mcore_checkpoint
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.dist_checkpoint import load_mcore_checkpoint
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
-    hf = _tiny_hf("qwen3_5_text")
+    hf = tiny_hf("qwen3_5_text")
     initialize_megatron(McoreParallel())
     model = build_gpt_model(hf.config, McoreParallel())
     load_mcore_checkpoint(model, saved)
@@ -192,12 +154,12 @@ def _mtp_dropped_case(directory: str) -> bool:
     """A checkpoint with the released models' ``mtp.*`` tensors loads (they are dropped) and exports without them."""
     from safetensors.torch import load_file
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
-    hf = _tiny_hf("qwen3_5_text")
+    hf = tiny_hf("qwen3_5_text")
     initialize_megatron(McoreParallel(tp=2))
     model = build_gpt_model(hf.config, McoreParallel(tp=2))
     load_hf_into_mcore(model, directory)
@@ -239,11 +201,11 @@ def world2(tmp_path_factory):
     for name, (model_type, tp, pp, ep) in _CASES.items():
         directory = os.path.join(root, model_type)
         if not os.path.isdir(directory):
-            _tiny_hf(model_type).save_pretrained(directory)
+            tiny_hf(model_type).save_pretrained(directory)
         cases.append((name, _case, (model_type, tp, pp, ep, directory)))
     for model_type, leak in _LEAKS:
         directory = os.path.join(root, f"{model_type}_{leak}")
-        _tiny_hf(model_type, leak).save_pretrained(directory)
+        tiny_hf(model_type, leak).save_pretrained(directory)
         cases.append((f"leak_{model_type}_{leak}", _leak_case, (model_type, leak, directory)))
     _save_with_mtp_tensors(os.path.join(root, "qwen3_5_text"), os.path.join(root, "with_mtp"))
     cases.append(("mtp_dropped", _mtp_dropped_case, (os.path.join(root, "with_mtp"),)))

@@ -12,35 +12,12 @@ import os
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases
+from support.mcore_cases import spawn_cases
 from actorcore.testing.tolerances import TOL
+from support.mcore_logprobs import logprob_batches, logprobs_case, check_logprobs, logprob_sequences, tiny_hf, reference_logprobs_packed
+
 
 pytest.importorskip("megatron.core")
-
-LENGTHS = [(5, 11, 3, 9), (14, 2, 7), (1, 6, 12)]
-
-
-def _sequences() -> list[list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(7)
-    return [[torch.randint(3, 131, (n,), generator=gen) for n in lengths] for lengths in LENGTHS]
-
-
-def _batches(pad_to: int | None = None):
-    import actorcore as ac
-    from actorcore.batch import pad_to_multiple
-
-    batches = [ac.pack(sequences) for sequences in _sequences()]
-    if pad_to:
-        batches = [pad_to_multiple(b, pad_to) if b.num_tokens % pad_to else b for b in batches]
-    return batches
-
-
-def reference_logprobs_packed(model, sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T]`` log-probs and entropy in packed order from the model's own padded forward (fp32)."""
-    from actorcore.testing.reference import reference_logprobs, right_padded
-
-    return reference_logprobs(model, *right_padded(sequences))
-
 
 def _reference_values(critic, sequences: list[torch.Tensor]) -> torch.Tensor:
     """``[T]`` values in packed order: ``ForTokenClassification.forward``'s 1-label logits at each token."""
@@ -48,73 +25,6 @@ def _reference_values(critic, sequences: list[torch.Tensor]) -> torch.Tensor:
 
     ids, mask = right_padded(sequences)
     return padded_to_packed(padded_logits(critic, ids, mask)[..., 0].float(), mask)
-
-
-def _case(model_type: str, tp: int, pp: int, ep: int, directory: str, overrides: dict) -> dict:
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
-    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-
-    hf = _tiny_hf(model_type, **overrides)
-    parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
-    context = initialize_megatron(parallel)
-    assert (context.tp_size, context.pp_size, context.ep_size) == (tp, pp, ep)
-    model = build_gpt_model(hf.config, parallel)
-    load_hf_into_mcore(model, directory)
-    # PP needs equal micro-batch token counts: pad every batch to 32 tokens (a padding segment).
-    batches = _batches(pad_to=32 if pp > 1 else None)
-
-    got = compute_logprobs(model, batches)
-    with torch.no_grad():
-        ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
-
-    # Forward-backward through the schedule: gradient of the final norm and the first layer's input norm.
-    def loss_fn(out, batch):
-        return -out.log_probs.sum()
-
-    fb = compute_logprobs(model, batches, loss_fn=loss_fn)
-    hf.zero_grad()
-    for sequences in _sequences():
-        (reference_logprobs_packed(hf, sequences)[0].sum() * (-1.0 / len(LENGTHS))).backward()
-    grads = {}
-    for chunk in model.chunks:
-        for name, param in chunk.named_parameters():
-            if name == "decoder.final_layernorm.weight":
-                grads["model.norm.weight"] = (param.grad.clone(), hf.model.norm.weight.grad.clone())
-            if name == "decoder.layers.0.input_layernorm.weight" and chunk.decoder.layers[0].layer_number == 1:
-                grads["model.layers.0.input_layernorm.weight"] = (
-                    param.grad.clone(), hf.model.layers[0].input_layernorm.weight.grad.clone())
-    return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "ref": ref,
-            "grads": grads}
-
-
-def _tiny_hf(model_type: str, **overrides):
-    from test_mcore_roundtrip import randomize_constant_tensors
-
-    from actorcore.testing.tiny_configs import build_tiny_model
-
-    model = build_tiny_model(model_type, seed=5, **overrides)
-    randomize_constant_tensors(model, seed=1)
-    return model
-
-
-def _check_logprobs(results: list[dict]) -> None:
-    tol = TOL["mcore_vs_hf_fp32"]
-    seen_grads = set()
-    for rank, result in enumerate(results):
-        for (lp, ent), (ref_lp, ref_ent), fb in zip(result["got"], result["ref"], result["fb"]):
-            assert lp.dtype == torch.float32 and lp.shape == ref_lp.shape
-            torch.testing.assert_close(lp, ref_lp, atol=tol, rtol=0)
-            torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0)
-            torch.testing.assert_close(fb, ref_lp, atol=tol, rtol=0)
-            assert bool((lp != 0).any())
-        for name, (grad, ref_grad) in result["grads"].items():
-            seen_grads.add(name)
-            scale = ref_grad.abs().max()
-            torch.testing.assert_close(grad, ref_grad, atol=TOL["grad_mcore_vs_hf_fp32_rel"] * scale, rtol=0,
-                                       msg=f"rank {rank} {name}")
-    assert seen_grads == {"model.norm.weight", "model.layers.0.input_layernorm.weight"}
 
 
 # (model_type, tp, pp, ep, HF config overrides) of the log-prob cases, by test name.
@@ -140,8 +50,8 @@ def _logprob_cases(root: str, world_size: int) -> list[tuple]:
     for name, (model_type, tp, pp, ep, overrides) in _LOGPROB_CASES.items():
         if tp * pp * ep == world_size:
             directory = os.path.join(root, name)
-            _tiny_hf(model_type, **overrides).save_pretrained(directory)
-            cases.append((name, _case, (model_type, tp, pp, ep, directory, overrides)))
+            tiny_hf(model_type, **overrides).save_pretrained(directory)
+            cases.append((name, logprobs_case, (model_type, tp, pp, ep, directory, overrides)))
     return cases
 
 
@@ -160,7 +70,7 @@ def world2(tmp_path_factory):
     cases = _logprob_cases(root, 2)
     build_tiny_model("qwen3", seed=5, num_hidden_layers=4).save_pretrained(os.path.join(root, "vp"))
     build_tiny_model("qwen2", seed=9, task="token_classification").save_pretrained(os.path.join(root, "critic"))
-    _tiny_hf("deepseek_v3").save_pretrained(os.path.join(root, "moe_tp2"))
+    tiny_hf("deepseek_v3").save_pretrained(os.path.join(root, "moe_tp2"))
     cases += [("vp", _vp_case, (os.path.join(root, "vp"),)),
               ("critic", _critic_case, (os.path.join(root, "critic"),)),
               ("moe_tp2", _moe_tp2_case, (os.path.join(root, "moe_tp2"),))]
@@ -177,51 +87,51 @@ def _load_reference(directory: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_logprobs_dense_tp2(world2):
-    _check_logprobs(world2["dense_tp2"])
+    check_logprobs(world2["dense_tp2"])
 
 
 @pytest.mark.slow
 def test_logprobs_dense_pp2(world2):
     """Tied embeddings: the last stage's output weight is loaded from the embedding."""
-    _check_logprobs(world2["dense_pp2"])
+    check_logprobs(world2["dense_pp2"])
 
 
 @pytest.mark.slow
 def test_logprobs_moe_ep2(world2):
-    _check_logprobs(world2["moe_ep2"])
+    check_logprobs(world2["moe_ep2"])
 
 
 @pytest.mark.slow
 def test_logprobs_mla_moe_ep2(world2):
     """DeepSeek-V3: MLA, sigmoid grouped routing with a (random) score-correction bias, shared experts."""
-    _check_logprobs(world2["mla_moe_ep2"])
+    check_logprobs(world2["mla_moe_ep2"])
 
 
 @pytest.mark.slow
 def test_logprobs_mla_yarn_rope(world1):
     """DeepSeek's yarn RoPE (with mscale on the softmax scale) maps exactly."""
-    _check_logprobs(world1["mla_yarn_rope"])
+    check_logprobs(world1["mla_yarn_rope"])
 
 
 @pytest.mark.slow
 def test_logprobs_gpt_oss_pp2(world2):
     """gpt-oss: attention sinks, the sliding layer on stage 0 and the full one on stage 1, yarn RoPE, clamped SwiGLU
     experts with biases (the expert-bias path at EP=1); TP=2 trains in test_mcore_moe_tp.py."""
-    _check_logprobs(world2["gpt_oss_pp2"])
+    check_logprobs(world2["gpt_oss_pp2"])
 
 
 @pytest.mark.slow
 def test_logprobs_gpt_oss_ep2(world2):
-    _check_logprobs(world2["gpt_oss_ep2"])
+    check_logprobs(world2["gpt_oss_ep2"])
 
 
 def _vp_case(directory: str) -> dict:
     """4 layers on 2 pipeline ranks x 2 virtual stages (interleaved schedule)."""
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
     from actorcore.testing.tiny_configs import build_tiny_model
 
     hf = build_tiny_model("qwen3", seed=5, num_hidden_layers=4)
@@ -231,10 +141,10 @@ def _vp_case(directory: str) -> dict:
     assert len(model.chunks) == 2
     load_hf_into_mcore(model, directory)
     layers = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in model.chunks]
-    batches = _batches(pad_to=32)[:2]  # the interleaved schedule needs micro-batches divisible by pp
+    batches = logprob_batches(pad_to=32)[:2]  # the interleaved schedule needs micro-batches divisible by pp
     got = compute_logprobs(model, batches)
     with torch.no_grad():
-        ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()[:2]]
+        ref = [reference_logprobs_packed(hf, sequences) for sequences in logprob_sequences()[:2]]
     return {"got": [(o.log_probs, o.entropy) for o in got], "ref": ref, "layers": layers,
             "state": gather_hf_state_dict(model)}
 
@@ -254,9 +164,9 @@ def test_virtual_pipeline_stages(world2):
 
 
 def _critic_case(directory: str) -> dict:
-    from actorcore.mcore.forward import compute_values
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_values
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.testing.tiny_configs import build_tiny_model
 
@@ -266,9 +176,9 @@ def _critic_case(directory: str) -> dict:
     # With sequence parallelism: the value head all-gathers the final hidden states first.
     model = build_gpt_model(hf.config, parallel, value_head=True, sequence_parallel=True)
     load_hf_into_mcore(model, directory)
-    got = compute_values(model, _batches())
+    got = compute_values(model, logprob_batches())
     with torch.no_grad():
-        ref = [_reference_values(hf, sequences) for sequences in _sequences()]
+        ref = [_reference_values(hf, sequences) for sequences in logprob_sequences()]
     return {"got": got, "ref": ref}
 
 
@@ -281,20 +191,20 @@ def test_critic_values_tp2(world2):
 
 
 def _moe_tp2_case(directory: str) -> dict:
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
-    hf = _tiny_hf("deepseek_v3")
+    hf = tiny_hf("deepseek_v3")
     parallel = McoreParallel(tp=2)
     initialize_megatron(parallel)
     model = build_gpt_model(hf.config, parallel, sequence_parallel=False)
     load_hf_into_mcore(model, directory)
-    batches = _batches()
+    batches = logprob_batches()
     got = compute_logprobs(model, batches)
     with torch.no_grad():
-        ref = [reference_logprobs_packed(hf, sequences) for sequences in _sequences()]
+        ref = [reference_logprobs_packed(hf, sequences) for sequences in logprob_sequences()]
     try:
         compute_logprobs(model, batches, loss_fn=lambda out, batch: out.log_probs.sum())
         refused = ""

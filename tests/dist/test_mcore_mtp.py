@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from actorcore.testing.distributed import run_distributed
-from actorcore.testing.mtp import MTP_CONFIG_FIELDS, mtp_tensor_names, reference_mtp, write_mtp_checkpoint
+from support.mtp import MTP_CONFIG_FIELDS, mtp_tensor_names, reference_mtp, write_mtp_checkpoint
 
 pytest.importorskip("megatron.core")
 
@@ -35,7 +35,7 @@ def _sequences() -> list[torch.Tensor]:
 
 def _mtp_archs() -> list[str]:
     from actorcore.archs import get_spec
-    from actorcore.mcore.model import megatron_model_types
+    from actorcore.mcore.build.model import megatron_model_types
 
     return [m for m in megatron_model_types() if get_spec(m).mcore.mtp is not None]
 
@@ -64,13 +64,13 @@ def _arch_layouts(case: str, model_type: str, mtp_dir: str, saved_dir: str) -> d
     from transformers import AutoConfig
 
     from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
-    from actorcore.mcore.forward import compute_logprobs, mtp_loss
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.dist_checkpoint import save_mcore_checkpoint
+    from actorcore.mcore.run.forward import compute_logprobs, mtp_loss
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
-    from actorcore.testing.mcore_cases import stapled_attributes
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
+    from support.mcore_cases import stapled_attributes
 
     hf_config = AutoConfig.from_pretrained(mtp_dir)
     layout = checkpoint_expert_layout(mtp_dir, hf_config)
@@ -121,7 +121,7 @@ def mtp_world(tmp_path_factory):
     """Every case's checkpoint, its plain-torch reference, the two-rank results, and the CLI's conversions (both ways,
     and back from the PP=2 Megatron checkpoint)."""
     from actorcore.cli.convert import main as convert
-    from actorcore.testing.checkpoints import load_checkpoint_tensors
+    from support.checkpoints import load_checkpoint_tensors
 
     root = str(tmp_path_factory.mktemp("mcore_mtp"))
     dirs, references = {}, {}
@@ -229,8 +229,8 @@ def test_mtp_copy_that_differs_is_refused(tmp_path):
     """The release's MTP embedding / head copies must equal the main tensors bitwise (Megatron holds one)."""
     from safetensors.torch import save_file
 
-    from actorcore.mcore.load import _check_shared_copies
-    from actorcore.mcore.safetensors_reader import SafetensorsReader
+    from actorcore.mcore.convert.load import _check_shared_copies
+    from actorcore.mcore.convert.safetensors_reader import SafetensorsReader
 
     main = torch.randn(5, 3)
     changed = main.clone()
@@ -249,8 +249,8 @@ def test_mtp_refusals():
 
     from actorcore.archs.spec import UnsupportedArchitectureError
     from actorcore.errors import UnsupportedConfigError
-    from actorcore.mcore.forward import _check_mtp
-    from actorcore.mcore.model import mtp_layer_count
+    from actorcore.mcore.run.forward import _check_mtp
+    from actorcore.mcore.build.model import mtp_layer_count
     from actorcore.mcore.parallel import McoreParallel
     from actorcore.testing.tiny_configs import tiny_config
 
@@ -341,14 +341,14 @@ def test_mtp_tensors_dropped_with_a_warning_without_mtp(mtp_world, tmp_path, cap
     from safetensors.torch import load_file
 
     from actorcore.cli.convert import main as convert
-    from actorcore.testing.checkpoints import load_checkpoint_tensors
+    from support.checkpoints import load_checkpoint_tensors
 
     model_type, mtp_dir, _ = mtp_world["dirs"]["qwen3_5_text"]
     state = load_file(os.path.join(mtp_dir, "model.safetensors"))
     dropped = mtp_tensor_names(model_type, state, LAYERS)
-    with caplog.at_level("WARNING", logger="actorcore.mcore.load"):
+    with caplog.at_level("WARNING", logger="actorcore.mcore.convert.load"):
         assert convert(["hf-to-mcore", mtp_dir, str(tmp_path / "mcore")]) == 0
-    warnings = [r.getMessage() for r in caplog.records if r.name == "actorcore.mcore.load"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "actorcore.mcore.convert.load"]
     assert len(warnings) == 1 and f"dropping the {len(dropped)} multi-token-prediction tensors" in warnings[0], warnings
     assert "mtp=True" in warnings[0] and "--mtp" in warnings[0]
     assert convert(["mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "back")]) == 0

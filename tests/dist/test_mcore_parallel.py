@@ -5,7 +5,6 @@ seeded RNG tracker untouched), one with another layout is refused, never destroy
 from __future__ import annotations
 
 import pytest
-import torch
 
 from actorcore.testing.distributed import run_distributed
 

@@ -9,7 +9,9 @@ import os
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases, stapled_attributes
+from support.mcore_cases import spawn_cases, stapled_attributes
+from support.mcore_weights import randomize_constant_tensors
+
 
 pytest.importorskip("megatron.core")
 
@@ -17,24 +19,13 @@ pytest.importorskip("megatron.core")
 def _archs() -> tuple[list[str], list[str]]:
     """(dense, MoE) Megatron architectures, from the registry (MoE: a spec with per-expert rules)."""
     from actorcore.archs import get_spec
-    from actorcore.mcore.model import megatron_model_types
+    from actorcore.mcore.build.model import megatron_model_types
 
     moe = [m for m in megatron_model_types() if any(r.parallel == "expert" for r in get_spec(m).mcore.rules)]
     return [m for m in megatron_model_types() if m not in moe], moe
 
 
 DENSE, MOE = _archs()
-
-
-def randomize_constant_tensors(model, seed: int = 0) -> None:
-    """Norm weights (ones), biases and DeepSeek's expert bias (zeros) get distinct random values, so a
-    mapping that swapped two of them could not pass."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            if tensor.is_floating_point() and tensor.numel() > 1 and bool((tensor == tensor.flatten()[0]).all()):
-                noise = torch.randn(tensor.shape, generator=gen) * 0.1
-                tensor.copy_((tensor.float() + noise).to(tensor.dtype))
 
 
 def _save_tiny(model_type: str, directory: str, **overrides) -> None:
@@ -46,7 +37,7 @@ def _save_tiny(model_type: str, directory: str, **overrides) -> None:
     model = build(model_type, seed=3, **overrides)
     randomize_constant_tensors(model)
     if model_type == "kimi_k25":  # under the release's names, which the Megatron route exports
-        from actorcore.testing.kimi_release import save_release_checkpoint
+        from support.kimi_release import save_release_checkpoint
 
         save_release_checkpoint(model, directory)
     else:
@@ -55,10 +46,10 @@ def _save_tiny(model_type: str, directory: str, **overrides) -> None:
 
 def _layout_case(tp: int, pp: int, ep: int, entries: list[tuple[str, dict]], root: str) -> dict:
     """Under one layout, for each (model_type, overrides): load the saved HF checkpoint sharded, gather it back."""
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
     from transformers import AutoConfig
 
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
@@ -160,11 +151,11 @@ def _save_grouped(model_type: str, directory: str) -> None:
 
 
 def _grouped_case(root: str, model_types: list[str]) -> dict:
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
     from actorcore.testing.reference import reference_logprobs, right_padded
     from transformers import AutoConfig, AutoModelForCausalLM
 

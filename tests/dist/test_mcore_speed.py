@@ -1,6 +1,6 @@
 """The Megatron route's speed paths on gloo (2 CPU processes, one spawn for every case): the grouped experts
-(``mcore/grouped_experts.py``), the fused layers (``mcore/layer.py``) and the budgeted recompute
-(``mcore/recompute.py``).
+(``mcore/build/grouped_experts.py``), the compiled layers (``mcore/build/layer.py``) and the budgeted recompute
+(``mcore/build/recompute.py``).
 
 - Grouped experts at EP=2, TP=2 and TP=2 x EP=2 for every MoE family of the route (Qwen3-MoE, Qwen2-MoE with one
   expert per token, Mixtral, DeepSeek-V3, GLM-4.5, gpt-oss with its biases and clamped SwiGLU, the hybrids Qwen3-Next
@@ -14,7 +14,7 @@
   SwiGLU) equal the sequential ones per element, output and every gradient.
 - Recompute "full", "selective" and "auto" (a budget that keeps one layer's activations and recomputes the other
   selectively) give bitwise the gradients and log-probs of no recompute, at TP=2 x EP=2 (the all-to-alls and the
-  sequence-parallel gathers inside the checkpoints); the fused layers (compiled by Inductor on the CPU, fp32) equal
+  sequence-parallel gathers inside the checkpoints); the compiled layers (compiled by Inductor on the CPU, fp32) equal
   the eager ones per token and per gradient within fp32 reduction order, and under the selective checkpoint
   bitwise their own gradients without it. Each run's trace proves the modes and the fused regions ran.
 
@@ -29,8 +29,9 @@ from collections import Counter
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases
+from support.mcore_cases import spawn_cases
 from actorcore.testing.tolerances import TOL
+
 
 pytest.importorskip("megatron.core")
 
@@ -54,7 +55,7 @@ EDGE_ROWS = ([0, 1], [1, 0], [0, 0], [3, 1])
 
 
 def _sequences() -> list[list[torch.Tensor]]:
-    from test_mcore_logprobs import _sequences as logprob_sequences
+    from support.mcore_logprobs import logprob_sequences
 
     return logprob_sequences() + [TWO_TOKENS]
 
@@ -68,17 +69,17 @@ def _batches():
 def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: str) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from test_mcore_logprobs import _tiny_hf, reference_logprobs_packed
-    from test_mcore_moe_tp import _grads_as_hf
+    from support.mcore_logprobs import tiny_hf, reference_logprobs_packed
+    from support.mcore_moe_tp import grads_as_hf
 
     from actorcore.kernels.grouped_gemm import consecutive
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.grouped_experts import GroupedExperts
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.build.grouped_experts import GroupedExperts
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
-    hf = _tiny_hf(model_type, **overrides)
+    hf = tiny_hf(model_type, **overrides)
     parallel = McoreParallel(tp=tp, ep=ep)
     initialize_megatron(parallel)
     model = build_gpt_model(hf.config, parallel)  # "auto": the grouped experts on the CPU
@@ -97,13 +98,13 @@ def _family_case(model_type: str, tp: int, ep: int, overrides: dict, directory: 
     for sequences in _sequences():
         (reference_logprobs_packed(hf, sequences)[0].sum() * (-1.0 / len(batches))).backward()
     return {"got": [(o.log_probs, o.entropy) for o in got], "fb": [o.log_probs for o in fb], "ref": ref,
-            "grads": _grads_as_hf(model), "ref_grads": {n: p.grad for n, p in hf.named_parameters() if p.grad is not None},
+            "grads": grads_as_hf(model), "ref_grads": {n: p.grad for n, p in hf.named_parameters() if p.grad is not None},
             "experts": model.moe_experts, "trace": dict(trace), "in_place": in_place}
 
 
 def _train_step(model, batches, trace: Counter) -> tuple[list, dict]:
     """Forward-backward of the summed log-probs; (log-probs, every parameter's local gradient by name)."""
-    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.run.forward import compute_logprobs
 
     for chunk in model.chunks:
         chunk.zero_grad(set_to_none=True)
@@ -119,11 +120,11 @@ def _checkpoint_swap_case(directory: str, root: str) -> dict:
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from actorcore.mcore.dist_checkpoint import load_mcore_checkpoint, save_mcore_checkpoint
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.dist_checkpoint import load_mcore_checkpoint, save_mcore_checkpoint
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
     parallel = McoreParallel(ep=2)
     initialize_megatron(parallel)
@@ -154,8 +155,8 @@ def _checkpoint_swap_case(directory: str, root: str) -> dict:
 def _selective_and_kept_budget(model, batches) -> float:
     """A budget in GiB under which ``"auto"`` keeps the last layer's activations whole and recomputes the first one's
     elementwise work (from the planner's own estimate on the CPU, where nothing is allocated)."""
-    from actorcore.mcore.call_plan import _is_moe, decoder_layers
-    from actorcore.mcore.recompute import SLACK_BYTES, layer_bytes_per_token
+    from actorcore.mcore.run.call_plan import _is_moe, decoder_layers
+    from actorcore.mcore.build.recompute import SLACK_BYTES, layer_bytes_per_token
 
     layers = decoder_layers(model)
     estimates = [layer_bytes_per_token(model.config, 4, _is_moe(layer)) for layer in layers]
@@ -172,8 +173,8 @@ def _recompute_case(directory: str) -> dict:
     """TP=2 x EP=2, Qwen3-MoE (a MoE and a dense layer): one training step per recompute mode and fused choice."""
     from transformers import AutoConfig
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(tp=2, ep=2)
@@ -183,14 +184,14 @@ def _recompute_case(directory: str) -> dict:
     reference = build_gpt_model(config, parallel)
     budget = _selective_and_kept_budget(reference, batches)
     variants = {"none": {}, "full": dict(recompute="full"), "selective": dict(recompute="selective"),
-                "auto": dict(recompute="auto", memory_budget_gib=budget), "fused": dict(fused_layers=True),
-                "fused_selective": dict(fused_layers=True, recompute="selective")}
+                "auto": dict(recompute="auto", memory_budget_gib=budget), "fused": dict(compiled_layers=True),
+                "fused_selective": dict(compiled_layers=True, recompute="selective")}
     out = {}
     for name, options in variants.items():
         model = build_gpt_model(config, parallel, **options)
         load_hf_into_mcore(model, directory)
         trace = Counter()
-        out[name] = (*_train_step(model, batches, trace), dict(trace), model.fused_layers)
+        out[name] = (*_train_step(model, batches, trace), dict(trace), model.compiled_layers)
     return out
 
 
@@ -200,9 +201,9 @@ def _edge_rows_case(directories: dict[str, str]) -> dict:
     expert parameter."""
     from transformers import AutoConfig
 
-    from actorcore.mcore.call_plan import _is_moe
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.call_plan import _is_moe
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(ep=2)
@@ -236,15 +237,15 @@ def _quack_stand_in_case(directory: str) -> dict:
     one with the grouped_mm experts, same weights."""
     from transformers import AutoConfig
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.testing.quack_stand_in import use_quack_stand_in
 
     parallel = McoreParallel(tp=2, ep=2)
     initialize_megatron(parallel)
     config = AutoConfig.from_pretrained(directory)
-    undo = use_quack_stand_in(megatron=True)
+    undo = use_quack_stand_in()
     try:
         out = {}
         for kernel in ("quack", "grouped"):
@@ -258,13 +259,13 @@ def _quack_stand_in_case(directory: str) -> dict:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    from test_mcore_logprobs import _tiny_hf
+    from support.mcore_logprobs import tiny_hf
 
     root = str(tmp_path_factory.mktemp("mcore_speed"))
     cases = []
     for name, (model_type, tp, ep, overrides) in FAMILY_CASES.items():
         directory = os.path.join(root, name)
-        _tiny_hf(model_type, **overrides).save_pretrained(directory)
+        tiny_hf(model_type, **overrides).save_pretrained(directory)
         cases.append((name, _family_case, (model_type, tp, ep, overrides, directory)))
     cases.append(("checkpoint_swap", _checkpoint_swap_case, (os.path.join(root, "qwen3_moe_ep2"), root)))
     cases.append(("recompute", _recompute_case, (os.path.join(root, "qwen3_moe_ep2"),)))
@@ -276,7 +277,7 @@ def world2(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILY_CASES))
 def test_grouped_experts_match_transformers_per_token_and_gradient(world2, name):
-    from test_mcore_moe_tp import assert_matches_transformers
+    from support.mcore_moe_tp import assert_matches_transformers
 
     tol, grad_tol = TOL["mcore_vs_hf_fp32"], TOL["grad_mcore_vs_hf_fp32_rel"]
     for rank, result in enumerate(world2[name]):
@@ -291,9 +292,9 @@ def test_grouped_experts_match_transformers_per_token_and_gradient(world2, name)
 def test_checkpoint_saved_with_grouped_experts_loads_into_sequential_and_back(world2, tmp_path):
     from safetensors.torch import load_file
 
-    from test_mcore_logprobs import _tiny_hf
+    from support.mcore_logprobs import tiny_hf
 
-    hf = _tiny_hf("qwen3_moe")
+    hf = tiny_hf("qwen3_moe")
     hf.save_pretrained(tmp_path)
     original = load_file(os.path.join(tmp_path, "model.safetensors"))
     tol = TOL["grouped_experts_vs_sequential_fp32_rel"]
@@ -316,11 +317,11 @@ def test_checkpoint_saved_with_grouped_experts_loads_into_sequential_and_back(wo
 
 @pytest.mark.slow
 def test_recompute_modes_give_bitwise_the_gradients_of_none(world2):
-    fp32_tol, grad_tol = TOL["fused_decoder_vs_eager_fp32"], TOL["grad_fused_decoder_vs_eager_fp32_rel"]
+    fp32_tol, grad_tol = TOL["compiled_decoder_vs_eager_fp32"], TOL["grad_compiled_decoder_vs_eager_fp32_rel"]
     for rank, result in enumerate(world2["recompute"]):
         none_lp, none_grads, none_trace, _ = result["none"]
         assert none_trace["mcore:recompute_kept_layers"] == 2 * len(_sequences()) and not none_trace.get(
-            "mcore:fused_layers")
+            "mcore:compiled_layers")
         for name in ("full", "selective", "auto"):
             lp, grads, trace, fused = result[name]
             assert not fused
@@ -334,7 +335,7 @@ def test_recompute_modes_give_bitwise_the_gradients_of_none(world2):
         auto = result["auto"][2]
         assert auto["mcore:recompute_selective_layers"] == auto["mcore:recompute_kept_layers"] == len(_sequences())
         fused_lp, fused_grads, fused_trace, fused = result["fused"]
-        assert fused and fused_trace["mcore:fused_layers"] == 2 * len(_sequences())
+        assert fused and fused_trace["mcore:compiled_layers"] == 2 * len(_sequences())
         for a, b in zip(fused_lp, none_lp):
             torch.testing.assert_close(a, b, atol=fp32_tol, rtol=0)
         for param, grad in fused_grads.items():
@@ -342,7 +343,7 @@ def test_recompute_modes_give_bitwise_the_gradients_of_none(world2):
                                        msg=f"rank {rank} {param}")
         selective_lp, selective_grads, selective_trace, _ = result["fused_selective"]
         assert selective_trace["checkpoint:selective"] == 2 * len(_sequences())
-        assert selective_trace["mcore:fused_layers"] >= 2 * 2 * len(_sequences())  # forward and recompute
+        assert selective_trace["mcore:compiled_layers"] >= 2 * 2 * len(_sequences())  # forward and recompute
         for a, b in zip(selective_lp, fused_lp):
             assert torch.equal(a, b), rank
         for param, grad in selective_grads.items():

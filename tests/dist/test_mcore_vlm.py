@@ -11,7 +11,7 @@ Qwen3-VL-MoE at EP=2, PP=2 and TP=2 (with sequence parallelism, which Megatron n
 decoder input and the deepstack additions are split over the TP ranks); Kimi-K2.5 at TP=2 (sequence
 parallelism), PP=2 and EP=2. Every case runs in one two-rank spawn (``world2``). A Qwen2.5-VL checkpoint that
 stores the in-memory names (``model.language_model.*``, ``model.visual.*``) loads the same weights. Kimi-K2.5's
-checkpoint has the release's names (``testing/kimi_release``), which the export writes back; the same weights under
+checkpoint has the release's names (``support/kimi_release``), which the export writes back; the same weights under
 transformers' save_pretrained names load the same."""
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import os
 import pytest
 import torch
 
-from actorcore.testing.mcore_cases import spawn_cases
+from support.mcore_cases import spawn_cases
 from actorcore.testing.tolerances import TOL
+from support.mcore_vlm import vlm_samples, tiny_vlm
+
 
 pytest.importorskip("megatron.core")
 
@@ -92,39 +94,17 @@ def _interleaved_qkv(attn_params: dict, prefix: str, kind: str, heads: int, grad
     return torch.cat([interleave(q), interleave(k), v])
 
 
-def _tiny_vlm(model_type: str = "qwen2_5_vl"):
-    from test_mcore_roundtrip import randomize_constant_tensors
-
-    from actorcore.testing.tiny_vlm import build_tiny_vlm
-
-    model = build_tiny_vlm(model_type, seed=4)
-    randomize_constant_tensors(model, seed=2)
-    # Sharper attention and logits than the 0.02-std init: positions (M-RoPE) and image features then move the
-    # log-probs far beyond the tolerance, so a wrong rotary section or a dropped feature cannot pass.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight", "lm_head.weight")):
-                param.mul_(6.0)
-    return model
-
-
-def _samples(model):
-    from actorcore.testing.tiny_vlm import mixed_samples
-
-    return mixed_samples(model, seed=3)  # one image, text only, two images, a video, short text only
-
-
 def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
     import actorcore as ac
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.safetensors_reader import SafetensorsReader
-    from actorcore.mcore.weight_layout import global_mcore_name
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.safetensors_reader import SafetensorsReader
+    from actorcore.mcore.convert.weight_layout import global_mcore_name
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
-    hf = _tiny_vlm(model_type)
+    hf = tiny_vlm(model_type)
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
     initialize_megatron(parallel)
     layout = checkpoint_expert_layout(directory, hf.config)
@@ -148,7 +128,7 @@ def _case(model_type: str, tp: int, pp: int, ep: int, directory: str) -> dict:
         roundtrip_exact &= all(torch.equal(t, ours[k]) for k, t in chunks[0].state_dict().items()
                                if isinstance(t, torch.Tensor) and not k.endswith("_extra_state"))
 
-    samples = _samples(hf)
+    samples = vlm_samples(hf)
     batch = ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples], model=hf)
     one_d = model_type == "kimi_k25"  # plain 1-D positions; the others M-RoPE
     assert batch.position_ids.shape == ((batch.num_tokens,) if one_d else (3, batch.num_tokens))
@@ -197,11 +177,11 @@ def world2(tmp_path_factory):
     """Every case of this file in one two-rank spawn."""
     from safetensors.torch import save_file
 
-    from actorcore.testing.kimi_release import save_release_checkpoint
+    from support.kimi_release import save_release_checkpoint
 
     root = str(tmp_path_factory.mktemp("mcore_vlm"))
     for model_type in {m for m, *_ in CASES}:
-        model = _tiny_vlm(model_type)
+        model = tiny_vlm(model_type)
         directory = os.path.join(root, model_type)
         if model_type == "kimi_k25":  # the release's names; transformers' save_pretrained writes three otherwise
             save_release_checkpoint(model, directory)
@@ -243,7 +223,7 @@ def test_deepstack_layers_on_a_later_stage_are_refused():
     """Deepstack decoder layers must all be on the first pipeline stage (the one with the vision tower)."""
     from types import SimpleNamespace
 
-    from actorcore.mcore.vlm import add_deepstack
+    from actorcore.mcore.build.vlm import add_deepstack
 
     chunk = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(layer_number=1)]))
     with pytest.raises(ValueError, match="first pipeline stage"):
@@ -257,7 +237,7 @@ def test_vision_tower_class_without_an_auto_mapping(monkeypatch):
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-    from actorcore.mcore.vlm import vision_tower_class
+    from actorcore.mcore.build.vlm import vision_tower_class
 
     assert vision_tower_class(Qwen2_5_VLVisionConfig()) is Qwen2_5_VisionTransformerPretrainedModel
     monkeypatch.setattr(modeling_auto, "MODEL_MAPPING", {})

@@ -1,14 +1,14 @@
 """Ulysses SP (``patch_model(parallel=ctx)``, sp=2 on 2 gloo processes) paired with every other ``patch_model``
 option and with a batch-invariant call: each works as asked, per token against the model's own fp32 forward and per
 parameter gradient (averaged over the SP group) with the trace proving both features ran, or is refused before any
-work (``actorcore.testing.option_pairs``; the pairs without SP: ``tests/unit/test_patch_plan.py``). quack's GEMMs run
-as the test stand-in; the fused decoder and the ``torch_varlen`` and ``fa4`` attention backends are refused on the
+work (``support.option_pairs``; the pairs without SP: ``tests/unit/test_patch_plan.py``). quack's GEMMs run
+as the test stand-in; the compiled decoder and the ``torch_varlen`` and ``fa4`` attention backends are refused on the
 CPU."""
 
 from actorcore.testing.distributed import run_distributed
-from actorcore.testing.option_pairs import ASKS
+from support.option_pairs import ASKS
 
-CPU_REFUSED = {"fused_decoder": "not on a CUDA device", "torch_varlen": "runs fp16 / bf16 inputs on CUDA devices",
+CPU_REFUSED = {"compiled_decoder": "not on a CUDA device", "torch_varlen": "runs fp16 / bf16 inputs on CUDA devices",
                "fa4": "FA4 runs on CUDA devices only"}  # SP on FA4's stand-in: tests/dist/test_fa4_sp.py
 
 
@@ -16,7 +16,7 @@ def _worker(rank, world_size):
     import torch.distributed as dist
 
     from actorcore.parallel import ParallelContext
-    from actorcore.testing.option_pairs import (Tolerances, checkpointed, model_type_for, own_forward, run_pair,
+    from support.option_pairs import (Tolerances, checkpointed, model_type_for, own_forward, run_pair,
                                                 sequences)
     from actorcore.testing.quack_stand_in import use_quack_stand_in
     from actorcore.testing.tiny_configs import build_tiny_model

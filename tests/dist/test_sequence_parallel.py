@@ -13,44 +13,20 @@ import torch
 
 from actorcore.testing.distributed import run_distributed
 from actorcore.testing.tolerances import TOL
+from support.sequence_parallel import LENGTHS, grad_rel_diffs, loss_weights, sp_sequences
 
-LENGTHS = (7, 12, 4)
+
 ARCHS = ("llama", "gemma2")  # gemma2: sliding window, attention softcap, GeGLU, tied head
 SP2_ARCHS = ARCHS + ("qwen3_moe", "gpt_oss", "glm4_moe", "granite")  # MoE MLPs are token-wise; gpt_oss: per-head
 # sinks split over ranks; glm4_moe: partial RoPE; granite: attention multiplier as the attention scale
-
-
-def _sequences():
-    g = torch.Generator().manual_seed(11)
-    return [torch.randint(3, 131, (n,), generator=g) for n in LENGTHS]
-
-
-def _loss_weights(num_tokens):
-    """Positive per-token weights: no cancellation, so relative gradient errors are well conditioned (a
-    scalar bias gradient summed from mixed-sign terms could be near zero)."""
-    g = torch.Generator().manual_seed(12)
-    return 0.5 + torch.rand(3, num_tokens, generator=g)
-
-
-def _grad_rel_diffs(reference, model, sp_group, sp_size):
-    """max |avg_sp(grad) - grad_ref| / max |grad_ref| per parameter."""
-    import torch.distributed as dist
-
-    diffs = {}
-    for (name, p_ref), (_, p) in zip(reference.named_parameters(), model.named_parameters()):
-        g = p.grad.clone()
-        dist.all_reduce(g, group=sp_group)
-        g /= sp_size
-        diffs[name] = ((g - p_ref.grad).abs().max() / p_ref.grad.abs().max().clamp(min=1e-30)).item()
-    return diffs
 
 
 def _check_arch(model_type, ctx):
     import actorcore as ac
     from actorcore.testing.tiny_configs import build_tiny_model, has_critic_class
 
-    batch = ac.pack(_sequences())
-    w = _loss_weights(batch.num_tokens)
+    batch = ac.pack(sp_sequences())
+    w = loss_weights(batch.num_tokens)
     result = {}
     # Actor: the reference model stays unpatched in the same process (patches are per instance).
     reference, actor = build_tiny_model(model_type, seed=3), build_tiny_model(model_type, seed=3)
@@ -64,7 +40,7 @@ def _check_arch(model_type, ctx):
     result["entropy"] = (out.entropy - ref.entropy).abs().tolist()
     ((w[0] * ref.log_probs).sum() + (w[1] * ref.entropy).sum()).backward()
     ((w[0] * out.log_probs).sum() + (w[1] * out.entropy).sum()).backward()
-    result["actor_grads"] = _grad_rel_diffs(reference, actor, ctx.sp_group, ctx.sp_size)
+    result["actor_grads"] = grad_rel_diffs(reference, actor, ctx.sp_group, ctx.sp_size)
     # The reference model is untouched by the actor's patch.
     result["reference_impl"] = reference.config._attn_implementation
     handle.revert()
@@ -82,7 +58,7 @@ def _check_arch(model_type, ctx):
     result["value"] = (out_v - ref_v).abs().tolist()
     (w[2] * ref_v).sum().backward()
     (w[2] * out_v).sum().backward()
-    result["critic_grads"] = _grad_rel_diffs(reference, critic, ctx.sp_group, ctx.sp_size)
+    result["critic_grads"] = grad_rel_diffs(reference, critic, ctx.sp_group, ctx.sp_size)
     return result
 
 
@@ -96,7 +72,7 @@ def _bypass_is_caught(model_type, ctx):
     ac.patch_model(model, parallel=ctx)
     model.config.__dict__["_attn_implementation_internal"] = "eager"  # behind the patch's back
     try:
-        ac.compute_logprobs(model, ac.pack(_sequences()), parallel=ctx)
+        ac.compute_logprobs(model, ac.pack(sp_sequences()), parallel=ctx)
     except PackingNotAppliedError as exc:
         return str(exc)
     return None
@@ -107,7 +83,7 @@ def _unpatched_is_refused(model_type, ctx):
     from actorcore.testing.tiny_configs import build_tiny_model
 
     try:
-        ac.compute_logprobs(build_tiny_model(model_type), ac.pack(_sequences()), parallel=ctx)
+        ac.compute_logprobs(build_tiny_model(model_type), ac.pack(sp_sequences()), parallel=ctx)
     except ValueError as exc:
         return str(exc)
     return None

@@ -8,21 +8,10 @@ import torch
 
 from actorcore.testing.distributed import run_distributed
 from actorcore.testing.tolerances import TOL
+from support.fsdp_steps import MICRO_BATCHES, micro_batch_loss, micro_batches
 
-MICRO_BATCHES = ([40, 23], [9, 61, 17])  # 63 and 87 tokens: 3 shards of 32 tokens, the last one short
+
 SHARDS = 3
-
-
-def _micro_batches():
-    g = torch.Generator().manual_seed(31)
-    return [[torch.randint(3, 131, (n,), generator=g) for n in lens] for lens in MICRO_BATCHES]
-
-
-def _loss(model, seqs, trace=None):
-    import actorcore as ac
-
-    out = ac.compute_logprobs(model, ac.pack(seqs), trace=trace)
-    return -(out.log_probs.sum() + 0.1 * out.entropy.sum()), out.log_probs.detach()
 
 
 def _fsdp(model, bf16=False):
@@ -46,11 +35,11 @@ def _bf16_mixed_precision(rank):
     ac.patch_model(tiled, tiled_mlp_shards=SHARDS)
     tiled = _fsdp(tiled, bf16=True)
     worst_logprob = 0.0
-    for i, seqs in enumerate(_micro_batches()):
+    for i, seqs in enumerate(micro_batches()):
         for model in (plain, tiled):
             model.set_requires_gradient_sync(i == len(MICRO_BATCHES) - 1)
-        loss_plain, lp_plain = _loss(plain, seqs)
-        loss_tiled, lp_tiled = _loss(tiled, seqs)
+        loss_plain, lp_plain = micro_batch_loss(plain, seqs)
+        loss_tiled, lp_tiled = micro_batch_loss(tiled, seqs)
         worst_logprob = max(worst_logprob, (lp_plain - lp_tiled).abs().max().item())
         loss_plain.backward()
         loss_tiled.backward()
@@ -69,14 +58,14 @@ def _worker(rank, world_size, model_type):
     ac.patch_model(tiled, tiled_mlp_shards=SHARDS)
     tiled = _fsdp(tiled)
     # Each rank gets its own micro-batch order; FSDP averages the accumulated gradients over ranks.
-    micro = _micro_batches() if rank == 0 else _micro_batches()[::-1]
+    micro = micro_batches() if rank == 0 else micro_batches()[::-1]
     bitwise, trace = [], Counter()
     for i, seqs in enumerate(micro):
         last = i == len(micro) - 1
         for model in (plain, tiled):
             model.set_requires_gradient_sync(last)
-        loss_plain, lp_plain = _loss(plain, seqs)
-        loss_tiled, lp_tiled = _loss(tiled, seqs, trace)
+        loss_plain, lp_plain = micro_batch_loss(plain, seqs)
+        loss_tiled, lp_tiled = micro_batch_loss(tiled, seqs, trace)
         bitwise.append(torch.equal(lp_plain, lp_tiled))
         loss_plain.backward()
         loss_tiled.backward()
@@ -92,8 +81,8 @@ def test_tiled_mlp_under_fsdp2_with_gradient_accumulation():
 
     # One process: both ranks' micro-batches, averaged over the two ranks.
     reference = build_tiny_model("llama", seed=9, dtype=torch.float64)
-    total = sum(_loss(reference, seqs)[0] for seqs in _micro_batches()) + sum(
-        _loss(reference, seqs)[0] for seqs in _micro_batches()[::-1])
+    total = sum(micro_batch_loss(reference, seqs)[0] for seqs in micro_batches()) + sum(
+        micro_batch_loss(reference, seqs)[0] for seqs in micro_batches()[::-1])
     (total / 2).backward()
     results = run_distributed(_worker, 2, args=("llama",))
     for rank, r in enumerate(results):

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 import actorcore as ac
-from actorcore.testing.head_reference import captured_final_hidden, head_fp64
+from support.head_reference import captured_final_hidden, head_fp64
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
+from support.cuda_fp32 import exact_fp32  # noqa: F401 - autouse: the fp32 reference's matmuls without TF32
+
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -26,14 +28,6 @@ TOLERANCES = {
 # (backend, input dtype, autocast dtype): the region's dtype always differs from the inputs'.
 CASES = [("reference", torch.float32, torch.bfloat16), ("torch", torch.float32, torch.bfloat16),
          ("triton", torch.bfloat16, torch.float16)]
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _check(got, want, atol):

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from actorcore.testing.receiving import module_of
+from support.receiving import module_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

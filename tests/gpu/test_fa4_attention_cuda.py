@@ -3,7 +3,7 @@ fp32 reference: the output and the gradients of q, k, v (and of the sinks), on r
 grouped-query heads, sliding windows, softcap, sinks, head dims 64-256, fp16, and a 128K-token sequence; each no
 further from fp32 than twice the error of FlashAttention-2 (torch's ``varlen_attn``) or, where FA2 has no such
 feature, of the exact per-sequence path in the same 16-bit dtype. Then the HF route with FA4 (eager and traced into
-the fused decoder's compiled layers) against the model's own fp32 forward, and a sequence's output independent of
+the compiled decoder's compiled layers) against the model's own fp32 forward, and a sequence's output independent of
 where it sits in the pack. The trace proves FA4 ran.
 
 Skipped without a Hopper GPU with flash-attn-4 (and the quack / CuTe DSL it runs on).
@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_autocast_cuda import _exact_fp32  # noqa: F401 - autouse: the fp32 reference's matmuls without TF32
+from support.cuda_fp32 import exact_fp32  # noqa: F401 - autouse: the fp32 reference's matmuls without TF32
 from torch.utils.checkpoint import checkpoint
 
 
@@ -179,10 +179,10 @@ HF_ROUTE_SIZES = {"qwen2": dict(hidden_size=256), "gpt_oss": dict(head_dim=64)}
 
 @pytest.mark.parametrize("model_type,fused", [("qwen2", False), ("qwen2", True), ("gpt_oss", False)])
 def test_hf_route_on_fa4_is_as_close_to_fp32_as_fa2(model_type, fused):
-    """A bf16 model patched with ``attention_backend="fa4"`` (eager, or its attention traced into the fused decoder's
+    """A bf16 model patched with ``attention_backend="fa4"`` (eager, or its attention traced into the compiled decoder's
     compiled layers; gpt-oss: sinks and alternating windows) against the same weights' fp32 forward, per token and
     per parameter gradient: no further from it than FA2 (the per-sequence path for sinks) on the same model."""
-    from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY, compiled_forward
+    from actorcore.hf.features.compiled_decoder import COMPILED_TRACE_KEY, compiled_forward
     from actorcore.testing.reference import reference_logprobs, right_padded
     from actorcore.testing.tiny_configs import build_tiny_model
     from actorcore.testing.tolerances import TOL
@@ -205,7 +205,7 @@ def test_hf_route_on_fa4_is_as_close_to_fp32_as_fa2(model_type, fused):
     results = {}
     baseline = "segments" if model_type == "gpt_oss" else "torch_varlen"  # FA2, or the per-sequence path for sinks
     for backend in (baseline, "fa4"):
-        lp, grads, trace, choice = _step(model, batch, attention_backend=backend, fused_decoder=fused)
+        lp, grads, trace, choice = _step(model, batch, attention_backend=backend, compiled_decoder=fused)
         grad_err = max(((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items())
         results[backend] = ((lp - ref_lp).abs().max().item(), grad_err, trace, choice)
     lp_err, grad_err, trace, choice = results["fa4"]
@@ -213,7 +213,7 @@ def test_hf_route_on_fa4_is_as_close_to_fp32_as_fa2(model_type, fused):
     assert choice.value == "fa4" and trace["varlen_attention:fa4"] == layers, dict(trace)
     assert trace["attention:actorcore_packed"] == layers and default_trace[f"varlen_attention:{baseline}"] == layers
     if fused:
-        assert trace[FUSED_TRACE_KEY] == layers
+        assert trace[COMPILED_TRACE_KEY] == layers
         assert "fa4" in compiled_forward(model.model.layers[0].forward.forward).attention_backends
     assert lp_err <= 2 * default_lp_err + 1e-3 and lp_err < TOL["mcore_bf16_cuda_vs_hf_fp32"], \
         (lp_err, default_lp_err, default_choice.line())

@@ -48,10 +48,10 @@ def _engines():
         "small_blocks": TritonEngine(vocab_block=256, workspace_bytes=1 << 20),
         # the one-tile-per-program recompute kernel on every layout
         "one_tile_backward": TritonEngine(bwd=replace(BWD_CONFIG, persistent=False)),
-        # the kernels' other options: flattened loops, subtiled epilogues, 4 stages, pointer stores
+        # the kernels' other options: flattened loops, 4 stages, pointer stores
         "options": TritonEngine(fwd=replace(FWD_CONFIG, flatten=True),
-                                bwd=replace(BWD_CONFIG, subtile=True, flatten=True),
-                                loss=replace(LOSS_CONFIG, subtile=True, num_stages=4)),
+                                bwd=replace(BWD_CONFIG, flatten=True),
+                                loss=replace(LOSS_CONFIG, num_stages=4)),
         "pointer_stores": TritonEngine(bwd=replace(BWD_CONFIG, tma_store=False),
                                        loss=replace(LOSS_CONFIG, tma_store=False, flatten=False),
                                        loss_workspace_bytes=1 << 20),

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 
 # The tiny models and sequences are the gloo test's (spawned ranks inherit this path).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "dist"))
-from test_mcore_hybrid import _reference, _sequences, _tiny_hf  # noqa: E402
+from support.mcore_hybrid import hybrid_reference, hybrid_sequences, tiny_hf  # noqa: E402
 
 
 def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, hf_dir: str) -> dict:
@@ -27,11 +27,11 @@ def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, hf_di
 
     import actorcore as ac
     from actorcore.batch import pad_to_multiple
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
@@ -45,7 +45,7 @@ def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, hf_di
     layers = [m for c in model.chunks for m in c.modules() if type(m).__name__ == "PackedGatedDeltaNet"]
     for layer in layers:
         layer.trace = Counter()
-    batches = [ac.pack(s) for s in _sequences()]
+    batches = [ac.pack(s) for s in hybrid_sequences()]
     batches = [pad_to_multiple(b, 32) if pp > 1 and b.num_tokens % 32 else b for b in batches]
     got = compute_logprobs(model, batches)
     fb = compute_logprobs(model, batches, loss_fn=lambda out, batch: -out.log_probs.sum())
@@ -58,15 +58,15 @@ def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, hf_di
 def test_hybrid_megatron_on_nccl(tmp_path, model_type, tp, pp):
     pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
-    from test_mcore_nccl import _run_nccl
+    from support.mcore_nccl import run_nccl
 
-    hf = _tiny_hf(model_type)
+    hf = tiny_hf(model_type)
     hf_dir = str(tmp_path / "hf")
     hf.save_pretrained(hf_dir)
-    results = _run_nccl(_worker, tp * pp, (model_type, tp, pp, hf_dir))
+    results = run_nccl(_worker, tp * pp, (model_type, tp, pp, hf_dir))
     source = load_file(os.path.join(hf_dir, "model.safetensors"))
     with torch.no_grad():
-        refs = [_reference(hf, s) for s in _sequences()]
+        refs = [hybrid_reference(hf, s) for s in hybrid_sequences()]
     tol = TOL["mcore_cuda_vs_hf_fp32"]
     for rank, r in enumerate(results):
         assert sorted(r["exported"]) == sorted(source), rank

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from actorcore.testing.tolerances import TOL
+from support.mcore_moe_tp_cuda import on_cpu
+
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
@@ -21,36 +23,26 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "dist"))
 
 
-def _on_cpu(value):
-    if torch.is_tensor(value):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(v) for v in value)
-    return value
-
-
 def _cases_worker(rank: int, world_size: int, cases: list) -> dict:
-    from test_mcore_moe_tp import _case, case_name
+    from support.mcore_moe_tp import moe_tp_case, case_name
 
-    return {case_name(case): _on_cpu(_case(*case)) for case in cases}
+    return {case_name(case): on_cpu(moe_tp_case(*case)) for case in cases}
 
 
 def test_moe_tp2_ep2_training_on_nccl():
     pytest.importorskip("megatron.core")
-    from test_mcore_moe_tp import WORLD, check_results, saved_cases
-    from test_mcore_nccl import _run_nccl
+    from support.mcore_moe_tp import WORLD, check_results, saved_cases
+    from support.mcore_nccl import run_nccl
 
     with tempfile.TemporaryDirectory() as root:
-        results = _run_nccl(_cases_worker, WORLD, (saved_cases(root),))
+        results = run_nccl(_cases_worker, WORLD, (saved_cases(root),))
     check_results(results, TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"])
 
 
 def _overlap_worker(rank: int, world_size: int, directory: str) -> dict:
-    from test_mcore_glm4_moe import _schedules_plain_and_overlapped
+    from support.mcore_glm4_moe import schedules_plain_and_overlapped
 
-    return _on_cpu(_schedules_plain_and_overlapped(directory))
+    return on_cpu(schedules_plain_and_overlapped(directory))
 
 
 def test_ep_overlap_schedule_on_nccl():
@@ -59,14 +51,14 @@ def test_ep_overlap_schedule_on_nccl():
     schedule's and transformers' fp32 forward (bf16 rounding), gradients as the plain schedule's (relative L2 norm:
     CUDA kernels may accumulate in another order)."""
     pytest.importorskip("megatron.core")
-    from test_mcore_cp import _reference, _tiny_hf
-    from test_mcore_nccl import _run_nccl
+    from support.mcore_cp import cp_reference, cp_tiny_hf
+    from support.mcore_nccl import run_nccl
 
     with tempfile.TemporaryDirectory() as root:
-        hf = _tiny_hf("glm4_moe", {})
+        hf = cp_tiny_hf("glm4_moe", {})
         hf.save_pretrained(root)
-        results = _run_nccl(_overlap_worker, 2, (root,))
-        ref_out, _ = _reference(hf)
+        results = run_nccl(_overlap_worker, 2, (root,))
+        ref_out, _ = cp_reference(hf)
     tol, grad_tol = TOL["mcore_bf16_cuda_vs_hf_fp32"], TOL["grad_bf16_vs_fp32_rel_norm"]
     for rank, result in enumerate(results):
         plain, overlapped = result["plain"], result["overlapped"]

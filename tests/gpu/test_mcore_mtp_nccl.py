@@ -14,6 +14,7 @@ import torch
 
 from actorcore.testing.tolerances import TOL
 
+
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 LENGTHS = (9, 2, 12, 5, 3)
@@ -29,11 +30,11 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.forward import compute_logprobs, mtp_loss
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.run.forward import compute_logprobs, mtp_loss
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
 
     parallel = McoreParallel(tp=tp, pp=pp)
     context = initialize_megatron(parallel)
@@ -57,13 +58,13 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, mtp_dir: str) -> dict:
 def test_mtp_on_nccl(tp, pp, model_type):
     pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
-    from test_mcore_nccl import _run_nccl
+    from support.mcore_nccl import run_nccl
 
-    from actorcore.testing.mtp import reference_mtp, write_mtp_checkpoint
+    from support.mtp import reference_mtp, write_mtp_checkpoint
 
     with tempfile.TemporaryDirectory() as root:
         mtp_dir, donor_dir = write_mtp_checkpoint(root, model_type)
-        results = _run_nccl(_worker, 2, (tp, pp, mtp_dir))
+        results = run_nccl(_worker, 2, (tp, pp, mtp_dir))
         reference = load_file(os.path.join(mtp_dir, "model.safetensors"))
         main_ref, mtp_rows, ref_loss, ref_grad = reference_mtp(mtp_dir, donor_dir, _sequences(), MTP_SCALE)
     tol, grad_tol = TOL["mcore_cuda_vs_hf_fp32"], TOL["grad_mcore_cuda_vs_hf_fp32_rel"]

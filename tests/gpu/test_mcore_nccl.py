@@ -7,12 +7,13 @@ round trip on a CUDA machine. Skipped without two CUDA devices or megatron-core.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 
 from actorcore.testing.tolerances import TOL
+from support.mcore_nccl import run_nccl
+
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
@@ -26,35 +27,15 @@ def _sequences() -> list[list[torch.Tensor]]:
     return [[torch.randint(3, 131, (n,), generator=gen) for n in lengths] for lengths in LENGTHS]
 
 
-def _nccl_entry(rank: int, world_size: int, directory: str, fn, args: tuple) -> None:
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)  # NCCL object collectives use the current device
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group("nccl", init_method=f"file://{os.path.join(directory, 'rendezvous')}", rank=rank,
-                            world_size=world_size, device_id=torch.device("cuda", rank))
-    try:
-        torch.save(fn(rank, world_size, *args), os.path.join(directory, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_nccl(fn, world_size: int, args: tuple) -> list:
-    with tempfile.TemporaryDirectory() as directory:
-        torch.multiprocessing.spawn(_nccl_entry, args=(world_size, directory, fn, args), nprocs=world_size, join=True)
-        return [torch.load(os.path.join(directory, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
-
-
 def _worker(rank: int, world_size: int, tp: int, pp: int, ep: int, hf_dir: str) -> dict:
     import actorcore as ac
     from actorcore.batch import pad_to_multiple
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import mcore_weight_stream
+    from actorcore.mcore.convert.weight_stream import mcore_weight_stream
     from transformers import AutoConfig
 
     parallel = McoreParallel(tp=tp, pp=pp, ep=ep)
@@ -95,7 +76,7 @@ def test_mcore_on_nccl(tmp_path, model_type, tp, pp, ep):
     hf = build_tiny_model(model_type, seed=5)
     hf_dir = str(tmp_path / "hf")
     hf.save_pretrained(hf_dir)
-    results = _run_nccl(_worker, tp * pp * ep, (tp, pp, ep, hf_dir))
+    results = run_nccl(_worker, tp * pp * ep, (tp, pp, ep, hf_dir))
     source = load_file(os.path.join(hf_dir, "model.safetensors"))
     with torch.no_grad():
         ref = [reference_logprobs(hf, *right_padded(s)) for s in _sequences()]
@@ -126,10 +107,10 @@ def _cp_worker(rank: int, world_size: int, hf_dir: str, cp_comm: str, dtype: tor
     from transformers import AutoConfig
 
     import actorcore as ac
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     parallel = McoreParallel(cp=2)
@@ -182,7 +163,7 @@ def test_mcore_context_parallel_on_nccl(tmp_path, cp_comm, dtype, model_type):
     hf = build_tiny_model(model_type, seed=5)
     hf_dir = str(tmp_path / "hf")
     hf.save_pretrained(hf_dir)
-    results = _run_nccl(_cp_worker, 2, (hf_dir, cp_comm, dtype))
+    results = run_nccl(_cp_worker, 2, (hf_dir, cp_comm, dtype))
     ref = []
     for sequences in _sequences():
         lp, ent = reference_logprobs(hf, *right_padded(sequences))
@@ -213,7 +194,7 @@ def test_convert_cli_tp2_on_cuda(tmp_path):
     from safetensors.torch import load_file
 
     from actorcore.cli.convert import main
-    from actorcore.testing.checkpoints import load_checkpoint_tensors
+    from support.checkpoints import load_checkpoint_tensors
     from actorcore.testing.tiny_configs import build_tiny_model
 
     src, mcore, back = str(tmp_path / "hf"), str(tmp_path / "mcore"), str(tmp_path / "back")

@@ -1,12 +1,12 @@
-"""The Megatron route's speed paths on one GPU (NCCL, one rank), bf16: the fused layers (``mcore/layer.py``, Inductor's
+"""The Megatron route's speed paths on one GPU (NCCL, one rank), bf16: the compiled layers (``mcore/build/layer.py``, Inductor's
 Triton kernels), the grouped experts on torch's ``grouped_mm`` and on quack's gated GEMMs
-(``mcore/grouped_experts.py``) and the budgeted recompute (``mcore/recompute.py``).
+(``mcore/build/grouped_experts.py``) and the budgeted recompute (``mcore/build/recompute.py``).
 
-- Per token and per gradient, the route's defaults on CUDA (``"auto"``: fused layers, grouped or quack experts)
+- Per token and per gradient, the route's defaults on CUDA (``"auto"``: compiled layers, grouped or quack experts)
   against megatron-core's eager layers and sequential experts with the same bf16 weights: within bf16 rounding
   (log-probs absolute, gradients as a relative L2 norm), and no further from transformers' fp32 forward than the
   eager route (the table's factor and floor); the defaults resolve as documented (fp32 stays unfused), and the
-  trace proves the fused layers and the grouped experts ran.
+  trace proves the compiled layers and the grouped experts ran.
 - quack's experts against the grouped_mm ones (skipped where quack does not run).
 - ``recompute="auto"`` on a budget: the first call plans from the estimate and measures what each kept layer
   holds, the second plans with the measurement and stays within the budget; every mode's gradients within bf16
@@ -28,6 +28,7 @@ import torch
 
 from actorcore.testing.tolerances import TOL
 
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "dist"))
@@ -37,29 +38,29 @@ MODEL_TYPES = ("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 def _batches():
     import actorcore as ac
-    from test_mcore_logprobs import _sequences
+    from support.mcore_logprobs import logprob_sequences
 
-    return [ac.pack(sequences) for sequences in _sequences()]
+    return [ac.pack(sequences) for sequences in logprob_sequences()]
 
 
 def _step(model, trace: Counter) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """One forward-backward of the summed log-probs: (log-probs per batch, every gradient as HF names)."""
-    from test_mcore_moe_tp import _grads_as_hf
+    from support.mcore_moe_tp import grads_as_hf
 
-    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.run.forward import compute_logprobs
 
     for chunk in model.chunks:
         chunk.zero_grad(set_to_none=True)
     out = compute_logprobs(model, _batches(), loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace)
-    return [o.log_probs for o in out], _grads_as_hf(model)
+    return [o.log_probs for o in out], grads_as_hf(model)
 
 
 def _variants_worker(rank: int, world_size: int, directory: str, variants: dict) -> dict:
-    from test_mcore_moe_tp_cuda import _on_cpu
+    from support.mcore_moe_tp_cuda import on_cpu
     from transformers import AutoConfig
 
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
 
     initialize_megatron(McoreParallel())
@@ -69,28 +70,28 @@ def _variants_worker(rank: int, world_size: int, directory: str, variants: dict)
         model = build_gpt_model(config, McoreParallel(), dtype, **options)
         load_hf_into_mcore(model, directory)
         trace = Counter()
-        out[name] = _on_cpu((*_step(model, trace), dict(trace), model.moe_experts, model.fused_layers))
+        out[name] = on_cpu((*_step(model, trace), dict(trace), model.moe_experts, model.compiled_layers))
         del model
         torch.cuda.empty_cache()
     return out
 
 
 def _run(directory: str, variants: dict) -> dict:
-    from test_mcore_nccl import _run_nccl
+    from support.mcore_nccl import run_nccl
 
-    return _run_nccl(_variants_worker, 1, (directory, variants))[0]
+    return run_nccl(_variants_worker, 1, (directory, variants))[0]
 
 
 def _fp32_reference(hf) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """transformers' own fp32 forward on the CPU, and its gradients of the same loss (Megatron averages it over the
     micro-batches)."""
-    from test_mcore_logprobs import _sequences, reference_logprobs_packed
+    from support.mcore_logprobs import logprob_sequences, reference_logprobs_packed
 
     hf.zero_grad()
     log_probs = []
-    for sequences in _sequences():
+    for sequences in logprob_sequences():
         lp = reference_logprobs_packed(hf, sequences)[0]
-        (lp.sum() * (-1.0 / len(_sequences()))).backward()
+        (lp.sum() * (-1.0 / len(logprob_sequences()))).backward()
         log_probs.append(lp.detach())
     return log_probs, {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
 
@@ -106,31 +107,31 @@ def _distance(result, reference) -> tuple[float, dict[str, float]]:
 def _assert_within_bf16_rounding(got, want, where: str) -> None:
     (lp, grads), (want_lp, want_grads) = got[:2], want[:2]
     for a, b in zip(lp, want_lp):
-        torch.testing.assert_close(a, b, atol=TOL["fused_decoder_vs_eager_bf16"], rtol=0, msg=where)
+        torch.testing.assert_close(a, b, atol=TOL["compiled_decoder_vs_eager_bf16"], rtol=0, msg=where)
     assert sorted(grads) == sorted(want_grads), where
     for name, grad in want_grads.items():
         diff = (grads[name].float() - grad.float()).norm()
-        assert diff <= TOL["grad_fused_decoder_vs_eager_bf16_rel_norm"] * grad.float().norm() + 1e-6, (where, name)
+        assert diff <= TOL["grad_compiled_decoder_vs_eager_bf16_rel_norm"] * grad.float().norm() + 1e-6, (where, name)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_defaults_within_bf16_rounding_of_eager_and_as_close_to_fp32(model_type):
     pytest.importorskip("megatron.core")
     pytest.importorskip("triton")
-    from test_mcore_logprobs import _tiny_hf
+    from support.mcore_logprobs import tiny_hf
 
-    hf = _tiny_hf(model_type)
+    hf = tiny_hf(model_type)
     with tempfile.TemporaryDirectory() as directory:
         hf.save_pretrained(directory)
         results = _run(directory, {
-            "eager": (torch.bfloat16, dict(moe_experts="sequential", fused_layers=False)),
+            "eager": (torch.bfloat16, dict(moe_experts="sequential", compiled_layers=False)),
             "defaults": (torch.bfloat16, {}),
             "fp32_defaults": (torch.float32, {}),
         })
     eager, defaults, fp32 = results["eager"], results["defaults"], results["fp32_defaults"]
     moe = model_type != "qwen3"
     assert defaults[4] is True and fp32[4] is False  # fused in bf16 on CUDA, fp32 unchanged
-    assert defaults[2]["mcore:fused_layers"] >= 2 * len(_batches())
+    assert defaults[2]["mcore:compiled_layers"] >= 2 * len(_batches())
     if moe:
         assert defaults[3] in ("grouped", "quack") and fp32[3] == "grouped" and eager[3] == "sequential"
         assert defaults[2]["moe_experts:grouped_calls"] >= len(_batches())
@@ -146,29 +147,29 @@ def test_defaults_within_bf16_rounding_of_eager_and_as_close_to_fp32(model_type)
 
 def test_quack_experts_within_bf16_rounding_of_grouped_mm():
     pytest.importorskip("megatron.core")
-    from actorcore.kernels.quack_runtime import quack_refusal
+    from actorcore.kernels.quack.runtime import quack_refusal
 
     if quack_refusal() is not None:
         pytest.skip(quack_refusal())
-    from test_mcore_logprobs import _tiny_hf
+    from support.mcore_logprobs import tiny_hf
 
     with tempfile.TemporaryDirectory() as directory:
-        _tiny_hf("qwen3_moe", moe_intermediate_size=48).save_pretrained(directory)  # widths multiples of 8
-        results = _run(directory, {"grouped": (torch.bfloat16, dict(moe_experts="grouped", fused_layers=False)),
-                                   "quack": (torch.bfloat16, dict(moe_experts="quack", fused_layers=False))})
+        tiny_hf("qwen3_moe", moe_intermediate_size=48).save_pretrained(directory)  # widths multiples of 8
+        results = _run(directory, {"grouped": (torch.bfloat16, dict(moe_experts="grouped", compiled_layers=False)),
+                                   "quack": (torch.bfloat16, dict(moe_experts="quack", compiled_layers=False))})
     assert results["quack"][3] == "quack" and results["quack"][2]["moe_experts:quack_calls"] >= len(_batches())
     _assert_within_bf16_rounding(results["quack"], results["grouped"], "quack vs grouped_mm")
 
 
 def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
-    from test_mcore_moe_tp_cuda import _on_cpu
+    from support.mcore_moe_tp_cuda import on_cpu
     from transformers import AutoConfig
 
-    from actorcore.mcore.call_plan import _is_moe, decoder_layers
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.call_plan import _is_moe, decoder_layers
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.recompute import SLACK_BYTES, layer_bytes_per_token
+    from actorcore.mcore.build.recompute import SLACK_BYTES, layer_bytes_per_token
 
     import actorcore as ac
 
@@ -179,7 +180,7 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
                                                                                             generator=g)])
     out = {}
     for mode in (None, "full", "selective", "auto"):
-        probe = build_gpt_model(config, McoreParallel(), torch.bfloat16, fused_layers=True)
+        probe = build_gpt_model(config, McoreParallel(), torch.bfloat16, compiled_layers=True)
         load_hf_into_mcore(probe, directory)
         options = {"recompute": mode}
         if mode == "auto":  # room for about half the layers selectively, on top of what is allocated now
@@ -188,9 +189,9 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
             budget = base + 0.5 * sum(e[1] for e in estimates) * batch.num_tokens
             options["memory_budget_gib"] = budget / 2**30
         del probe
-        model = build_gpt_model(config, McoreParallel(), torch.bfloat16, fused_layers=True, **options)
+        model = build_gpt_model(config, McoreParallel(), torch.bfloat16, compiled_layers=True, **options)
         load_hf_into_mcore(model, directory)
-        from actorcore.mcore.forward import compute_logprobs
+        from actorcore.mcore.run.forward import compute_logprobs
 
         runs = []
         for _ in range(2):
@@ -200,7 +201,7 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
             trace = Counter()
             lp = compute_logprobs(model, batch, loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace).log_probs
             grads = {n: p.grad for n, p in model.chunks[0].named_parameters() if p.grad is not None}
-            runs.append(_on_cpu((lp, grads, dict(trace), torch.cuda.max_memory_allocated())))
+            runs.append(on_cpu((lp, grads, dict(trace), torch.cuda.max_memory_allocated())))
         out[str(mode)] = (runs, dict(model.measured_layer_bytes), options.get("memory_budget_gib"))
         del model
         torch.cuda.empty_cache()
@@ -210,7 +211,7 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
 def test_recompute_modes_and_the_budget_on_cuda():
     pytest.importorskip("megatron.core")
     pytest.importorskip("triton")
-    from test_mcore_nccl import _run_nccl
+    from support.mcore_nccl import run_nccl
 
     from actorcore.testing.tiny_configs import build_tiny_model
 
@@ -219,7 +220,7 @@ def test_recompute_modes_and_the_budget_on_cuda():
                           head_dim=128, num_hidden_layers=8, vocab_size=4096, mlp_only_layers=[1])
     with tempfile.TemporaryDirectory() as directory:
         hf.save_pretrained(directory)
-        result = _run_nccl(_budget_worker, 1, (directory,))[0]
+        result = run_nccl(_budget_worker, 1, (directory,))[0]
     none_runs = result["None"][0]
     layers = 8
     for mode, key in (("full", "mcore:recompute_full_layers"), ("selective", "mcore:recompute_selective_layers")):

@@ -36,19 +36,19 @@ GRAD_PAIRS = {
 
 # The tiny model and its samples are the gloo test's (spawned ranks inherit this path).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "dist"))
-from test_mcore_vlm import _samples, _tiny_vlm  # noqa: E402
+from support.mcore_vlm import vlm_samples, tiny_vlm  # noqa: E402
 
 
 def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, hf_dir: str) -> dict:
     import actorcore as ac
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import gather_hf_state_dict
+    from actorcore.mcore.convert.weight_stream import gather_hf_state_dict
     from megatron.core import parallel_state
 
-    hf = _tiny_vlm(model_type)  # on the CPU: only its rope-index function is used, to pack
+    hf = tiny_vlm(model_type)  # on the CPU: only its rope-index function is used, to pack
     parallel = McoreParallel(tp=tp, pp=pp)
     initialize_megatron(parallel)
     mcore_model = build_gpt_model(hf.config, parallel)
@@ -56,7 +56,7 @@ def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, hf_di
     assert next(chunks[0].parameters()).is_cuda
     load_hf_into_mcore(mcore_model, hf_dir)
     exported = {k: v.cpu() for k, v in gather_hf_state_dict(mcore_model).items()}
-    samples = _samples(hf)
+    samples = vlm_samples(hf)
     batch = ac.pack([s.input_ids for s in samples], multimodal=[s.multimodal for s in samples], model=hf)
     weights = 0.5 + torch.rand(batch.num_tokens, generator=torch.Generator().manual_seed(5))
 
@@ -78,16 +78,16 @@ def _worker(rank: int, world_size: int, model_type: str, tp: int, pp: int, hf_di
 def test_vlm_megatron_on_nccl(tmp_path, model_type, tp, pp):
     pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
-    from test_mcore_nccl import _run_nccl
+    from support.mcore_nccl import run_nccl
 
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
 
-    hf = _tiny_vlm(model_type)
+    hf = tiny_vlm(model_type)
     hf_dir = str(tmp_path / "hf")
     hf.save_pretrained(hf_dir)
-    results = _run_nccl(_worker, tp * pp, (model_type, tp, pp, hf_dir))
+    results = run_nccl(_worker, tp * pp, (model_type, tp, pp, hf_dir))
     source = load_file(os.path.join(hf_dir, "model.safetensors"))
-    samples = _samples(hf)
+    samples = vlm_samples(hf)
     lps, ents = zip(*(reference_logprobs_vlm(hf, [s]) for s in samples))
     ref_lp, ref_ent = torch.cat(lps), torch.cat(ents)
     (-(ref_lp * results[0]["weights"]).sum() + ref_ent.sum()).backward()

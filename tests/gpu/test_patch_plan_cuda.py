@@ -1,8 +1,8 @@
 """CUDA: every pair of ``patch_model`` options (and a batch-invariant call) on a bf16 model, the GPU-only values
-included (the fused decoder, quack's gated MLP where quack runs, the ``torch_varlen`` and ``fa4`` attention backends
+included (the compiled decoder, quack's gated MLP where quack runs, the ``torch_varlen`` and ``fa4`` attention backends
 where they run): each works as asked, per token and per gradient
 against the same weights' own forward in fp32 with the trace proving each requested feature ran, or is refused
-before any work (``actorcore.testing.option_pairs``: the CPU test ``tests/unit/test_patch_plan.py`` runs the same
+before any work (``support.option_pairs``: the CPU test ``tests/unit/test_patch_plan.py`` runs the same
 table with the GPU-only values refused). Skipped without CUDA / triton."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from actorcore.testing.option_pairs import (
+from support.option_pairs import (
     REFUSED,
     Tolerances,
     backend_refusals,
@@ -46,13 +46,13 @@ def models():
 def _refusals(model: torch.nn.Module) -> dict:
     from actorcore.hf.features.attention import module_head_dim
     from actorcore.kernels.attention.backends import backend_refusal
-    from actorcore.kernels.quack_runtime import quack_refusal
+    from actorcore.kernels.quack.runtime import quack_refusal
 
     refused = dict(REFUSED)
     if quack_refusal() is not None:  # no Hopper GPU or no quack here: quack's gated MLP is refused, not run
         for pair in option_pairs():
-            if "dense_mlp" in pair and frozenset(pair) not in refused:
-                refused[frozenset(pair)] = "dense_mlp='quack'"
+            if "swiglu_mlp" in pair and frozenset(pair) not in refused:
+                refused[frozenset(pair)] = "swiglu_mlp='quack'"
     # An attention backend that cannot run here (FA4 off Hopper or without flash-attn-4) is refused first.
     head_dim = module_head_dim(model.model.layers[0].self_attn)
     cannot = {ask: f"attention_backend='{ask}'" for ask in ("torch_varlen", "fa4")

@@ -11,7 +11,7 @@ import torch
 
 import actorcore as ac
 from actorcore.kernels.logprob import linear_logprob_entropy_vocab_shard
-from actorcore.testing.head_reference import captured_final_hidden, head_fp64
+from support.head_reference import captured_final_hidden, head_fp64
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 
@@ -147,3 +147,31 @@ def test_value_head_inside_autocast_is_fp32():
     torch.testing.assert_close(values.double(), want.detach(), atol=ATOL, rtol=0)
     _assert_grad_close(hidden_1TD.grad[0], h.grad)
     _assert_grad_close(critic.score.weight.grad, w.grad)
+
+
+def test_megatron_value_head_inside_autocast_is_fp32(monkeypatch):
+    """The Megatron route's critic head (``mcore.run.forward.values_from_hidden``) keeps the same promise: fp32 values
+    and gradients inside a caller's autocast region (one rank: the TP copy is the identity)."""
+    import types
+
+    import actorcore.mcore.run.forward as mcore_forward
+
+    monkeypatch.setattr(mcore_forward, "_all_tokens_on_every_tp_rank", lambda chunk, hidden_TD, context: hidden_TD)
+    batch = ac.pack([torch.arange(n) % 17 for n in LENGTHS])
+    g = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(24, 1)
+    torch.nn.init.normal_(head.weight, generator=g)
+    hidden_TD = torch.randn(batch.num_tokens, 24, generator=g).requires_grad_()
+    coef_T = torch.randn(batch.num_real_tokens, generator=g)
+    with _autocast():
+        values = mcore_forward.values_from_hidden(types.SimpleNamespace(value_head=head), hidden_TD, batch,
+                                                  ac.ParallelContext())
+        (values * coef_T).sum().backward()
+    h = hidden_TD.detach().double().requires_grad_()
+    w, b = head.weight.detach().double().requires_grad_(), head.bias.detach().double()
+    want = (h @ w.t())[:, 0] + b
+    (want * coef_T.double()).sum().backward()
+    assert values.dtype == torch.float32
+    torch.testing.assert_close(values.double(), want.detach(), atol=ATOL, rtol=0)
+    _assert_grad_close(hidden_TD.grad, h.grad)
+    _assert_grad_close(head.weight.grad, w.grad)

@@ -4,7 +4,6 @@ rank's queries, per element, and the blocks' flash-style backward gives autograd
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -13,18 +12,10 @@ from actorcore.context_split import cp_chunk_index, cp_local_positions
 from actorcore.kernels.attention.block_attention import (attention_block_backward, attention_block_forward,
                                                merge_attention_blocks, position_runs)
 from actorcore.testing.tolerances import TOL
+from support.attention_reference import plain_attention
+
 
 PADDED = [0, 8, 24, 32]  # three segments of a cp=2 or cp=4 layout (multiples of 2*cp = 8)
-
-
-def _plain_attention(q, k, v, positions, window, scale):
-    """Softmax over keys ``j <= p`` (and ``p - j < window``) of one segment, GQA by repetition."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = torch.einsum("qnh,knh->nqk", q, k) * scale
-    j = torch.arange(k.shape[0])
-    allowed = (j[None, :] <= positions[:, None]) & ((positions[:, None] - j[None, :]) < (window or 10**9))
-    return torch.einsum("nqk,knh->qnh", torch.softmax(scores.masked_fill(~allowed, -math.inf), -1), v)
 
 
 @pytest.mark.parametrize("cp,window,max_run", [(2, None, None), (2, None, 3), (4, 5, None)])
@@ -45,7 +36,7 @@ def test_merged_blocks_equal_plain_softmax_and_its_gradients(cp, window, max_run
         grad = torch.randn(positions.numel(), 4, 12, generator=gen, dtype=torch.float64)
         # Reference: plain softmax per segment over the whole segment's keys, and autograd.
         bounds = cu_local.tolist()
-        ref = torch.cat([_plain_attention(q[qs:qe], k[ks:ke], v[ks:ke], positions[qs:qe], window, scale)
+        ref = torch.cat([plain_attention(q[qs:qe], k[ks:ke], v[ks:ke], positions[qs:qe], window, scale)
                          for qs, qe, ks, ke in zip(bounds[:-1], bounds[1:], PADDED[:-1], PADDED[1:])])
         ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (q, k, v), grad)
         # Blocks: rank ``source`` holds keys[index[source]]; merged in ring order starting with this rank's own.

@@ -108,7 +108,7 @@ def test_the_policy_model_takes_the_plan(tmp_path):
     trainer = _trainer(tmp_path, max_steps=1, gradient_checkpointing=True)
     handle = patch_trainer(trainer, checkpointing="selective")
     assert handle.plan["checkpointing"].explicit and handle.plan["checkpointing"].by == "compat.trl.patch_trainer"
-    assert "the model is not on a CUDA device" in handle.plan["fused_decoder"].why  # the CPU: eager
+    assert "the model is not on a CUDA device" in handle.plan["compiled_decoder"].why  # the CPU: eager
     trainer.train()
     layers = trainer.model.config.num_hidden_layers
     assert handle.trace["plan:checkpointing"] >= 1 and handle.trace["checkpoint:selective"] >= layers

@@ -153,7 +153,7 @@ def test_packed_core_attention_refuses_cp_without_packed_batches():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from actorcore.mcore.attention import PackedCoreAttention
+    from actorcore.mcore.build.attention import PackedCoreAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, context_parallel_size=2)
     attention = PackedCoreAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(cp="group"))

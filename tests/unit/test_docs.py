@@ -2,10 +2,11 @@
 and every link of the benchmark summary reaches a dated run."""
 
 import re
+from pathlib import Path
 
 import pytest
 
-from actorcore.testing.docs import REPO
+from support.docs import REPO
 
 DOCS = sorted(str(p.relative_to(REPO)) for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")])
 # Our tracker's style ("issue 15", "item 2", "#12"); an upstream reference names its project (owner/repo#N, or
@@ -63,3 +64,19 @@ def test_the_docs_list_every_decoder_feature_and_option():
     missing = [m for m in modules if f"``{m}``" not in features.__doc__]
     assert not missing, f"hf/features/__init__.py's docstring does not name the modules {missing}"
     assert all(f"``{k}" in patch.patch_model.__doc__ for k in keywords)  # its docstring is built from the options
+
+
+@pytest.mark.parametrize("package", ["actorcore.kernels", "actorcore.kernels.quack", "actorcore.mcore",
+                                     "actorcore.mcore.build", "actorcore.mcore.run", "actorcore.mcore.convert",
+                                     "actorcore.testing"])
+def test_package_docstrings_name_every_module(package):
+    """A package's docstring is its table of contents: it names every module and subpackage in it (adding one
+    without saying what it is fails here)."""
+    import importlib
+
+    module = importlib.import_module(package)
+    folder = REPO / "src" / Path(*package.split("."))
+    names = sorted({p.stem for p in folder.glob("*.py") if p.stem != "__init__" and not p.stem.startswith("_")}
+                   | {p.name for p in folder.iterdir() if (p / "__init__.py").exists()})
+    missing = [n for n in names if f"``{n}``" not in module.__doc__ and f"``{n}/``" not in module.__doc__]
+    assert not missing, f"{package}'s docstring does not name {missing}"

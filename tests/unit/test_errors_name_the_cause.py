@@ -104,7 +104,7 @@ def _mxfp4_dir(root, name: str, *, drop: str | None = None, quantization_config:
 
 
 def test_an_mxfp4_checkpoint_reads_its_experts_dequantised(tmp_path):
-    from actorcore.mcore.safetensors_reader import SafetensorsReader, safetensors_dtype
+    from actorcore.mcore.convert.safetensors_reader import SafetensorsReader, safetensors_dtype
 
     reader = SafetensorsReader(_mxfp4_dir(tmp_path, "ok"))
     name = "model.layers.0.mlp.experts.down_proj"
@@ -113,7 +113,7 @@ def test_an_mxfp4_checkpoint_reads_its_experts_dequantised(tmp_path):
 
 
 def test_an_mxfp4_checkpoint_missing_blocks_is_named_incomplete(tmp_path):
-    from actorcore.mcore.safetensors_reader import SafetensorsReader
+    from actorcore.mcore.convert.safetensors_reader import SafetensorsReader
 
     directory = _mxfp4_dir(tmp_path, "half", drop="model.layers.1.mlp.experts.gate_up_proj_blocks")
     with pytest.raises(CheckpointError, match=r"the MXFP4 weight model.layers.1.mlp.experts.gate_up_proj has "
@@ -124,7 +124,7 @@ def test_an_mxfp4_checkpoint_missing_blocks_is_named_incomplete(tmp_path):
 
 
 def test_an_mxfp4_checkpoint_without_its_quantization_config_is_named(tmp_path):
-    from actorcore.mcore.safetensors_reader import SafetensorsReader
+    from actorcore.mcore.convert.safetensors_reader import SafetensorsReader
 
     directory = _mxfp4_dir(tmp_path, "undeclared", quantization_config=False)
     with pytest.raises(CheckpointError, match=r"4 weights are stored as MXFP4 blocks and scales .* its config.json "
@@ -139,7 +139,7 @@ def test_an_mxfp4_checkpoint_without_its_quantization_config_is_named(tmp_path):
 @pytest.fixture
 def patched_moe():
     model = build_tiny_model("qwen3_moe", seed=0)
-    handle = ac.patch_model(model, moe_experts="grouped")
+    handle = ac.patch_model(model, moe_experts="sorted")
     yield model, ac.compute_logprobs(model, _batch()).log_probs
     handle.revert()
 

@@ -192,10 +192,10 @@ def test_explicit_fa4_refused_where_it_cannot_run():
 
 
 def test_fa4_op_traces_into_a_compiled_layer_with_its_backward(stand_in, monkeypatch):
-    """Inside a layer the fused decoder compiles, FA4's custom op is one node of the graph (symbolic token count,
+    """Inside a layer the compiled decoder compiles, FA4's custom op is one node of the graph (symbolic token count,
     its fake implementations), and the compiled forward and backward equal the eager ``segments`` path."""
     import actorcore.hf.features.attention as attention
-    from actorcore.hf.features import fused_decoder
+    from actorcore.hf.features import compiled_decoder
 
     monkeypatch.setattr(attention, "traceable_backend", torch.compiler.assume_constant_result(
         lambda device_type, dtype, requested, head_dim, softcap, sinks, window: "fa4" if requested == "fa4" else ""))
@@ -226,7 +226,7 @@ def test_fa4_op_traces_into_a_compiled_layer_with_its_backward(stand_in, monkeyp
         q, k, v, cu = _packed(lengths)
         q, k, v = (x.transpose(0, 1).unsqueeze(0).requires_grad_() for x in (q, k, v))
         packing = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
-        with fused_decoder.compile_settings():
+        with compiled_decoder.compile_settings():
             fast = compiled(q, k, v, **packing, **{attention.IN_GRAPH_KWARG: True,
                                                      attention.ATTENTION_BACKEND_KWARG: "fa4"})
         ref = 2 * varlen_causal_attention(*(x[0].transpose(0, 1) for x in (q, k, v)), cu, max(lengths), scale=0.3,

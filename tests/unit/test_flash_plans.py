@@ -9,13 +9,14 @@ import math
 
 import pytest
 import torch
-from test_block_attention import _plain_attention
+from support.attention_reference import plain_attention
 
 from actorcore.context_split import cp_chunk_index, cp_local_positions
 from actorcore.kernels.attention.block_attention import merge_attention_blocks, position_runs
 from actorcore.kernels.attention.flash_blocks import plan_flash_block
 from actorcore.kernels.attention.varlen import prefix_plan
 from actorcore.testing.tolerances import TOL
+
 
 PADDED = [0, 8, 24, 48]  # three segments, multiples of 2*cp for cp = 2 and 4
 SCALE = 0.3
@@ -42,7 +43,7 @@ def _flash_like(q, k, v, cu_q, cu_k, causal, window=None):
 
 def _reference(q, keys, values, cu_local, positions, window):
     bounds = cu_local.tolist()
-    return torch.cat([_plain_attention(q[qs:qe], keys[ks:ke], values[ks:ke], positions[qs:qe], window, SCALE)
+    return torch.cat([plain_attention(q[qs:qe], keys[ks:ke], values[ks:ke], positions[qs:qe], window, SCALE)
                       for qs, qe, ks, ke in zip(bounds[:-1], bounds[1:], PADDED[:-1], PADDED[1:])])
 
 
@@ -93,7 +94,7 @@ def test_flash_block_plans_merged_over_the_ring_equal_plain_softmax(cp):
             out, lse = (block_out, block_lse) if out is None else merge_attention_blocks(out, lse, block_out,
                                                                                          block_lse)
         bounds = cu_local.tolist()
-        want = torch.cat([_plain_attention(q[qs:qe], keys[ks:ke], values[ks:ke], positions[qs:qe], None, SCALE)
+        want = torch.cat([plain_attention(q[qs:qe], keys[ks:ke], values[ks:ke], positions[qs:qe], None, SCALE)
                           for qs, qe, ks, ke in zip(bounds[:-1], bounds[1:], padded[:-1], padded[1:])])
         torch.testing.assert_close(out, want, atol=TOL["attention_fp64_vs_plain"], rtol=0, msg=f"rank {rank}")
 

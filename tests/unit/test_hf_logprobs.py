@@ -12,8 +12,6 @@ from actorcore.archs import UnsupportedArchitectureError, get_spec, registered_m
 from actorcore.batch import grid_to_packed, packed_to_grid
 from actorcore.errors import PackingNotAppliedError
 from actorcore.hf.call import TRACE_KWARG, TraceRef
-
-PACKED = "attention:actorcore_packed"
 from actorcore.testing.reference import (
     logprobs_from_logits,
     padded_logits,
@@ -23,6 +21,8 @@ from actorcore.testing.reference import (
 )
 from actorcore.testing.tiny_configs import REPRESENTATIVE_ARCHS, build_tiny_model, has_critic_class
 from actorcore.testing.tolerances import TOL
+
+PACKED = "attention:actorcore_packed"
 
 TEXT_ARCHS = [m for m in registered_model_types() if get_spec(m).vision is None]
 LENGTHS = [1, 2, 23, 5, 40, 9]  # very different lengths, including 1 and 2
@@ -263,12 +263,12 @@ def test_switch_that_does_not_read_back_is_an_error_and_leaves_nothing_changed()
 
 
 def test_misspelt_keywords_are_refused():
-    """``temprature=0.7`` must not run at temperature 1.0 without a word."""
+    """``temprature=0.7`` must not run at temperature 1.0 without a word."""  # codespell:ignore temprature
     model = build_tiny_model("llama")
     batch = ac.pack(_sequences())
-    for call in (lambda: ac.compute_logprobs(model, batch, temprature=0.7),
-                 lambda: ac.compute_values(model, batch, paralel=None),
-                 lambda: ac.compute_loss(model, batch, lambda lp, ent: -lp, temprature=0.7)):
+    for call in (lambda: ac.compute_logprobs(model, batch, temprature=0.7),  # codespell:ignore temprature
+                 lambda: ac.compute_values(model, batch, paralel=None),  # codespell:ignore paralel
+                 lambda: ac.compute_loss(model, batch, lambda lp, ent: -lp, temprature=0.7)):  # codespell:ignore
         with pytest.raises(TypeError, match="unexpected keyword argument"):
             call()
 

@@ -173,14 +173,14 @@ def _interleave(t, heads):
 
 
 def test_the_megatron_rules_name_the_release_tensors(tmp_path):
-    """The Megatron rules read and write the release's names (``testing/kimi_release.RELEASE_NAMES``, read off vLLM's,
+    """The Megatron rules read and write the release's names (``support/kimi_release.RELEASE_NAMES``, read off vLLM's,
     SGLang's and Megatron-Bridge's loaders, not off the rules): every tensor of a tiny checkpoint under those names,
     the untied output layer included, is named by exactly one rule, every rule names one of them, and the
     checkpoint needs no renaming (export writes what the rules name). The tower's attention is the fused ``wqkv``:
     q and k with their rotary rows interleaved per head, then v."""
     from safetensors.torch import load_file
 
-    from actorcore.testing.kimi_release import RELEASE_NAMES, name_pattern, save_release_checkpoint
+    from support.kimi_release import RELEASE_NAMES, name_pattern, save_release_checkpoint
 
     kimi = _kimi_with_random_biases(tie_word_embeddings=False)
     names = save_release_checkpoint(kimi, str(tmp_path))
@@ -204,7 +204,7 @@ def test_the_megatron_rules_read_save_pretrained_names_too(tmp_path):
     names (every tensor by exactly one rule), and they are exactly the release's names renamed."""
     from safetensors.torch import load_file
 
-    from actorcore.testing.kimi_release import release_name
+    from support.kimi_release import release_name
 
     build_tiny_vlm("kimi_k25", seed=5).save_pretrained(str(tmp_path))
     saved = sorted(load_file(str(tmp_path / "model.safetensors")))
@@ -223,7 +223,7 @@ def test_transformers_loads_the_release_names(tmp_path):
     actorcore's packed log-probs equal the original model's own forward, one sequence at a time."""
     from transformers import AutoModelForImageTextToText
 
-    from actorcore.testing.kimi_release import save_release_checkpoint
+    from support.kimi_release import save_release_checkpoint
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
 
     kimi = _kimi_with_random_biases(tie_word_embeddings=False)
@@ -247,8 +247,8 @@ def test_the_int4_release_is_refused_on_the_megatron_route(tmp_path, config_hold
     """The release's INT4 experts are not dequantized on the Megatron route: the reader refuses the checkpoint,
     naming the packed tensors and what to do, instead of reporting each expert as missing."""
     from actorcore.errors import CheckpointError
-    from actorcore.mcore.safetensors_reader import SafetensorsReader
-    from actorcore.testing.kimi_release import save_release_checkpoint, with_int4_experts
+    from actorcore.mcore.convert.safetensors_reader import SafetensorsReader
+    from support.kimi_release import save_release_checkpoint, with_int4_experts
 
     save_release_checkpoint(build_tiny_vlm("kimi_k25", seed=5, tie_word_embeddings=False), str(tmp_path))
     with_int4_experts(str(tmp_path), config_holder)
@@ -290,7 +290,7 @@ def test_an_export_config_claims_no_quantization(tmp_path):
     from transformers import AutoConfig
 
     from actorcore.export.mxfp4 import without_quantization_config
-    from actorcore.testing.kimi_release import save_release_checkpoint, with_int4_experts
+    from support.kimi_release import save_release_checkpoint, with_int4_experts
 
     save_release_checkpoint(build_tiny_vlm("kimi_k25", seed=5), str(tmp_path))
     with_int4_experts(str(tmp_path), "text")

@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "actorcore"
 # Lowest first. A module's layer is that of the longest prefix listed here.
 LAYERS = [
     {"actorcore.batch", "actorcore.buckets", "actorcore.context_split", "actorcore.errors", "actorcore.outputs",
-     "actorcore.model_files", "actorcore.lifecycle", "actorcore.sizes"},
+     "actorcore.model_files", "actorcore.lifecycle", "actorcore.sizes", "actorcore.visual_merge", "actorcore._moved"},
     {"actorcore.kernels"},
     {"actorcore.parallel"},
     {"actorcore.archs"},

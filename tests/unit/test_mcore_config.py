@@ -3,6 +3,7 @@ Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V3 (config.json values, no downloads), fiel
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -15,7 +16,7 @@ pytest.importorskip("megatron.core")
 
 from transformers import AutoConfig  # noqa: E402
 
-from actorcore.mcore.config import (  # noqa: E402
+from actorcore.mcore.build.config import (  # noqa: E402
     UnsupportedConfigError,
     gpt_model_args,
     hf_to_mcore_config,
@@ -23,8 +24,8 @@ from actorcore.mcore.config import (  # noqa: E402
     mcore_to_hf_config,
     uses_interleaved_mrope,
 )
-from actorcore.archs import get_spec  # noqa: E402
-from actorcore.mcore.model import megatron_model_types, refused_megatron_model_types  # noqa: E402
+from actorcore.archs import UnsupportedArchitectureError, get_spec  # noqa: E402
+from actorcore.mcore.build.model import megatron_model_types, refused_megatron_model_types  # noqa: E402
 from actorcore.mcore.parallel import McoreParallel  # noqa: E402
 
 QWEN2_5_7B = dict(
@@ -106,7 +107,7 @@ def test_qwen3_30b_a3b():
 
 def test_deepseek_v3_mla(caplog):
     hf = AutoConfig.for_model("deepseek_v3", **DEEPSEEK_V3)
-    with caplog.at_level(logging.WARNING, logger="actorcore.mcore.config"):
+    with caplog.at_level(logging.WARNING, logger="actorcore.mcore.build.config"):
         tc = hf_to_mcore_config(hf)
     _check(tc, dict(multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
                     qk_pos_emb_head_dim=64, v_head_dim=128, num_layers=61, num_attention_heads=128,
@@ -125,8 +126,8 @@ def test_deepseek_v3_mla(caplog):
 def test_mtp_config_fields_are_not_reported_unknown():
     """The fields ``build_gpt_model(..., mtp=True)`` reads (the MTP layer count, the refused dedicated embedding) are
     understood, for every architecture with MTP rules; a field nobody reads still is reported."""
-    from actorcore.mcore.config import warn_unknown_fields
-    from actorcore.testing.mtp import MTP_CONFIG_FIELDS
+    from actorcore.mcore.build.config import warn_unknown_fields
+    from support.mtp import MTP_CONFIG_FIELDS
     from actorcore.testing.tiny_configs import tiny_config
 
     every_qwen3_next_field = dict(num_nextn_predict_layers=1, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
@@ -196,7 +197,7 @@ def test_rope_scaling_mapped_exactly_or_refused():
 
 
 def test_gpt_oss_maps_its_compound_fields_and_refuses_what_megatron_lacks():
-    from actorcore.mcore.config import SigmoidGate
+    from actorcore.mcore.build.config import SigmoidGate
     from actorcore.testing.tiny_configs import tiny_config
 
     hf = tiny_config("gpt_oss")
@@ -231,7 +232,7 @@ def test_refusals_are_clear():
     with pytest.raises(UnsupportedConfigError, match="hidden_act"):
         hf_to_mcore_config(tiny_config("llama", hidden_act="gelu_new"))
     assert hf_to_mcore_config(tiny_config("qwen3_moe"), McoreParallel(tp=2)).expert_tensor_parallel_size == 1
-    from actorcore.mcore.model import mcore_spec_for
+    from actorcore.mcore.build.model import mcore_spec_for
 
     refused = refused_megatron_model_types()
     assert refused
@@ -244,7 +245,7 @@ def test_refusals_are_clear():
 
 def test_vlm_language_model_has_mrope_both_ways():
     """Qwen2.5-VL: the text config's mrope_section becomes Megatron's M-RoPE (and comes back); Qwen2's biases."""
-    from actorcore.mcore.vlm import language_config
+    from actorcore.mcore.build.vlm import language_config
     from actorcore.testing.tiny_vlm import tiny_vlm_config
 
     text = language_config(tiny_vlm_config("qwen2_5_vl"))
@@ -264,7 +265,7 @@ def test_interleaved_mrope_frequency_rows_match_transformers():
     from transformers import AutoConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
-    from actorcore.mcore.rotary import InterleavedMultimodalRotaryEmbedding, interleaved_frequency_rows
+    from actorcore.mcore.build.rotary import InterleavedMultimodalRotaryEmbedding, interleaved_frequency_rows
 
     for section in ([24, 20, 20], [2, 3, 3], [4, 2, 2]):
         text = AutoConfig.for_model("qwen3_vl_text", head_dim=2 * sum(section), num_attention_heads=2, hidden_size=64,
@@ -285,7 +286,7 @@ def test_interleaved_mrope_frequency_rows_match_transformers():
                                            (dict(parallel=McoreParallel(cp=2)), "context parallelism")])
 def test_vlm_refusals_are_clear(option, match):
     """Refused before anything is built (no parallel state needed)."""
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.testing.tiny_vlm import tiny_vlm_config
 
     with pytest.raises(ValueError, match=match):
@@ -295,7 +296,7 @@ def test_vlm_refusals_are_clear(option, match):
 def test_grouped_only_experts_refuse_the_per_expert_layout():
     """Qwen3-VL-MoE's checkpoints store the experts grouped only: that is its default layout, per-expert is refused
     before anything is built."""
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.testing.tiny_vlm import tiny_vlm_config
 
     assert get_spec("qwen3_vl_moe").mcore.uses_grouped_experts
@@ -307,7 +308,7 @@ def test_qwen2_5_vl_7b_hub_config():
     """Qwen2.5-VL-7B-Instruct's config.json (text fields at the top, ``rope_scaling`` of type ``mrope``)."""
     from transformers import AutoConfig
 
-    from actorcore.mcore.vlm import language_config
+    from actorcore.mcore.build.vlm import language_config
 
     hub = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_hidden_layers=28,
                num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=152064, sliding_window=32768,
@@ -327,7 +328,7 @@ def test_qwen2_5_vl_7b_hub_config():
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "kimi_k25"])  # kimi_k25: tower + projector, fused qkv
 def test_vision_tower_replicas_start_equal_and_leave_the_rng_alone(model_type):
     """Every rank builds the same tower before loading (a fixed seed), without moving the caller's RNG."""
-    from actorcore.mcore.vlm import build_vision_tower
+    from actorcore.mcore.build.vlm import build_vision_tower
     from actorcore.testing.tiny_vlm import tiny_vlm_config
 
     config = tiny_vlm_config(model_type)
@@ -342,7 +343,7 @@ def test_vision_tower_replicas_start_equal_and_leave_the_rng_alone(model_type):
 
 
 def test_cp_comm_type_selects_the_ring_or_the_all_gather_and_refuses_the_rest():
-    from actorcore.mcore.attention import PackedCoreAttention, uses_cp_ring
+    from actorcore.mcore.build.attention import PackedCoreAttention, uses_cp_ring
 
     hf = AutoConfig.for_model("qwen3", **QWEN3_8B)
     # Not asked: Megatron's TransformerConfig default (None), which means the all-gather.
@@ -354,3 +355,23 @@ def test_cp_comm_type_selects_the_ring_or_the_all_gather_and_refuses_the_rest():
         config = hf_to_mcore_config(hf, McoreParallel(cp=2), cp_comm_type=refused)
         with pytest.raises(ValueError, match="cp_comm_type=.* is not supported.*'all_gather'.*'p2p'"):
             PackedCoreAttention(config, 1, None, "self")
+
+
+def test_the_megatron_route_refuses_logit_transforms_it_does_not_apply(monkeypatch):
+    """The Megatron route runs the HF route's config check (an undeclared head transform is refused before anything
+    is built), and refuses a declared one that is active: its head applies none."""
+    import actorcore.mcore.build.model as mcore_model
+    from actorcore.archs import HeadTransform
+    from actorcore.mcore import build_gpt_model
+    from actorcore.testing.tiny_configs import tiny_config
+
+    config = tiny_config("qwen3")
+    config.logits_scaling = 4.0
+    with pytest.raises(UnsupportedArchitectureError, match=r"config.logits_scaling=4.0 changes the logits"):
+        build_gpt_model(config)
+    declared = dataclasses.replace(get_spec("qwen3"), head=(HeadTransform("divide", "logits_scaling"),))
+    monkeypatch.setattr(mcore_model, "get_spec", lambda model_type: declared)
+    with pytest.raises(UnsupportedArchitectureError, match=r"logits_scaling=4.0 .* Megatron route's head does not"):
+        mcore_model.mcore_spec_for(config)
+    config.logits_scaling = 1.0  # neutral: nothing to apply
+    assert mcore_model.mcore_spec_for(config) is declared.mcore

@@ -29,7 +29,7 @@ def _assert_same_checkpoint(a: str, b: str) -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from actorcore.testing.checkpoints import load_checkpoint_tensors
+    from support.checkpoints import load_checkpoint_tensors
 
     ref, got = load_file(os.path.join(a, "model.safetensors")), load_checkpoint_tensors(b)  # b: sharded, indexed
     assert sorted(ref) == sorted(got)
@@ -63,15 +63,15 @@ def test_cli_roundtrip_is_bit_exact(tmp_path, model_type, layout, overrides, cap
 
 @pytest.mark.slow
 def test_cli_kimi_k25_release_names_roundtrip_and_load(tmp_path):
-    """Kimi-K2.5 under the release's tensor names (``testing/kimi_release``): hf-to-mcore -> mcore-to-hf gives the
+    """Kimi-K2.5 under the release's tensor names (``support/kimi_release``): hf-to-mcore -> mcore-to-hf gives the
     same names and tensors bitwise, and transformers loads the export with every parameter of the model it came from,
     so the log-probs are the model's own. A checkpoint under save_pretrained's names converts too and exports under
     the release's names, the same tensors."""
     from transformers import AutoModelForImageTextToText
 
     import actorcore as ac
-    from actorcore.testing.checkpoints import load_checkpoint_tensors
-    from actorcore.testing.kimi_release import release_name, save_release_checkpoint
+    from support.checkpoints import load_checkpoint_tensors
+    from support.kimi_release import release_name, save_release_checkpoint
     from actorcore.testing.reference_vlm import reference_logprobs_vlm
     from actorcore.testing.tiny_vlm import build_tiny_vlm, mixed_samples
     from actorcore.testing.tolerances import TOL
@@ -172,7 +172,7 @@ def test_cli_not_an_mcore_checkpoint(tmp_path, capsys):
 
 def test_cli_int4_kimi_k25_release(tmp_path, capsys):
     """The Kimi-K2.5 release's INT4 experts (compressed-tensors): one line naming them and what to do, exit 2."""
-    from actorcore.testing.kimi_release import save_release_checkpoint, with_int4_experts
+    from support.kimi_release import save_release_checkpoint, with_int4_experts
     from actorcore.testing.tiny_vlm import build_tiny_vlm
 
     src = str(tmp_path / "hf")

@@ -93,7 +93,7 @@ def test_crafted_pickle_runs_nothing(tmp_path, checkpoints, capsys, target):
 def test_byte_items_are_never_unpickled(tmp_path, checkpoints):
     """torch unpickles a checkpoint's byte items with ``weights_only=False``; they must never be read: the
     conversion succeeds with every byte item overwritten by garbage."""
-    from actorcore.mcore.safe_load import read_dcp_metadata
+    from actorcore.mcore.convert.safe_load import read_dcp_metadata
 
     mcore = _copy_tree(checkpoints[1], str(tmp_path / "mcore"))
     metadata = read_dcp_metadata(os.path.join(mcore, ".metadata"))
@@ -114,7 +114,7 @@ def test_byte_items_are_never_unpickled(tmp_path, checkpoints):
 def test_dtype_comes_from_the_tensors_not_the_config(tmp_path):
     from safetensors.torch import load_file
 
-    from actorcore.testing.checkpoints import load_checkpoint_tensors
+    from support.checkpoints import load_checkpoint_tensors
 
     src = _save_tiny(str(tmp_path / "hf"))
     config_path = os.path.join(src, "config.json")
@@ -166,7 +166,7 @@ def _release_layout_deepseek_v3(directory: str, **keep: torch.dtype) -> tuple[st
 
 
 def test_float32_expert_bias_in_a_bf16_checkpoint_round_trips_bit_exact(tmp_path):
-    from actorcore.testing.checkpoints import load_checkpoint_tensors
+    from support.checkpoints import load_checkpoint_tensors
 
     src, ref = _release_layout_deepseek_v3(str(tmp_path / "hf"))
     assert {t.dtype for t in ref.values()} == {torch.bfloat16, torch.float32}

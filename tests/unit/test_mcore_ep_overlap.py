@@ -15,7 +15,7 @@ OPTION = {"overlap_moe_expert_parallel_comm": True}
 
 
 def _build(model_type: str, dtype: torch.dtype = torch.bfloat16, **kwargs):
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel
     from actorcore.testing.tiny_configs import tiny_config
 

@@ -73,7 +73,7 @@ def test_verbs_refuse_anything_but_the_handle(verb):
 
 
 def test_compute_logprobs_refuses_chunks():
-    from actorcore.mcore.forward import compute_logprobs, compute_values
+    from actorcore.mcore.run.forward import compute_logprobs, compute_values
 
     with pytest.raises(ValueError, match="compute_logprobs takes the McoreModel"):
         compute_logprobs([object()], None)
@@ -89,7 +89,7 @@ def test_expert_layout_is_read_from_the_checkpoint_and_checked_at_load(tmp_path)
     from safetensors.torch import save_file
 
     from actorcore.errors import CheckpointMismatchError
-    from actorcore.mcore.load import _checkpoint_rules, checkpoint_expert_layout
+    from actorcore.mcore.convert.load import _checkpoint_rules, checkpoint_expert_layout
     from actorcore.testing.tiny_configs import build_tiny_model
 
     hf = build_tiny_model("qwen3_moe", seed=1)

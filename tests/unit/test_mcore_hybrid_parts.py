@@ -11,7 +11,7 @@ pytest.importorskip("megatron.core")
 
 
 def test_gated_qkv_matches_transformers_split_and_round_trips():
-    from actorcore.mcore.transforms import merge_gated_qkv, shard_for_tp, split_gated_qkv
+    from actorcore.mcore.convert.transforms import merge_gated_qkv, shard_for_tp, split_gated_qkv
 
     heads, groups, head_dim, hidden = 4, 2, 3, 5
     gen = torch.Generator().manual_seed(0)
@@ -38,7 +38,7 @@ def test_gated_qkv_matches_transformers_split_and_round_trips():
 
 
 def test_sectioned_tp_split():
-    from actorcore.mcore.transforms import shard_sections, unshard_sections
+    from actorcore.mcore.convert.transforms import shard_sections, unshard_sections
 
     full = torch.arange(2 * (4 + 4 + 6)).reshape(-1, 2)  # sections of 4, 4 and 6 rows
     shards = [shard_sections(full, [4, 4, 6], rank, 2) for rank in range(2)]
@@ -60,8 +60,8 @@ def test_sections_only_on_column_renames():
 def test_norms_equal_transformers_bitwise(dtype):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
-    from actorcore.mcore.linear_attention import gated_rms_norm
-    from actorcore.mcore.norm import ZeroCenteredRMSNorm
+    from actorcore.mcore.build.linear_attention import gated_rms_norm
+    from actorcore.mcore.build.norm import ZeroCenteredRMSNorm
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(7, 12, generator=gen).to(dtype)
@@ -79,7 +79,7 @@ def test_norms_equal_transformers_bitwise(dtype):
 
 
 def test_hybrid_config_mapping():
-    from actorcore.mcore.config import gpt_model_args, hf_to_mcore_config
+    from actorcore.mcore.build.config import gpt_model_args, hf_to_mcore_config
     from actorcore.testing.tiny_configs import tiny_config
 
     hf = tiny_config("qwen3_5_text")
@@ -98,7 +98,7 @@ def test_hybrid_config_mapping():
 
 def test_hybrid_config_refusals():
     from actorcore.errors import UnsupportedConfigError
-    from actorcore.mcore.config import hf_to_mcore_config
+    from actorcore.mcore.build.config import hf_to_mcore_config
     from actorcore.mcore.parallel import McoreParallel
     from actorcore.testing.tiny_configs import tiny_config
 

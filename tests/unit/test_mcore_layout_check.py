@@ -1,5 +1,5 @@
 """``build_gpt_model`` refuses, by the sizes alone (no torch.distributed world, no Megatron parallel state), a
-layout megatron-core would assert on deep inside every rank (``mcore.layout_check.check_layout``): tp over each
+layout megatron-core would assert on deep inside every rank (``mcore.build.layout_check.check_layout``): tp over each
 width it splits, pp and vp over the layers, ep over the experts; and ``McoreParallel`` takes positive ints only.
 The CLI's refusals of the same are in test_mcore_convert_safety.py."""
 
@@ -22,7 +22,7 @@ pytest.importorskip("megatron.core")
 ])
 def test_build_gpt_model_refuses_before_megatron_state(model_type, parallel, fragment):
     """The library route: refused by the sizes alone (no torch.distributed world, no Megatron parallel state)."""
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel
 
     with pytest.raises(ValueError, match="does not divide") as info:
@@ -31,7 +31,7 @@ def test_build_gpt_model_refuses_before_megatron_state(model_type, parallel, fra
 
 
 def test_the_widths_tp_splits_are_each_checked():
-    from actorcore.mcore.layout_check import check_layout
+    from actorcore.mcore.build.layout_check import check_layout
     from actorcore.mcore.parallel import McoreParallel
 
     wide_heads = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=6, head_dim=16)

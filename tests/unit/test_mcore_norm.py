@@ -21,7 +21,7 @@ def _config(**overrides):
 @pytest.mark.parametrize("normalization,cls", [("RMSNorm", torch.nn.RMSNorm), ("LayerNorm", torch.nn.LayerNorm)])
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_norm_is_the_torch_norm_with_its_parameters_marked(normalization, cls, sequence_parallel):
-    from actorcore.mcore.norm import SequenceParallelTorchNorm
+    from actorcore.mcore.build.norm import SequenceParallelTorchNorm
 
     norm = SequenceParallelTorchNorm(_config(normalization=normalization, sequence_parallel=sequence_parallel),
                                      48, eps=3e-4)
@@ -30,7 +30,7 @@ def test_norm_is_the_torch_norm_with_its_parameters_marked(normalization, cls, s
 
 
 def test_norm_refuses_fused_only_options():
-    from actorcore.mcore.norm import SequenceParallelTorchNorm
+    from actorcore.mcore.build.norm import SequenceParallelTorchNorm
 
     with pytest.raises(ValueError, match="persist_layer_norm=True needs a fused norm"):
         SequenceParallelTorchNorm(_config(persist_layer_norm=True), 64)
@@ -54,7 +54,7 @@ def test_spec_rewrite_replaces_every_local_norm_and_nothing_else():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from actorcore.mcore.norm import SequenceParallelTorchNorm, with_sequence_parallel_norms
+    from actorcore.mcore.build.norm import SequenceParallelTorchNorm, with_sequence_parallel_norms
 
     spec = get_gpt_layer_local_spec(num_experts=4, qk_layernorm=True, normalization="RMSNorm")
     before = _classes(spec)

@@ -11,7 +11,7 @@ import pytest
 
 def test_specs_and_mcore_package_do_not_import_megatron():
     code = ("import sys; import actorcore.archs as a; [a.get_spec(m) for m in a.registered_model_types()]; "
-            "import actorcore.mcore, actorcore.archs.megatron_rules, actorcore.mcore.config, actorcore.mcore.transforms; "
+            "import actorcore.mcore, actorcore.archs.megatron_rules, actorcore.mcore.build.config, actorcore.mcore.convert.transforms; "
             "assert not [m for m in sys.modules if m.startswith('megatron')], 'megatron imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -1,4 +1,4 @@
-"""The Megatron route's recompute options and budget planner (``mcore/recompute.py``), pure functions: the requests
+"""The Megatron route's recompute options and budget planner (``mcore/build/recompute.py``), pure functions: the requests
 it refuses, each layer's mode at budgets from nothing to everything, measured bytes taking over from the estimate,
 and the micro-batches a pipeline stage holds at once. (The layers running those modes, with bitwise the gradients of
 no recompute: tests/dist/test_mcore_speed.py.)"""
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from actorcore.mcore.recompute import (FULL, NONE, SELECTIVE, SLACK_BYTES, RecomputePlan, check_recompute,
+from actorcore.mcore.build.recompute import (FULL, NONE, SELECTIVE, SLACK_BYTES, RecomputePlan, check_recompute,
                                        check_recompute_config, layer_bytes_per_token, micro_batches_in_flight,
                                        plan_layer_modes)
 

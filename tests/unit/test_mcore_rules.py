@@ -12,9 +12,9 @@ import torch
 
 from actorcore.archs import get_spec, registered_model_types
 from actorcore.archs.megatron_rules import McoreSpec, WeightRule
-from actorcore.mcore import transforms as T
-from actorcore.mcore.model import megatron_model_types, refused_megatron_model_types
-from actorcore.testing.docs import doc_between
+from actorcore.mcore.convert import transforms as T
+from actorcore.mcore.build.model import megatron_model_types, refused_megatron_model_types
+from support.docs import doc_between
 
 
 def test_megatron_archs_and_refusals_are_declared():
@@ -120,7 +120,7 @@ def test_mtp_rules_map_both_release_layouts():
     ``model.layers.{N + i}``, Qwen3-Next's / Qwen3.5's ``mtp.*`` head (``fc`` is ``eh_proj``, the decoder layer under
     ``mtp.layers.{i}``); a checkpoint's MTP tensors are found as such (dropped when built without MTP), an extra layer
     is not."""
-    from actorcore.mcore.load import _mtp_tensors
+    from actorcore.mcore.convert.load import _mtp_tensors
     from actorcore.testing.tiny_configs import tiny_config
 
     deepseek, qwen = get_spec("deepseek_v3").mcore, get_spec("qwen3_next").mcore

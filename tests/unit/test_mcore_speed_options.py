@@ -1,25 +1,27 @@
 """The Megatron route's speed options resolve as documented and refuse what cannot run, with the reason
-(``mcore/grouped_experts.py``'s ``moe_experts``, ``mcore/layer.py``'s ``fused_layers``): on this CPU machine
+(``mcore/build/grouped_experts.py``'s ``moe_experts``, ``mcore/build/layer.py``'s ``compiled_layers``): on this CPU machine
 ``"auto"`` takes the grouped experts and leaves the layers eager; quack is refused without a Hopper GPU; a config the
-grouped experts or the fused layers do not cover falls back under ``"auto"`` and is refused when asked for."""
+grouped experts or the compiled layers do not cover falls back under ``"auto"`` and is refused when asked for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import actorcore.kernels.quack.runtime as quack_runtime
+
 pytest.importorskip("megatron.core")
 
 
 def _config(model_type: str, **overrides):
-    from actorcore.mcore.config import hf_to_mcore_config
+    from actorcore.mcore.build.config import hf_to_mcore_config
     from actorcore.testing.tiny_configs import tiny_config
 
     return hf_to_mcore_config(tiny_config(model_type), **overrides)
 
 
 def test_moe_experts_resolve_and_refuse():
-    from actorcore.mcore.grouped_experts import resolve_moe_experts
+    from actorcore.mcore.build.grouped_experts import resolve_moe_experts
 
     config = _config("qwen3_moe")
     assert resolve_moe_experts("auto", config, torch.float32) == "grouped"
@@ -35,7 +37,7 @@ def test_moe_experts_resolve_and_refuse():
 
 
 def test_experts_the_grouped_path_does_not_cover_stay_megatrons():
-    from actorcore.mcore.grouped_experts import resolve_moe_experts
+    from actorcore.mcore.build.grouped_experts import resolve_moe_experts
 
     config = _config("qwen3_moe", moe_grouped_gemm=True)
     assert resolve_moe_experts("auto", config, torch.float32) == "sequential"
@@ -46,9 +48,9 @@ def test_experts_the_grouped_path_does_not_cover_stay_megatrons():
 def test_quack_covers_swiglu_experts_only(monkeypatch):
     """Where quack runs (its probe answered yes here), "auto" takes it for bf16 SwiGLU experts, and the reasons it
     does not cover the others are named."""
-    import actorcore.mcore.grouped_experts as grouped_experts
+    import actorcore.mcore.build.grouped_experts as grouped_experts
 
-    monkeypatch.setattr(grouped_experts, "quack_refusal", lambda: None)
+    monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: None)
     qwen3_moe = _config("qwen3_moe")
     assert grouped_experts.resolve_moe_experts("auto", qwen3_moe, torch.bfloat16) == "quack"
     assert grouped_experts.resolve_moe_experts("auto", qwen3_moe, torch.float32) == "grouped"
@@ -59,19 +61,19 @@ def test_quack_covers_swiglu_experts_only(monkeypatch):
     assert grouped_experts.resolve_moe_experts("auto", odd, torch.bfloat16) == "grouped"
 
 
-def test_fused_layers_resolve_and_refuse():
-    from actorcore.mcore.layer import resolve_fused_layers
+def test_compiled_layers_resolve_and_refuse():
+    from actorcore.mcore.build.layer import resolve_compiled_layers
 
     config = _config("qwen3_moe")
-    assert resolve_fused_layers("auto", config, torch.float32) is False  # fp32 stays eager
-    assert resolve_fused_layers(True, config, torch.float32) is True
-    assert resolve_fused_layers(False, config, torch.bfloat16) is False
+    assert resolve_compiled_layers("auto", config, torch.float32) is False  # fp32 stays eager
+    assert resolve_compiled_layers(True, config, torch.float32) is True
+    assert resolve_compiled_layers(False, config, torch.bfloat16) is False
     if not torch.cuda.is_available():
-        assert resolve_fused_layers("auto", config, torch.bfloat16) is False  # CUDA only under "auto"
+        assert resolve_compiled_layers("auto", config, torch.bfloat16) is False  # CUDA only under "auto"
     dropout = _config("qwen3_moe", hidden_dropout=0.1)
-    assert resolve_fused_layers("auto", dropout, torch.bfloat16) is False
+    assert resolve_compiled_layers("auto", dropout, torch.bfloat16) is False
     with pytest.raises(ValueError, match="hidden_dropout=0.1"):
-        resolve_fused_layers(True, dropout, torch.float32)
+        resolve_compiled_layers(True, dropout, torch.float32)
     for bad in (1, "yes", None):
-        with pytest.raises(ValueError, match="fused_layers must be True, False or 'auto'"):
-            resolve_fused_layers(bad, config, torch.float32)
+        with pytest.raises(ValueError, match="compiled_layers must be True, False or 'auto'"):
+            resolve_compiled_layers(bad, config, torch.float32)

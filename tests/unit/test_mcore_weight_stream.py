@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actorcore.buckets import plan_buckets
-from actorcore.mcore.weight_stream import mcore_weight_stream
+from actorcore.mcore.convert.weight_stream import mcore_weight_stream
 
 
 @pytest.mark.parametrize("kwargs,fragment", [

@@ -40,7 +40,7 @@ def _escaping_copy(saved, tmp_path, target_of):
                                          ("link", "outside the model directory")])
 def test_escaping_index_entries_and_links_are_refused_by_every_reader(saved, tmp_path, kind, match):
     pytest.importorskip("megatron.core")
-    from actorcore.mcore.safetensors_reader import SafetensorsReader
+    from actorcore.mcore.convert.safetensors_reader import SafetensorsReader
 
     def target_of(path):
         if kind == "dotdot":
@@ -65,7 +65,7 @@ def test_escaping_index_entries_and_links_are_refused_by_every_reader(saved, tmp
 def test_a_hugging_face_cache_snapshot_reads_through_its_blob_links(saved, tmp_path):
     pytest.importorskip("megatron.core")
     from actorcore.errors import CheckpointPathError
-    from actorcore.mcore.safetensors_reader import SafetensorsReader
+    from actorcore.mcore.convert.safetensors_reader import SafetensorsReader
     from actorcore.model_files import check_model_dir
 
     repo = tmp_path / "hub" / "models--org--tiny"

@@ -1,4 +1,4 @@
-"""The MoE experts path (``patch_model(moe_experts="grouped")``, ``hf.features.moe_experts``), forced on the CPU in
+"""The MoE experts path (``patch_model(moe_experts="sorted")``, ``hf.features.moe_experts``), forced on the CPU in
 fp32: per token and per gradient element (every parameter: experts, routers, embeddings) against the model's own
 forward with transformers' eager experts, one sequence at a time, for every registered MoE architecture with
 transformers' standard experts class; the gather-only ``permute`` / ``combine`` / ``expert_bias`` Functions against
@@ -6,7 +6,7 @@ plain torch indexing (float64, and ``gradcheck``); two runs bitwise equal; route
 recomputation of checkpointed layers runs the path too; the trace proves it ran (a bypassed path raises); the
 model's own forward keeps its own experts code; ``revert`` and ``copy.deepcopy``; the option's values and
 refusals; the experts forward traced by ``torch.compile(dynamic=True)`` without a graph break, and compiled in the
-fused decoder on the CPU."""
+compiled decoder on the CPU."""
 
 from __future__ import annotations
 
@@ -15,19 +15,20 @@ from collections import Counter
 
 import pytest
 import torch
-from test_offload import checkpointed
 
 import actorcore as ac
-import actorcore.hf.features.fused_decoder as fused_decoder
+import actorcore.hf.features.compiled_decoder as compiled_decoder
 from actorcore.archs import spec_for_model
 from actorcore.errors import PatchNotAppliedError
-from actorcore.hf.features.fused_decoder import FUSED_TRACE_KEY
+from actorcore.hf.features.compiled_decoder import COMPILED_TRACE_KEY
 import actorcore.hf.features.moe_experts as moe_experts
+import actorcore.kernels.quack.runtime as quack_runtime
 from actorcore.hf.features.class_paths import TRACE_ATTR
 from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, SortedExperts, sorted_experts_forward
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
-from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 from actorcore.testing.tolerances import TOL
+
 
 # Every registered text MoE architecture (the VLMs share these experts classes: see test_vlm_moe_experts_found).
 COVERED = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "qwen3_next",
@@ -189,7 +190,7 @@ def test_matches_the_models_own_forward_and_ran(model_type):
     model = _moe_model(model_type)
     sequences = _sequences()
     want = _own_forward_step(model, sequences)
-    handle = ac.patch_model(model, moe_experts="grouped")
+    handle = ac.patch_model(model, moe_experts="sorted")
     experts = _experts(model, handle)
     assert experts and all(isinstance(m, SortedExperts) for m in experts)
     assert len({type(m) for m in experts}) == 1  # one class for all layers: one compiled layer serves them
@@ -207,7 +208,7 @@ def test_matches_the_models_own_forward_and_ran(model_type):
 def test_checkpointed_layers_recompute_on_the_path(monkeypatch):
     model = checkpointed(_moe_model("qwen2_moe"))
     sequences = _sequences(1)
-    handle = ac.patch_model(model, moe_experts="grouped")
+    handle = ac.patch_model(model, moe_experts="sorted")
     plain = _actorcore_step(model, sequences, Counter())
     handle.revert()
     runs = []
@@ -219,7 +220,7 @@ def test_checkpointed_layers_recompute_on_the_path(monkeypatch):
     monkeypatch.setattr(moe_experts, "sorted_experts_forward", counting)
     for mode in ("full", "selective"):
         runs.clear()
-        handle = ac.patch_model(model, moe_experts="grouped", checkpointing=mode)
+        handle = ac.patch_model(model, moe_experts="sorted", checkpointing=mode)
         got = _actorcore_step(model, sequences, Counter())
         assert len(runs) == 2 * len(handle.state.targets("moe_experts")), mode
         _assert_close(plain, got, TOL["packed_vs_hf_fp32"], _grad_tolerance(model))
@@ -239,7 +240,7 @@ def test_router_logits_are_the_models_own():
         want = [torch.cat(s) for s in seen]
         for s in seen:
             s.clear()
-        handle = ac.patch_model(model, moe_experts="grouped")
+        handle = ac.patch_model(model, moe_experts="sorted")
         ac.compute_logprobs(model, ac.pack(sequences))
     got = [torch.cat(s) for s in seen]
     for h in hooks:
@@ -252,7 +253,7 @@ def test_router_logits_are_the_models_own():
 def test_own_forward_bypassed_path_deepcopy_and_revert(monkeypatch):
     model = _moe_model("qwen2_moe")
     sequences = _sequences(3)
-    handle = ac.patch_model(model, moe_experts="grouped")
+    handle = ac.patch_model(model, moe_experts="sorted")
     runs = []
 
     def counted(experts, *args):
@@ -291,45 +292,46 @@ def test_own_forward_bypassed_path_deepcopy_and_revert(monkeypatch):
 @pytest.mark.parametrize("value", [True, "yes", "Grouped", 1, None, 0])
 def test_bad_values_are_refused(value):
     model = _moe_model("qwen3_moe")
-    with pytest.raises(ValueError, match=r"moe_experts must be 'auto', 'grouped', 'quack' or False"):
+    with pytest.raises(ValueError, match=r"moe_experts must be 'auto', 'sorted', 'quack' or False"):
         ac.patch_model(model, moe_experts=value)
     assert not ac.hf.patch.is_patched(model)
 
 
 def test_misspelt_keyword_is_an_error():
     with pytest.raises(TypeError):
-        ac.patch_model(_moe_model("qwen3_moe"), moe_expert="grouped")
+        ac.patch_model(_moe_model("qwen3_moe"), moe_expert="sorted")
 
 
 def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch):
-    """``"auto"`` (the default) installs the path where the decoder is fused (on the GPU; here the fused decoder's
+    """``"auto"`` (the default) installs the path where the decoder is compiled (on the GPU; here the compiled decoder's
     refusal is lifted to show the choice), and keeps the model's own experts code elsewhere, saying why in the
     plan; the GPU case: tests/gpu/test_moe_experts_cuda.py."""
     model = _moe_model("qwen3_moe")
-    handle = ac.patch_model(model)  # the CPU: no fused decoder, the model's own experts
-    assert handle.state.targets("moe_experts") == () and "the decoder is not fused here" in handle.plan["moe_experts"].why
+    handle = ac.patch_model(model)  # the CPU: no compiled decoder, the model's own experts
+    assert handle.state.targets("moe_experts") == () and "the decoder is not compiled here" in handle.plan["moe_experts"].why
     assert not isinstance(model.model.layers[0].mlp.experts, SortedExperts)
     handle.revert()
     assert ac.patch_model(build_tiny_model("llama"), moe_experts="auto").state.targets("moe_experts") == ()
 
-    import actorcore.hf.features.fused_decoder as fused_decoder
+    import actorcore.hf.features.compiled_decoder as compiled_decoder
 
-    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)
     handle = ac.patch_model(model)
-    assert handle.state.targets("fused_decoder") and handle.state.targets("moe_experts") == ("layers.0.mlp.experts",)
+    assert handle.state.targets("compiled_decoder") and handle.state.targets("moe_experts") == ("layers.0.mlp.experts",)
     assert isinstance(model.model.layers[0].mlp.experts, SortedExperts)
     handle.revert()
-    handle = ac.patch_model(model, fused_decoder=False)  # eager decoder: the model's own experts
+    handle = ac.patch_model(model, compiled_decoder=False)  # eager decoder: the model's own experts
     assert handle.state.targets("moe_experts") == ()
     handle.revert()
-    next_model = _moe_model("qwen3_next")  # its spec keeps its own experts under "auto" (a measured reason)
-    handle = ac.patch_model(next_model)
-    assert handle.state.targets("fused_decoder") and handle.state.targets("moe_experts") == ()
-    assert "A_log" in handle.plan["moe_experts"].why
-    handle.revert()
-    handle = ac.patch_model(next_model, moe_experts="grouped")  # asked for: installed
-    assert handle.state.targets("moe_experts")
-    handle.revert()
+    for hybrid in ("qwen3_next", "qwen3_5_moe_text"):  # linear-attention layers: "auto" keeps their own experts
+        next_model = _moe_model(hybrid)
+        handle = ac.patch_model(next_model)
+        assert handle.state.targets("compiled_decoder") and handle.state.targets("moe_experts") == ()
+        assert "A_log" in handle.plan["moe_experts"].why
+        handle.revert()
+        handle = ac.patch_model(next_model, moe_experts="sorted")  # asked for: installed
+        assert handle.state.targets("moe_experts")
+        handle.revert()
     model.model.layers[0].mlp.experts._is_expert_parallel = True  # a model the path refuses: "auto" keeps its code
     handle = ac.patch_model(model)
     assert handle.state.targets("moe_experts") == () and "expert-parallel" in str(handle.plan)
@@ -338,17 +340,17 @@ def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch):
 
 def test_grouped_refusals():
     with pytest.raises(ValueError, match=r"llama has no MoE layers"):
-        ac.patch_model(build_tiny_model("llama"), moe_experts="grouped")
+        ac.patch_model(build_tiny_model("llama"), moe_experts="sorted")
     model = _moe_model("qwen2_moe")
     experts = model.model.layers[1].mlp.experts
     experts._is_expert_parallel = True
     with pytest.raises(ValueError, match=r"expert-parallel"):
-        ac.patch_model(model, moe_experts="grouped")
+        ac.patch_model(model, moe_experts="sorted")
     assert ac.patch_model(model).state.targets("moe_experts") == ()  # "auto": the model's own code, no error
     model = _moe_model("qwen2_moe")
     model.model.layers[0].mlp.experts.__dict__["forward"] = lambda *a: None
     with pytest.raises(ValueError, match=r"already has an instance forward"):
-        ac.patch_model(model, moe_experts="grouped")
+        ac.patch_model(model, moe_experts="sorted")
     assert not isinstance(model.model.layers[1].mlp.experts, SortedExperts)  # nothing stayed installed
 
     model = _moe_model("qwen3_moe")
@@ -356,14 +358,14 @@ def test_grouped_refusals():
                   {"forward": lambda self, h, i, w: torch.zeros_like(h)})
     model.model.layers[0].mlp.experts.__class__ = custom
     with pytest.raises(ValueError, match=r"CustomExperts is not transformers' standard experts class"):
-        ac.patch_model(model, moe_experts="grouped")
+        ac.patch_model(model, moe_experts="sorted")
     model = _moe_model("qwen3_moe").double()
     with pytest.raises(ValueError, match=r"torch.float64"):
-        ac.patch_model(model, moe_experts="grouped")
+        ac.patch_model(model, moe_experts="sorted")
     model = _moe_model("qwen3_moe")
     model._tp_size = 2  # as transformers' tp_plan loading records it
     with pytest.raises(ValueError, match=r"tensor-parallel through transformers' tp_plan"):
-        ac.patch_model(model, moe_experts="grouped")
+        ac.patch_model(model, moe_experts="sorted")
 
 
 def test_quack_refusals():
@@ -372,7 +374,7 @@ def test_quack_refusals():
     from actorcore.hf.features.moe_experts import quack_module_refusal
 
     model = _moe_model("qwen3_moe")
-    with pytest.raises(ValueError, match=r"moe_experts='quack': .*(Hopper|not installed).* or 'grouped'"):
+    with pytest.raises(ValueError, match=r"moe_experts='quack': .*(Hopper|not installed).* or 'sorted'"):
         ac.patch_model(model, moe_experts="quack")
     assert not ac.hf.patch.is_patched(model) and not isinstance(model.model.layers[0].mlp.experts, SortedExperts)
     assert "no concatenated [gate; up]" in quack_module_refusal(_moe_model("gpt_oss").model.layers[0].mlp.experts)
@@ -388,24 +390,24 @@ def test_quack_refusals():
 def test_auto_takes_quack_where_it_runs_and_covers_the_model(monkeypatch):
     """``"auto"`` runs the path with quack's kernels where ``quack_refusal`` and every installed module's
     ``quack_module_refusal`` pass (here faked: the CPU has no Hopper GPU), the grouped kernels where either refuses;
-    ``"grouped"`` stays grouped."""
-    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)  # as on CUDA: "auto" installs the path
-    monkeypatch.setattr(moe_experts, "quack_refusal", lambda: None)
+    ``"sorted"`` stays on the sorted path."""
+    monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)  # as on CUDA: "auto" installs the path
+    monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: None)
     monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: None)
     model = _moe_model("qwen3_moe")
-    for request, kernel in (("auto", "quack"), ("grouped", "grouped")):
+    for request, kernel in (("auto", "quack"), ("sorted", "sorted")):
         handle = ac.patch_model(model, moe_experts=request)
         assert handle.state.targets("moe_experts") and handle.state.value("moe_experts") == kernel
         assert all(m._actorcore_quack == (kernel == "quack") for m in _experts(model, handle))
         handle.revert()
     monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: "Experts has biases")
     handle = ac.patch_model(model)
-    assert handle.state.targets("moe_experts") and handle.state.value("moe_experts") == "grouped"
+    assert handle.state.targets("moe_experts") and handle.state.value("moe_experts") == "sorted"
     handle.revert()
-    monkeypatch.setattr(moe_experts, "quack_refusal", lambda: "not installed")
+    monkeypatch.setattr(quack_runtime, "quack_refusal", lambda: "not installed")
     monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: None)
     handle = ac.patch_model(model)
-    assert handle.state.value("moe_experts") == "grouped"
+    assert handle.state.value("moe_experts") == "sorted"
     handle.revert()
 
 
@@ -417,7 +419,7 @@ def test_vlm_language_models_take_the_path(model_type):
     model.set_experts_implementation("eager")
     sequences = _sequences(4, vocab=TEXT_VOCAB)  # text only: the language model's experts are what is tested
     want = _own_forward_step(model, sequences)
-    handle = ac.patch_model(model, moe_experts="grouped")
+    handle = ac.patch_model(model, moe_experts="sorted")
     assert handle.state.targets("moe_experts")
     trace = Counter()
     got = _actorcore_step(model, sequences, trace)
@@ -431,7 +433,7 @@ def test_vlm_language_models_take_the_path(model_type):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_forward_traces_without_graph_breaks(dtype):
     model = _moe_model("gpt_oss", dtype=dtype)  # biases, transposed weights, its own clamped gate
-    handle = ac.patch_model(model, moe_experts="grouped")
+    handle = ac.patch_model(model, moe_experts="sorted")
     experts = _experts(model, handle)[0]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(11, 64, generator=g).to(dtype).requires_grad_(True)
@@ -449,32 +451,32 @@ def test_experts_forward_traces_without_graph_breaks(dtype):
 
 
 @pytest.mark.slow
-def test_compiled_in_the_fused_decoder_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+def test_compiled_in_the_compiled_decoder_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)
     model = _moe_model("qwen2_moe")
     sequences = _sequences(5)
-    handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=False)
+    handle = ac.patch_model(model, moe_experts="sorted", compiled_decoder=False)
     eager = _actorcore_step(model, sequences, Counter())
     handle.revert()
     torch._dynamo.reset()
-    handle = ac.patch_model(model, moe_experts="grouped", fused_decoder=True)
+    handle = ac.patch_model(model, moe_experts="sorted", compiled_decoder=True)
     trace = Counter()
     fused = _actorcore_step(model, sequences, trace)
-    assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers == len(handle.state.targets("moe_experts"))
-    # compiled layers take the path by construction (counted by the fused decoder, not per module); one compilation
+    assert trace[COMPILED_TRACE_KEY] == model.config.num_hidden_layers == len(handle.state.targets("moe_experts"))
+    # compiled layers take the path by construction (counted by the compiled decoder, not per module); one compilation
     # serves every layer: an object per module in the graph recompiled the layer for each, on a guard on it
     from torch._dynamo.utils import guard_failures
 
     assert trace[MOE_EXPERTS_KEY] == 0
     assert not [r for reasons in guard_failures.values() for r in reasons if "experts" in str(r)], guard_failures
-    _assert_close(eager, fused, TOL["fused_decoder_vs_eager_fp32"], TOL["grad_fused_decoder_vs_eager_fp32_rel"])
+    _assert_close(eager, fused, TOL["compiled_decoder_vs_eager_fp32"], TOL["grad_compiled_decoder_vs_eager_fp32_rel"])
     from torch._dynamo.utils import counters
 
     graphs = int(counters["stats"]["unique_graphs"])
     trace = Counter()
     _actorcore_step(model, _sequences(6)[:3], trace)  # another pack (a new trace, other lengths): no recompilation
     assert int(counters["stats"]["unique_graphs"]) == graphs
-    assert trace[FUSED_TRACE_KEY] == model.config.num_hidden_layers
+    assert trace[COMPILED_TRACE_KEY] == model.config.num_hidden_layers
     bypassed = model.model.get_submodule(handle.state.targets("moe_experts")[0])
     bypassed.__class__ = bypassed._actorcore_base  # as if another patch had put its own class back
     with pytest.raises(PatchNotAppliedError, match=r"MoE experts path ran in 1 of 2"):

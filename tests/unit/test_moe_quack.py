@@ -1,4 +1,4 @@
-"""The MoE experts path with quack's fused GEMMs (``kernels.moe_quack``): what runs without a GPU. Its numerics on
+"""The MoE experts path with quack's fused GEMMs (``kernels.quack.moe``): what runs without a GPU. Its numerics on
 quack's kernels are tested on the H200 (``tests/gpu/test_moe_quack_cuda.py``); here, reading the DSL version quack
 pins, the refusal without a Hopper GPU, and the arithmetic around quack's GEMMs in fp32 per element against the
 experts module's own forward (transformers' eager experts): a stand-in for quack's GEMMs, written from their
@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import actorcore.kernels.moe_quack as moe_quack
+import actorcore.kernels.quack.moe as moe_quack
+import actorcore.kernels.quack.runtime as quack_runtime
 from actorcore.kernels.moe_permute import sort_by_expert
-from actorcore.kernels.quack_runtime import _dsl_requirement, quack_refusal
+from actorcore.kernels.quack.runtime import _dsl_requirement, quack_refusal
 from actorcore.testing.quack_stand_in import QuackStandIn
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
@@ -38,7 +39,7 @@ def test_refuses_without_a_hopper_gpu():
 def test_gated_experts_match_the_modules_own_forward_per_element(monkeypatch):
     """Output and the gradients of the inputs, the routing weights and both weights, fp32, against transformers'
     eager experts of a tiny Qwen3-MoE (ties in the routing included)."""
-    monkeypatch.setattr(moe_quack, "gemm_interface", lambda: QuackStandIn)
+    monkeypatch.setattr(quack_runtime, "gemm_interface", lambda: QuackStandIn)
     model = build_tiny_model("qwen3_moe", seed=4)
     model.set_experts_implementation("eager")
     experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
@@ -69,7 +70,7 @@ def test_gated_expert_rows_match_plain_expert_mlps_per_element(monkeypatch):
     rows, the probabilities and both weights, fp32, against plain per-expert SwiGLU MLPs that scale the activation by
     the row's probability before the down projection (Megatron's ``MLP.forward`` with ``per_token_scale``); an
     expert without rows and one with a single row included."""
-    monkeypatch.setattr(moe_quack, "gemm_interface", lambda: QuackStandIn)
+    monkeypatch.setattr(quack_runtime, "gemm_interface", lambda: QuackStandIn)
     g = torch.Generator().manual_seed(1)
     counts, hidden, inner = [4, 0, 1, 6], 16, 8
     rows = torch.randn(sum(counts), hidden, generator=g, requires_grad=True)

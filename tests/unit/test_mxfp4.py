@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actorcore.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from actorcore.testing.mxfp4_reference import reference_quantize_mxfp4
+from support.mxfp4_reference import reference_quantize_mxfp4
 
 
 def _weights() -> torch.Tensor:

@@ -27,29 +27,7 @@ from actorcore.hf.features.offload import (
 )
 from actorcore.hf.patch import PatchNotAppliedError
 from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
-
-LENGTHS = (40, 9, 27, 1)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(5)
-    return ac.pack([torch.randint(3, 131, (n,), generator=g) for n in LENGTHS])
-
-
-def _train_step(model, batch, trace):
-    out = ac.compute_logprobs(model, batch, temperature=0.9, trace=trace)
-    weights = torch.linspace(0.5, 1.5, out.log_probs.numel())
-    (-(out.log_probs * weights).sum() - 0.1 * out.entropy.sum()).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.log_probs.detach(), out.entropy.detach(), grads
-
-
-def _assert_bitwise(a, b):
-    (lp_a, ent_a, grads_a), (lp_b, ent_b, grads_b) = a, b
-    assert torch.equal(lp_a, lp_b) and torch.equal(ent_a, ent_b)
-    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 0
-    for name in grads_a:
-        assert torch.equal(grads_a[name], grads_b[name]), name
+from support.decoder_steps import assert_bitwise, seeded_batch, train_step
 
 
 def _assert_moved_and_restored(trace, model, tokens, offloaded=None):
@@ -67,14 +45,14 @@ def _assert_moved_and_restored(trace, model, tokens, offloaded=None):
 
 @pytest.mark.parametrize("model_type, shards", [("llama", 3), ("qwen3_5_text", None)])
 def test_offload_is_bitwise_and_moves_each_layer_input(model_type, shards):
-    batch = _batch()
+    batch = seeded_batch()
     plain = checkpointed(build_tiny_model(model_type, seed=4))
     offloaded = checkpointed(build_tiny_model(model_type, seed=4))
     ac.patch_model(plain, tiled_mlp_shards=shards)
     ac.patch_model(offloaded, tiled_mlp_shards=shards, offload_activations=True)
-    want = _train_step(plain, batch, Counter())
+    want = train_step(plain, batch, Counter())
     trace = Counter()
-    _assert_bitwise(_train_step(offloaded, batch, trace), want)
+    assert_bitwise(train_step(offloaded, batch, trace), want)
     _assert_moved_and_restored(trace, offloaded, batch.num_tokens)
     if shards is not None:
         assert trace["tiled_mlp:forward"] == 2 * len(offloaded.model.layers)  # forward + recompute
@@ -86,7 +64,7 @@ def _ppo(logprob, entropy, advantages, old_logprob):
 
 
 def test_loss_fused_head_copies_and_revert():
-    batch = _batch()
+    batch = seeded_batch()
     g = torch.Generator().manual_seed(6)
     args = (torch.randn(batch.num_real_tokens, generator=g), -torch.rand(batch.num_real_tokens, generator=g) * 5)
     plain = checkpointed(build_tiny_model("qwen2", seed=8))
@@ -102,7 +80,7 @@ def test_loss_fused_head_copies_and_revert():
     want = step(plain, Counter())
     for m in (model, twin):
         trace = Counter()
-        _assert_bitwise(step(m, trace), want)
+        assert_bitwise(step(m, trace), want)
         _assert_moved_and_restored(trace, m, batch.num_tokens)
     handle.revert()
     trace = Counter()
@@ -115,7 +93,7 @@ def test_no_offload_without_gradients():
     ac.patch_model(model, offload_activations=True)
     trace = Counter()
     with torch.no_grad():
-        ac.compute_logprobs(model, _batch(), trace=trace)
+        ac.compute_logprobs(model, seeded_batch(), trace=trace)
     assert not any(k.startswith("offload:") for k in trace)
 
 
@@ -133,16 +111,16 @@ def test_offload_refuses_or_fails_loudly_without_checkpointing():
     ac.patch_model(model, offload_activations=True)
     model.eval()  # transformers checkpoints only in training mode: nothing would be offloaded
     with pytest.raises(PatchNotAppliedError, match=r"ran in 0 of 2 decoder layers.*model.training=False"):
-        ac.compute_logprobs(model, _batch())
+        ac.compute_logprobs(model, seeded_batch())
     model.train()
     layer = model.model.layers[1]  # as if a new transformers called this layer without its checkpoint function
     layer.forward = functools.partial(type(layer).forward.__wrapped__, layer)
     with pytest.raises(PatchNotAppliedError, match=r"ran in 1 of 2 decoder layers"):
-        ac.compute_logprobs(model, _batch())
+        ac.compute_logprobs(model, seeded_batch())
     del layer.forward
     model.model.layers[0].gradient_checkpointing = False  # switched off after patching: refused at the call
     with pytest.raises(ValueError, match="decoder layer 0 .* is not checkpointed"):
-        ac.compute_logprobs(model, _batch())
+        ac.compute_logprobs(model, seeded_batch())
 
 
 def _settled():
@@ -151,7 +129,7 @@ def _settled():
 
 
 def test_partial_offload_is_bitwise_and_reuses_host_blocks():
-    batch = _batch()
+    batch = seeded_batch()
     plain = checkpointed(build_tiny_model("llama", seed=2, num_hidden_layers=3))
     model = checkpointed(build_tiny_model("llama", seed=2, num_hidden_layers=3))
     ac.patch_model(plain)
@@ -160,11 +138,11 @@ def test_partial_offload_is_bitwise_and_reuses_host_blocks():
     assert _settled() == 0
     block = host_bytes(batch.num_tokens * model.config.hidden_size * 4)
     for step in range(2):
-        want = _train_step(plain, batch, Counter())
+        want = train_step(plain, batch, Counter())
         plain.zero_grad()
         trace = Counter()
         blocks = POOL.allocated_blocks
-        _assert_bitwise(_train_step(model, batch, trace), want)
+        assert_bitwise(train_step(model, batch, trace), want)
         model.zero_grad()
         _assert_moved_and_restored(trace, model, batch.num_tokens, offloaded=2)
         assert POOL.in_use_bytes == 0, "the inputs died after their layers' backward: their blocks are idle"
@@ -190,7 +168,7 @@ class _InterruptAt:
 
 @pytest.mark.parametrize("at", [1, 2], ids=["forward", "backward"])
 def test_interrupt_leaves_nothing_installed(at):
-    batch = _batch()
+    batch = seeded_batch()
     plain = checkpointed(build_tiny_model("llama", seed=9))
     model = checkpointed(build_tiny_model("llama", seed=9))
     ac.patch_model(plain)
@@ -200,7 +178,7 @@ def test_interrupt_leaves_nothing_installed(at):
     attention = [layer.self_attn.config._attn_implementation for layer in layers]
     hook = layers[0].mlp.register_forward_pre_hook(_InterruptAt(at))
     with pytest.raises(KeyboardInterrupt) as interrupted:
-        _train_step(model, batch, Counter())
+        train_step(model, batch, Counter())
     hook.remove()
     del interrupted  # its traceback holds the broken graph
     assert _settled() == 0, "the broken graph's saved inputs gave their host blocks back"
@@ -209,5 +187,5 @@ def test_interrupt_leaves_nothing_installed(at):
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, "saved-tensor hooks left in force"
     model.zero_grad(set_to_none=True)
     trace = Counter()
-    _assert_bitwise(_train_step(model, batch, trace), _train_step(plain, batch, Counter()))
+    assert_bitwise(train_step(model, batch, trace), train_step(plain, batch, Counter()))
     _assert_moved_and_restored(trace, model, batch.num_tokens)

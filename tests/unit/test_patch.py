@@ -142,7 +142,7 @@ def test_nothing_happens_on_import():
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_copy_of_a_patched_model_computes_with_its_own_weights(how):
     """``ref = copy.deepcopy(actor)`` is routine in RL: the copy must run its own weights, not the original's."""
-    from actorcore.testing.copies import copy_model, scale_weights_of_copy_and_twin
+    from support.copies import copy_model, scale_weights_of_copy_and_twin
 
     batch = _batch()
     actor = build_tiny_model("llama", seed=2)

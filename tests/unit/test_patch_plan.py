@@ -3,7 +3,7 @@
 own fp32 forward with the trace proving each requested feature ran, or is refused before any work; and the
 interactions that used to drop or weaken what was asked, each as its own case.
 
-On the CPU the fused decoder (CUDA and 16-bit only) and the ``torch_varlen`` and ``fa4`` attention backends are
+On the CPU the compiled decoder (CUDA and 16-bit only) and the ``torch_varlen`` and ``fa4`` attention backends are
 refused, quack's GEMMs run as the test stand-in (``actorcore.testing.quack_stand_in``), and the ``fa4`` pairs run
 once more on FA4's stand-in (``actorcore.testing.fa4_stand_in``); ``tests/gpu/test_patch_plan_cuda.py`` runs the pairs
 on CUDA."""
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import actorcore as ac
-import actorcore.hf.features.fused_decoder as fused_decoder
+import actorcore.hf.features.compiled_decoder as compiled_decoder
 from actorcore.hf.features.checkpointing import FULL_LAYERS, SELECTIVE_LAYERS, UNCHECKPOINTED_LAYERS
-from actorcore.testing.option_pairs import (
+from support.option_pairs import (
     REFUSED,
     Tolerances,
     backend_refusals,
@@ -34,10 +34,10 @@ from actorcore.testing.quack_stand_in import use_quack_stand_in
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
 
-NOT_FUSED = {**REFUSED, **{frozenset({"fused_decoder", other}): "not on a CUDA device"
-                           for pair in option_pairs() if "fused_decoder" in pair
-                           for other in pair if other != "fused_decoder"}}
-# The attention backends' options resolve before the fused decoder's: their refusal comes first.
+NOT_FUSED = {**REFUSED, **{frozenset({"compiled_decoder", other}): "not on a CUDA device"
+                           for pair in option_pairs() if "compiled_decoder" in pair
+                           for other in pair if other != "compiled_decoder"}}
+# The attention backends' options resolve before the compiled decoder's: their refusal comes first.
 CPU_REFUSED = {**NOT_FUSED, **backend_refusals(option_pairs(), {
     "torch_varlen": "attention_backend='torch_varlen': the torch_varlen backend runs fp16 / bf16 inputs on CUDA",
     "fa4": "attention_backend='fa4': FA4 runs on CUDA devices only"})}
@@ -91,11 +91,11 @@ def test_the_plan_shows_every_choice_and_why_and_verify_reports_it():
     handle = ac.patch_model(model, tiled_mlp_shards=2, checkpointing="selective")
     text = str(handle.plan)
     for option in ("parallel", "attention", "tiled_mlp_shards", "offload_activations", "recompute_norms",
-                   "checkpointing", "fused_decoder", "moe_experts", "dense_mlp"):
+                   "checkpointing", "compiled_decoder", "moe_experts", "swiglu_mlp"):
         assert f"\n  {option}: " in text, option
     assert "tiled_mlp_shards: 2 on 2 layers (tiled_mlp_shards=2, asked by patch_model)" in text
-    assert "fused_decoder: False (fused_decoder='auto', default): auto: the model is not on a CUDA device" in text
-    assert handle.plan["checkpointing"].explicit and not handle.plan["dense_mlp"].explicit
+    assert "compiled_decoder: False (compiled_decoder='auto', default): auto: the model is not on a CUDA device" in text
+    assert handle.plan["checkpointing"].explicit and not handle.plan["swiglu_mlp"].explicit
     report = ac.verify(model, ac.pack(sequences()))
     assert report.ok and report.plan == text and "patched" in report.summary()
     assert handle.calls and handle.calls[-1].ran[0] == "packed_attention"  # verify's call (no grad: no checkpointing)
@@ -105,7 +105,7 @@ def test_the_plan_shows_every_choice_and_why_and_verify_reports_it():
 
 def test_misspelt_or_unknown_keywords_fail_loudly():
     model = build_tiny_model("qwen2")
-    with pytest.raises(TypeError, match="unexpected keyword argument 'fused_decodr'; did you mean 'fused_decoder'"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fused_decodr'; did you mean 'compiled_decoder'"):
         ac.patch_model(model, fused_decodr=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'speed'"):
         ac.patch_model(model, speed="max")
@@ -118,8 +118,8 @@ def test_misspelt_or_unknown_keywords_fail_loudly():
 
 @pytest.fixture
 def fusable(monkeypatch):
-    """The fused decoder's CUDA / 16-bit refusal lifted (its plan on the CPU; nothing here runs it)."""
-    monkeypatch.setattr(fused_decoder, "fusion_refusal", lambda model: None)
+    """The compiled decoder's CUDA / 16-bit refusal lifted (its plan on the CPU; nothing here runs it)."""
+    monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)
     return monkeypatch
 
 
@@ -129,41 +129,41 @@ def _train_step(model, trace):
     model.zero_grad(set_to_none=True)
 
 
-def test_fused_layers_offload_and_selective_checkpointing_are_refused_together(fusable):
-    """A fused layer is not checkpointed selectively (its compiled graph keeps its own tensors), so offload had
+def test_compiled_layers_offload_and_selective_checkpointing_are_refused_together(fusable):
+    """A compiled layer is not checkpointed selectively (its compiled graph keeps its own tensors), so offload had
     nothing to move and the offload check passed: refused now, naming both options and what to pass."""
     model = checkpointed(build_tiny_model("qwen2"))
-    with pytest.raises(ValueError, match=r"fused_decoder=True and checkpointing='selective', memory_budget_gib=None "
-                                         r"cannot both hold: a fused layer is not checkpointed selectively.*pass "
+    with pytest.raises(ValueError, match=r"compiled_decoder=True and checkpointing='selective', memory_budget_gib=None "
+                                         r"cannot both hold: a compiled layer is not checkpointed selectively.*pass "
                                          r"checkpointing='auto'"):
-        ac.patch_model(model, fused_decoder=True, offload_activations=True, checkpointing="selective")
+        ac.patch_model(model, compiled_decoder=True, offload_activations=True, checkpointing="selective")
     assert not ac.hf.patch.is_patched(model)
 
 
 def test_selective_checkpointing_checkpoints_every_layer_selectively(fusable):
-    """``checkpointing="selective"`` with the fused decoder left to ``"auto"``: every layer is selectively
-    checkpointed (the fused decoder yields, and the plan says why); it used to leave the fused layers unchecked."""
+    """``checkpointing="selective"`` with the compiled decoder left to ``"auto"``: every layer is selectively
+    checkpointed (the compiled decoder yields, and the plan says why); it used to leave the compiled layers unchecked."""
     model = build_tiny_model("qwen2").train()
     handle = ac.patch_model(model, checkpointing="selective")
     trace = Counter()
     _train_step(model, trace)
     layers = model.config.num_hidden_layers
     assert trace[SELECTIVE_LAYERS] == layers and trace[UNCHECKPOINTED_LAYERS] == 0 and trace[FULL_LAYERS] == 0
-    assert handle.plan["fused_decoder"].value is False
-    assert "checkpointing='selective'" in handle.plan["fused_decoder"].why
+    assert handle.plan["compiled_decoder"].value is False
+    assert "checkpointing='selective'" in handle.plan["compiled_decoder"].why
     handle.revert()
 
 
 def test_offload_under_a_budget_moves_every_layer_it_asks_for(fusable):
-    """``checkpointing="auto"`` keeps layers selectively (still checkpointed: their inputs offload); a fused layer
-    it keeps is kept whole (no checkpointed input), so the budget keeps no fused layer among the first K offloaded,
-    and a fused decoder with every layer offloaded under a budget is refused."""
+    """``checkpointing="auto"`` keeps layers selectively (still checkpointed: their inputs offload); a compiled layer
+    it keeps is kept whole (no checkpointed input), so the budget keeps no compiled layer among the first K offloaded,
+    and a compiled decoder with every layer offloaded under a budget is refused."""
     from actorcore.hf.features.checkpointing import CheckpointPlan, plan_layer_modes
 
     model = checkpointed(build_tiny_model("qwen2", num_hidden_layers=4))
-    with pytest.raises(ValueError, match=r"fused_decoder=True and offload_activations=True cannot both hold: under "
-                                         r"checkpointing='auto' a fused layer .*pass offload_activations=K"):
-        ac.hf.patch.plan_patch(model, fused_decoder=True, offload_activations=True, checkpointing="auto",
+    with pytest.raises(ValueError, match=r"compiled_decoder=True and offload_activations=True cannot both hold: under "
+                                         r"checkpointing='auto' a compiled layer .*pass offload_activations=K"):
+        ac.hf.patch.plan_patch(model, compiled_decoder=True, offload_activations=True, checkpointing="auto",
                                memory_budget_gib=1e3)
     roomy = CheckpointPlan("auto", 1e15)
     config = model.config
@@ -177,25 +177,25 @@ def test_offload_under_a_budget_moves_every_layer_it_asks_for(fusable):
     handle.revert()
 
 
-def test_memory_options_that_leave_the_fused_decoder_off_say_so_in_the_plan(fusable):
-    """Offload, recomputed norms and tiled MLP keep ``"auto"``'s fused decoder off (not measured together), and with
+def test_memory_options_that_leave_the_compiled_decoder_off_say_so_in_the_plan(fusable):
+    """Offload, recomputed norms and tiled MLP keep ``"auto"``'s compiled decoder off (not measured together), and with
     it the MoE path and quack's gated MLP that follow it: every such choice is in the plan with its reason (they
     were log lines only); ``True`` fuses anyway."""
     undo = use_quack_stand_in()
     try:
-        for model_type, followers in (("qwen2", ("dense_mlp",)), ("qwen2_moe", ("moe_experts", "dense_mlp"))):
+        for model_type, followers in (("qwen2", ("swiglu_mlp",)), ("qwen2_moe", ("moe_experts", "swiglu_mlp"))):
             model = checkpointed(build_tiny_model(model_type))
             asks = [{"offload_activations": True}, {"recompute_norms": True}]
             if model_type == "qwen2":
                 asks.append({"tiled_mlp_shards": 2})
             for ask in asks:
                 plan = ac.hf.patch.plan_patch(model, **ask)
-                assert plan.value("fused_decoder") is False and "has not been measured" in plan["fused_decoder"].why
+                assert plan.value("compiled_decoder") is False and "has not been measured" in plan["compiled_decoder"].why
                 for follower in followers:
-                    assert plan.value(follower) is False and "not fused" in plan[follower].why, (ask, follower)
-                assert ac.hf.patch.plan_patch(model, fused_decoder=True, **ask).value("fused_decoder") is True
+                    assert plan.value(follower) is False and "not compiled" in plan[follower].why, (ask, follower)
+                assert ac.hf.patch.plan_patch(model, compiled_decoder=True, **ask).value("compiled_decoder") is True
             plain = ac.hf.patch.plan_patch(model)
-            assert plain.value("fused_decoder") is True
+            assert plain.value("compiled_decoder") is True
             assert all(plain.value(f) for f in followers), str(plain)
     finally:
         undo()
@@ -203,27 +203,27 @@ def test_memory_options_that_leave_the_fused_decoder_off_say_so_in_the_plan(fusa
 
 def test_a_batch_invariant_call_stands_quack_mlps_down():
     """quack's GEMMs are not proven row-count invariant: a batch-invariant call on a model patched with
-    ``dense_mlp="quack"`` runs the model's own MLP code through the invariant linears (every linear of every layer
+    ``swiglu_mlp="quack"`` runs the model's own MLP code through the invariant linears (every linear of every layer
     must run invariant), and the trace says the path stood down; it used to run quack's path and pass the check on
     the attention's linears alone."""
     undo = use_quack_stand_in()
     try:
         model = build_tiny_model("qwen2")
-        handle = ac.patch_model(model, dense_mlp="quack", tiled_mlp_shards=2)
+        handle = ac.patch_model(model, swiglu_mlp="quack", tiled_mlp_shards=2)
         trace = Counter()
         with torch.no_grad():
             out = ac.compute_logprobs(model, ac.pack(sequences()), batch_invariant=True, trace=trace)
             alone = ac.compute_logprobs(model, ac.pack(sequences()[:1]), batch_invariant=True).log_probs
         # q, k, v, o once per layer; gate, up and down once per tiled MLP shard (2)
         assert trace["batch_invariant:linear"] == (4 + 3 * 2) * model.config.num_hidden_layers
-        assert trace["dense_mlp:modules"] == 0 and trace["plan:stood_down:dense_mlp"] == 1
+        assert trace["swiglu_mlp:modules"] == 0 and trace["plan:stood_down:swiglu_mlp"] == 1
         assert torch.equal(alone, out.log_probs[:len(sequences()[0])])
-        assert handle.plan.stands_down_in_batch_invariant_calls() == ("dense_mlp",)
-        assert handle.calls[-1].stood_down == ("dense_mlp",)
+        assert handle.plan.stands_down_in_batch_invariant_calls() == ("swiglu_mlp",)
+        assert handle.calls[-1].stood_down == ("swiglu_mlp",)
         trace = Counter()
         with torch.no_grad():
             ac.compute_logprobs(model, ac.pack(sequences()), trace=trace)  # an ordinary call: quack's path again
-        assert trace["dense_mlp:modules"] == 2 * model.config.num_hidden_layers  # once per tiled MLP shard
+        assert trace["swiglu_mlp:modules"] == 2 * model.config.num_hidden_layers  # once per tiled MLP shard
         handle.revert()
     finally:
         undo()
@@ -231,24 +231,24 @@ def test_a_batch_invariant_call_stands_quack_mlps_down():
 
 def test_verl_states_its_plan_and_takes_the_options():
     """verl's entry point asks for each option it turns off, with its reason in the plan (the MLP path no longer
-    follows the fused decoder's default), and passes any ``patch_model`` option through."""
+    follows the compiled decoder's default), and passes any ``patch_model`` option through."""
     from actorcore.compat.verl import apply_monkey_patch
 
     undo = use_quack_stand_in()
     try:
         model = build_tiny_model("qwen2")
         handle = apply_monkey_patch(model, use_fused_kernels=True)
-        for option in ("fused_decoder", "moe_experts", "dense_mlp"):
+        for option in ("compiled_decoder", "moe_experts", "swiglu_mlp"):
             decision = handle.plan[option]
             assert decision.value is False and decision.explicit and decision.by == "compat.verl", option
             assert "verl" in decision.why, option
         handle.revert()
-        handle = apply_monkey_patch(model, use_fused_kernels=True, checkpointing="selective", dense_mlp="quack")
-        assert handle.plan.value("dense_mlp") == "quack" and handle.plan["checkpointing"].explicit
+        handle = apply_monkey_patch(model, use_fused_kernels=True, checkpointing="selective", swiglu_mlp="quack")
+        assert handle.plan.value("swiglu_mlp") == "quack" and handle.plan["checkpointing"].explicit
         model.train()
         out = model(input_ids=sequences()[0][None], position_ids=torch.arange(len(sequences()[0]))[None])
         out.log_probs.sum().backward()
-        assert {"checkpointing", "dense_mlp"} <= set(handle.calls[-1].ran)
+        assert {"checkpointing", "swiglu_mlp"} <= set(handle.calls[-1].ran)
         handle.revert()
         with pytest.raises(TypeError, match="did you mean 'checkpointing'"):
             apply_monkey_patch(model, checkpointng="selective")

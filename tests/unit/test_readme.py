@@ -5,7 +5,7 @@ import io
 
 import torch
 
-from actorcore.testing.docs import doc_between
+from support.docs import doc_between
 from actorcore.testing.tolerances import TOL
 
 

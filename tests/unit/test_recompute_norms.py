@@ -11,12 +11,12 @@ from collections import Counter
 
 import pytest
 import torch
-from test_offload import _assert_bitwise, _batch, _train_step, checkpointed
+from support.decoder_steps import assert_bitwise, seeded_batch, train_step
 
 import actorcore as ac
 from actorcore.hf.features.norm_recompute import NORM_FORWARD_KEY, NORM_RUN_KEY, RecomputedNormForward, decoder_norms
 from actorcore.hf.patch import PatchNotAppliedError
-from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 
 
 def _saved_bytes(model, batch) -> int:
@@ -54,15 +54,15 @@ def test_bitwise_the_same_and_the_norms_ran(model_type, checkpointing, monkeypat
     monkeypatch.setattr(RecomputedNormForward, "_run", counting_run)
     model = build_tiny_model(model_type, seed=3, dtype=torch.bfloat16)
     model = checkpointed(model) if checkpointing else model.train()
-    batch = _batch()
-    plain = _train_step(model, batch, Counter())
+    batch = seeded_batch()
+    plain = train_step(model, batch, Counter())
     model.zero_grad(set_to_none=True)
     handle = ac.patch_model(model, recompute_norms=True)
     forwards = [norm.forward for norm in decoder_norms(model.model)]
     assert forwards and all(isinstance(f, RecomputedNormForward) for f in forwards)
     trace = Counter()
-    patched = _train_step(model, batch, trace)
-    _assert_bitwise(plain, patched)
+    patched = train_step(model, batch, trace)
+    assert_bitwise(plain, patched)
     # Every norm ran in the forward and again inside backward, recomputed from its kept input. In a checkpointed
     # layer the layer's own recomputation (inside backward too) runs it once more, unless that recomputation
     # stops early, at the norm's kept input, when the norm ends the layer (gemma3's post-feedforward norm).
@@ -81,7 +81,7 @@ def test_norms_keep_less_for_backward():
     """bf16 Llama: each norm kept an fp32 copy of its input (4 bytes per element) and its bf16 normalised values
     (2); recomputed it keeps its bf16 input (2)."""
     model = build_tiny_model("llama", seed=3, dtype=torch.bfloat16).train()
-    batch = _batch()
+    batch = seeded_batch()
     before = _saved_bytes(model, batch)
     handle = ac.patch_model(model, recompute_norms=True)
     after = _saved_bytes(model, batch)
@@ -93,16 +93,16 @@ def test_norms_keep_less_for_backward():
 
 def test_composes_with_tiled_mlp_and_offload():
     model = checkpointed(build_tiny_model("qwen3", seed=4, dtype=torch.bfloat16))
-    batch = _batch()
+    batch = seeded_batch()
     handle = ac.patch_model(model, tiled_mlp_shards=3, offload_activations=True)
-    plain = _train_step(model, batch, Counter())
+    plain = train_step(model, batch, Counter())
     handle.revert()
     model.zero_grad(set_to_none=True)
     handle = ac.patch_model(model, tiled_mlp_shards=3, offload_activations=True, recompute_norms=True)
     trace = Counter()
-    patched = _train_step(model, batch, trace)
+    patched = train_step(model, batch, trace)
     handle.revert()
-    _assert_bitwise(plain, patched)
+    assert_bitwise(plain, patched)
     assert trace["offload:layers"] == model.config.num_hidden_layers
 
 
@@ -113,7 +113,7 @@ def test_a_deep_copy_recomputes_its_own_norms():
     assert twin.model.norm.forward.norm is twin.model.norm
     with torch.no_grad():
         twin.model.norm.weight.mul_(3.0)
-    batch = _batch()
+    batch = seeded_batch()
     moved = ac.compute_logprobs(twin, batch).log_probs
     handle.revert()
     reference = build_tiny_model("llama", seed=5)
@@ -126,11 +126,11 @@ def test_refuses_batch_invariant_and_a_bypass():
     model = build_tiny_model("llama", seed=6).train()
     handle = ac.patch_model(model, recompute_norms=True)
     with pytest.raises(ValueError, match="recompute_norms"):
-        ac.compute_logprobs(model, _batch(), batch_invariant=True)
+        ac.compute_logprobs(model, seeded_batch(), batch_invariant=True)
     plain = type(model.model.norm).forward.__get__(model.model.norm)
     model.model.norm.__dict__["forward"] = plain  # as if transformers called the norm some other way
     with pytest.raises(PatchNotAppliedError, match="recomputed norms"):
-        ac.compute_logprobs(model, _batch())
+        ac.compute_logprobs(model, seeded_batch())
     handle.revert()
     with pytest.raises(ValueError, match="recompute_norms must be True or False"):
         ac.patch_model(model, recompute_norms="yes")

@@ -2,7 +2,7 @@
 rest; against full layer checkpointing of the same model: bitwise the same log-probs, entropies and every
 gradient (every registered architecture in bf16, VLMs on an image batch; five families in fp32 too; gpt-oss, whose
 experts write into their GEMM outputs, also with recomputed norms and under ``"auto"``), alone and composed with tiled MLP and
-activation offload; ``"auto"`` fits a budget per layer; the self-check proves the selective checkpoints ran; bad options are refused; the fused decoder stays off on the CPU."""
+activation offload; ``"auto"`` fits a budget per layer; the self-check proves the selective checkpoints ran; bad options are refused; the compiled decoder stays off on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_offload import _assert_bitwise, _batch, _train_step, checkpointed
+from support.decoder_steps import assert_bitwise, seeded_batch, train_step
 
 import actorcore as ac
 from actorcore.archs import get_spec, registered_model_types
@@ -22,11 +22,11 @@ from actorcore.hf.features.checkpointing import (
     layer_bytes_per_token,
     plan_layer_modes,
 )
-from actorcore.hf.features.fused_decoder import original_forward
+from actorcore.hf.features.compiled_decoder import original_forward
 from actorcore.hf.patch import PatchNotAppliedError, patch_state
 from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY, is_expensive, layers_to_keep
 from actorcore.testing.reference import reference_logprobs, right_padded
-from actorcore.testing.tiny_configs import build_tiny_model
+from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 from actorcore.testing.tolerances import TOL
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -36,12 +36,12 @@ def _full_then(model, batch, composed=None, **patch):
     ``composed`` patch options."""
     composed = composed or {}
     handle = ac.patch_model(model, checkpointing="full", **composed)
-    full = _train_step(model, batch, Counter())
+    full = train_step(model, batch, Counter())
     handle.revert()
     model.zero_grad(set_to_none=True)
     handle = ac.patch_model(model, **patch, **composed)
     trace = Counter()
-    other = _train_step(model, batch, trace)
+    other = train_step(model, batch, trace)
     handle.revert()
     return full, other, trace
 
@@ -55,7 +55,7 @@ def _model_and_batch(model_type, dtype, seed=3):
     """A tiny model of any registered architecture and a batch for it (a VLM's with an image and a text-only
     sequence)."""
     if get_spec(model_type).vision is None:
-        return build_tiny_model(model_type, seed=seed, dtype=dtype).train(), _batch()
+        return build_tiny_model(model_type, seed=seed, dtype=dtype).train(), seeded_batch()
     from actorcore.hf.vlm.packing import pack_multimodal
     from actorcore.testing.tiny_vlm import build_tiny_vlm, synthetic_sample
 
@@ -75,7 +75,7 @@ def test_selective_is_bitwise_full_checkpointing(model_type, dtype):
     model, batch = _model_and_batch(model_type, dtype)
     layers = len(DecoderParts.of(model, get_spec(model_type)).layers)
     full, selective, trace = _full_then(model, batch, checkpointing="selective")
-    _assert_bitwise(full, selective)
+    assert_bitwise(full, selective)
     assert trace[SELECTIVE_LAYERS] == layers and trace[FULL_LAYERS] == 0
     assert trace[SELECTIVE_TRACE_KEY] == layers  # one selective checkpoint per layer (its contexts serve forward and recompute)
 
@@ -88,11 +88,11 @@ def test_gpt_oss_selective_with_recomputed_norms_and_auto(dtype):
     model, batch = _model_and_batch("gpt_oss", dtype)
     layers = model.config.num_hidden_layers
     full, other, trace = _full_then(model, batch, {"recompute_norms": True}, checkpointing="selective")
-    _assert_bitwise(full, other)
+    assert_bitwise(full, other)
     assert trace[SELECTIVE_TRACE_KEY] == layers and trace["recompute_norms:forward"] > 0
     model.zero_grad(set_to_none=True)
     full, other, trace = _full_then(model, batch, checkpointing="auto", memory_budget_gib=1e6)
-    _assert_bitwise(full, other)
+    assert_bitwise(full, other)
     assert trace[SELECTIVE_LAYERS] == layers
     if dtype == torch.float32:  # the model's own forward (padded, unpatched), per token
         bounds = batch.cu_seqlens.tolist()
@@ -104,7 +104,7 @@ def test_gpt_oss_selective_with_recomputed_norms_and_auto(dtype):
 
 def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
     model = build_tiny_model("qwen3", seed=4, dtype=torch.bfloat16, num_hidden_layers=4).train()
-    batch = _batch()
+    batch = seeded_batch()
     config, layers = model.config, model.config.num_hidden_layers
     kept, _ = layer_bytes_per_token(config, 2, fused=False)
     base = plan_layer_modes(CheckpointPlan("auto", 0.0), [False] * layers, batch.num_tokens, config, 2, 0)
@@ -118,12 +118,12 @@ def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
     tight = plan_layer_modes(CheckpointPlan("auto", budget - 2), [False] * layers, batch.num_tokens, config, 2, 0)
     assert tight == ["full"] * layers  # under 3 layers of room nothing is kept
     full, auto, trace = _full_then(model, batch, checkpointing="auto", memory_budget_gib=budget / 2**30)
-    _assert_bitwise(full, auto)
+    assert_bitwise(full, auto)
     assert trace[SELECTIVE_LAYERS] == 2 and trace[FULL_LAYERS] == layers - 2
     roomy = plan_layer_modes(CheckpointPlan("auto", 1e15), [False] * layers, batch.num_tokens, config, 2, 0)
     assert roomy == ["selective"] * layers
     fused = plan_layer_modes(CheckpointPlan("auto", 1e15), [True] * layers, batch.num_tokens, config, 2, 0)
-    assert fused == ["none"] * layers  # a fused layer keeps its compiled graph's tensors instead
+    assert fused == ["none"] * layers  # a compiled layer keeps its compiled graph's tensors instead
 
 
 def test_auto_plans_with_what_the_kept_layers_were_measured_to_hold(monkeypatch):
@@ -133,7 +133,7 @@ def test_auto_plans_with_what_the_kept_layers_were_measured_to_hold(monkeypatch)
     import actorcore.hf.features.checkpointing as checkpointing
 
     model = build_tiny_model("qwen3", seed=4, dtype=torch.bfloat16, num_hidden_layers=4).train()
-    batch = _batch()
+    batch = seeded_batch()
     config, layers, tokens = model.config, model.config.num_hidden_layers, batch.num_tokens
     estimate, _ = layer_bytes_per_token(config, 2, fused=False)
     holds = estimate / 4  # what each layer holds beyond a checkpointed layer, per token
@@ -149,7 +149,7 @@ def test_auto_plans_with_what_the_kept_layers_were_measured_to_hold(monkeypatch)
     budget = layers * config.hidden_size * 2 * tokens + 2**30 + 3 * estimate * tokens + 1
     handle = ac.patch_model(model, checkpointing="auto", memory_budget_gib=budget / 2**30)
     first, second = Counter(), Counter()
-    _train_step(model, batch, first)
+    train_step(model, batch, first)
     counter["bytes"] = 0  # backward freed the activations
     assert first[SELECTIVE_LAYERS] == 2 and first[FULL_LAYERS] == layers - 2  # the estimate: room for 3 layers
     assert counter["mlp_calls"] >= layers  # the forward (the recompute may stop early, before the MLP's hook)
@@ -157,7 +157,7 @@ def test_auto_plans_with_what_the_kept_layers_were_measured_to_hold(monkeypatch)
     assert measured.keys() == {(2, "selective"), (3, "selective")}
     for value in measured.values():
         assert value == pytest.approx(holds * 1.05, rel=1e-3)  # the recompute in backward did not add to it
-    _train_step(model, batch, second)
+    train_step(model, batch, second)
     # Layers 2 and 3 measured at a quarter of the estimate, 0 and 1 (not yet measured) at the estimate: in
     # backward at layer 1, layers 0 and 1 and layer 1's gradients, 3 estimates: all four fit.
     assert second[SELECTIVE_LAYERS] == layers
@@ -188,10 +188,10 @@ def test_layers_to_keep_and_the_policy():
 
 def test_composes_with_tiled_mlp_and_offload():
     model = checkpointed(build_tiny_model("qwen3", seed=5, dtype=torch.bfloat16))
-    batch = _batch()
+    batch = seeded_batch()
     composed = {"tiled_mlp_shards": 3, "offload_activations": True}
     full, selective, trace = _full_then(model, batch, composed, checkpointing="selective")
-    _assert_bitwise(full, selective)
+    assert_bitwise(full, selective)
     assert trace["offload:layers"] == model.config.num_hidden_layers
     assert trace[SELECTIVE_LAYERS] == model.config.num_hidden_layers
 
@@ -203,19 +203,19 @@ def test_refusals_and_the_self_check(monkeypatch):
                           ({"checkpointing": "auto", "memory_budget_gib": -1}, "memory_budget_gib"),
                           ({"memory_budget_gib": 4}, "checkpointing='auto'"),
                           ({"checkpointing": "full", "memory_budget_gib": 4}, "only used by"),
-                          ({"fused_decoder": True}, "not on a CUDA device"),
-                          ({"fused_decoder": "yes"}, "fused_decoder must be")):
+                          ({"compiled_decoder": True}, "not on a CUDA device"),
+                          ({"compiled_decoder": "yes"}, "compiled_decoder must be")):
         with pytest.raises(ValueError, match=match):
             ac.patch_model(model, **kwargs)
     handle = ac.patch_model(model, checkpointing="selective")
-    assert patch_state(model).targets("fused_decoder") == ()  # "auto" on the CPU: eager, unchanged
+    assert patch_state(model).targets("compiled_decoder") == ()  # "auto" on the CPU: eager, unchanged
     layer_class = type(model.model.layers[0])
     # As a transformers that ignored the layers' checkpoint function would: the class's plain forward and call.
     monkeypatch.setattr(layer_class, "forward", original_forward(layer_class))
     if "__call__" in GradientCheckpointingLayer.__dict__:
         monkeypatch.setattr(layer_class, "__call__", torch.nn.Module.__call__)
     with pytest.raises(PatchNotAppliedError, match="selective checkpointing ran in"):
-        _train_step(model, _batch(), Counter())
+        train_step(model, seeded_batch(), Counter())
     monkeypatch.undo()
     handle.revert()
 

@@ -16,7 +16,7 @@ import torch
 
 from actorcore.archs import registered_model_types
 from actorcore.export import hf_weight_stream, ipc_receive, ipc_send, save_sharded_safetensors
-from actorcore.mcore.weight_stream import mcore_weight_stream
+from actorcore.mcore.convert.weight_stream import mcore_weight_stream
 from actorcore.sizes import check_config_sizes, positive_size
 from actorcore.testing.tiny_configs import TINY_CONFIGS, build_tiny_model, tiny_config
 from actorcore.testing.tiny_vlm import TINY_VLM_CONFIGS, tiny_vlm_config

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import actorcore as ac
 from actorcore.compat.verl import apply_monkey_patch, batch_from_position_ids
 from actorcore.testing.tiny_configs import build_tiny_model
 from actorcore.testing.tolerances import TOL
@@ -144,7 +143,7 @@ def test_zero_tokens_is_a_clear_error():
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_copy_of_a_verl_patched_model_computes_with_its_own_weights(how, monkeypatch):
     """``ref = copy.deepcopy(actor)`` after apply_monkey_patch: the copy's forward must run the copy's weights."""
-    from actorcore.testing.copies import copy_model, scale_weights_of_copy_and_twin
+    from support.copies import copy_model, scale_weights_of_copy_and_twin
 
     seqs = _sequences()
     actor = build_tiny_model("llama", seed=2)

@@ -5,7 +5,7 @@ from actorcore.archs.megatron_rules import (
     EMBEDDING_RULES,
     EXPERT_BIAS_RULES,
     MLA_ATTENTION_RULES,
-    SHARED_EXPERTS_RULES,
+    DEEPSEEK_SHARED_EXPERTS_RULES,
     McoreSpec,
     grouped_expert_rules,
     moe_rules,
@@ -20,7 +20,7 @@ SPEC = ArchSpec(
     mlp_kind="moe",
     mcore=McoreSpec(
         rules=EMBEDDING_RULES + MLA_ATTENTION_RULES + DENSE_MLP_RULES + moe_rules() + EXPERT_BIAS_RULES
-        + SHARED_EXPERTS_RULES,
+        + DEEPSEEK_SHARED_EXPERTS_RULES,
         grouped_expert_rules=grouped_expert_rules(),
         mtp=DEEPSEEK_MTP_RULES,
         # HF's DeepseekV3 always scores with a sigmoid and chooses experts with the bias (noaux_tc), and

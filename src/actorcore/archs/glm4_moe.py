@@ -7,7 +7,7 @@ from actorcore.archs.megatron_rules import (
     EXPERT_BIAS_RULES,
     QK_NORM_RULES,
     QKV_BIAS_RULES,
-    SHARED_EXPERTS_RULES,
+    DEEPSEEK_SHARED_EXPERTS_RULES,
     McoreSpec,
     grouped_expert_rules,
     moe_rules,
@@ -25,7 +25,7 @@ SPEC = ArchSpec(
     mlp_kind="moe",
     mcore=McoreSpec(
         rules=CAUSAL_LM_EMBEDDING_RULES + ATTENTION_RULES + QKV_BIAS_RULES + QK_NORM_RULES + DENSE_MLP_RULES
-        + moe_rules() + EXPERT_BIAS_RULES + SHARED_EXPERTS_RULES,
+        + moe_rules() + EXPERT_BIAS_RULES + DEEPSEEK_SHARED_EXPERTS_RULES,
         grouped_expert_rules=grouped_expert_rules(),
         mtp=DEEPSEEK_MTP_RULES,
         partial_rotary=True,

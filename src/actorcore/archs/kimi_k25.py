@@ -11,7 +11,7 @@ from actorcore.archs.spec import ArchSpec
 # h*w/merge_kernel_size² features (the tower averages the t frames; a video is one grid row per chunk, each its
 # own placeholder run). Every token, placeholders included, gets plain 1-D positions: no M-RoPE, no rope index,
 # and the processor returns no mm_token_type_ids (image and video placeholders have their own ids).
-# On Megatron (``mcore/vlm.py``, ``mcore/projected_tower.py``): the language model is DeepSeek-V3's (its rules and
+# On Megatron (``mcore/build/vlm.py``, ``mcore/build/projected_tower.py``): the language model is DeepSeek-V3's (its rules and
 # config overrides) with plain 1-D positions; tower and projector are one replicated module running the HF base
 # model's own get_image_features.
 #

@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from actorcore._moved import renamed
+
 MLP_ACTIVATIONS = ("hidden_act", "clamped_swiglu")
 PARALLEL_STYLES = ("column", "row", "vocab", "replicated", "expert")
 # rename: one tensor as is; qkv: q, k, v fused per query group; gate_up: [gate; up] stacked on dim 0;
@@ -397,7 +399,8 @@ def moe_rules(hf_moe: str = "mlp.", *, gate: str = "gate_proj", up: str = "up_pr
     )
 
 
-SHARED_EXPERT_RULES = (
+# Qwen's one shared expert per MoE layer (``mlp.shared_expert``) with its sigmoid gate (``mlp.shared_expert_gate``).
+QWEN_SHARED_EXPERT_RULES = (
     *gated_mlp_rules(_L + "mlp.shared_expert.", _M + "mlp.shared_experts."),
     WeightRule(_M + "mlp.shared_experts.gate_weight", (_L + "mlp.shared_expert_gate.weight",)),
 )
@@ -429,10 +432,11 @@ EXPERT_BIAS_RULES = (
     WeightRule(_M + "mlp.router.expert_bias", (_L + "mlp.gate.e_score_correction_bias",), keeps_fp32=True),
 )
 
-SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.shared_experts.")
+# DeepSeek's shared experts (``mlp.shared_experts``: one gated MLP of their combined width, no gate of their own).
+DEEPSEEK_SHARED_EXPERTS_RULES = gated_mlp_rules(_L + "mlp.shared_experts.", _M + "mlp.shared_experts.")
 
 
-# Vision-language models: the Megatron route runs the HF vision tower as it is (``actorcore.mcore.vlm``), as the
+# Vision-language models: the Megatron route runs the HF vision tower as it is (``actorcore.mcore.build.vlm``), as the
 # submodule ``vision_tower`` of the first pipeline stage's model; its parameters keep their HF names under it.
 VISION_TOWER = "vision_tower"
 
@@ -467,7 +471,7 @@ DEEPSEEK_MTP_RULES = MtpRules(
 )
 
 
-# ---- Hybrid Gated DeltaNet / gated attention (Qwen3-Next, Qwen3.5): see mcore/linear_attention.py. ------------
+# ---- Hybrid Gated DeltaNet / gated attention (Qwen3-Next, Qwen3.5): see mcore/build/linear_attention.py. ------------
 
 # Qwen3-Next / Qwen3.5's multi-token-prediction head, as vLLM's ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py`` load and run
 # it: h' = fc(cat(pre_fc_norm_embedding(emb(t+1)), pre_fc_norm_hidden(h))) -> the decoder layer mtp.layers.{i} (full
@@ -531,7 +535,7 @@ GDN_GROUPED_RULES = _GDN_COMMON_RULES + (
 # gpt-oss: biases on every linear (q/k/v/o, router, experts), a learned sink logit per attention head (split over
 # tensor-parallel ranks with the heads), and experts stacked per layer with the input dim first: ``gate_up_proj``
 # ``[E, D, 2F]`` (gate and up columns interleaved) and ``down_proj`` ``[E, F, D]``, the layout its checkpoints store
-# (in bf16, or as MXFP4 ``*_blocks`` / ``*_scales`` that the reader dequantises; ``mcore/safetensors_reader.py``).
+# (in bf16, or as MXFP4 ``*_blocks`` / ``*_scales`` that the reader dequantises; ``mcore/convert/safetensors_reader.py``).
 _GPT_OSS_EXPERTS = _M + "mlp.experts.local_experts.{expert}."
 GPT_OSS_EXPERT_RULES = (
     WeightRule(_GPT_OSS_EXPERTS + "linear_fc1.weight", (_L + "mlp.experts.gate_up_proj",),
@@ -549,3 +553,14 @@ GPT_OSS_RULES = EMBEDDING_RULES + ATTENTION_RULES + QKV_BIAS_RULES + (
     WeightRule(_M + "mlp.router.weight", (_L + "mlp.router.weight",)),
     WeightRule(_M + "mlp.router.bias", (_L + "mlp.router.bias",)),
 ) + GPT_OSS_EXPERT_RULES
+
+
+# Names renamed because the two differed by one letter; the old ones still import for one release, with a warning.
+_RENAMED = {"SHARED_EXPERT_RULES": "QWEN_SHARED_EXPERT_RULES", "SHARED_EXPERTS_RULES": "DEEPSEEK_SHARED_EXPERTS_RULES"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        renamed(f"actorcore.archs.megatron_rules.{name}", _RENAMED[name])
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

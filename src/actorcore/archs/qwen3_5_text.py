@@ -3,7 +3,7 @@ config is ``qwen3_5_text``). Hybrid: Gated DeltaNet layers (``linear_attn``) and
 partial RoPE (``self_attn``: the module applies its output gate around the attention interface), per
 ``config.layer_types``.
 
-Megatron route: the linear-attention layers run actorcore's ``PackedGatedDeltaNet`` (``mcore/linear_attention.py``);
+Megatron route: the linear-attention layers run actorcore's ``PackedGatedDeltaNet`` (``mcore/build/linear_attention.py``);
 the full-attention layers Megatron's attention with ``attention_output_gate`` and q/k norms; every RMSNorm but the
 DeltaNet's gated one is zero-centred (``1 + w``); RoPE on the first ``partial_rotary_factor`` of each head (the
 config's M-RoPE sections see one text position, i.e. plain RoPE). The checkpoints' multi-token-prediction head

@@ -7,7 +7,7 @@ where the config has neither, as vLLM's ``qwen3_next_mtp.py`` assumes."""
 import dataclasses
 
 from actorcore.archs.megatron_rules import (DENSE_MLP_RULES, EMBEDDING_RULES, GATED_ATTENTION_RULES,
-                                            GDN_GROUPED_RULES, QWEN_MTP_RULES, SHARED_EXPERT_RULES,
+                                            GDN_GROUPED_RULES, QWEN_MTP_RULES, QWEN_SHARED_EXPERT_RULES,
                                             grouped_expert_rules, moe_rules)
 from actorcore.archs.qwen3_5_text import HYBRID_OVERRIDES
 from actorcore.archs.qwen3_5_text import SPEC as QWEN3_5
@@ -15,15 +15,11 @@ from actorcore.archs.spec import LinearAttentionSpec
 
 SPEC = dataclasses.replace(
     QWEN3_5, model_type="qwen3_next", mlp_kind="moe",
-    moe_experts_auto_refusal=(
-        "under the fused decoder the experts path put the DeltaNet decay parameters' gradients (A_log, dt_bias) 2-4x "
-        "further from the fp32 model than transformers' grouped_mm experts on two of four seeds of the tiny model "
-        "(0.034-0.037 of their norm against 0.009-0.018, measured on the H200), every other parameter as close"),
     linear_attention=LinearAttentionSpec(module="linear_attn", projections="grouped"),
     mcore=dataclasses.replace(
         QWEN3_5.mcore,
         rules=(EMBEDDING_RULES + GATED_ATTENTION_RULES + GDN_GROUPED_RULES + DENSE_MLP_RULES + moe_rules()
-               + SHARED_EXPERT_RULES),
+               + QWEN_SHARED_EXPERT_RULES),
         grouped_expert_rules=grouped_expert_rules(), text_mrope=False,
         config_overrides={**HYBRID_OVERRIDES, "moe_shared_expert_gate": True},
         mtp=dataclasses.replace(QWEN_MTP_RULES, count_fields=("num_nextn_predict_layers", "mtp_num_hidden_layers"))),

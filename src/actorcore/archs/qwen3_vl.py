@@ -25,7 +25,7 @@ LANGUAGE_MODEL_RULES = with_hf_prefix(without_value_head(DENSE_RULES + QK_NORM_R
 # Qwen3-VL: DeepStack (features from intermediate vision blocks are added to the outputs of the first decoder
 # layers at the visual positions) and one placeholder run per video frame (timestamps between frames). On
 # Megatron: interleaved M-RoPE (``rope_parameters.mrope_interleaved``, actorcore's rotary module) and the
-# deepstack additions in the first pipeline stage's decoder layers (``mcore/vlm.py``).
+# deepstack additions in the first pipeline stage's decoder layers (``mcore/build/vlm.py``).
 SPEC = dataclasses.replace(
     QWEN2_VL, model_type="qwen3_vl",
     mcore=McoreSpec(rules=LANGUAGE_MODEL_RULES + TOWER_RULES, config_overrides=dict(qk_layernorm=True)),

@@ -100,9 +100,6 @@ class ArchSpec:
     head: tuple[HeadTransform, ...] = ()
     # Config fields that must be falsy/None for this spec to be valid, with the reason if they are not.
     unsupported_config: tuple[tuple[str, str], ...] = ()
-    # Why ``patch_model(moe_experts="auto")`` keeps the model's own experts code although the path covers it (a
-    # measured reason), or None; ``moe_experts="grouped"`` still installs the path.
-    moe_experts_auto_refusal: str | None = None
     # Layers whose MLP kind differs (MoE models with dense layers): config-driven, resolved at use.
     notes: str = ""
     # Megatron-Core part (``McoreSpec``: conversion rules and config overrides, or ``refused=`` with the
@@ -149,8 +146,6 @@ def submodule(root: Any, path: str) -> Any:
 def _missing_submodule(root: Any, path: str, err: AttributeError) -> Exception:
     """The error for a spec path the model does not have, by what is most likely wrong: a base model given where
     the task model is needed, a layer count edited after the model was built, or (only then) a layout change."""
-    from actorcore.errors import UnsupportedArchitectureError
-
     name = type(root).__name__
     prefix = getattr(root, "base_model_prefix", None)
     if prefix and path.split(".")[0] == prefix and getattr(root, "base_model", None) is root:

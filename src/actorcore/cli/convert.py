@@ -30,7 +30,7 @@ from actorcore.cli.errors import EXIT_USER_ERROR, OneLineParser, first_line, is_
 from actorcore.cli.output_dir import atomic_output, disk_full, nearly_full
 from actorcore.cli.processes import run_ranks
 from actorcore.lifecycle import Interrupted, SignalGuard
-from actorcore.mcore import fault_points
+from actorcore.mcore.convert import fault_points
 from actorcore.parallel.spawn import free_port
 from actorcore.sizes import positive_size
 
@@ -88,11 +88,11 @@ def _megatron_runtime(rank: int, world_size: int, port: int) -> Iterator[None]:
 
 def _hf_to_mcore_rank(rank: int, world_size: int, port: int, src: str, out: str, sizes: tuple[int, int, int],
                       vocab_multiple: int, mtp: bool = False) -> None:
-    from actorcore.mcore.dist_checkpoint import save_mcore_checkpoint
-    from actorcore.mcore.load import checkpoint_expert_layout, load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model, mcore_spec_for
+    from actorcore.mcore.convert.dist_checkpoint import save_mcore_checkpoint
+    from actorcore.mcore.convert.load import checkpoint_expert_layout, load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model, mcore_spec_for
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.safetensors_reader import safetensors_dtype
+    from actorcore.mcore.convert.safetensors_reader import safetensors_dtype
 
     hf_config = _read_hf_config(src)
     # The tensors' own dtype, whatever config.json declares: no re-typing (the router's float32 expert bias aside).
@@ -155,13 +155,13 @@ def _check_layout(args: argparse.Namespace, hf_config: Any) -> None:
             name = "--" + flag.replace("_", "-")
             raise ValueError(f"{name} must be a positive integer, got {value}" +
                              (" (the default, 128, suits every usual TP size)" if flag == "vocab_multiple" else ""))
-    from actorcore.mcore.layout_check import check_layout
+    from actorcore.mcore.build.layout_check import check_layout
     from actorcore.mcore.parallel import McoreParallel
 
     check_layout(hf_config, McoreParallel(tp=args.tp, pp=args.pp, ep=args.ep), vocab_multiple=args.vocab_multiple,
                  as_flags=True)
     if args.mtp:
-        from actorcore.mcore.model import mtp_layer_count
+        from actorcore.mcore.build.model import mtp_layer_count
 
         mtp_layer_count(hf_config, True)  # refuses a model without MTP layers or rules, before any rank starts
 
@@ -215,10 +215,10 @@ def _save_sharded(stream: Iterator[Any], hf_config: Any, out: str, max_shard_byt
 def _mcore_to_hf(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from actorcore.mcore.dist_checkpoint import HF_DIR, copy_hf_side_files, load_mcore_checkpoint, read_mcore_metadata
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.convert.dist_checkpoint import HF_DIR, copy_hf_side_files, load_mcore_checkpoint, read_mcore_metadata
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import mcore_weight_stream
+    from actorcore.mcore.convert.weight_stream import mcore_weight_stream
 
     src = os.path.abspath(args.src)
     _check_source_dir(src, "a directory written by `actorcore convert hf-to-mcore`")

@@ -15,7 +15,7 @@ import sys
 from typing import Iterator
 
 from actorcore.lifecycle import Interrupted, make_temp_dir, signals_blocked, sweep_stale_temps
-from actorcore.mcore import fault_points
+from actorcore.mcore.convert import fault_points
 
 _NEARLY_FULL_BYTES = 1 << 20
 

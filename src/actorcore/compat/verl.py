@@ -175,14 +175,15 @@ def _is_critic(model: torch.nn.Module) -> bool:
 # The patch_model options verl's loop asks for by default, and why (shown in the handle's plan). A caller passes
 # any patch_model option through apply_monkey_patch's keywords (functools.partial where verl calls it), which
 # replaces these.
-VERL_PLAN = {"fused_decoder": False, "moe_experts": False, "dense_mlp": False}
+VERL_PLAN = {"compiled_decoder": False, "moe_experts": False, "swiglu_mlp": False}
 VERL_REASONS = {
-    "fused_decoder": "compat.verl: verl calls apply_monkey_patch on the actor it built on the CPU in fp32, before FSDP "
-                     "moves and casts it, so the device and dtype the fused decoder decides from are not those it "
-                     "runs with, and verl's own tests (CPU) cannot run compiled layers under its FSDP wrapping",
+    "compiled_decoder": "compat.verl: verl calls apply_monkey_patch on the actor it built on the CPU in fp32, before "
+                        "FSDP moves and casts it, so the device and dtype the compiled decoder decides from are not "
+                        "those it runs with, and verl's own tests (CPU) cannot run compiled layers under its FSDP "
+                        "wrapping",
     "moe_experts": "compat.verl: actorcore's experts path has not run under verl's FSDP wrapping (it is exact on "
-                   "any device: pass moe_experts='grouped' to take it)",
-    "dense_mlp": "compat.verl: quack's gated MLP is taken with the fused decoder, which verl's plan leaves off",
+                   "any device: pass moe_experts='sorted' to take it)",
+    "swiglu_mlp": "compat.verl: quack's gated MLP is taken with the compiled decoder, which verl's plan leaves off",
 }
 
 
@@ -201,7 +202,7 @@ def apply_monkey_patch(model: torch.nn.Module, ulysses_sp_size: int = 1, use_rem
     installed, its chunked torch kernel otherwise), and "triton" is refused where triton is not installed;
     ``use_prefix_grouper``: refused (not implemented); ``use_tiled_mlp`` / ``tiled_mlp_shards``: tiled MLP.
     ``options``: any other ``patch_model`` option (``checkpointing="auto", memory_budget_gib=...``,
-    ``offload_activations``, ``recompute_norms``, ``fused_decoder``, ...), the same plan ``patch_model`` builds;
+    ``offload_activations``, ``recompute_norms``, ``compiled_decoder``, ...), the same plan ``patch_model`` builds;
     by default verl's loop runs the eager decoder and the model's own MLP and experts code (``VERL_REASONS``
     says why, and so does ``handle.plan``). Returns the ``PatchHandle``; ``handle.revert()`` restores the model.
     """

@@ -25,7 +25,7 @@ from actorcore.hf.as_forward import call_as_forward
 from actorcore.hf.call import DecoderCall
 from actorcore.hf.decoder import decoder_call, run_decoder
 from actorcore.hf.head import check_head_options, to_scored_tokens, token_logprobs
-from actorcore.kernels.precision import without_autocast
+from actorcore.kernels.precision import value_head
 from actorcore.outputs import LogProbOutput
 from actorcore.parallel import sp_size
 
@@ -111,14 +111,5 @@ def _values_of(call: DecoderCall) -> torch.Tensor:
     if isinstance(dropout, torch.nn.Module):
         hidden_TD = dropout(hidden_TD)
 
-    def value_head() -> torch.Tensor:
-        # fp32 as promised, also inside a caller's autocast region (forward and backward)
-        params = (head.weight,) if head.bias is None else (head.weight, head.bias)
-        return without_autocast(_fp32_values, hidden_TD, *params)[0]
-
-    return unpad(gather_sp(call_as_forward(head, value_head), call.parallel), call.batch)
-
-
-def _fp32_values(hidden_TD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    values_T1 = torch.nn.functional.linear(hidden_TD.float(), weight.float(), None if bias is None else bias.float())
-    return (values_T1[:, 0],)
+    values_T = call_as_forward(head, lambda: value_head(hidden_TD, head.weight, head.bias))
+    return unpad(gather_sp(values_T, call.parallel), call.batch)

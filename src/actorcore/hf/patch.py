@@ -20,14 +20,14 @@ What a patch changes, all on this model instance only:
 - Activation offload (``offload_activations``): nothing is installed; the layer count in the plan makes
   every decoder call move the inputs that gradient checkpointing keeps (of all layers, or of the first K) to
   pinned CPU memory (``hf.features.offload``). Reverting also frees the offload's idle host memory.
-- Fused decoder (``fused_decoder``, CUDA and 16-bit models only): each attention decoder layer gets an instance
-  ``forward`` (``hf.features.fused_decoder.FusedLayerForward``) that runs the layer's compiled forward in actorcore's calls;
-  every call checks that it ran in each such layer.
+- Compiled decoder (``compiled_decoder``, CUDA and 16-bit models only): each attention decoder layer gets an instance
+  ``forward`` (``hf.features.compiled_decoder.CompiledLayerForward``) that runs the layer's compiled forward in
+  actorcore's calls; every call checks that it ran in each such layer.
 - MoE experts (``moe_experts``): each experts module of the MoE layers runs as a subclass of its own class
   (``hf.features.moe_experts.SortedExperts``) whose forward runs grouped GEMMs over tokens moved with gathers only in
   actorcore's calls; every call checks that each ran.
-- quack's gated MLP (``dense_mlp``): each covered SwiGLU MLP runs as a subclass of its own class
-  (``hf.features.dense_mlp.QuackGatedMLP``) whose forward runs quack's gated GEMMs in actorcore's calls; every call
+- quack's gated MLP (``swiglu_mlp``): each covered SwiGLU MLP runs as a subclass of its own class
+  (``hf.features.swiglu_mlp.QuackGatedMLP``) whose forward runs quack's gated GEMMs in actorcore's calls; every call
   checks that each ran.
 - Checkpointing (``checkpointing``, ``memory_budget_gib``): nothing is installed; the plan in ``PatchState`` sets
   each layer's checkpointing for every training call (``hf.features.checkpointing``).

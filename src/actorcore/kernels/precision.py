@@ -56,3 +56,15 @@ class _WithoutAutocast(torch.autograd.Function):
                 grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                                  allow_unused=True))
         return (None, *(next(grads) if x.requires_grad else None for x in leaves))
+
+
+def value_head(hidden_TD: torch.Tensor, weight_1D: torch.Tensor, bias_1: torch.Tensor | None = None) -> torch.Tensor:
+    """A critic's 1-output linear head ``[T]`` in float32, with autocast off in its forward and its backward (both
+    routes' critics: fp32 values as promised, also inside a caller's autocast region)."""
+    params = (weight_1D,) if bias_1 is None else (weight_1D, bias_1)
+    return without_autocast(_fp32_values, hidden_TD, *params)[0]
+
+
+def _fp32_values(hidden_TD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    values_T1 = torch.nn.functional.linear(hidden_TD.float(), weight.float(), None if bias is None else bias.float())
+    return (values_T1[:, 0],)

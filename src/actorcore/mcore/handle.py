@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
+from actorcore._moved import renamed
 from actorcore.archs.megatron_rules import McoreSpec
 from actorcore.mcore.parallel import McoreParallel
-from actorcore.mcore.recompute import RecomputePlan
+from actorcore.mcore.build.recompute import RecomputePlan
 from actorcore.parallel.context import ParallelContext
 
 # How the checkpoint stores a MoE layer's experts: one tensor per expert (``experts.{e}.gate_proj.weight``), or
@@ -32,12 +33,12 @@ class McoreModel:
     VLM's ``model_type``; the whole config is ``vlm_config``). ``spec``: the architecture's Megatron rules.
     ``expert_layout``: the layout the checkpoint stores the experts in (``per_expert`` or ``grouped``): load
     checks it, export writes it. ``mla_full_width_projections``: MLA kv down projections patched for exact
-    gradients under TP + sequence parallelism (``mcore/mla.py``).
+    gradients under TP + sequence parallelism (``mcore/build/mla.py``).
 
     The speed choices ``build_gpt_model`` resolved (each with a way off there): ``moe_experts``, the routed experts'
-    kernel (``"grouped"``, ``"quack"``, ``"sequential"``; None without MoE layers, ``mcore/grouped_experts.py``);
-    ``fused_layers``, the layers' elementwise work compiled (``mcore/layer.py``); ``recompute``, the activation
-    recompute plan (None: none; ``mcore/recompute.py``), and ``measured_layer_bytes``, what CUDA calls measured each
+    kernel (``"grouped"``, ``"quack"``, ``"sequential"``; None without MoE layers, ``mcore/build/grouped_experts.py``);
+    ``compiled_layers``, the layers' elementwise work compiled (``mcore/build/layer.py``); ``recompute``, the activation
+    recompute plan (None: none; ``mcore/build/recompute.py``), and ``measured_layer_bytes``, what CUDA calls measured each
     layer to keep (by ``(layer index, mode)``), which ``recompute="auto"`` plans later calls with.
     """
 
@@ -52,9 +53,15 @@ class McoreModel:
     expert_layout: str = PER_EXPERT
     mla_full_width_projections: int = 0
     moe_experts: str | None = None
-    fused_layers: bool = False
+    compiled_layers: bool = False
     recompute: RecomputePlan | None = None
     measured_layer_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
+
+    @property
+    def fused_layers(self) -> bool:
+        """The old name of ``compiled_layers`` (kept for one release, with a DeprecationWarning)."""
+        renamed("McoreModel.fused_layers", "McoreModel.compiled_layers")
+        return self.compiled_layers
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, list) or not self.chunks:

@@ -1,5 +1,5 @@
-"""A stand-in for quack's GEMMs on the CPU, so the arithmetic around them (``kernels.gated_mlp_quack``,
-``kernels.moe_quack``, the Megatron route's quack experts) can be tested without a Hopper GPU.
+"""A stand-in for quack's GEMMs on the CPU, so the arithmetic around them (``kernels.quack.gated_mlp``,
+``kernels.quack.moe``, the Megatron route's quack experts) can be tested without a Hopper GPU.
 
 Written from quack's documented semantics (``quack.gemm_interface``'s reference implementations and argument
 comments), not from actorcore's code: a concatenated ``[gate; up]`` operand is read with gate and up interleaved
@@ -86,26 +86,18 @@ class QuackStandIn:
         return out if not colvec_reduce else (*out, (act * acc).sum(-1))
 
 
-def use_quack_stand_in(megatron: bool = False) -> Callable[[], None]:
-    """Run actorcore's quack paths on the stand-in, in any dtype and on any device (quack's presence, its 16-bit
-    CUDA checks and the gated MLP's dtype check lifted), for this process; returns the undo. ``megatron``: the
-    Megatron route's grouped experts too (``mcore.grouped_experts``, which imports megatron-core)."""
-    import actorcore.hf.features.dense_mlp as dense_mlp
-    import actorcore.hf.features.moe_experts as moe_experts
-    import actorcore.kernels.gated_mlp_quack as gated_mlp_quack
-    import actorcore.kernels.moe_quack as moe_quack
+def use_quack_stand_in() -> Callable[[], None]:
+    """Run actorcore's quack paths (both routes) on the stand-in, in any dtype and on any device (quack's one
+    availability probe, its entry point, and the gated MLP's 16-bit CUDA checks lifted), for this process; returns
+    the undo."""
+    import actorcore.hf.features.swiglu_mlp as swiglu_mlp
+    import actorcore.kernels.quack.gated_mlp as quack_gated_mlp
+    import actorcore.kernels.quack.runtime as quack_runtime
 
-    replaced = [(gated_mlp_quack, "gemm_interface", lambda: QuackStandIn),
-                (moe_quack, "gemm_interface", lambda: QuackStandIn),
-                (dense_mlp, "quack_refusal", lambda: None),
-                (moe_experts, "quack_refusal", lambda: None),
-                (dense_mlp, "_device_refusal", lambda module: None),
-                (dense_mlp, "gated_mlp", lambda x, g, u, d: gated_mlp_quack._GatedMLP.apply(x, g, u, d))]
-    if megatron:
-        import actorcore.mcore.grouped_experts as grouped_experts
-
-        replaced.append((grouped_experts, "quack_refusal", lambda: None))
-    return swap_attributes(replaced)
+    return swap_attributes([(quack_runtime, "gemm_interface", lambda: QuackStandIn),
+                            (quack_runtime, "quack_refusal", lambda: None),
+                            (swiglu_mlp, "_device_refusal", lambda module: None),
+                            (swiglu_mlp, "gated_mlp", lambda x, g, u, d: quack_gated_mlp._GatedMLP.apply(x, g, u, d))])
 
 
 def swap_attributes(replaced: list[tuple[object, str, object]]) -> Callable[[], None]:

@@ -91,21 +91,21 @@ TOL: dict[str, float] = {
     # Batch-invariant mode vs the plain route, bf16 on CUDA (3 layers): the same computation with other GEMM kernels
     # and their bf16 roundings; a misplaced tile or padding row would move log-probs by O(1). Not yet measured.
     "batch_invariant_vs_plain_bf16": 5e-2,
-    # Fused decoder (each layer's forward compiled by Inductor) vs the eager packed path, bf16 on CUDA (2-layer tiny
+    # Compiled decoder (each layer's forward compiled by Inductor) vs the eager packed path, bf16 on CUDA (2-layer tiny
     # models): the same math with other reduction orders and fewer intermediate bf16 roundings. Log-probs and
     # entropies absolute; parameter gradients as a relative L2 norm.
-    "fused_decoder_vs_eager_bf16": 5e-2,
-    "grad_fused_decoder_vs_eager_bf16_rel_norm": 5e-2,
-    # The fused decoder's mechanics on the CPU (Inductor's C++ kernels), fp32: reduction order only.
-    "fused_decoder_vs_eager_fp32": 1e-5,
-    "grad_fused_decoder_vs_eager_fp32_rel": 1e-5,
+    "compiled_decoder_vs_eager_bf16": 5e-2,
+    "grad_compiled_decoder_vs_eager_bf16_rel_norm": 5e-2,
+    # The compiled decoder's mechanics on the CPU (Inductor's C++ kernels), fp32: reduction order only.
+    "compiled_decoder_vs_eager_fp32": 1e-5,
+    "grad_compiled_decoder_vs_eager_fp32_rel": 1e-5,
     # MoE experts path (hf.features.moe_experts) on CUDA in bf16: one experts module's output and gradients vs fp32
     # math from the same bf16 values, relative to the max magnitude (bf16 rounding of the GEMMs' outputs and of the
-    # gate); the whole 2-layer tiny model (eager or fused decoder) vs the eager decoder with its eager bf16 experts:
+    # gate); the whole 2-layer tiny model (eager or compiled decoder) vs the eager decoder with its eager bf16 experts:
     # log-probs / entropies absolute, parameter gradients as a relative L2 norm (the bf16 decoder floor, as for the
-    # fused decoder; the fused decoder's gradients are compared by their distance to fp32, the key below).
+    # compiled decoder; the compiled decoder's gradients are compared by their distance to fp32, the key below).
     "moe_experts_module_vs_fp32_bf16_rel": 2e-2,
-    # quack's gated MLP (hf.features.dense_mlp) and experts (kernels.moe_quack): the arithmetic around quack's GEMMs
+    # quack's gated MLP (hf.features.swiglu_mlp) and experts (kernels.quack.moe): the arithmetic around quack's GEMMs
     # on the CPU in fp32 (a stand-in for them) vs the model's own MLP / experts, relative to the max magnitude (fp32
     # reassociation); on CUDA in bf16, one MLP's output and gradients vs fp32 math from the same bf16 values,
     # relative to the max magnitude (bf16 rounding).
@@ -119,7 +119,7 @@ TOL: dict[str, float] = {
     "gated_mlp_quack_vs_fp32_bf16_rel": 2e-2,
     "moe_experts_vs_eager_bf16": 5e-2,
     "grad_moe_experts_vs_eager_bf16_rel_norm": 5e-2,
-    # The MoE experts path under the fused decoder (GPU, bf16): its distance to the fp32 model (log-prob; gradient
+    # The MoE experts path under the compiled decoder (GPU, bf16): its distance to the fp32 model (log-prob; gradient
     # norm fraction) at most this factor times transformers' grouped_mm experts' distance under the same decoder,
     # plus the floor. Measured on the H200: 0.0848 against 0.0838, 0.0123 against 0.0113 at the worst parameter.
     "moe_path_vs_fp32_over_transformers_factor": 1.5,

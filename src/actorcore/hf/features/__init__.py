@@ -11,9 +11,10 @@ The modules: ``base`` (the protocol), ``plan`` (the options and the patch plan),
 (their feature), ``linear_attention`` (hybrid models' Gated DeltaNet), ``offload``, ``batch_invariant``,
 ``vision_inputs``, ``tiled_mlp``, ``norm_recompute``,
 ``finite``, ``checkpointing`` (full / selective / budgeted activation checkpointing), ``moe_experts`` (MoE
-experts on grouped GEMMs with gather-only token moves), ``dense_mlp`` (SwiGLU MLPs on quack's gated GEMMs),
-``fused_decoder`` (compiled decoder layers on CUDA), ``instance_forwards`` (how features install per-instance
-forwards and undo them) and ``class_paths`` (how features install a path by class and check it ran).
+experts on grouped GEMMs with gather-only token moves), ``swiglu_mlp`` (SwiGLU MLPs on quack's gated GEMMs),
+``compiled_decoder`` (compiled decoder layers on CUDA), ``instance_forwards`` (how features install per-instance
+forwards and undo them) and ``class_paths`` (how features install a path by class and check it ran). ``fused_decoder``
+and ``dense_mlp`` are the old paths of ``compiled_decoder`` and ``swiglu_mlp``, kept for one release.
 
 Order (each feature declares what it enters ``after``): the VLM inputs are built before anything else is in force
 (as the plain model builds them); the call's checkpointing sets the layers' checkpoint functions before the offload
@@ -27,14 +28,14 @@ from __future__ import annotations
 from actorcore.hf.features.base import entry_order
 from actorcore.hf.features.batch_invariant import BatchInvariant
 from actorcore.hf.features.checkpointing import Checkpointing
-from actorcore.hf.features.dense_mlp import DenseMLP
+from actorcore.hf.features.compiled_decoder import CompiledDecoder
 from actorcore.hf.features.finite import FiniteChecks
-from actorcore.hf.features.fused_decoder import FusedDecoder
 from actorcore.hf.features.linear_attention import LinearAttention
 from actorcore.hf.features.moe_experts import MoeExperts
 from actorcore.hf.features.norm_recompute import RecomputedNorms
 from actorcore.hf.features.offload import ActivationOffload
 from actorcore.hf.features.packed_attention import PackedAttention
+from actorcore.hf.features.swiglu_mlp import SwigluMLP
 from actorcore.hf.features.tiled_mlp import TiledMLP
 from actorcore.hf.features.vision_inputs import VisionInputs
 
@@ -47,8 +48,8 @@ DECODER_FEATURES = entry_order((
     BatchInvariant(),
     TiledMLP(),
     MoeExperts(),
-    DenseMLP(),
+    SwigluMLP(),
     RecomputedNorms(),
-    FusedDecoder(),
+    CompiledDecoder(),
     FiniteChecks(),
 ))

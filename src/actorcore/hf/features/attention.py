@@ -58,7 +58,7 @@ def packed_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` function: q/k/v ``[1, heads, T, H]`` -> ``([1, T, N, H], None)``.
 
-    Inside a layer the fused decoder compiles (it passes ``IN_GRAPH_KWARG``) the attention is traced into the
+    Inside a layer the compiled decoder compiles (it passes ``IN_GRAPH_KWARG``) the attention is traced into the
     layer's graph where its backend allows (``in_graph_attention``); everywhere else (eager calls, a user's own
     ``torch.compile``) it runs outside any graph and counts itself in the call's trace."""
     args = (module, query, key, value, scaling, dropout, sliding_window, softcap, kwargs)
@@ -69,7 +69,7 @@ def packed_attention_forward(
     return _attention_outside_graph(*args), None
 
 
-# A keyword argument the fused decoder passes to its compiled layers: trace the attention into the layer's graph.
+# A keyword argument the compiled decoder passes to its compiled layers: trace the attention into the layer's graph.
 IN_GRAPH_KWARG = "actorcore_attention_in_graph"
 
 
@@ -77,7 +77,7 @@ def in_graph_attention(module, query, key, value, scaling, dropout, sliding_wind
                        kwargs) -> torch.Tensor | None:
     """The packed attention as traced ops of a compiled layer (``[1, T, N, H]``), or None where its backend is not
     traceable (``traceable_backend``: torch's varlen op or FA4's; dropout in training, sinks or softcap outside FA4:
-    the call then leaves the graph as before). Not counted here: the fused decoder counts the layers whose compiled
+    the call then leaves the graph as before). Not counted here: the compiled decoder counts the layers whose compiled
     graphs hold it (``graph_attention_backends``)."""
     if module.training and dropout:
         return None

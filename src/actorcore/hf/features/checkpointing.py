@@ -3,8 +3,8 @@
 Modes (``None`` leaves the model's own setting, the behaviour before this option existed):
 - ``"full"``: every layer under torch's non-reentrant checkpoint (its forward runs again in backward).
 - ``"selective"``: every layer keeps its matmul and attention outputs and recomputes the rest
-  (``kernels.selective_checkpoint``; bitwise the gradients of ``"full"``). A fused layer (``hf.features.fused_decoder``)
-  is not checkpointed at all instead: its compiled graph already keeps the matmul outputs and recomputes the
+  (``kernels.selective_checkpoint``; bitwise the gradients of ``"full"``). A compiled layer
+  (``hf.features.compiled_decoder``) is not checkpointed at all instead: its compiled graph already keeps the matmul outputs and recomputes the
   fused pointwise work in its backward.
 - ``"auto"``: as many of the LAST layers as fit ``memory_budget_gib`` (from the call's token count, the memory
   already allocated and each layer's bytes per token) run as in ``"selective"``, the others as in ``"full"``. The
@@ -17,7 +17,7 @@ The ``Checkpointing`` decoder feature sets, for each training call, the layers' 
 ``_gradient_checkpointing_func`` and restores them afterwards (the functions travel with the autograd graph into
 backward); it records the plan in ``call.checkpoint_modes`` (activation offload reads which layers are
 checkpointed). Trace keys: ``checkpoint:full_layers``, ``checkpoint:selective_layers``,
-``checkpoint:fused_layers_kept`` (layers per mode in the call) and ``checkpoint:selective`` (each selective
+``checkpoint:compiled_layers_kept`` (layers per mode in the call) and ``checkpoint:selective`` (each selective
 checkpoint that ran: the self-check).
 """
 
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_MODES = ("full", "selective", "auto")
 FULL_LAYERS = "checkpoint:full_layers"
 SELECTIVE_LAYERS = "checkpoint:selective_layers"
-UNCHECKPOINTED_LAYERS = "checkpoint:fused_layers_kept"
+UNCHECKPOINTED_LAYERS = "checkpoint:compiled_layers_kept"
 
 
 @dataclass(frozen=True)
@@ -101,19 +101,19 @@ def layer_bytes_per_token(config: Any, element_bytes: int, fused: bool) -> tuple
 def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], tokens: int, config: Any, element_bytes: int,
                      allocated_bytes: float, measured: dict[tuple[int, str], float] | None = None,
                      offloaded: int = 0) -> list[str]:
-    """Each layer's mode for one call: ``"full"``, ``"selective"`` or ``"none"`` (a fused layer under ``"auto"``,
+    """Each layer's mode for one call: ``"full"``, ``"selective"`` or ``"none"`` (a compiled layer under ``"auto"``,
     kept whole: its compiled graph keeps the matmul outputs and recomputes its pointwise work).
 
     ``measured``: bytes per token that layer ``i`` was measured to keep in mode ``m`` beyond a checkpointed layer
     (``LayerBytesMeter``, earlier calls), used for ``"auto"`` in place of the estimate from the config.
     ``offloaded``: the leading layers whose checkpointed input activation offload moves: ``"auto"`` keeps no fused
-    layer among them (a fused layer kept whole has no checkpointed input to move; a selective one has)."""
+    layer among them (a compiled layer kept whole has no checkpointed input to move; a selective one has)."""
     kept = ["none" if f else "selective" for f in fused]
     if plan.mode == "full":
         return ["full"] * len(fused)
     if plan.mode == "selective":
         if any(fused):
-            raise ValueError("checkpointing='selective' on fused layers: the plan refuses this pair at patch time")
+            raise ValueError("checkpointing='selective' on compiled layers: the plan refuses this pair at patch time")
         return kept
     measured = measured or {}
     per_layer = [layer_bytes_per_token(config, element_bytes, f) for f in fused]
@@ -246,8 +246,8 @@ class CheckpointingOption(FeatureOption):
             return self.decision(asked, None, "the model's own checkpointing setting, untouched")
         if plan.mode == "auto":
             why = (f"per training call, as many of the last layers as {plan.budget_bytes / 2**30:g} GiB fits keep "
-                   "their activations (selectively; a fused layer as its compiled graph keeps them), the others fully "
-                   "checkpointed")
+                   "their activations (selectively; a compiled layer as its compiled graph keeps them), the others "
+                   "fully checkpointed")
         else:
             why = {"full": "every layer under torch's non-reentrant checkpoint",
                    "selective": "every layer keeps its matmul and attention outputs and recomputes the rest"}[plan.mode]
@@ -271,7 +271,7 @@ class Checkpointing(DecoderFeature):
         param = next(call.model.parameters())
         allocated_now = allocated_bytes_counter(param.device)
         allocated = allocated_now() if allocated_now is not None else 0
-        fused = set(call.patch.targets("fused_decoder")) if "fused_decoder" not in call.standing_down else set()
+        fused = set(call.patch.targets("compiled_decoder")) if "compiled_decoder" not in call.standing_down else set()
         tokens = call.batch.num_tokens // call.sp_size  # this rank's shard
         config = text_config(call.model.config)
         plan, measured = call.patch.value("checkpointing"), call.patch.measured_layer_bytes

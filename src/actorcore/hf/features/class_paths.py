@@ -1,12 +1,12 @@
 """Paths installed by class: a module runs, for the patch's lifetime, as a subclass of its own class put in front of
 it (the MoE experts path, quack's gated MLP), and the check that every installed module took the path in a call.
 
-A class, not an instance ``forward``: the fused decoder compiles one layer forward for all layers of a class, and
+A class, not an instance ``forward``: the compiled decoder compiles one layer forward for all layers of a class, and
 Dynamo guards on the identity of what a layer calls; one object per module recompiled the layer for every layer
 (and past Dynamo's recompile limit, ran it uncompiled). Each installed module holds the patch's trace slot in its
 ``__dict__`` (a deep copy of the model is a copy of those modules); nothing per module is read inside a compiled
 layer. Compiled layers run only inside actorcore's calls, so there the path is taken without reading the slot
-(``is_compiling``): eager runs count into the call's trace, compiled ones are proven by the fused decoder's own
+(``is_compiling``): eager runs count into the call's trace, compiled ones are proven by the compiled decoder's own
 count (``modules_that_ran``).
 """
 
@@ -19,7 +19,7 @@ import torch
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall, TraceRef
 from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
-from actorcore.hf.features.fused_decoder import FusedDecoder
+from actorcore.hf.features.compiled_decoder import CompiledDecoder
 from actorcore.hf.features.plan import STANDS_DOWN
 
 TRACE_ATTR = "_actorcore_path_trace"  # the patch's trace slot, on each installed module
@@ -46,7 +46,7 @@ def install_classes(modules: list[torch.nn.Module], trace: TraceRef, class_for: 
 
 def class_in_front(path_class: type, base: type, **attrs: Any) -> type:
     """``base``'s class with ``path_class`` in front (named as ``base``, ``_actorcore_base`` pointing at it): one per
-    module class, so the fused decoder's one compiled layer serves every layer (cache it per ``base``)."""
+    module class, so the compiled decoder's one compiled layer serves every layer (cache it per ``base``)."""
     return type(base.__name__, (path_class, base), {
         "_actorcore_base": base, "__module__": base.__module__, "__qualname__": base.__qualname__, **attrs})
 
@@ -77,10 +77,10 @@ def counted_call(module: torch.nn.Module, key: str, feature: str) -> bool:
 
 def modules_that_ran(call: DecoderCall, names: tuple[str, ...], key: str, path_class: type) -> tuple[int, list[str]]:
     """``(how many of the installed modules ran the path, those no longer of the path's class)``: counted by
-    their eager runs under ``key``, or lying inside a layer the fused decoder ran compiled."""
+    their eager runs under ``key``, or lying inside a layer the compiled decoder ran compiled."""
     decoder, in_fused = call.parts.decoder, set()
-    if FusedDecoder().active(call):
-        in_fused = names_inside(decoder, [call.parts.layers[i] for i in call.patch.targets("fused_decoder")], names)
+    if CompiledDecoder().active(call):
+        in_fused = names_inside(decoder, [call.parts.layers[i] for i in call.patch.targets("compiled_decoder")], names)
     bypassed = [name for name in names if not isinstance(decoder.get_submodule(name), path_class)]
     return call.ran(key) + len(in_fused), bypassed
 

@@ -35,8 +35,8 @@ from actorcore.errors import PackingNotAppliedError
 from actorcore.hf.call import DecoderCall, parallel_from_kwargs, trace_from_kwargs
 from actorcore.hf.features.base import DecoderFeature, switched_for_call
 from actorcore.hf.features.instance_forwards import install_forwards
-from actorcore.kernels.linear_attention.gated_deltanet import (decay_and_beta, gated_norm_recomputed, mix_packed,
-                                                               split_grouped_projections)
+from actorcore.kernels.linear_attention.gated_deltanet import (decay_and_beta, gated_norm_recomputed, in_projections,
+                                                               mix_packed)
 from actorcore.kernels.linear_attention.packed import causal_conv1d_packed, gated_delta_rule_packed
 from actorcore.parallel.ulysses import (
     head_to_sequence_sharded,
@@ -73,13 +73,8 @@ def check_linear_heads(modules: list[torch.nn.Module], sp_size: int) -> None:
 
 def _project(module: torch.nn.Module, projections: str, hidden_1LD: torch.Tensor):
     """``(pre-conv q/k/v channels [L, C], z [L, M, V], b [L, M], a [L, M])`` as the module's forward builds them."""
-    L = hidden_1LD.shape[1]
-    N, M, K, V = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
-    if projections == "separate":
-        mixed_LC = module.in_proj_qkv(hidden_1LD)[0]
-        z = module.in_proj_z(hidden_1LD)[0].reshape(L, M, V)
-        return mixed_LC, z, module.in_proj_b(hidden_1LD)[0], module.in_proj_a(hidden_1LD)[0]
-    return split_grouped_projections(module.in_proj_qkvz(hidden_1LD)[0], module.in_proj_ba(hidden_1LD)[0], N, M, K, V)
+    return in_projections(projections, lambda name: getattr(module, name)(hidden_1LD)[0], module.num_k_heads,
+                          module.num_v_heads, module.head_k_dim, module.head_v_dim)
 
 
 class GatedDeltaNetForward:

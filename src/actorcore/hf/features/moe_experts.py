@@ -4,28 +4,31 @@ moved with gathers only.
 Why: transformers' grouped experts forward (``grouped_mm_experts_forward``) moves tokens to their experts by
 indexing (``hidden_states[perm // top_k]``, ``inv_perm[perm] = arange``, ``weighted_out[inv_perm]``), whose backward
 is a scatter-add with duplicate indices in the model's dtype: atomics, nondeterministic, and, compiled in the
-fused decoder, Inductor's slowest copy kernels of an MoE model's actor step. This path does the same math with the
+compiled decoder, Inductor's slowest copy kernels of an MoE model's actor step. This path does the same math with the
 gathers of ``kernels.moe_permute`` both ways (deterministic; each token's sum over its ``K`` experts in fp32,
 rounded once), and the same grouped GEMMs (transformers' own ``_grouped_mm`` dispatcher: ``grouped_mm`` where
 torch has it for the device and dtype, transformers' compile-safe per-expert fallback elsewhere), the model's own
 gate activation (``_apply_gate`` / ``act_fn``), biases and post-expert norm. It traces under ``torch.compile``
-without graph breaks, so the fused decoder compiles it into the layer.
+without graph breaks, so the compiled decoder compiles it into the layer.
 
 How: each experts module of the MoE layers (transformers' standard experts class, the one its
 ``use_experts_implementation`` decorator makes) runs, for the patch's lifetime, as a subclass of its own class
-(``SortedExperts`` in front; one per experts class, so the fused decoder's one compiled layer serves every layer)
+(``SortedExperts`` in front; one per experts class, so the compiled decoder's one compiled layer serves every layer)
 holding the patch's trace slot; a deep copy of the model is a copy of those modules. It runs this path in
 actorcore's calls only; any other call (the model's own forward, ``verify``'s reference) runs the class's own
-forward. Eager runs count under ``MOE_EXPERTS_KEY``; a layer the fused decoder ran compiled took the path by
+forward. Eager runs count under ``MOE_EXPERTS_KEY``; a layer the compiled decoder ran compiled took the path by
 construction; the ``MoeExperts`` feature requires every installed module to have run one way or the other.
 
-Where: ``"grouped"`` installs it on any device and dtype it runs in (float32 on the CPU too), refusing what it does
-not cover (expert parallelism, other experts classes); ``False`` keeps the model's own experts code; ``"auto"`` (the
-default) installs it where the fused decoder runs (a CUDA model with 16-bit weights), the combination measured
-faster side by side on the H200 (``bench/actor_step.py``), and keeps the model's own experts elsewhere or where the
-path refuses the model. Exactness, measured there per parameter (``tests/gpu/test_moe_experts_cuda.py``): under the
-fused decoder the path is as close to the fp32 model as transformers' ``grouped_mm`` experts under the same decoder;
-with the eager decoder within bf16 rounding of transformers' eager experts.
+Where: ``"sorted"`` (named ``"grouped"`` before: the old value still works for one release, with a
+DeprecationWarning; transformers' own ``"grouped_mm"`` experts are another path) installs it on any device and
+dtype it runs in (float32 on the CPU too), refusing what it does not cover (expert parallelism, other experts
+classes); ``False`` keeps the model's own experts code; ``"auto"`` (the default) installs it where the compiled
+decoder runs (a CUDA model with 16-bit weights), the combination measured faster side by side on the H200
+(``bench/actor_step.py``), and keeps the model's own experts elsewhere, where the path refuses the model, or where
+the model has linear-attention layers (``LINEAR_ATTENTION_REFUSAL``). Exactness, measured there per parameter
+(``tests/gpu/test_moe_experts_cuda.py``): under the compiled decoder the path is as close to the fp32 model as
+transformers' ``grouped_mm`` experts under the same decoder; with the eager decoder within bf16 rounding of
+transformers' eager experts.
 """
 
 from __future__ import annotations
@@ -36,20 +39,29 @@ from typing import Any, Callable
 
 import torch
 
+from actorcore._moved import renamed
 from actorcore.archs import submodule
 from actorcore.hf.call import DecoderCall
 from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call, reduce_to_path_class
 from actorcore.hf.features.plan import FeatureOption, PlanFacts, check_choice
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
-from actorcore.kernels.moe_quack import gated_experts
-from actorcore.kernels.quack_runtime import quack_refusal, width_refusal
+from actorcore.kernels.quack import runtime as quack_runtime
+from actorcore.kernels.quack.moe import gated_experts
 
 logger = logging.getLogger(__name__)
 
 MOE_EXPERTS_KEY = "moe_experts:modules"
-MOE_EXPERTS_CHOICES = ("auto", "grouped", "quack", False)
+MOE_EXPERTS_CHOICES = ("auto", "sorted", "quack", False)
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-AUTO_REFUSAL = "the decoder is not fused here (the path was measured faster only inside the fused decoder)"
+AUTO_REFUSAL = "the decoder is not compiled here (the path was measured faster only inside the compiled decoder)"
+# "auto" on a model with linear-attention layers: measured on the H200 (tests/gpu/test_moe_experts_cuda.py, the tiny
+# Qwen3-Next with its MoE block in a compiled layer), the compiled decoder with this path put the Gated DeltaNet decay
+# parameters' gradients 2-4x further from the fp32 model than transformers' grouped_mm experts on two of four seeds;
+# the other hybrid MoE models share those layers.
+LINEAR_ATTENTION_REFUSAL = (
+    "the model has linear-attention (Gated DeltaNet) layers, whose decay parameters' gradients (A_log, dt_bias) "
+    "measured 2-4x further from the fp32 model under the compiled decoder with this path than with transformers' "
+    "grouped_mm experts (moe_experts='sorted' still installs it)")
 
 
 @functools.cache
@@ -98,7 +110,7 @@ def sorted_experts_forward(experts: torch.nn.Module, hidden_states_TD: torch.Ten
                            top_k_weights_TK: torch.Tensor, grouped_mm: Callable, quack: bool = False) -> torch.Tensor:
     """transformers' experts math (``grouped_mm_experts_forward``) with the tokens moved by gathers both ways;
     ``grouped_mm(x, weight, offsets)``: transformers' grouped GEMM dispatcher. ``quack``: the SwiGLU MLP as quack's
-    GEMMs with the gather and the activation inside them (``kernels.moe_quack``; a module ``quack_module_refusal``
+    GEMMs with the gather and the activation inside them (``kernels.quack.moe``; a module ``quack_module_refusal``
     passes)."""
     if getattr(experts, "_is_expert_parallel", False):
         raise ValueError(f"{type(experts).__name__} is expert-parallel (experts split over ranks): actorcore's MoE "
@@ -222,12 +234,12 @@ def quack_module_refusal(module: torch.nn.Module) -> str | None:
     why = next((reason for ok, reason in checks if not ok), None)
     if why is not None:
         return f"{name} {why}: quack's fused experts GEMMs run SwiGLU experts only"
-    return width_refusal(name, hidden=module.down_proj.shape[1], intermediate=module.down_proj.shape[2])
+    return quack_runtime.width_refusal(name, hidden=module.down_proj.shape[1], intermediate=module.down_proj.shape[2])
 
 
 def _quack_refusal_for(modules: list[torch.nn.Module]) -> str | None:
     """Why quack's fused GEMMs cannot run these experts modules here (None: they can)."""
-    return quack_refusal() or next((r for r in map(quack_module_refusal, modules) if r is not None), None)
+    return quack_runtime.quack_refusal() or next((r for r in map(quack_module_refusal, modules) if r is not None), None)
 
 
 def _model_refusal(model: torch.nn.Module, spec: Any, found: list[tuple[str, torch.nn.Module]]) -> str | None:
@@ -244,23 +256,27 @@ def _model_refusal(model: torch.nn.Module, spec: Any, found: list[tuple[str, tor
 
 
 class MoeExpertsOption(FeatureOption):
-    """``moe_experts``: "auto", "grouped", "quack" or False; its value: the kernels that run ("grouped" / "quack")
-    or False, on the experts modules it targets (names in the decoder)."""
+    """``moe_experts``: "auto", "sorted", "quack" or False; its value: the kernels that run ("sorted": the sorted path
+    on transformers' grouped GEMMs / "quack") or False, on the experts modules it targets (names in the decoder)."""
 
     name = "moe_experts"
     keywords = {"moe_experts": "auto"}
-    needs = ("fused_decoder",)
+    needs = ("compiled_decoder",)
     doc = ("the MoE layers' experts (transformers' standard experts class) run actorcore's path in its calls: the "
            "same grouped GEMMs and gate activation, with the tokens moved to their experts and back by gathers in "
-           "both directions (deterministic; each token's sum over its experts in fp32, rounded once). ``'grouped'`` "
-           "installs it on any device and dtype and refuses a model it does not cover; ``'quack'`` runs its SwiGLU "
-           "MLP as quack's Hopper GEMMs (refused where they cannot run); ``'auto'`` (default) installs it where the "
-           "decoder is fused (measured faster there), on quack's GEMMs where they run and cover the model, else keeps "
-           "the model's own experts code; ``False`` keeps the model's own experts code.")
+           "both directions (deterministic; each token's sum over its experts in fp32, rounded once). ``'sorted'`` "
+           "(formerly ``'grouped'``) installs it on any device and dtype and refuses a model it does not cover; "
+           "``'quack'`` runs its SwiGLU MLP as quack's Hopper GEMMs (refused where they cannot run); ``'auto'`` "
+           "(default) installs it where the decoder is compiled (measured faster there), on quack's GEMMs where they "
+           "run and cover the model, else keeps the model's own experts code; ``False`` keeps the model's own experts "
+           "code.")
 
     def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
         request = asked["moe_experts"]
-        check_choice("moe_experts", request, MOE_EXPERTS_CHOICES, "'grouped' installs actorcore's experts path, "
+        if isinstance(request, str) and request == "grouped":
+            renamed("moe_experts='grouped'", "moe_experts='sorted'", stacklevel=6)  # the caller of patch_model
+            asked, request = {**asked, "moe_experts": "sorted"}, "sorted"
+        check_choice("moe_experts", request, MOE_EXPERTS_CHOICES, "'sorted' installs actorcore's experts path, "
                      "'quack' that path with quack's fused GEMMs, False keeps the model's own experts code")
         if request is False:
             return self.decision(asked, False, "not asked: the model's own experts code")
@@ -271,17 +287,19 @@ class MoeExpertsOption(FeatureOption):
         modules = [module for _, module in found]
         if request == "quack" and why is None:
             why = _quack_refusal_for(modules)
-        if request == "auto":
-            why = AUTO_REFUSAL if not decided["fused_decoder"].on else facts.spec.moe_experts_auto_refusal or why
+        if request == "auto" and not decided["compiled_decoder"].on:
+            why = AUTO_REFUSAL
+        elif request == "auto" and facts.spec.linear_attention is not None:
+            why = LINEAR_ATTENTION_REFUSAL
         if why is not None:
             if request == "auto":
                 return self.decision(asked, False, f"auto: {why}; the model's own experts code")
             raise ValueError(f"moe_experts={request!r}: {why}; pass moe_experts=False (the model's own experts code)"
-                             + (" or 'grouped'" if request == "quack" else ""))
+                             + (" or 'sorted'" if request == "quack" else ""))
         kernel, how = request, "asked"
         if request == "auto":
             quack_why = _quack_refusal_for(modules)
-            kernel, how = ("grouped", f"grouped_mm: {quack_why}") if quack_why else ("quack", "quack's GEMMs run here")
+            kernel, how = ("sorted", f"grouped_mm: {quack_why}") if quack_why else ("quack", "quack's GEMMs run here")
         return self.decision(asked, kernel, f"{len(found)} experts modules on actorcore's path ({how})",
                              (name for name, _ in found))
 
@@ -289,7 +307,7 @@ class MoeExpertsOption(FeatureOption):
 class MoeExperts(ClassPathFeature):
     """``patch_model(moe_experts=...)``: the experts modules named in the patch state run as ``sorted_experts_class``
     for the patch's lifetime; ``check`` requires each of them to have run in the call: counted by its eager runs,
-    or inside a layer the fused decoder ran compiled (that feature checks its own count)."""
+    or inside a layer the compiled decoder ran compiled (that feature checks its own count)."""
 
     name = "moe_experts"
     options = (MoeExpertsOption(),)

@@ -444,7 +444,7 @@ class ActivationOffload(DecoderFeature):
         return call.patch is not None and call.patch.value("offload_activations") > 0 and torch.is_grad_enabled()
 
     def enter(self, call: DecoderCall) -> contextlib.AbstractContextManager:
-        # Only the layers checkpointed in this call: the planned checkpointing keeps no fused layer of the first K
+        # Only the layers checkpointed in this call: the planned checkpointing keeps no compiled layer of the first K
         # (the offloaded ones) whole, but may keep some of the others.
         layers = call.checkpointed_layers
         return offloaded_layers(layers, call.trace, call.model_name, self._offloaded(call))

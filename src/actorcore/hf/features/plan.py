@@ -24,6 +24,13 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from actorcore._moved import renamed
+
+# Options renamed because their names misled, old -> new: the old keyword and the old name in a plan still work for
+# one release, with a DeprecationWarning ("fused" meant four things; this one compiles the decoder layers; "dense"
+# was quack's SwiGLU epilogue).
+RENAMED_OPTIONS = {"fused_decoder": "compiled_decoder", "dense_mlp": "swiglu_mlp"}
+
 # What a feature does in a batch-invariant call (``DecoderFeature.in_batch_invariant_call``).
 RUNS = "runs"
 STANDS_DOWN = "stands down"  # the model's own code runs instead, through the invariant linears
@@ -143,12 +150,15 @@ class PatchPlan:
         self._index.update({d.option: d for d in self.decisions})
 
     def __getitem__(self, option: str) -> Decision:
+        if option in RENAMED_OPTIONS:
+            renamed(f"the option {option!r}", repr(RENAMED_OPTIONS[option]))
+            option = RENAMED_OPTIONS[option]
         if option not in self._index:
             raise KeyError(f"no option {option!r} in this plan; it has {sorted(self._index)}")
         return self._index[option]
 
     def __contains__(self, option: str) -> bool:
-        return option in self._index
+        return RENAMED_OPTIONS.get(option, option) in self._index
 
     def value(self, option: str) -> Any:
         return self[option].value
@@ -219,8 +229,16 @@ def resolution_order(options: list[FeatureOption]) -> list[FeatureOption]:
 def split_keywords(options: list[FeatureOption], given: Mapping[str, Any], function: str = "patch_model"
                    ) -> dict[str, dict[str, Any]]:
     """``given`` keywords per option (defaults filled in); an unknown keyword is a ``TypeError`` naming the
-    closest one."""
+    closest one; a renamed one (``RENAMED_OPTIONS``) is taken under its new name, with a DeprecationWarning."""
     owner = {k: o.name for o in options for k in o.keywords}
+    given = dict(given)
+    for old, new in RENAMED_OPTIONS.items():
+        if old in given and new in owner:
+            if new in given:
+                raise TypeError(f"{function}() got {old}= and {new}=, the same option under its old and new name; "
+                                f"pass {new}= only")
+            renamed(f"{function}({old}=...)", f"{new}=...", stacklevel=6)  # the caller of patch_model
+            given[new] = given.pop(old)
     for keyword in given:
         if keyword not in owner:
             close = difflib.get_close_matches(keyword, owner, n=1)

@@ -12,7 +12,8 @@ Order of work, the same on every rank of an SP group:
    has a data-parallel axis, it then runs on one dummy image whose features enter the embeddings multiplied
    by 0, so every rank issues the same collectives and no rank hangs (the result is unchanged);
 2. the features replace the placeholder embeddings of the FULL packed sequence (``masked_scatter`` in
-   packed order, which is sequence order, which is the order of the processor outputs);
+   packed order, which is sequence order, which is the order of the processor outputs: ``actorcore.visual_merge``,
+   the merge the Megatron route runs too);
 3. only then the embeddings, and Qwen3-VL's DeepStack inputs (visual-position mask and per-layer visual
    features), are cut to this rank's contiguous token shard. Position ids were computed per sequence at
    packing time (``actorcore.hf.vlm.packing``) and the packed pass shards them.
@@ -25,7 +26,6 @@ the single-process gradients, like every decoder parameter's.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,40 +44,14 @@ from actorcore.hf.vlm.packing import (
     token_types,
     vision_spec,
 )
+from actorcore.visual_merge import VisualFeatures, merge_visual_features, tower_outputs
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class VisualFeatures:
-    """Merged vision-tower outputs for the whole batch, in placeholder order."""
-
-    image_ND: torch.Tensor | None = None
-    video_ND: torch.Tensor | None = None
-    # Qwen3-VL DeepStack: one ``[N_image, D]`` / ``[N_video, D]`` tensor per decoder layer it feeds.
-    deepstack_image: list[torch.Tensor] = field(default_factory=list)
-    deepstack_video: list[torch.Tensor] = field(default_factory=list)
-
-
-def _cat(parts: Any) -> torch.Tensor:
-    return torch.cat(list(parts), dim=0) if isinstance(parts, (list, tuple)) else parts
-
-
 def _run_tower(base: Any, method: str, pixels: torch.Tensor, grid: torch.Tensor,
                vision: VisionSpec) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    out = getattr(base, method)(pixels, grid)
-    merged = getattr(out, "pooler_output", None)
-    if merged is None:
-        raise ValueError(f"{type(base).__name__}.{method} returned {type(out).__name__} without pooler_output; "
-                         "this transformers version returns vision features differently from what actorcore reads")
-    deepstack = []
-    if vision.deepstack:
-        layers = getattr(out, "deepstack_features", None)
-        if layers is None:
-            raise ValueError(f"{type(base).__name__}.{method} returned no deepstack_features, which this "
-                             "architecture's spec says it has")
-        deepstack = [_cat(layer) for layer in layers]
-    return _cat(merged), deepstack
+    return tower_outputs(getattr(base, method)(pixels, grid), f"{type(base).__name__}.{method}", vision.deepstack)
 
 
 def tower_grids(video_grid_I3: torch.Tensor, vision: VisionSpec) -> torch.Tensor:
@@ -155,37 +129,6 @@ def token_types_of(model: Any, vision: VisionSpec, work: PackedBatch) -> torch.T
     return torch.nn.functional.pad(types.to(work.device), (0, work.num_tokens - types.numel()))
 
 
-def _scatter(embeds_TD: torch.Tensor, mask_T: torch.Tensor, features_ND: torch.Tensor | None,
-             name: str) -> torch.Tensor:
-    tokens = int(mask_T.sum())
-    have = 0 if features_ND is None else int(features_ND.shape[0])
-    if tokens != have:
-        raise ValueError(f"the batch has {tokens} {name} tokens but the vision tower produced {have} {name} "
-                         f"features: {name} tokens and features do not match")
-    if features_ND is None:
-        return embeds_TD
-    if features_ND.shape[-1] != embeds_TD.shape[-1]:
-        raise ValueError(f"{name} features have width {features_ND.shape[-1]}, text embeddings {embeds_TD.shape[-1]}")
-    return embeds_TD.masked_scatter(mask_T[:, None], features_ND.to(embeds_TD.dtype))
-
-
-def deepstack_inputs(image_mask_T: torch.Tensor, video_mask_T: torch.Tensor,
-                     features: VisualFeatures) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Visual-position mask ``[T]`` and per-layer features ``[N, D]`` in token order (images and videos joint)."""
-    visual_T = image_mask_T | video_mask_T
-    layers = max(len(features.deepstack_image), len(features.deepstack_video))
-    joint = []
-    for layer in range(layers):
-        ref = (features.deepstack_image or features.deepstack_video)[layer]
-        out_ND = ref.new_zeros(int(visual_T.sum()), ref.shape[-1])
-        if features.deepstack_image:
-            out_ND = out_ND.index_put((image_mask_T[visual_T].nonzero()[:, 0],), features.deepstack_image[layer])
-        if features.deepstack_video:
-            out_ND = out_ND.index_put((video_mask_T[visual_T].nonzero()[:, 0],), features.deepstack_video[layer])
-        joint.append(out_ND)
-    return visual_T, joint
-
-
 def vlm_decoder_inputs(model: Any, spec: ArchSpec, work: PackedBatch, parallel: Any) -> dict[str, Any]:
     """Keyword arguments for the language model: this rank's ``inputs_embeds`` (and DeepStack inputs)."""
     vision = vision_spec(model)
@@ -196,11 +139,10 @@ def vlm_decoder_inputs(model: Any, spec: ArchSpec, work: PackedBatch, parallel: 
     embeds_TD = model.get_input_embeddings()(work.input_ids)
     if features.image_ND is None and features.video_ND is None and tower_must_run(base, vision, parallel):
         embeds_TD = embeds_TD + dummy_visual_term(base, vision, model.config).to(embeds_TD.dtype)
-    embeds_TD = _scatter(embeds_TD, image_mask_T, features.image_ND, "image")
-    embeds_TD = _scatter(embeds_TD, video_mask_T, features.video_ND, "video")
-    has_deepstack = vision.deepstack and (features.image_ND is not None or features.video_ND is not None)
+    embeds_TD, deepstack = merge_visual_features(embeds_TD, image_mask_T, video_mask_T, features)
+    has_deepstack = deepstack is not None
     if has_deepstack:
-        visual_T, deepstack_ND = deepstack_inputs(image_mask_T, video_mask_T, features)
+        visual_T, deepstack_ND = deepstack
 
     sp_size = 1 if parallel is None else int(parallel.sp_size)
     if sp_size > 1:

@@ -7,7 +7,7 @@ kernels use Hopper's asynchronous tensor-core instructions (the FlashAttention-3
 ``cu_seqlens`` for packed sequences.
 
 How: two custom ops, ``actorcore::fa4_varlen_forward`` and ``actorcore::fa4_varlen_backward``, joined by
-``register_autograd``. Eager calls and the fused decoder's compiled layers run the same ops: Dynamo sees one opaque
+``register_autograd``. Eager calls and the compiled decoder's compiled layers run the same ops: Dynamo sees one opaque
 op with a fake implementation (FA4 compiles its kernels with the CuTe DSL on first use, which no graph can hold).
 The ops call ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd``, the entry points flash-attn-4's
 own autograd function calls. They are not its public API and change between its beta releases, so only the tested
@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from actorcore.kernels.quack_runtime import quack_refusal
+from actorcore.kernels.quack import runtime as quack_runtime
 
 FA4_VERSION = "4.0.0b36"
 INSTALL_HINT = (f"pip install 'actorcore[fa4]' (flash-attn-4=={FA4_VERSION} over quack-kernels 0.6.4 and the "
@@ -63,7 +63,7 @@ def installed_refusal() -> str | None:
                 f"change between its beta releases, and takes only the tested {FA4_VERSION} ({INSTALL_HINT})")
     if importlib.util.find_spec("flash_attn.cute") is None:
         return f"flash-attn-4 is installed but flash_attn.cute cannot be found ({INSTALL_HINT})"
-    return quack_refusal()
+    return quack_runtime.quack_refusal()
 
 
 def fa4_refusal(device: torch.device, dtype: torch.dtype, head_dim: int, capability: tuple[int, int] | None, *,

@@ -18,6 +18,21 @@ import torch.utils.checkpoint
 from actorcore.kernels.linear_attention.packed import causal_conv1d_packed, gated_delta_rule_packed
 
 
+def in_projections(projections: str, project: Callable[[str], torch.Tensor], n: int, m: int, K: int, V: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q/k/v channels [T, C], z [T, m, V], b [T, m], a [T, m])`` of a Gated DeltaNet layer, as transformers' module
+    builds them, from its in-projections (both routes: ``project(name)`` is the ``[T, width]`` output of the layer's
+    projection of that name, for ``n`` / ``m`` key / value heads). ``projections``: ``"separate"`` (Qwen3.5:
+    ``in_proj_qkv`` [q; k; v], ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) or ``"grouped"`` (Qwen3-Next:
+    ``in_proj_qkvz`` and ``in_proj_ba`` grouped per key head, ``split_grouped_projections``)."""
+    if projections == "grouped":
+        return split_grouped_projections(project("in_proj_qkvz"), project("in_proj_ba"), n, m, K, V)
+    mixed_TC = project("in_proj_qkv")
+    T = mixed_TC.shape[0]
+    return (mixed_TC, project("in_proj_z").reshape(T, m, V), project("in_proj_b").reshape(T, m),
+            project("in_proj_a").reshape(T, m))
+
+
 def split_grouped_projections(qkvz_TX: torch.Tensor, ba_TY: torch.Tensor, n: int, m: int, K: int, V: int
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Qwen3-Next's in-projections, grouped per key head (``[q_h, k_h, v and z of its m/n value heads]`` and

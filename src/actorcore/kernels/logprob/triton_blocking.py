@@ -33,9 +33,8 @@ class Config:
     ``persistent``: one program per SM looping over the tiles (the backward's recompute kernel);
     ``tma_store``: tiles written through the TMA engine (asynchronous, overlapping the next tile);
     ``flatten``: Triton flattens the tile and K loops into one pipelined loop (next tile's loads during
-    this tile's epilogue); ``subtile``: the epilogue works on two half-width tiles in turn (fewer live
-    registers); ``warp_specialize``: Triton's automatic warp specialisation of the tile loop (producer warps
-    issue the TMA loads while consumer warps run the matmul and epilogue; TMA kernels only).
+    this tile's epilogue). Two more options were measured slower on the H200 and removed: a subtiled epilogue
+    and Triton's automatic warp specialisation (docs/bench_head.md).
     """
 
     block_t: int
@@ -47,11 +46,9 @@ class Config:
     persistent: bool = False
     tma_store: bool = False
     flatten: bool = False
-    subtile: bool = False
-    warp_specialize: bool = False
 
 
-# Forward 626 TFLOP/s with TMA loads (``flatten`` and ``warp_specialize`` measured within run-to-run noise of it).
+# Forward 626 TFLOP/s with TMA loads (``flatten`` and warp specialisation measured within run-to-run noise of it).
 FWD_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3, group=16)
 # The per-token backward's recompute kernel: persistent, TMA loads and stores where the layout allows
 # (otherwise the pointer-load kernel, one tile per program). Per-token forward+backward at N=32768,
@@ -62,7 +59,7 @@ BWD_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stage
 # 200.9 without; 210.7 for the previous cuBLAS-logits design).
 LOSS_CONFIG = Config(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3, group=16, tma_store=True,
                      flatten=True)
-# Measured slower on the H200 and kept as options only: subtile, 4 stages, warp_specialize (docs/bench_head.md).
+# Measured slower on the H200: 4 stages, a subtiled epilogue, warp specialisation (docs/bench_head.md).
 
 
 def cdiv(a: int, b: int) -> int:

@@ -23,8 +23,9 @@ Loss-fused forward (``fused_loss.py``), per chunk of up to 2048 tokens: one Trit
 logits, folds them into fp32 statistics and stores them as fp16 z - m (``triton_fused_kernels``); the
 caller gives the per-token loss gradients; a memory-bound pass turns the fp16 values into 16-bit
 grad_logits in place; cuBLAS forms grad_hidden = G @ W and grad_weight += G^T @ h: 6NHV instead of 8NHV.
-``loss_gemm="quack"`` / ``"auto"`` take the statistics from quack's warp-specialised GEMM instead (``quack_stats``):
-an option, not the default, as it measured no faster end to end (docs/bench_head.md).
+A benchmark can take a chunk's statistics and the grad_weight product from other GEMMs by overriding
+``_stats_and_shifted_logits`` / ``_shift_cols`` / ``_accumulate_grad_weight`` (``bench/quack_stats.py`` does, with
+quack's warp-specialised GEMM: measured no faster end to end, docs/bench_head.md).
 """
 
 from __future__ import annotations
@@ -52,13 +53,7 @@ from actorcore.kernels.logprob.triton_blocking import (
     padded_row,
     tma_compatible,
 )
-from actorcore.kernels.logprob.quack_stats import TILE_N as QUACK_TILE_N
-from actorcore.kernels.logprob.quack_stats import add_grad_weight as quack_add_grad_weight
-from actorcore.kernels.logprob.quack_stats import quack_stats_refusal
-from actorcore.kernels.logprob.quack_stats import stats_and_shifted_logits as quack_stats_and_shifted_logits
 from actorcore.kernels.trace import add
-
-LOSS_GEMMS = ("triton", "quack", "auto")
 
 
 @dataclass(frozen=True)
@@ -70,8 +65,6 @@ class TritonEngine:
     ``vocab_block`` / ``workspace_bytes``: the backward's blocking (``triton_blocking.backward_blocks``).
     ``batch_invariant``: forward statistics that do not depend on the other tokens of the call (a vocabulary
     split fixed by the vocabulary; each token's row of a logits tile never depends on the other rows).
-    ``loss_gemm``: the loss-fused forward's statistics GEMM: "triton" (the Triton kernel), "quack" (quack's
-    warp-specialised GEMM, refused with the reason where it cannot run) or "auto" (quack where it runs).
     """
 
     fwd: Config = FWD_CONFIG
@@ -81,22 +74,8 @@ class TritonEngine:
     vocab_block: int = BACKWARD_VOCAB_BLOCK
     workspace_bytes: int = BACKWARD_WORKSPACE_BYTES
     batch_invariant: bool = False
-    loss_gemm: str = "triton"
 
     name = "triton"
-
-    def __post_init__(self):
-        if self.loss_gemm not in LOSS_GEMMS:
-            raise ValueError(f"loss_gemm={self.loss_gemm!r}; valid values are {', '.join(LOSS_GEMMS)}")
-
-    def _quack_loss(self, hidden_TD, weight_VD, softcap) -> bool:
-        """Whether this loss-fused call takes its statistics from quack's GEMM."""
-        if self.loss_gemm == "triton":
-            return False
-        why = quack_stats_refusal(hidden_TD, weight_VD, softcap, self.batch_invariant)
-        if why and self.loss_gemm == "quack":
-            raise ValueError(f"loss_gemm='quack' cannot run here: {why}; use 'auto' or 'triton'")
-        return why is None
 
     # ------------------------------------------------------------------ forward
     def forward_stats(self, hidden_TD, weight_VD, labels_T, *, temperature, softcap, entropy, chunk_size,
@@ -124,7 +103,7 @@ class TritonEngine:
             kernels.fwd_stats_kernel_tma[grid](
                 _desc(hidden_TD, [cfg.block_t, cfg.block_k]), _desc(weight_VD, [cfg.block_v, cfg.block_k]),
                 labels_T, *outs, n_tok, vocab, dim, num_splits, *_scalars(temperature, softcap), FLATTEN=cfg.flatten,
-                WARP_SPECIALIZE=cfg.warp_specialize, **common,
+                **common,
             )
         else:
             kernels.fwd_stats_kernel[grid](
@@ -210,10 +189,10 @@ class TritonEngine:
             programs = min(cdiv(n_c, cfg.block_t) * cdiv(n_v, cfg.block_v), _sm_count(h_CD))
             fused_kernels.bwd_grad_logits_persistent_kernel[(programs,)](
                 _desc(h_CD, [cfg.block_t, cfg.block_k]), _desc(w_BD, [cfg.block_v, cfg.block_k]),
-                _desc(g_CB, [cfg.block_t, cfg.block_v // (2 if cfg.subtile else 1)]), g_CB, *per_tok,
+                _desc(g_CB, [cfg.block_t, cfg.block_v]), g_CB, *per_tok,
                 n_c, n_v, dim, v_start, g_CB.stride(0), programs, *scalars, **flags,
                 BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP=cfg.group,
-                TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, SUBTILE=cfg.subtile,
+                TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
             return
@@ -253,8 +232,7 @@ class TritonEngine:
         vocab = weight_VD.shape[0]
         rows = loss_chunk_rows(n_tok, vocab, chunk_size, self.loss_workspace_bytes)
         dev = hidden_TD.device
-        quack = self._quack_loss(hidden_TD, weight_VD, softcap)
-        shift_cols = QUACK_TILE_N if quack else self._shift_cols()
+        shift_cols = self._shift_cols()
         z_CV = torch.empty(rows, padded_row(vocab), dtype=torch.float16, device=dev)
         g_CV = z_CV.view(hidden_TD.dtype)  # grad_logits of each element land on its own two bytes
         shift_CN = torch.empty(rows, cdiv(vocab, shift_cols), dtype=torch.float32, device=dev)
@@ -268,14 +246,8 @@ class TritonEngine:
             end = min(start + rows, n_tok)
             h_CD = hidden_TD[start:end]
             z = z_CV[: end - start, :vocab]
-            if quack:
-                shift = shift_CN[: end - start]
-                stats = merge_partial_stats(*quack_stats_and_shifted_logits(h_CD, weight_VD, labels_T[start:end], z,
-                                                                            shift, temperature, entropy))
-                add(trace, "logprob:quack_loss_stats")
-            else:
-                stats = self._stats_and_shifted_logits(h_CD, weight_VD, labels_T[start:end], z, shift_CN,
-                                                       temperature, softcap, entropy)
+            stats = self._stats_and_shifted_logits(h_CD, weight_VD, labels_T[start:end], z, shift_CN[: end - start],
+                                                   temperature, softcap, entropy, trace)
             add(trace, "logprob:triton_fused_loss")
             lse_C, logprob_T[start:end], ent_C = finish_stats(*stats)
             if ent_T is not None:
@@ -290,10 +262,8 @@ class TritonEngine:
                                   softcap, shift_cols)
             if need_hidden:
                 torch.mm(g, weight_VD, out=grad_h[start:end])
-            if need_weight and w_started and quack:
-                quack_add_grad_weight(grad_w, g, h_CD)
-            elif need_weight and w_started:
-                grad_w.addmm_(g.t(), h_CD)
+            if need_weight and w_started:
+                self._accumulate_grad_weight(grad_w, g, h_CD)
             elif need_weight:
                 torch.mm(g.t(), h_CD, out=grad_w)
                 w_started = True
@@ -301,9 +271,10 @@ class TritonEngine:
             grad_w.zero_()
         return logprob_T, ent_T, grad_h, grad_w
 
-    def _stats_and_shifted_logits(self, h_CD, weight_VD, labels_C, z_CV, shift_CN, temperature, softcap, entropy):
+    def _stats_and_shifted_logits(self, h_CD, weight_VD, labels_C, z_CV, shift_CN, temperature, softcap, entropy,
+                                  trace=None):
         """One launch: the chunk's partial statistics (merged here), z - m in fp16 into ``z_CV`` and m per
-        (token, vocabulary tile) into ``shift_CN``."""
+        (token, vocabulary tile of ``_shift_cols`` columns) into ``shift_CN``."""
         cfg = self.loss
         (n_c, dim), vocab = h_CD.shape, weight_VD.shape[0]
         t_tiles, tiles_per_split, num_splits = forward_grid(n_c, vocab, cfg, _sm_count(h_CD), self.batch_invariant)
@@ -312,19 +283,22 @@ class TritonEngine:
         a_SC = torch.empty_like(m_SC) if entropy else None
         fused_kernels.fwd_stats_store_kernel[(t_tiles * num_splits,)](
             _desc(h_CD, [cfg.block_t, cfg.block_k]), _desc(weight_VD, [cfg.block_v, cfg.block_k]),
-            _desc(z_CV, [cfg.block_t, self._shift_cols()]), z_CV, labels_C, m_SC, s_SC, a_SC if entropy else m_SC, zy_SC,
+            _desc(z_CV, [cfg.block_t, cfg.block_v]), z_CV, labels_C, m_SC, s_SC, a_SC if entropy else m_SC, zy_SC,
             shift_CN, n_c, vocab, dim, num_splits, z_CV.stride(0), shift_CN.stride(0),
             *_scalars(temperature, softcap), HAS_SOFTCAP=softcap is not None, ENTROPY=entropy,
             TILES_PER_SPLIT=tiles_per_split, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
-            GROUP=cfg.group, TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten, SUBTILE=cfg.subtile,
-            WARP_SPECIALIZE=cfg.warp_specialize,
+            GROUP=cfg.group, TMA_STORE=cfg.tma_store, FLATTEN=cfg.flatten,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return merge_partial_stats(m_SC, s_SC, a_SC, zy_SC)
 
     def _shift_cols(self) -> int:
-        """Columns that share one stored maximum m in the loss-fused kernel (its epilogue's tile width)."""
-        return self.loss.block_v // (2 if self.loss.subtile else 1)
+        """Columns that share one stored maximum m in the loss-fused kernel (its tile width)."""
+        return self.loss.block_v
+
+    def _accumulate_grad_weight(self, grad_w_VD, g_CV, h_CD) -> None:
+        """grad_weight += G^T h of one chunk (cuBLAS; fp32 inside the matmul, rounded once per chunk)."""
+        grad_w_VD.addmm_(g_CV.t(), h_CD)
 
     def _shifted_to_grad(self, z_CV, g_CV, shift_CN, labels_C, lse_C, ent_C, glp_C, gent_C, temperature, softcap,
                          shift_cols):

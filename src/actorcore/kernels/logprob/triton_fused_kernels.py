@@ -36,34 +36,25 @@ def fwd_stats_store_kernel(
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    TMA_STORE: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    TMA_STORE: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """``fwd_stats_kernel_tma`` that also writes fp16 z - m tiles into [T, V] and m into [T, num_vtiles]:
-    one m per BLOCK_V columns, or per BLOCK_V / 2 with ``SUBTILE`` (the epilogue on the two halves in turn)."""
+    """``fwd_stats_kernel_tma`` that also writes fp16 z - m tiles into [T, V] and m into [T, num_vtiles] (one m per
+    BLOCK_V columns)."""
     pid_t, pid_s = _tile_ids(tl.program_id(0), tl.cdiv(T, BLOCK_T), num_splits, GROUP)
     off_t = pid_t * BLOCK_T
     offs_t = off_t + tl.arange(0, BLOCK_T)
     labels = tl.load(lab_ptr + (offs_t % T).to(tl.int64)).to(tl.int64)
     v_lo = pid_s * (TILES_PER_SPLIT * BLOCK_V)
     m, s, a, zy = _empty_stats(BLOCK_T)
-    for i in tl.range(0, TILES_PER_SPLIT, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for i in tl.range(0, TILES_PER_SPLIT, flatten=FLATTEN):
         off_v = v_lo + i * BLOCK_V
         acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
         for k in range(0, D, BLOCK_K):
             acc = tl.dot(h_desc.load([off_t, k]), w_desc.load([off_v, k]).T, acc)
         vt = pid_s * TILES_PER_SPLIT + i
-        if SUBTILE:
-            halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_T, 2, BLOCK_V // 2)), (0, 2, 1)))
-            m, s, a, zy = _fold_and_store(halves[0], off_t, off_v, 2 * vt, labels, m, s, a, zy, z_desc, z_ptr, mt_ptr,
-                                          T, V, stride_z, num_vtiles, inv_temp, softcap, inv_softcap, HAS_SOFTCAP,
-                                          ENTROPY, BLOCK_T, BLOCK_V // 2, TMA_STORE)
-            m, s, a, zy = _fold_and_store(halves[1], off_t, off_v + BLOCK_V // 2, 2 * vt + 1, labels, m, s, a, zy,
-                                          z_desc, z_ptr, mt_ptr, T, V, stride_z, num_vtiles, inv_temp, softcap,
-                                          inv_softcap, HAS_SOFTCAP, ENTROPY, BLOCK_T, BLOCK_V // 2, TMA_STORE)
-        else:
-            m, s, a, zy = _fold_and_store(acc, off_t, off_v, vt, labels, m, s, a, zy, z_desc, z_ptr, mt_ptr,
-                                          T, V, stride_z, num_vtiles, inv_temp, softcap, inv_softcap, HAS_SOFTCAP,
-                                          ENTROPY, BLOCK_T, BLOCK_V, TMA_STORE)
+        m, s, a, zy = _fold_and_store(acc, off_t, off_v, vt, labels, m, s, a, zy, z_desc, z_ptr, mt_ptr,
+                                      T, V, stride_z, num_vtiles, inv_temp, softcap, inv_softcap, HAS_SOFTCAP,
+                                      ENTROPY, BLOCK_T, BLOCK_V, TMA_STORE)
     _store_split_stats(m_ptr, s_ptr, a_ptr, zy_ptr, pid_s * T, offs_t, T, m, s, a, zy, ENTROPY)
 
 
@@ -121,17 +112,14 @@ def bwd_grad_logits_persistent_kernel(
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    TMA_STORE: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SUBTILE: tl.constexpr,
+    TMA_STORE: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """``bwd_grad_logits_kernel`` over all [BLOCK_T, BLOCK_V] tiles of a block, ``num_programs`` programs each
-    taking every ``num_programs``-th tile (grouped order, as the non-persistent launch). ``SUBTILE``: the
-    epilogue runs on the two [BLOCK_T, BLOCK_V / 2] halves in turn (fewer live registers; ``g_desc``'s
-    block is then the half)."""
+    taking every ``num_programs``-th tile (grouped order, as the non-persistent launch)."""
     num_t = tl.cdiv(C, BLOCK_T)
     num_v = tl.cdiv(V, BLOCK_V)
     tile_out = tl.program_id(0) - num_programs  # a separate counter for the epilogue (pipeliner-friendly)
-    for tile in tl.range(tl.program_id(0), num_t * num_v, num_programs, flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tl.program_id(0), num_t * num_v, num_programs, flatten=FLATTEN):
         pid_t, pid_v = _tile_ids(tile, num_t, num_v, GROUP)
         off_t = pid_t * BLOCK_T
         off_v = pid_v * BLOCK_V
@@ -140,18 +128,9 @@ def bwd_grad_logits_persistent_kernel(
             acc = tl.dot(h_desc.load([off_t, k]), w_desc.load([off_v, k]).T, acc)
         tile_out += num_programs
         pid_t, pid_v = _tile_ids(tile_out, num_t, num_v, GROUP)
-        if SUBTILE:
-            halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_T, 2, BLOCK_V // 2)), (0, 2, 1)))
-            _grad_store(halves[0], pid_t * BLOCK_T, pid_v * BLOCK_V, g_desc, g_ptr, lab_ptr, lse_ptr, ent_ptr,
-                        glp_ptr, gent_ptr, C, V, v_start, stride_gc, inv_temp, softcap, inv_softcap,
-                        HAS_SOFTCAP, HAS_GLP, HAS_GENT, BLOCK_T, BLOCK_V // 2, TMA_STORE)
-            _grad_store(halves[1], pid_t * BLOCK_T, pid_v * BLOCK_V + BLOCK_V // 2, g_desc, g_ptr, lab_ptr, lse_ptr,
-                        ent_ptr, glp_ptr, gent_ptr, C, V, v_start, stride_gc, inv_temp, softcap, inv_softcap,
-                        HAS_SOFTCAP, HAS_GLP, HAS_GENT, BLOCK_T, BLOCK_V // 2, TMA_STORE)
-        else:
-            _grad_store(acc, pid_t * BLOCK_T, pid_v * BLOCK_V, g_desc, g_ptr, lab_ptr, lse_ptr, ent_ptr, glp_ptr,
-                        gent_ptr, C, V, v_start, stride_gc, inv_temp, softcap, inv_softcap,
-                        HAS_SOFTCAP, HAS_GLP, HAS_GENT, BLOCK_T, BLOCK_V, TMA_STORE)
+        _grad_store(acc, pid_t * BLOCK_T, pid_v * BLOCK_V, g_desc, g_ptr, lab_ptr, lse_ptr, ent_ptr, glp_ptr,
+                    gent_ptr, C, V, v_start, stride_gc, inv_temp, softcap, inv_softcap,
+                    HAS_SOFTCAP, HAS_GLP, HAS_GENT, BLOCK_T, BLOCK_V, TMA_STORE)
 
 
 @triton.jit

@@ -173,11 +173,10 @@ def fwd_stats_kernel_tma(
     inv_temp, softcap, inv_softcap,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+    FLATTEN: tl.constexpr,
 ):
     """As ``fwd_stats_kernel`` with TMA tile loads (zero fill out of bounds, no address arithmetic).
-    ``FLATTEN``: one pipelined loop over (tile, K) so the next tile's loads overlap this tile's epilogue;
-    ``WARP_SPECIALIZE``: Triton's warp specialisation of that loop."""
+    ``FLATTEN``: one pipelined loop over (tile, K) so the next tile's loads overlap this tile's epilogue."""
     pid_t, pid_s = _tile_ids(tl.program_id(0), tl.cdiv(T, BLOCK_T), num_splits, GROUP)
     off_t = pid_t * BLOCK_T
     offs_t = off_t + tl.arange(0, BLOCK_T)
@@ -185,7 +184,7 @@ def fwd_stats_kernel_tma(
     labels = tl.load(lab_ptr + rows_t).to(tl.int64)
     v_lo = pid_s * (TILES_PER_SPLIT * BLOCK_V)
     m, s, a, zy = _empty_stats(BLOCK_T)
-    for i in tl.range(0, TILES_PER_SPLIT, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for i in tl.range(0, TILES_PER_SPLIT, flatten=FLATTEN):
         off_v = v_lo + i * BLOCK_V
         offs_v = off_v + tl.arange(0, BLOCK_V)
         acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)

@@ -1,0 +1,69 @@
+"""A dense SwiGLU MLP with the activation inside two of its GEMMs (quack's Hopper kernels), the rest on cuBLAS.
+
+Legend: ``T`` tokens, ``D`` features, ``I`` the MLP's intermediate width, ``O = 2I``.
+
+Why: compiled, a decoder layer's SwiGLU MLP still makes two memory-bound passes over ``[T, I]`` values besides its
+GEMMs: SwiGLU's forward (read gate and up, write the product) and its backward (read gate, up and the product's
+gradient, write both gradients); on the H200 they were the largest elementwise kernels of the dense actor step.
+quack computes SwiGLU from the fp32 accumulators in the gate/up GEMM's epilogue (``gemm_gated``) and SwiGLU's
+backward in the epilogue of the down projection's input gradient (``gemm_dgated``); those two GEMMs are quack's, the
+other four (down forward, both weight gradients, the input gradient) stay cuBLAS's, which measured faster than
+quack's plain GEMMs at these shapes.
+
+quack's gated GEMMs take gate and up interleaved column by column (``[g0, u0, g1, u1, ...]``); the
+``[O, D]`` weight in that order is built per call from the two projections (``D x O`` values, a few hundredths of a
+millisecond) and again in backward instead of being kept, and the weight gradient's rows are read back in that
+order as the two projections' gradients.
+
+Math: ``down @ (silu(gate @ x) * (up @ x))``: transformers' gated MLP with SiLU, no biases. SwiGLU from the fp32
+accumulators (eager rounds gate and up to bf16 first): within bf16 rounding of eager, closer to fp32. CUDA on
+Hopper or newer (``runtime.quack_refusal``), bf16 / fp16 only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actorcore.kernels.quack import runtime
+
+
+def _interleaved(gate_ID: torch.Tensor, up_ID: torch.Tensor) -> torch.Tensor:
+    """``[O, D]``: the rows of gate and up alternating (the layout quack's gated epilogues take)."""
+    return torch.stack((gate_ID, up_ID), dim=1).flatten(0, 1)
+
+
+class _GatedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, gate_ID, up_ID, down_DI):
+        q = runtime.gemm_interface()
+        with torch.amp.autocast("cuda", enabled=False):
+            preact_TO, act_TI = q.gemm_gated(x_TD, _interleaved(gate_ID, up_ID).T, activation="swiglu", tuned=False)
+            out_TD = act_TI @ down_DI.T
+        ctx.save_for_backward(x_TD, gate_ID, up_ID, down_DI, preact_TO)
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, grad_out_TD):
+        x_TD, gate_ID, up_ID, down_DI, preact_TO = ctx.saved_tensors
+        q = runtime.gemm_interface()
+        with torch.amp.autocast("cuda", enabled=False):
+            # the down projection's input gradient with SwiGLU's backward in its epilogue (and SwiGLU recomputed)
+            grad_preact_TO, act_TI = q.gemm_dgated(grad_out_TD.contiguous(), down_DI, preact_TO, activation="swiglu",
+                                                   tuned=False)
+            grad_down_DI = grad_out_TD.T @ act_TI
+            grad_x_TD = grad_preact_TO @ _interleaved(gate_ID, up_ID)
+            grad_pairs = (grad_preact_TO.T @ x_TD).unflatten(0, (-1, 2))  # [I, 2, D]: gate's and up's rows
+        return grad_x_TD, grad_pairs[:, 0], grad_pairs[:, 1], grad_down_DI
+
+
+def gated_mlp(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch.Tensor, down_DI: torch.Tensor
+              ) -> torch.Tensor:
+    """``[T, D]``: ``down(silu(gate(x)) * up(x))`` with SwiGLU inside quack's GEMMs (weights as ``nn.Linear``
+    stores them: ``[out, in]``)."""
+    weights = (gate_ID, up_ID, down_DI)
+    if x_TD.dtype not in (torch.bfloat16, torch.float16) or any(w.dtype != x_TD.dtype for w in weights):
+        raise ValueError(f"quack's gated MLP takes bf16 / fp16 inputs and weights of one dtype, got {x_TD.dtype} "
+                         f"and weights {', '.join(str(w.dtype) for w in weights)}")
+    if x_TD.dim() != 2:
+        raise ValueError(f"quack's gated MLP takes [tokens, features] inputs, got shape {tuple(x_TD.shape)}")
+    return _GatedMLP.apply(x_TD.contiguous(), gate_ID, up_ID, down_DI)

@@ -1,0 +1,155 @@
+"""``PlannedTransformerLayer``: Megatron's ``TransformerLayer`` with each call's recompute mode and, when built
+fused, its elementwise work compiled (``build_gpt_model(..., compiled_layers=..., recompute=...)``).
+
+It enters the model through the layer spec (``with_planned_layers``: megatron-core's ``ModuleSpec`` extension
+point); its modules, parameters and state dict are ``TransformerLayer``'s. Each forward reads the call's
+``LayerPlan`` from the micro-batch's ``BatchParams`` (``packed_seq_params.layer_plan``, set by
+``mcore.run.forward``): the layer's mode (``mcore/build/recompute.py``: ``"none"``, ``"selective"`` under PyTorch's
+selective checkpoint with actorcore's keep-the-GEMMs policy, ``"full"`` under torch's non-reentrant checkpoint;
+only in a training forward with gradients) and the call's trace, where it counts what ran.
+
+Fused (``fused=True``): the layer's forward is ``TransformerLayer.forward`` for what actorcore's configs build
+(self-attention, no cross-attention, no dropout, no inference context), with its elementwise regions compiled
+(``mcore/build/fused_ops.py``): the input norm, the attention output's residual add with the pre-MLP norm, and the MLP
+output's residual add; a dense MLP runs its activation compiled (``fused_mlp``), the routed experts theirs in
+``GroupedExperts``. Attention (its projections, RoPE, q/k norms, core attention) and the MoE router and token
+dispatcher stay Megatron's eager code: their collectives and host synchronisation would split a compiled graph.
+A fused forward counts under ``COMPILED_KEY``. On CUDA with 16-bit weights by default (``compiled_layers="auto"``);
+``True`` compiles on any device (Inductor's C++ kernels on the CPU), fp32 too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+from actorcore.kernels.selective_checkpoint import SelectiveContexts
+from actorcore.mcore.build.fused_ops import add_then_norm, apply_norm, compiled, gated_activation, residual_add
+from actorcore.mcore.build.recompute import FULL, FULL_KEY, KEPT_KEY, NONE, SELECTIVE, SELECTIVE_KEY
+
+try:  # megatron-core is optional; this module is only imported after require_megatron()
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+except ImportError:  # pragma: no cover - guarded by require_megatron
+    MLP = TransformerLayer = torch.nn.Module  # type: ignore[misc,assignment]
+
+COMPILED_KEY = "mcore:compiled_layers"  # layer forwards that ran the compiled elementwise regions
+COMPILED_CHOICES = ("auto", True, False)
+
+
+class PlannedTransformerLayer(TransformerLayer):
+    """``TransformerLayer`` whose forward follows the call's ``LayerPlan`` and, when ``fused``, compiles its
+    elementwise regions."""
+
+    def __init__(self, *args: Any, fused: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fused = fused
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        plan = getattr(kwargs.get("packed_seq_params"), "layer_plan", None)
+        training = self.training and torch.is_grad_enabled()
+        mode = plan.mode_of(self) if plan is not None and training else NONE
+        if plan is not None and training:
+            plan.count({FULL: FULL_KEY, SELECTIVE: SELECTIVE_KEY, NONE: KEPT_KEY}[mode])
+        if mode == NONE:
+            return self._measured(plan, mode, *args, **kwargs) if training else self._run(plan, *args, **kwargs)
+        context = {} if mode == FULL else {"context_fn": SelectiveContexts(plan.trace)}
+        run = functools.partial(torch.utils.checkpoint.checkpoint, self._run, plan, use_reentrant=False, **context)
+        return self._measured(plan, mode, *args, run=run, **kwargs) if mode == SELECTIVE else run(*args, **kwargs)
+
+    def _measured(self, plan: Any, mode: str, *args: Any, run: Any = None, **kwargs: Any) -> Any:
+        """The forward, measuring on CUDA what the layer holds afterwards beyond its output (``LayerPlan.record``)."""
+        run = run or functools.partial(self._run, plan)
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if plan is None or hidden is None or not hidden.is_cuda:
+            return run(*args, **kwargs)
+        before = torch.cuda.memory_allocated(hidden.device)
+        out = run(*args, **kwargs)
+        plan.record(self, mode, torch.cuda.memory_allocated(hidden.device) - before - out[0].nbytes)
+        return out
+
+    def _run(self, plan: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.fused:
+            return super().forward(*args, **kwargs)
+        if plan is not None:
+            plan.count(COMPILED_KEY)
+        return self._fused_forward(*args, **kwargs)
+
+    def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, context: Any = None,
+                       context_mask: Any = None, rotary_pos_emb: Any = None, rotary_pos_cos: Any = None,
+                       rotary_pos_sin: Any = None, rotary_pos_cos_sin: Any = None, attention_bias: Any = None,
+                       inference_context: Any = None, packed_seq_params: Any = None, sequence_len_offset: Any = None,
+                       padding_mask: Any = None, **_: Any) -> tuple[torch.Tensor, Any]:
+        """``TransformerLayer.forward`` (self-attention, dropout 0, no inference context) with the norms and
+        residual adds compiled."""
+        if inference_context is not None:
+            raise ValueError("the fused Megatron layers run training and scoring forwards, not inference with a KV "
+                             "cache: build the model with compiled_layers=False")
+        normed = compiled(apply_norm)(self.input_layernorm, hidden_states)
+        attention = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                        rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                                        rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                                        packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset)
+        hidden, normed = compiled(add_then_norm)(*attention, hidden_states, self.pre_mlp_layernorm)
+        if type(self.mlp) is MLP:  # a dense layer (MoE layers compile their experts' activation themselves)
+            mlp_out, mlp_bias = fused_mlp(self.mlp, normed)
+        else:
+            mlp_out, mlp_bias = self.mlp(normed, padding_mask=padding_mask)
+        return compiled(residual_add)(mlp_out, mlp_bias, hidden), context
+
+
+def fused_mlp(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A dense Megatron ``MLP``'s forward with its activation compiled (``fused_ops.gated_activation``): fc1, the
+    fused activation, fc2 (``MLP.forward`` without a per-token scale, Megatron's unfused activation)."""
+    config = mlp.config
+    inter, bias = mlp.linear_fc1(x)
+    inter = compiled(gated_activation)(inter, bias, config.activation_func, config.gated_linear_unit,
+                                       config.activation_func_clamp_value, config.glu_linear_offset)
+    return mlp.linear_fc2(inter)
+
+
+def compiled_layers_refusal(config: Any) -> str | None:
+    """Why the fused forward does not cover this config's layers (None: it does)."""
+    checks = (
+        (config.hidden_dropout, f"hidden_dropout={config.hidden_dropout} (the fused residual adds have no dropout)"),
+        (config.fp8 or config.fp4, "fp8 / fp4 layers (TransformerEngine's)"),
+        (config.recompute_granularity == "selective" and {"layernorm", "mlp"} & set(config.recompute_modules or ()),
+         "Megatron's selective recompute of the norms or the MLP (recompute_modules 'layernorm' / 'mlp')"),
+        (getattr(config, "cpu_offloading", False), "Megatron's activation offload"),
+        (getattr(config, "cuda_graph_impl", "none") not in (None, "none"), "CUDA graphs"),
+    )
+    return next((f"the compiled layers do not run {what}" for on, what in checks if on), None)
+
+
+def resolve_compiled_layers(request: Any, config: Any, dtype: torch.dtype) -> bool:
+    """``build_gpt_model(compiled_layers=request)``: ``True`` (refused where the fused forward does not cover the
+    config), ``False``, or ``"auto"``: on CUDA with bf16 / fp16 weights and Triton, where it was built to be faster."""
+    if request not in COMPILED_CHOICES or isinstance(request, int) and not isinstance(request, bool):
+        raise ValueError(f"compiled_layers must be True, False or 'auto', got {request!r}")
+    if request is False:
+        return False
+    why = compiled_layers_refusal(config)
+    if request is True:
+        if why is not None:
+            raise ValueError(f"compiled_layers=True: {why}; pass compiled_layers=False")
+        return True
+    return why is None and torch.cuda.is_available() and dtype in (torch.bfloat16, torch.float16) \
+        and _has_triton()
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def with_planned_layers(layer_spec: Any, fused: bool) -> Any:
+    """A decoder layer spec building ``PlannedTransformerLayer`` (``fused``: with its elementwise work compiled)."""
+    if layer_spec.module is not TransformerLayer:
+        raise ValueError(f"the decoder layer spec builds {layer_spec.module.__name__}, not megatron-core's "
+                         "TransformerLayer, which actorcore's planned layers extend")
+    return dataclasses.replace(layer_spec, module=PlannedTransformerLayer, params={**layer_spec.params, "fused": fused})
