@@ -34,7 +34,7 @@ def _broadcast(obj, src: int = 0):
 def _sgd_step(model, seed: int) -> None:
     """One SGD step on a policy-gradient-shaped loss (the same data on every rank: replicated weights stay equal)."""
     import actorcore as ac
-    from actorcore.mcore.forward import compute_logprobs
+    from actorcore.mcore.run.forward import compute_logprobs
 
     generator = torch.Generator().manual_seed(seed)
     batch = ac.pack([torch.randint(0, 131, (n,), generator=generator) for n in (9, 14, 6)])
@@ -56,11 +56,11 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
 
     import actorcore as ac
     from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.forward import compute_logprobs
-    from actorcore.mcore.load import load_hf_into_mcore
-    from actorcore.mcore.model import build_gpt_model
+    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.mcore.weight_stream import mcore_weight_stream
+    from actorcore.mcore.convert.weight_stream import mcore_weight_stream
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)  # the group is up; the engine process must not read this launch's layout
@@ -132,7 +132,7 @@ def _streamed_hf_model(model, directory: str, rank: int):
     from transformers import AutoModelForCausalLM
 
     from actorcore.export import save_sharded_safetensors
-    from actorcore.mcore.weight_stream import mcore_weight_stream
+    from actorcore.mcore.convert.weight_stream import mcore_weight_stream
 
     save_sharded_safetensors(mcore_weight_stream(model), directory, config=model.hf_config, write=rank == 0)
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32) if rank == 0 else None

@@ -370,7 +370,7 @@ def _reference_function(reference: Any, probe_batch: PackedBatch) -> Callable[[P
                 return compute_logprobs(reference, batch.to(device), entropy=False).log_probs.float().cpu()
         return of_model
     if type(reference).__name__ == "McoreModel":
-        from actorcore.mcore.forward import compute_logprobs as mcore_logprobs
+        from actorcore.mcore.run.forward import compute_logprobs as mcore_logprobs
 
         def of_mcore(batch: PackedBatch) -> torch.Tensor:
             with torch.no_grad():
