@@ -33,7 +33,7 @@ import torch
 
 from actorcore.batch import PackedBatch
 from actorcore.buckets import Bucket
-from actorcore.engines import vllm_worker
+import actorcore.engines.vllm_worker as vllm_worker
 from actorcore.engines.probe import ProbeResult, compare_probe, probe_tokens
 from actorcore.errors import EngineUpdateError
 from actorcore.sizes import positive_size
