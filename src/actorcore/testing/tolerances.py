@@ -82,6 +82,10 @@ TOL: dict[str, float] = {
     "options_bf16_cuda_vs_fp32": VERIFY_TOLERANCE[torch.bfloat16],
     # bf16 model vs the same weights in fp32: parameter gradients, relative L2 norm (bf16 decoder rounding).
     "grad_bf16_vs_fp32_rel_norm": 5e-2,
+    # ... or, for a parameter whose gradient in the unpatched bf16 model is already further than that from fp32 (a
+    # tiny MoE's router, where bf16 flips a token's top-k expert: 0.19 on the tiny qwen2_moe's second router, as far as
+    # the patched model's 0.195), this factor times the unpatched bf16 model's distance.
+    "grad_bf16_vs_own_bf16_factor": 1.5,
     # Tiled MLP vs untiled, fp64: parameter gradients summed per shard, relative to the max magnitude.
     "tiled_mlp_grad_fp64_rel": 1e-13,
     "tiled_mlp_fsdp_grad_fp64_rel": 1e-12,
