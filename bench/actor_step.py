@@ -11,7 +11,7 @@ weights), and the kernel-time breakdown by category (``step_profile``). Random w
 
     PYTHONPATH=src:/tmp/site python3 bench/actor_step.py --model qwen2.5-1.5b [--layers N] [--paths a,b]
         [--budget-gib 40] [--out DIR] [--mcore-experts auto|grouped|quack|sequential] [--mcore-fused auto|on|off]
-        [--mcore-recompute auto|selective|full|none]
+        [--mcore-swiglu auto|quack|off] [--mcore-recompute auto|selective|full|none]
 
 A path name with " fa4" appended runs that path with FlashAttention-4 (see ``FA4_SUFFIX``).
 
@@ -190,10 +190,11 @@ def megatron_options(name: str, args) -> dict:
     """``build_gpt_model``'s speed options for a Megatron path: "megatron before" turns each off; "megatron" takes
     the flags (``--mcore-*``), recompute "auto" at the HF paths' budget by default."""
     if name == "megatron before":
-        return dict(moe_experts="sequential", compiled_layers=False, recompute=None)
+        return dict(moe_experts="sequential", compiled_layers=False, swiglu_mlp=False, recompute=None)
     fused = {"auto": "auto", "on": True, "off": False}[args.mcore_fused]
     recompute = None if args.mcore_recompute == "none" else args.mcore_recompute
-    return dict(moe_experts=args.mcore_experts, compiled_layers=fused, recompute=recompute,
+    swiglu = {"auto": "auto", "quack": "quack", "off": False}[args.mcore_swiglu]
+    return dict(moe_experts=args.mcore_experts, compiled_layers=fused, swiglu_mlp=swiglu, recompute=recompute,
                 memory_budget_gib=args.budget_gib if recompute == "auto" else None)
 
 
@@ -242,6 +243,7 @@ def megatron_step(model, packs, advs, device, options: dict):
         return [o.log_probs[: b.num_tokens].float().cpu() for o, b in zip(outs, batches)]
     step.trace = trace
     step.choices = {"moe_experts": mcore_model.moe_experts, "compiled_layers": mcore_model.compiled_layers,
+                    "swiglu_mlp": mcore_model.swiglu_mlp,
                     "recompute": None if mcore_model.recompute is None else mcore_model.recompute.mode}
     return step, chunks
 
@@ -373,6 +375,8 @@ def main() -> None:
                         help="the megatron path's routed experts (build_gpt_model's moe_experts)")
     parser.add_argument("--mcore-fused", default="auto", choices=("auto", "on", "off"),
                         help="the megatron path's compiled layers (build_gpt_model's compiled_layers)")
+    parser.add_argument("--mcore-swiglu", default="auto", choices=("auto", "quack", "off"),
+                        help="the megatron path's dense MLPs on quack's gated GEMMs (build_gpt_model's swiglu_mlp)")
     parser.add_argument("--mcore-recompute", default="auto", choices=("auto", "selective", "full", "none"),
                         help="the megatron path's recompute ('auto' at --budget-gib)")
     parser.add_argument("--out", default=None)

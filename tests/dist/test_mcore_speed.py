@@ -257,6 +257,35 @@ def _quack_stand_in_case(directory: str) -> dict:
     finally:
         undo()
 
+def _quack_mlp_case(directory: str) -> dict:
+    """EP=2 (one TP rank), bf16, compiled layers: one training step with the dense layer's MLP on quack's gated GEMMs
+    (the stand-in) and one with the compiled activation between plain GEMMs, same weights."""
+    from transformers import AutoConfig
+
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.testing.quack_stand_in import use_quack_stand_in
+
+    parallel = McoreParallel(ep=2)
+    initialize_megatron(parallel)
+    config = AutoConfig.from_pretrained(directory)
+    undo = use_quack_stand_in()
+    try:
+        out = {}
+        for choice in ("quack", False):
+            model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts="grouped", compiled_layers=True,
+                                    swiglu_mlp=choice)
+            load_hf_into_mcore(model, directory)
+            trace = Counter()
+            out[choice] = (*_train_step(model, _batches(), trace), dict(trace), model.swiglu_mlp)
+        with pytest.raises(ValueError, match="runs inside the compiled layers"):
+            build_gpt_model(config, parallel, torch.bfloat16, compiled_layers=False, swiglu_mlp="quack")
+        return out
+    finally:
+        undo()
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     from support.mcore_logprobs import tiny_hf
@@ -270,6 +299,7 @@ def world2(tmp_path_factory):
     cases.append(("checkpoint_swap", _checkpoint_swap_case, (os.path.join(root, "qwen3_moe_ep2"), root)))
     cases.append(("recompute", _recompute_case, (os.path.join(root, "qwen3_moe_ep2"),)))
     cases.append(("quack_stand_in", _quack_stand_in_case, (os.path.join(root, "qwen3_moe_ep2"),)))
+    cases.append(("quack_mlp", _quack_mlp_case, (os.path.join(root, "qwen3_moe_ep2"),)))
     cases.append(("edge_rows", _edge_rows_case, ({m: os.path.join(root, f"{m}_ep2") for m in ("qwen3_moe", "gpt_oss")},)))
     return spawn_cases(2, cases)
 
@@ -336,6 +366,8 @@ def test_recompute_modes_give_bitwise_the_gradients_of_none(world2):
         assert auto["mcore:recompute_selective_layers"] == auto["mcore:recompute_kept_layers"] == len(_sequences())
         fused_lp, fused_grads, fused_trace, fused = result["fused"]
         assert fused and fused_trace["mcore:compiled_layers"] == 2 * len(_sequences())
+        assert fused_trace["mcore:fused_rope"] == 2 * len(_sequences()), "the compiled layers' RoPE did not run"
+        assert not none_trace.get("mcore:fused_rope")
         for a, b in zip(fused_lp, none_lp):
             torch.testing.assert_close(a, b, atol=fp32_tol, rtol=0)
         for param, grad in fused_grads.items():
@@ -390,6 +422,24 @@ def test_quack_experts_within_bf16_rounding_of_grouped_mm(world2):
         assert kernel == "quack" and trace["moe_experts:quack_calls"] == len(_sequences()), rank
         for a, b in zip(quack_lp, lp):
             torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
+        for name, grad in grads.items():
+            diff = (quack_grads[name].float() - grad.float()).norm()
+            assert diff <= TOL["grad_mcore_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), (rank, name)
+
+
+@pytest.mark.slow
+def test_quack_dense_mlp_within_bf16_rounding_of_the_compiled_activation(world2):
+    """The dense MLP of the compiled layers as quack's gated GEMMs (the stand-in on the CPU: the weight views, the
+    interleaving, the gradients back into fc1's ``[gate; up]`` rows), per token and per gradient within bf16 rounding
+    of the compiled activation between plain GEMMs; a quack MLP without the compiled layers is refused."""
+    for rank, result in enumerate(world2["quack_mlp"]):
+        (quack_lp, quack_grads, trace, choice), (lp, grads, plain_trace, plain) = result["quack"], result[False]
+        assert choice == "quack" and plain is False, rank
+        dense_layers = 1
+        assert trace["mcore:quack_mlp"] == dense_layers * len(_sequences()) and not plain_trace.get("mcore:quack_mlp")
+        for a, b in zip(quack_lp, lp):
+            torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
+        assert sorted(quack_grads) == sorted(grads)
         for name, grad in grads.items():
             diff = (quack_grads[name].float() - grad.float()).norm()
             assert diff <= TOL["grad_mcore_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), (rank, name)

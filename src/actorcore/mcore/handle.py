@@ -37,7 +37,8 @@ class McoreModel:
 
     The speed choices ``build_gpt_model`` resolved (each with a way off there): ``moe_experts``, the routed experts'
     kernel (``"grouped"``, ``"quack"``, ``"sequential"``; None without MoE layers, ``mcore/build/grouped_experts.py``);
-    ``compiled_layers``, the layers' elementwise work compiled (``mcore/build/layer.py``); ``recompute``, the activation
+    ``compiled_layers``, the layers' elementwise work compiled (``mcore/build/layer.py``); ``swiglu_mlp``, the dense
+    MLPs of the compiled layers on quack's gated GEMMs (``"quack"``) or not (``False``); ``recompute``, the activation
     recompute plan (None: none; ``mcore/build/recompute.py``), and ``measured_layer_bytes``, what CUDA calls measured each
     layer to keep (by ``(layer index, mode)``), which ``recompute="auto"`` plans later calls with.
     """
@@ -55,6 +56,7 @@ class McoreModel:
     moe_experts: str | None = None
     compiled_layers: bool = False
     recompute: RecomputePlan | None = None
+    swiglu_mlp: str | bool = False
     measured_layer_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
 
     @property

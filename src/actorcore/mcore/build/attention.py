@@ -130,6 +130,8 @@ class PackedCoreAttention(MegatronModule):
             raise ValueError("PackedCoreAttention does not take an attention bias")
         dropout = self.dropout if self.training else 0.0
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if getattr(packed_seq_params, "rope", None) is not None:  # the compiled layers' RoPE (mcore/build/fused_rope.py)
+            query, key = self._rotated(query, key, packed_seq_params)
         if self.cp_group is not None:
             if not packed:
                 raise ValueError("context parallelism in PackedCoreAttention needs packed (THD) batches: run the "
@@ -154,6 +156,17 @@ class PackedCoreAttention(MegatronModule):
                                       sliding_window=self.sliding_window, dropout=dropout, sinks=self.softmax_offset,
                                       backend=self.backend, trace=self.trace)
         return out.reshape(batch, seq, -1).transpose(0, 1).contiguous()
+
+    def _rotated(self, query: torch.Tensor, key: torch.Tensor, params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated by the micro-batch's per-token angles, compiled (what Megatron's attention left out)."""
+        from actorcore.mcore.build.fused_ops import compiled, rotary
+        from actorcore.mcore.build.fused_rope import FUSED_ROPE_KEY
+
+        cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
+        angles = params.rope_cache.angles(params.rope, cu, query.shape[0], query.dtype)
+        if params.layer_plan is not None:
+            params.layer_plan.count(FUSED_ROPE_KEY)
+        return compiled(rotary)(query, key, angles.cos, angles.sin)
 
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any,
                           dropout: float) -> torch.Tensor:

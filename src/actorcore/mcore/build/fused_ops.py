@@ -13,7 +13,8 @@ layers (and ``mcore/build/grouped_experts.py``'s experts) run, written as Megatr
 - ``add_then_norm``: that add and the next norm (the attention output into the pre-MLP norm);
 - ``apply_norm``: a norm module (RMSNorm in fp32 inside, as torch's and ``ZeroCenteredRMSNorm`` compute it);
 - ``gated_activation`` / ``expert_activation``: ``MLP.forward``'s unfused activation (fc1's bias, the GLU with
-  gpt-oss's clamp and linear offset), for experts times the routing probability in fp32, rounded once.
+  gpt-oss's clamp and linear offset), for experts times the routing probability in fp32, rounded once;
+- ``rotary``: Megatron's rotate-half RoPE of q and k by per-token angles (``mcore/build/fused_rope.py``).
 
 ``compiled(fn)`` is ``torch.compile(fn, dynamic=True)``, one compilation per function for every pack length (the
 token count is symbolic) and every layer (modules are inputs, not constants of the graph). Within bf16 rounding of
@@ -71,6 +72,21 @@ def expert_activation(inter_SO: torch.Tensor, bias_SO: torch.Tensor | None, prob
     rounded once to the rows' dtype: ``MLP.forward`` with ``per_token_scale``."""
     act = gated_activation(inter_SO, bias_SO, activation, gated, clamp, offset)
     return (act * probs_S.unsqueeze(-1)).to(act.dtype)
+
+
+def rotary(q_TNH: torch.Tensor, k_TKH: torch.Tensor, cos_T1R: torch.Tensor, sin_T1R: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated as Megatron's ``_apply_rotary_pos_emb_bshd`` does (not interleaved): ``t * cos +
+    rotate_half(t) * sin`` on the first ``R`` features, the rest passed through."""
+    return _rotate(q_TNH, cos_T1R, sin_T1R), _rotate(k_TKH, cos_T1R, sin_T1R)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    width = cos.shape[-1]
+    x, rest = t[..., :width], t[..., width:]
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
 @functools.cache

@@ -12,9 +12,12 @@ Fused (``fused=True``): the layer's forward is ``TransformerLayer.forward`` for 
 (self-attention, no cross-attention, no dropout, no inference context), with its elementwise regions compiled
 (``mcore/build/fused_ops.py``): the input norm, the attention output's residual add with the pre-MLP norm, and the MLP
 output's residual add; a dense MLP runs its activation compiled (``fused_mlp``), the routed experts theirs in
-``GroupedExperts``. Attention (its projections, RoPE, q/k norms, core attention) and the MoE router and token
-dispatcher stay Megatron's eager code: their collectives and host synchronisation would split a compiled graph.
-A fused forward counts under ``COMPILED_KEY``. On CUDA with 16-bit weights by default (``compiled_layers="auto"``);
+``GroupedExperts``, or, built with ``swiglu_mlp="quack"`` (the default where quack runs and the MLP is covered:
+``quack_mlp_refusal``), the dense MLP is quack's gated GEMMs with SwiGLU in their epilogues, the HF route's kernel
+(``kernels.quack.gated_mlp``; counted under ``QUACK_MLP_KEY``); RoPE runs compiled in the core attention, from angles made once per micro-batch without a host
+synchronisation (``mcore/build/fused_rope.py``, where it covers the layer; counted under ``FUSED_ROPE_KEY``). The
+attention's projections and q/k norms, and the MoE router and token dispatcher, stay Megatron's eager code: their
+collectives and host synchronisation would split a compiled graph. A fused forward counts under ``COMPILED_KEY``. On CUDA with 16-bit weights by default (``compiled_layers="auto"``);
 ``True`` compiles on any device (Inductor's C++ kernels on the CPU), fp32 too.
 """
 
@@ -29,6 +32,7 @@ import torch.utils.checkpoint
 
 from actorcore.kernels.selective_checkpoint import SelectiveContexts
 from actorcore.mcore.build.fused_ops import add_then_norm, apply_norm, compiled, gated_activation, residual_add
+from actorcore.mcore.build.fused_rope import fused_rope_refusal, rope_request
 from actorcore.mcore.build.recompute import FULL, FULL_KEY, KEPT_KEY, NONE, SELECTIVE, SELECTIVE_KEY
 
 try:  # megatron-core is optional; this module is only imported after require_megatron()
@@ -39,15 +43,18 @@ except ImportError:  # pragma: no cover - guarded by require_megatron
 
 COMPILED_KEY = "mcore:compiled_layers"  # layer forwards that ran the compiled elementwise regions
 COMPILED_CHOICES = ("auto", True, False)
+QUACK_MLP_KEY = "mcore:quack_mlp"  # dense MLP forwards on quack's gated GEMMs
+SWIGLU_MLP_CHOICES = ("auto", "quack", False)
 
 
 class PlannedTransformerLayer(TransformerLayer):
     """``TransformerLayer`` whose forward follows the call's ``LayerPlan`` and, when ``fused``, compiles its
     elementwise regions."""
 
-    def __init__(self, *args: Any, fused: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fused: bool = False, quack_mlp: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fused = fused
+        self.quack_mlp = quack_mlp  # a dense MLP on quack's gated GEMMs (swiglu_mlp="quack"; fused layers only)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         plan = getattr(kwargs.get("packed_seq_params"), "layer_plan", None)
@@ -90,12 +97,21 @@ class PlannedTransformerLayer(TransformerLayer):
             raise ValueError("the fused Megatron layers run training and scoring forwards, not inference with a KV "
                              "cache: build the model with compiled_layers=False")
         normed = compiled(apply_norm)(self.input_layernorm, hidden_states)
+        attention_params = packed_seq_params
+        if fused_rope_refusal(self.self_attention, rotary_pos_emb, packed_seq_params) is None:
+            # the core attention rotates q and k (mcore/build/fused_rope.py), Megatron's attention does not
+            request = rope_request(self.self_attention, rotary_pos_emb)
+            attention_params, rotary_pos_emb = dataclasses.replace(packed_seq_params, rope=request), None
         attention = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
                                         rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
                                         rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
-                                        packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset)
+                                        packed_seq_params=attention_params, sequence_len_offset=sequence_len_offset)
         hidden, normed = compiled(add_then_norm)(*attention, hidden_states, self.pre_mlp_layernorm)
-        if type(self.mlp) is MLP:  # a dense layer (MoE layers compile their experts' activation themselves)
+        if type(self.mlp) is MLP and self.quack_mlp:
+            mlp_out, mlp_bias = quack_mlp(self.mlp, normed)
+            if packed_seq_params is not None and getattr(packed_seq_params, "layer_plan", None) is not None:
+                packed_seq_params.layer_plan.count(QUACK_MLP_KEY)
+        elif type(self.mlp) is MLP:  # a dense layer (MoE layers compile their experts' activation themselves)
             mlp_out, mlp_bias = fused_mlp(self.mlp, normed)
         else:
             mlp_out, mlp_bias = self.mlp(normed, padding_mask=padding_mask)
@@ -110,6 +126,59 @@ def fused_mlp(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
     inter = compiled(gated_activation)(inter, bias, config.activation_func, config.gated_linear_unit,
                                        config.activation_func_clamp_value, config.glu_linear_offset)
     return mlp.linear_fc2(inter)
+
+
+def quack_mlp(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """A dense Megatron ``MLP`` (SwiGLU, no biases, one TP rank) as quack's gated GEMMs: the HF route's
+    ``kernels.quack.gated_mlp`` on views of fc1's ``[gate; up]`` rows and fc2's weight."""
+    from actorcore.kernels.quack.gated_mlp import gated_mlp
+
+    fc1_OD = mlp.linear_fc1.weight
+    half = fc1_OD.shape[0] // 2
+    out_TD = gated_mlp(x.reshape(-1, x.shape[-1]), fc1_OD[:half], fc1_OD[half:], mlp.linear_fc2.weight)
+    return out_TD.view(*x.shape[:-1], out_TD.shape[-1]), None
+
+
+def quack_mlp_refusal(config: Any, dtype: torch.dtype) -> str | None:
+    """Why quack's gated GEMMs do not run this config's dense MLPs here (None: they do): SwiGLU (SiLU gate, no clamp
+    or offset), no biases, one TP rank, bf16 / fp16, no fp8 and no fused weight-gradient accumulation, widths
+    multiples of 8, on a GPU quack runs on."""
+    import torch.nn.functional as F
+
+    from actorcore.kernels.quack import runtime as quack_runtime
+
+    checks = (
+        (config.gated_linear_unit and config.activation_func is F.silu, "the MLP is not SwiGLU"),
+        (config.activation_func_clamp_value is None and not config.glu_linear_offset, "the GLU clamps or offsets"),
+        (not config.add_bias_linear, "the MLP has biases"),
+        (config.tensor_model_parallel_size == 1, "tensor parallelism (the MLP's output is reduced over TP ranks)"),
+        (dtype in (torch.bfloat16, torch.float16), f"the model is {dtype}, not bf16 / fp16"),
+        (not (config.fp8 or config.fp4), "fp8 / fp4 layers"),
+        (not config.gradient_accumulation_fusion, "gradient_accumulation_fusion (weight gradients into main_grad)"),
+    )
+    why = next((what for ok, what in checks if not ok), None) or quack_runtime.quack_refusal()
+    if why is not None:
+        return f"quack's gated MLP does not run here: {why}"
+    return quack_runtime.width_refusal("the MLP", hidden=config.hidden_size, intermediate=config.ffn_hidden_size)
+
+
+def resolve_swiglu_mlp(request: Any, config: Any, dtype: torch.dtype, fused: bool) -> str | bool:
+    """``build_gpt_model(swiglu_mlp=request)``: ``"quack"`` (refused with the reason where it cannot run, or without
+    the compiled layers it runs in), ``False`` (the compiled activation between cuBLAS GEMMs), or ``"auto"``: quack
+    where it runs, in compiled layers."""
+    if request not in SWIGLU_MLP_CHOICES or request is True or isinstance(request, int) and request is not False:
+        raise ValueError(f"swiglu_mlp must be one of {SWIGLU_MLP_CHOICES}, got {request!r}")
+    if request is False:
+        return False
+    why = quack_mlp_refusal(config, dtype)
+    if request == "quack":
+        if not fused:
+            raise ValueError("swiglu_mlp='quack' runs inside the compiled layers: pass compiled_layers=True (or "
+                             "'auto' on CUDA with 16-bit weights), or swiglu_mlp=False")
+        if why is not None:
+            raise ValueError(f"swiglu_mlp='quack': {why}; pass swiglu_mlp=False")
+        return "quack"
+    return "quack" if fused and why is None else False
 
 
 def compiled_layers_refusal(config: Any) -> str | None:
@@ -147,9 +216,11 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def with_planned_layers(layer_spec: Any, fused: bool) -> Any:
-    """A decoder layer spec building ``PlannedTransformerLayer`` (``fused``: with its elementwise work compiled)."""
+def with_planned_layers(layer_spec: Any, fused: bool, swiglu_mlp: str | bool = False) -> Any:
+    """A decoder layer spec building ``PlannedTransformerLayer`` (``fused``: with its elementwise work compiled;
+    ``swiglu_mlp="quack"``: its dense MLP on quack's gated GEMMs)."""
     if layer_spec.module is not TransformerLayer:
         raise ValueError(f"the decoder layer spec builds {layer_spec.module.__name__}, not megatron-core's "
                          "TransformerLayer, which actorcore's planned layers extend")
-    return dataclasses.replace(layer_spec, module=PlannedTransformerLayer, params={**layer_spec.params, "fused": fused})
+    params = {**layer_spec.params, "fused": fused, "quack_mlp": fused and swiglu_mlp == "quack"}
+    return dataclasses.replace(layer_spec, module=PlannedTransformerLayer, params=params)

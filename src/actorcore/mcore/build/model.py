@@ -175,7 +175,7 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype:
 def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype: torch.dtype | None = None, *,
                     value_head: bool = False, vocab_multiple: int = 128, mtp: bool = False,
                     expert_layout: str | None = None, moe_experts: str = "auto", compiled_layers: bool | str = "auto",
-                    recompute: str | None = None, memory_budget_gib: float | None = None,
+                    swiglu_mlp: str | bool = "auto", recompute: str | None = None, memory_budget_gib: float | None = None,
                     **config_overrides: Any) -> McoreModel:
     """This rank's model (``McoreModel``: its chunks, ``len == vp or 1``, and their HF side), after
     ``initialize_megatron`` with the same ``parallel`` layout.
@@ -203,6 +203,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     ``SequentialMLP``); the same parameters, state dict and conversion either way.
     ``compiled_layers``: the layers' norms, residual adds and activations compiled (``mcore/build/layer.py``):
     ``"auto"`` on CUDA with 16-bit weights, ``True``, ``False``.
+    ``swiglu_mlp``: the dense MLPs of compiled layers as quack's gated GEMMs (``mcore/build/layer.py``): ``"auto"``
+    (where quack runs and covers them: SwiGLU, no biases, one TP rank), ``"quack"``, ``False``.
     ``recompute`` / ``memory_budget_gib``: activation recompute per layer and call (``mcore/build/recompute.py``):
     ``None`` (none), ``"full"``, ``"selective"``, or ``"auto"`` within ``memory_budget_gib``.
     ``fused_layers=``: the old name of ``compiled_layers`` (kept for one release, with a DeprecationWarning).
@@ -226,7 +228,7 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     recompute_plan = check_recompute(recompute, memory_budget_gib)
     context = context_from_megatron()  # refusals above need no parallel state
     parallel.check_context(context)
-    options = LayerOptions(moe_experts, compiled_layers, recompute_plan)
+    options = LayerOptions(moe_experts, compiled_layers, recompute_plan, swiglu_mlp)
     chunks, options = _build_chunks(hf_config, parallel, dtype, value_head=value_head, vocab_multiple=vocab_multiple,
                                     mtp=mtp, options=options, config_overrides=config_overrides)
     if vlm_config is not None:
@@ -239,7 +241,8 @@ def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype
     return McoreModel(chunks=chunks, hf_config=hf_config, spec=spec, parallel=parallel, context=context,
                       vocab_multiple=vocab_multiple, value_head=value_head, vlm_config=vlm_config,
                       expert_layout=expert_layout, mla_full_width_projections=patched, moe_experts=options.moe_experts,
-                      compiled_layers=options.compiled_layers, recompute=options.recompute)
+                      compiled_layers=options.compiled_layers, recompute=options.recompute,
+                      swiglu_mlp=options.swiglu_mlp)
 
 
 def _fix_expert_output_biases(chunk: Any) -> None:
@@ -304,11 +307,12 @@ class LayerOptions:
     moe_experts: Any
     compiled_layers: Any
     recompute: RecomputePlan | None
+    swiglu_mlp: Any = "auto"
 
     def resolved(self, config: Any, dtype: torch.dtype) -> "LayerOptions":
         """Refuses what the config cannot run; ``"auto"`` becomes a choice."""
         from actorcore.mcore.build.grouped_experts import resolve_moe_experts
-        from actorcore.mcore.build.layer import resolve_compiled_layers
+        from actorcore.mcore.build.layer import resolve_compiled_layers, resolve_swiglu_mlp
 
         check_recompute_config(self.recompute, config)
         overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
@@ -318,7 +322,8 @@ class LayerOptions:
                              "which bypasses the compiled layers' and recompute's forward: pass "
                              "compiled_layers=False and recompute=None with it")
         fused = False if overlap and fused == "auto" else resolve_compiled_layers(fused, config, dtype)
-        return LayerOptions(resolve_moe_experts(self.moe_experts, config, dtype), fused, self.recompute)
+        return LayerOptions(resolve_moe_experts(self.moe_experts, config, dtype), fused, self.recompute,
+                            resolve_swiglu_mlp(self.swiglu_mlp, config, dtype, fused))
 
 
 def _with_layer_options(layer_spec: Any, options: LayerOptions) -> Any:
@@ -327,7 +332,7 @@ def _with_layer_options(layer_spec: Any, options: LayerOptions) -> Any:
     from actorcore.mcore.build.layer import with_planned_layers
 
     layer_spec = with_grouped_experts(layer_spec, options.moe_experts, options.compiled_layers)
-    return with_planned_layers(layer_spec, options.compiled_layers)
+    return with_planned_layers(layer_spec, options.compiled_layers, options.swiglu_mlp)
 
 
 def _build_chunks(hf_config: Any, parallel: McoreParallel, dtype: torch.dtype, *, value_head: bool,
