@@ -77,3 +77,36 @@ def test_compiled_layers_resolve_and_refuse():
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="compiled_layers must be True, False or 'auto'"):
             resolve_compiled_layers(bad, config, torch.float32)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(13, 6, 2), (1, 4, 1), (40, 8, 8), (7, 128, 8)])
+def test_gather_dispatch_moves_rows_as_megatron_permute_and_unpermute(tokens, experts, top_k):
+    """The gather-only dispatcher's rows are megatron-core's (``moe_utils.permute``: by expert, tokens ascending);
+    forward and backward equal megatron's ``permute`` / ``unpermute`` (fp32: its scatter-add sums K rows in another
+    order)."""
+    from megatron.core.transformer.moe.moe_utils import permute as megatron_permute
+    from megatron.core.transformer.moe.moe_utils import unpermute as megatron_unpermute
+
+    from actorcore.kernels.moe_permute import combine, permute
+    from actorcore.mcore.build.gather_dispatch import expert_order
+
+    gen = torch.Generator().manual_seed(tokens * experts + top_k)
+    chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
+    probs = torch.rand(tokens, experts, generator=gen) * routing_map
+    x = torch.randn(tokens, 5, generator=gen, requires_grad=True)
+    grad = torch.randn(tokens * top_k, 5, generator=gen)
+
+    want_rows, want_probs, sorted_indices = megatron_permute(x, routing_map, probs=probs)
+    want_out = megatron_unpermute(want_rows * 3, sorted_indices, x.shape)
+    (want_grad,) = torch.autograd.grad((want_rows * grad).sum() + want_out.square().sum(), x)
+
+    order = expert_order(routing_map, top_k)
+    rows = permute(x, order)
+    got_probs = probs.reshape(-1).index_select(0, order.token_of_row * experts + order.expert_of_row)
+    out = combine(rows * 3, torch.ones(tokens, top_k), order, x.dtype)
+    (got_grad,) = torch.autograd.grad((rows * grad).sum() + out.square().sum(), x)
+    assert torch.equal(order.token_of_row, sorted_indices) and torch.equal(rows, want_rows)
+    assert torch.equal(got_probs, want_probs)
+    torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)

@@ -205,12 +205,14 @@ def resolve_moe_experts(request: Any, config: Any, dtype: torch.dtype) -> str | 
 
 
 def with_grouped_experts(layer_spec: Any, kernel: str | None, fused: bool) -> Any:
-    """A layer spec whose MoE experts are ``GroupedExperts`` running ``kernel`` (dense layers and
-    ``"sequential"`` / None: unchanged)."""
+    """A layer spec whose MoE experts are ``GroupedExperts`` running ``kernel``, in a ``GatherMoELayer`` (dense
+    layers and ``"sequential"`` / None: unchanged)."""
     import dataclasses
 
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from actorcore.mcore.build.gather_dispatch import GatherMoELayer
 
     mlp = layer_spec.submodules.mlp
     if kernel in (None, SEQUENTIAL) or not isinstance(mlp, ModuleSpec) or mlp.module is not MoELayer:
@@ -221,7 +223,9 @@ def with_grouped_experts(layer_spec: Any, kernel: str | None, fused: bool) -> An
                          "SequentialMLP, which the grouped experts replace: pass moe_experts='sequential'")
     experts = dataclasses.replace(experts, module=GroupedExperts, params={**experts.params, "kernel": kernel,
                                                                           "fused": fused})
-    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
+    # the dispatcher's local permutations as gathers (mcore/build/gather_dispatch.py), where it covers them
+    mlp = dataclasses.replace(mlp, module=GatherMoELayer,
+                              submodules=dataclasses.replace(mlp.submodules, experts=experts))
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))
 
 
