@@ -65,6 +65,8 @@ def uses_cp_ring(cp_comm_type: Any) -> bool:
 class PackedCoreAttention(MegatronModule):
     """Causal attention within each sequence of a packed batch (or each row of an ``[S, B]`` batch)."""
 
+    applies_rope = True  # rotates q and k by a batch's RopeRequest (the compiled layers': mcore/build/fused_rope.py)
+
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  k_channels: int | None = None, v_channels: int | None = None,
