@@ -16,8 +16,11 @@ layers (and ``mcore/build/grouped_experts.py``'s experts) run, written as Megatr
   gpt-oss's clamp and linear offset), for experts times the routing probability in fp32, rounded once;
 - ``rotary``: Megatron's rotate-half RoPE of q and k by per-token angles (``mcore/build/fused_rope.py``).
 
-``compiled(fn)`` is ``torch.compile(fn, dynamic=True)``, one compilation per function for every pack length (the
-token count is symbolic) and every layer (modules are inputs, not constants of the graph). Within bf16 rounding of
+``compiled(fn)`` is ``torch.compile(fn)`` with the token dim of its tensors marked dynamic: one compilation per
+function for every pack length (the token count is symbolic) and every layer (modules are inputs, not constants of
+the graph), the feature widths static, so Inductor's kernels index and reduce over constant widths
+(``dynamic=True`` made them symbolic too: fc1's ``[gate; up]`` output split at a symbolic half, norms over a symbolic
+width). Within bf16 rounding of
 the eager functions (Inductor keeps fp32 between the ops it fuses, where eager rounds each to bf16); in fp32 the
 reduction order only.
 """
@@ -25,7 +28,7 @@ reduction order only.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -91,5 +94,16 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 @functools.cache
 def compiled(fn: Callable) -> Callable:
-    """``fn`` compiled by Inductor with a symbolic token count (one compilation per function, cached)."""
-    return torch.compile(fn, dynamic=True)
+    """``fn`` compiled by Inductor with a symbolic token count and every other size static (one compilation per
+    function, cached): the first dim of each tensor argument as long as the first one's is marked dynamic."""
+    inner = torch.compile(fn)
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        tokens = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim()), None)
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == tokens:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return inner(*args)
+
+    return run
