@@ -115,18 +115,8 @@ def test_model_matches_eager_experts_and_ran(model_type, fused):
     handle.revert()
 
 
-@pytest.mark.parametrize("model_type", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="measured further from fp32 on the DeltaNet decay "
-                                            "gradients: its spec keeps transformers' experts under 'auto'"))
-    if m == "qwen3_next" else m for m in COVERED])
-def test_fused_path_as_close_to_fp32_as_transformers_experts(model_type):
-    """Under the compiled decoder, the path against transformers' own ``grouped_mm`` experts under the same fused
-    decoder, both measured by their distance to the fp32 model (same values, eager): per token in log-probs and per
-    parameter in gradients the path is no further from fp32 than transformers' experts, up to the table's factor
-    and floor. Where it is not (qwen3_next: strict xfail), the spec keeps the model's own experts under ``"auto"``,
-    and the xfail turns into a failure the day the path is as close."""
-    pytest.importorskip("triton")
-    model = moe_model(model_type)
+def _path_and_transformers_distances(model_type, seed=1):
+    model = moe_model(model_type, seed=seed)
     batch = moe_batch()
     reference = fp32_reference(model, batch)
     model.set_experts_implementation("grouped_mm")
@@ -136,6 +126,33 @@ def test_fused_path_as_close_to_fp32_as_transformers_experts(model_type):
         assert bool(handle.state.targets("moe_experts")) == (experts == "sorted")
         distances[experts] = grad_distance(step(model, batch, Counter()), reference)
         handle.revert()
-    assert_no_further_from_fp32(distances["sorted"], distances[False], "transformers' experts")
+    return distances["sorted"], distances[False]
+
+
+@pytest.mark.parametrize("model_type", [m for m in COVERED if m != "qwen3_next"])
+def test_fused_path_as_close_to_fp32_as_transformers_experts(model_type):
+    """Under the compiled decoder, the path against transformers' own ``grouped_mm`` experts under the same fused
+    decoder, both measured by their distance to the fp32 model (same values, eager): per token in log-probs and per
+    parameter in gradients the path is no further from fp32 than transformers' experts, up to the table's factor
+    and floor."""
+    pytest.importorskip("triton")
+    path, transformers_experts = _path_and_transformers_distances(model_type)
+    assert_no_further_from_fp32(path, transformers_experts, "transformers' experts")
+
+
+def test_linear_attention_refusal_still_measured():
+    """Why ``moe_experts="auto"`` keeps transformers' experts on models with linear-attention layers: on the tiny
+    Qwen3-Next, over four seeds, the path is further from fp32 than transformers' experts on at least one (the DeltaNet
+    decay gradients; two of four on the H200, 2026-12). The day it is as close on all four, this fails: lift the
+    refusal (``moe_experts.LINEAR_ATTENTION_REFUSAL``). (One seed alone passed on the H100, 2026-12-07.)"""
+    pytest.importorskip("triton")
+    further = 0
+    for seed in (1, 2, 3, 4):
+        path, transformers_experts = _path_and_transformers_distances("qwen3_next", seed)
+        try:
+            assert_no_further_from_fp32(path, transformers_experts, "transformers' experts")
+        except AssertionError:
+            further += 1
+    assert further >= 1, "the path is as close to fp32 as transformers' experts on all four seeds: lift the refusal"
 
 

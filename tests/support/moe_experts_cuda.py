@@ -22,8 +22,8 @@ def moe_batch(seed=0):
     return ac.pack([torch.randint(3, 131, (n,), generator=g) for n in LENGTHS]).to("cuda")
 
 
-def moe_model(model_type, **overrides):
-    model = build_tiny_model(model_type, seed=1, dtype=torch.bfloat16, **overrides).cuda().train()
+def moe_model(model_type, seed=1, **overrides):
+    model = build_tiny_model(model_type, seed=seed, dtype=torch.bfloat16, **overrides).cuda().train()
     model.set_experts_implementation("eager")  # transformers' per-expert loop (what "False" keeps)
     return model
 

@@ -83,8 +83,10 @@ def in_graph_attention(module, query, key, value, scaling, dropout, sliding_wind
         return None
     sinks = attention_sinks(kwargs)
     head_dim = module_head_dim(module)  # a number of the module, a constant of the graph (the sizes are symbolic)
+    # ``is not None``, not ``bool()``: a layer class whose layers alternate windows (gpt-oss) has its window traced as a
+    # symbolic int, whose truth value is symbolic too, and the backend choice must be a constant of the graph
     backend = traceable_backend(query.device.type, query.dtype, kwargs.get(ATTENTION_BACKEND_KWARG, "auto"),
-                                head_dim or 0, softcap is not None, sinks is not None, bool(sliding_window))
+                                head_dim or 0, softcap is not None, sinks is not None, sliding_window is not None)
     if not backend or query.shape[0] != 1:
         return None
     if backend == "fa4":  # chosen for the module's head dim: the tensors must have it
