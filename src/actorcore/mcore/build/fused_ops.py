@@ -95,14 +95,14 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 @functools.cache
 def compiled(fn: Callable) -> Callable:
     """``fn`` compiled by Inductor with a symbolic token count and every other size static (one compilation per
-    function, cached): the first dim of each tensor argument as long as the first one's is marked dynamic."""
+    function, cached): the first dim of each tensor argument is marked dynamic (tokens or rows; a bias whose first dim
+    is a width is then specialised by the shape it meets, without a recompilation)."""
     inner = torch.compile(fn)
 
     @functools.wraps(fn)
     def run(*args: Any) -> Any:
-        tokens = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim()), None)
         for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == tokens:
+            if isinstance(a, torch.Tensor) and a.dim():
                 torch._dynamo.maybe_mark_dynamic(a, 0)
         return inner(*args)
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from actorcore.kernels.moe_permute import ExpertOrder, combine, permute, sort_by_expert
+from actorcore.mcore.build.fused_ops import compiled
 
 try:  # megatron-core is optional; this module is only imported after require_megatron()
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -57,8 +58,21 @@ def expert_order(routing_map_TE: torch.Tensor, top_k: int) -> ExpertOrder:
     return sort_by_expert(chosen_TK, routing_map_TE.shape[1])
 
 
+def _permute_rows(x_TD: torch.Tensor, token_of_row: torch.Tensor, row_of_pair: torch.Tensor) -> torch.Tensor:
+    return permute(x_TD, ExpertOrder(token_of_row, None, row_of_pair, None, None))
+
+
+def _sum_rows(rows_SD: torch.Tensor, token_of_row: torch.Tensor, pair_of_row: torch.Tensor,
+              row_of_pair: torch.Tensor) -> torch.Tensor:
+    ones_TK = torch.ones(row_of_pair.shape, dtype=torch.float32, device=rows_SD.device)
+    return combine(rows_SD, ones_TK, ExpertOrder(token_of_row, pair_of_row, row_of_pair, None, None), rows_SD.dtype)
+
+
 class GatherTokenDispatcher(MoEAlltoAllTokenDispatcher):
-    """``MoEAlltoAllTokenDispatcher`` whose local permutations are gathers (``kernels.moe_permute``)."""
+    """``MoEAlltoAllTokenDispatcher`` whose local permutations are gathers (``kernels.moe_permute``); compiled
+    (one kernel each way instead of a gather, a cast and an add per slot) when the layers are (``fused``)."""
+
+    fused = False
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
@@ -73,16 +87,17 @@ class GatherTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.order = order = expert_order(routing_map, self.config.moe_router_topk)
         experts = routing_map.shape[1]
         permuted_probs = probs.reshape(-1).index_select(0, order.token_of_row * experts + order.expert_of_row)
-        return permute(hidden_states, order), permuted_probs
+        permute_rows = compiled(_permute_rows) if self.fused else _permute_rows
+        return permute_rows(hidden_states, order.token_of_row, order.row_of_pair), permuted_probs
 
     def combine_postprocess(self, permutated_local_input_tokens: torch.Tensor) -> torch.Tensor:
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(permutated_local_input_tokens)
             self.shared_experts.post_forward_comm()
-        rows_SD = permutated_local_input_tokens
-        ones_TK = rows_SD.new_ones(self.order.row_of_pair.shape, dtype=torch.float32)
-        output = combine(rows_SD, ones_TK, self.order, rows_SD.dtype).view(self.hidden_shape)
-        self.order = None
+        order, self.order = self.order, None
+        sum_rows = compiled(_sum_rows) if self.fused else _sum_rows
+        output = sum_rows(permutated_local_input_tokens, order.token_of_row, order.pair_of_row, order.row_of_pair)
+        output = output.view(self.hidden_shape)
         if self.shared_experts is not None:
             output = output + self.shared_experts.get_output()
         return output
@@ -91,11 +106,12 @@ class GatherTokenDispatcher(MoEAlltoAllTokenDispatcher):
 class GatherMoELayer(MoELayer):
     """``MoELayer`` with ``GatherTokenDispatcher`` (where ``gather_dispatch_refusal`` passes)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fused: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.dispatches = 0
         if type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher and gather_dispatch_refusal(self.config) is None:
             self.token_dispatcher.__class__ = GatherTokenDispatcher
+            self.token_dispatcher.fused = fused
 
     @property
     def gathers(self) -> bool:

@@ -224,7 +224,7 @@ def with_grouped_experts(layer_spec: Any, kernel: str | None, fused: bool) -> An
     experts = dataclasses.replace(experts, module=GroupedExperts, params={**experts.params, "kernel": kernel,
                                                                           "fused": fused})
     # the dispatcher's local permutations as gathers (mcore/build/gather_dispatch.py), where it covers them
-    mlp = dataclasses.replace(mlp, module=GatherMoELayer,
+    mlp = dataclasses.replace(mlp, module=GatherMoELayer, params={**mlp.params, "fused": fused},
                               submodules=dataclasses.replace(mlp.submodules, experts=experts))
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))
 
