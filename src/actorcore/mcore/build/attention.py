@@ -132,7 +132,7 @@ class PackedCoreAttention(MegatronModule):
             raise ValueError("PackedCoreAttention does not take an attention bias")
         dropout = self.dropout if self.training else 0.0
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        if getattr(packed_seq_params, "rope", None) is not None:  # the compiled layers' RoPE (mcore/build/fused_rope.py)
+        if getattr(packed_seq_params, "rope", None) is not None:  # the compiled layers' RoPE (build/fused_rope.py)
             query, key = self._rotated(query, key, packed_seq_params)
         if self.cp_group is not None:
             if not packed:

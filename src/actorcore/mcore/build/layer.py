@@ -11,14 +11,15 @@ only in a training forward with gradients) and the call's trace, where it counts
 Fused (``fused=True``): the layer's forward is ``TransformerLayer.forward`` for what actorcore's configs build
 (self-attention, no cross-attention, no dropout, no inference context), with its elementwise regions compiled
 (``mcore/build/fused_ops.py``): the input norm, the attention output's residual add with the pre-MLP norm, and the MLP
-output's residual add; a dense MLP runs its activation compiled (``fused_mlp``), the routed experts theirs in
-``GroupedExperts``, or, built with ``swiglu_mlp="quack"`` (the default where quack runs and the MLP is covered:
-``quack_mlp_refusal``), the dense MLP is quack's gated GEMMs with SwiGLU in their epilogues, the HF route's kernel
-(``kernels.quack.gated_mlp``; counted under ``QUACK_MLP_KEY``); RoPE runs compiled in the core attention, from angles made once per micro-batch without a host
-synchronisation (``mcore/build/fused_rope.py``, where it covers the layer; counted under ``FUSED_ROPE_KEY``). The
-attention's projections and q/k norms, and the MoE router and token dispatcher, stay Megatron's eager code: their
-collectives and host synchronisation would split a compiled graph. A fused forward counts under ``COMPILED_KEY``. On CUDA with 16-bit weights by default (``compiled_layers="auto"``);
-``True`` compiles on any device (Inductor's C++ kernels on the CPU), fp32 too.
+output's residual add. A dense MLP runs its activation compiled (``fused_mlp``) or, built with
+``swiglu_mlp="quack"`` (the default where quack runs and covers the MLP: ``quack_mlp_refusal``), as quack's gated
+GEMMs with SwiGLU in their epilogues, the HF route's kernel (``kernels.quack.gated_mlp``; counted under
+``QUACK_MLP_KEY``); the routed experts run their activation in ``GroupedExperts``. RoPE runs compiled in the core
+attention, from angles made once per micro-batch without a host synchronisation (``mcore/build/fused_rope.py``, where
+it covers the layer; counted under ``FUSED_ROPE_KEY``). The attention's projections and q/k norms, and the MoE router
+and the dispatcher's communication, stay Megatron's eager code: their collectives and host synchronisation would
+split a compiled graph. A fused forward counts under ``COMPILED_KEY``. On CUDA with 16-bit weights by default
+(``compiled_layers="auto"``); ``True`` compiles on any device (Inductor's C++ kernels on the CPU), fp32 too.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def resolve_swiglu_mlp(request: Any, config: Any, dtype: torch.dtype, fused: boo
     """``build_gpt_model(swiglu_mlp=request)``: ``"quack"`` (refused with the reason where it cannot run, or without
     the compiled layers it runs in), ``False`` (the compiled activation between cuBLAS GEMMs), or ``"auto"``: quack
     where it runs, in compiled layers."""
-    if request not in SWIGLU_MLP_CHOICES or request is True or isinstance(request, int) and request is not False:
+    if request is True or not isinstance(request, (str, bool)) or request not in SWIGLU_MLP_CHOICES:
         raise ValueError(f"swiglu_mlp must be one of {SWIGLU_MLP_CHOICES}, got {request!r}")
     if request is False:
         return False

@@ -175,7 +175,8 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype:
 def build_gpt_model(hf_config: Any, parallel: McoreParallel | None = None, dtype: torch.dtype | None = None, *,
                     value_head: bool = False, vocab_multiple: int = 128, mtp: bool = False,
                     expert_layout: str | None = None, moe_experts: str = "auto", compiled_layers: bool | str = "auto",
-                    swiglu_mlp: str | bool = "auto", recompute: str | None = None, memory_budget_gib: float | None = None,
+                    swiglu_mlp: str | bool = "auto", recompute: str | None = None,
+                    memory_budget_gib: float | None = None,
                     **config_overrides: Any) -> McoreModel:
     """This rank's model (``McoreModel``: its chunks, ``len == vp or 1``, and their HF side), after
     ``initialize_megatron`` with the same ``parallel`` layout.
