@@ -368,6 +368,8 @@ def test_recompute_modes_give_bitwise_the_gradients_of_none(world2):
         assert fused and fused_trace["mcore:compiled_layers"] == 2 * len(_sequences())
         assert fused_trace["mcore:fused_rope"] == 2 * len(_sequences()), "the compiled layers' RoPE did not run"
         assert not none_trace.get("mcore:fused_rope")
+        for trace in (none_trace, fused_trace):  # one MoE layer: the gather-only dispatch once per micro-batch
+            assert trace["mcore:gather_dispatch"] == len(_sequences()), "the gather-only dispatch did not run"
         for a, b in zip(fused_lp, none_lp):
             torch.testing.assert_close(a, b, atol=fp32_tol, rtol=0)
         for param, grad in fused_grads.items():

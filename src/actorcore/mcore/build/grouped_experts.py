@@ -150,24 +150,30 @@ def grouped_experts_refusal(config: Any) -> str | None:
 def quack_experts_refusal(config: Any, dtype: torch.dtype) -> str | None:
     """Why quack's gated GEMMs do not cover this config's experts here (None: they do): a SwiGLU (SiLU gate, no
     clamp, no offset) without biases, bf16 / fp16, widths multiples of 8, on a GPU quack runs on."""
-    import torch.nn.functional as F
-
     why = grouped_experts_refusal(config) or quack_runtime.quack_refusal()
     if why is not None:
         return why
-    checks = (
-        (config.gated_linear_unit and config.activation_func is F.silu, "its activation is not SwiGLU"),
-        (config.activation_func_clamp_value is None and not config.glu_linear_offset,
-         "its GLU clamps or offsets (gpt-oss)"),
-        (not config.add_bias_linear, "its experts have biases"),
-        (dtype in (torch.bfloat16, torch.float16), f"the model is {dtype}, not bf16 / fp16"),
-        (not config.moe_apply_probs_on_input, "moe_apply_probs_on_input=True"),
-    )
-    why = next((reason for ok, reason in checks if not ok), None)
+    why = quack_swiglu_refusal(config, dtype) or (
+        "moe_apply_probs_on_input=True" if config.moe_apply_probs_on_input else None)
     if why is not None:
         return f"quack's gated GEMMs run SwiGLU experts only: {why}"
     width = config.moe_ffn_hidden_size // config.expert_tensor_parallel_size
     return quack_runtime.width_refusal("the experts", hidden=config.hidden_size, intermediate=width)
+
+
+def quack_swiglu_refusal(config: Any, dtype: torch.dtype) -> str | None:
+    """Why quack's gated GEMMs cannot compute this config's MLPs (experts or dense; None: they can): they take a
+    SwiGLU (SiLU gate, no clamp or offset) without biases, in bf16 / fp16."""
+    import torch.nn.functional as F
+
+    checks = (
+        (config.gated_linear_unit and config.activation_func is F.silu, "the activation is not SwiGLU"),
+        (config.activation_func_clamp_value is None and not config.glu_linear_offset,
+         "the GLU clamps or offsets (gpt-oss)"),
+        (not config.add_bias_linear, "the MLPs have biases"),
+        (dtype in (torch.bfloat16, torch.float16), f"the model is {dtype}, not bf16 / fp16"),
+    )
+    return next((reason for ok, reason in checks if not ok), None)
 
 
 def check_moe_experts_request(request: Any) -> None:

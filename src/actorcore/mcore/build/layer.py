@@ -144,20 +144,16 @@ def quack_mlp_refusal(config: Any, dtype: torch.dtype) -> str | None:
     """Why quack's gated GEMMs do not run this config's dense MLPs here (None: they do): SwiGLU (SiLU gate, no clamp
     or offset), no biases, one TP rank, bf16 / fp16, no fp8 and no fused weight-gradient accumulation, widths
     multiples of 8, on a GPU quack runs on."""
-    import torch.nn.functional as F
-
     from actorcore.kernels.quack import runtime as quack_runtime
+    from actorcore.mcore.build.grouped_experts import quack_swiglu_refusal
 
     checks = (
-        (config.gated_linear_unit and config.activation_func is F.silu, "the MLP is not SwiGLU"),
-        (config.activation_func_clamp_value is None and not config.glu_linear_offset, "the GLU clamps or offsets"),
-        (not config.add_bias_linear, "the MLP has biases"),
         (config.tensor_model_parallel_size == 1, "tensor parallelism (the MLP's output is reduced over TP ranks)"),
-        (dtype in (torch.bfloat16, torch.float16), f"the model is {dtype}, not bf16 / fp16"),
         (not (config.fp8 or config.fp4), "fp8 / fp4 layers"),
         (not config.gradient_accumulation_fusion, "gradient_accumulation_fusion (weight gradients into main_grad)"),
     )
-    why = next((what for ok, what in checks if not ok), None) or quack_runtime.quack_refusal()
+    why = quack_swiglu_refusal(config, dtype) or next((what for ok, what in checks if not ok), None) \
+        or quack_runtime.quack_refusal()
     if why is not None:
         return f"quack's gated MLP does not run here: {why}"
     return quack_runtime.width_refusal("the MLP", hidden=config.hidden_size, intermediate=config.ffn_hidden_size)
