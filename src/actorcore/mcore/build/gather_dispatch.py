@@ -13,7 +13,7 @@ How: ``GatherMoELayer`` is megatron-core's ``MoELayer`` (the same modules, param
 all-to-all dispatcher runs as ``GatherTokenDispatcher``: ``dispatch_preprocess`` and ``combine_postprocess`` are
 megatron-core 0.16's with ``permute`` / ``unpermute`` replaced; the rows come out in megatron's order (by expert,
 tokens ascending within an expert), so the all-to-all, the experts and expert parallelism are unchanged. Each
-dispatch counts in the layer's ``dispatches`` (a call's trace: ``GATHER_DISPATCH_KEY``).
+dispatch counts in the dispatcher's ``dispatches`` (a call's trace: ``GATHER_DISPATCH_KEY``).
 
 Where (``gather_dispatch_refusal``): the all-to-all dispatcher without capacity (token dropping or padding), router
 padding for quantisation or Transformer Engine's fused permutation; elsewhere megatron-core's dispatcher runs.
@@ -73,8 +73,10 @@ class GatherTokenDispatcher(MoEAlltoAllTokenDispatcher):
     (one kernel each way instead of a gather, a cast and an add per slot) when the layers are (``fused``)."""
 
     fused = False
+    dispatches = 0  # the gather-only dispatches this dispatcher ran (a call's trace: GATHER_DISPATCH_KEY)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        self.dispatches += 1
         self.hidden_shape = hidden_states.shape
         self.probs = probs
         self.routing_map = routing_map
@@ -108,16 +110,6 @@ class GatherMoELayer(MoELayer):
 
     def __init__(self, *args: Any, fused: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.dispatches = 0
         if type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher and gather_dispatch_refusal(self.config) is None:
             self.token_dispatcher.__class__ = GatherTokenDispatcher
             self.token_dispatcher.fused = fused
-
-    @property
-    def gathers(self) -> bool:
-        return isinstance(self.token_dispatcher, GatherTokenDispatcher)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.gathers:
-            self.dispatches += 1
-        return super().forward(*args, **kwargs)
