@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_route import QWEN25_15B, TINY  # noqa: E402
-from step_profile import (format_breakdown, kernel_breakdown, mfu, pack_greedy, print_rows, sync,  # noqa: E402
+from step_profile import (format_breakdown, kernel_breakdown, kernel_sources, mfu, pack_greedy, print_rows, sync,  # noqa: E402
                           write_json)
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -344,6 +344,9 @@ def run_path(name, model, step, tokens, active, profile, repeats, first_timeout)
         if profile:
             model.zero_grad(set_to_none=True)
             row["breakdown"], row["top"] = kernel_breakdown(step)
+            if os.environ.get("ACTORCORE_BENCH_SOURCES"):  # where the kernels were launched (a slower profile)
+                model.zero_grad(set_to_none=True)
+                row["sources"] = kernel_sources(step)
         row["_lp"] = lp
     except torch.OutOfMemoryError:
         row["error"] = "OOM"

@@ -97,6 +97,36 @@ def kernel_breakdown(fn, top: int = 40) -> tuple[dict, list]:
     return dict(per_category), [(name[:90], category(name), round(ms, 1)) for name, ms in per_kernel.most_common(top)]
 
 
+def kernel_sources(fn, top: int = 30) -> list:
+    """Kernel milliseconds of one call of ``fn`` by where they were launched: the innermost frame of actorcore,
+    megatron or transformers in the launching op's Python stack (forward), or the autograd node that ran it
+    (backward, which has no Python stack); the ``top`` places with the most time, each with its op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        fn()
+        sync()
+    per_place = Counter()
+    for event in prof.events():
+        own = getattr(event, "self_device_time_total", 0)
+        if event.device_type != torch.autograd.DeviceType.CPU or own <= 0:
+            continue
+        per_place[(_launch_place(event), event.name)] += own / 1e3
+    return [(place, op, round(ms, 1)) for (place, op), ms in per_place.most_common(top)]
+
+
+def _launch_place(event) -> str:
+    frames = [f for f in (event.stack or []) if any(k in f for k in ("actorcore", "megatron", "transformers"))]
+    if frames:
+        return frames[0].split("site-packages/")[-1].split("/src/")[-1][:100]
+    parent = event.cpu_parent
+    while parent is not None and "evaluate_function" not in parent.name:
+        parent = parent.cpu_parent
+    return parent.name.replace("autograd::engine::evaluate_function: ", "backward ") if parent else "?"
+
+
 def mfu(params_active: float, tokens: int, seconds: float) -> float:
     """6 x (active) parameters x tokens against the bf16 matmul rate (attention FLOPs not counted)."""
     return 6 * params_active * tokens / seconds / (PEAK_TFLOPS * 1e12)
