@@ -257,6 +257,36 @@ def _quack_stand_in_case(directory: str) -> dict:
     finally:
         undo()
 
+def _local_experts_case(directory: str) -> dict:
+    """One rank holding every expert (DP=2), bf16, compiled layers: one training step with the quack experts on the
+    tokens directly (no dispatcher; quack's GEMMs as the stand-in) and one with the grouped_mm experts behind the
+    dispatcher, same weights."""
+    from transformers import AutoConfig
+
+    from actorcore.mcore.build.gather_dispatch import GatherMoELayer
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.build.model import build_gpt_model
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.testing.quack_stand_in import use_quack_stand_in
+
+    parallel = McoreParallel()
+    initialize_megatron(parallel)
+    config = AutoConfig.from_pretrained(directory)
+    undo = use_quack_stand_in()
+    try:
+        out = {}
+        for kernel in ("quack", "grouped"):
+            model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts=kernel, compiled_layers=True)
+            load_hf_into_mcore(model, directory)
+            local = [m.local_experts for chunk in model.chunks for m in chunk.modules()
+                     if isinstance(m, GatherMoELayer)]
+            trace = Counter()
+            out[kernel] = (*_train_step(model, _batches(), trace), dict(trace), local)
+        return out
+    finally:
+        undo()
+
+
 def _quack_mlp_case(directory: str) -> dict:
     """EP=2 (one TP rank), bf16, compiled layers: one training step with the dense layer's MLP on quack's gated GEMMs
     (the stand-in) and one with the compiled activation between plain GEMMs, same weights."""
@@ -300,6 +330,7 @@ def world2(tmp_path_factory):
     cases.append(("recompute", _recompute_case, (os.path.join(root, "qwen3_moe_ep2"),)))
     cases.append(("quack_stand_in", _quack_stand_in_case, (os.path.join(root, "qwen3_moe_ep2"),)))
     cases.append(("quack_mlp", _quack_mlp_case, (os.path.join(root, "qwen3_moe_ep2"),)))
+    cases.append(("local_experts", _local_experts_case, (os.path.join(root, "qwen3_moe_ep2"),)))
     cases.append(("edge_rows", _edge_rows_case, ({m: os.path.join(root, f"{m}_ep2") for m in ("qwen3_moe", "gpt_oss")},)))
     return spawn_cases(2, cases)
 
@@ -424,6 +455,30 @@ def test_quack_experts_within_bf16_rounding_of_grouped_mm(world2):
         assert kernel == "quack" and trace["moe_experts:quack_calls"] == len(_sequences()), rank
         for a, b in zip(quack_lp, lp):
             torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
+        for name, grad in grads.items():
+            diff = (quack_grads[name].float() - grad.float()).norm()
+            assert diff <= TOL["grad_mcore_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), (rank, name)
+
+
+@pytest.mark.slow
+def test_local_quack_experts_skip_the_dispatcher_within_bf16_rounding(world2):
+    """Every expert on one rank: the quack experts take the tokens directly (the gather in the GEMM's loads, each
+    expert's output weighted and summed in fp32, the routing probabilities' gradient from the dgated epilogue),
+    per token and per gradient within bf16 rounding of the grouped_mm experts behind Megatron's dispatcher; the
+    trace proves the dispatcher did not run for them and did for the grouped ones."""
+    for rank, result in enumerate(world2["local_experts"]):
+        (quack_lp, quack_grads, trace, local), (lp, grads, grouped_trace, grouped_local) = \
+            result["quack"], result["grouped"]
+        moe_layers = len(local)
+        assert moe_layers and all(local) and not any(grouped_local), rank
+        assert trace["mcore:local_experts"] == moe_layers * len(_sequences()), (rank, trace)
+        assert not trace.get("mcore:gather_dispatch") and trace["moe_experts:quack_calls"] == trace[
+            "mcore:local_experts"], (rank, trace)
+        assert grouped_trace["mcore:gather_dispatch"] == moe_layers * len(_sequences()), (rank, grouped_trace)
+        assert not grouped_trace.get("mcore:local_experts"), rank
+        for a, b in zip(quack_lp, lp):
+            torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
+        assert sorted(quack_grads) == sorted(grads)
         for name, grad in grads.items():
             diff = (quack_grads[name].float() - grad.float()).norm()
             assert diff <= TOL["grad_mcore_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), (rank, name)

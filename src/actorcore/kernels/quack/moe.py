@@ -64,34 +64,68 @@ def _gated_backward(q, grad_out, x, gate_up_EOD, down_EDI, preact, weight_of_row
     return grad_x_rows, grad_weight_of_row, grad_gate_up, grad_down
 
 
+def _experts_forward(x_TD, weights_TK, gate_up_EOD, down_EDI, token_of_row, row_of_pair, cu_seqlens):
+    """``(preact, out)``: the gated GEMM over the gathered rows, the down projection, the combine (fp32)."""
+    q = runtime.gemm_interface()
+    with torch.amp.autocast("cuda", enabled=False):
+        preact, act = _gated_forward(q, x_TD, gate_up_EOD, cu_seqlens, token_of_row)
+        rows = q.gemm(act, down_EDI.mT, cu_seqlens_m=cu_seqlens, tuned=False)
+        return preact, weighted_rows_per_token(rows, weights_TK, row_of_pair, x_TD.dtype)
+
+
+def _experts_backward(grad_out_TD, x_TD, weights_TK, gate_up_EOD, down_EDI, preact, token_of_row, pair_of_row,
+                      row_of_pair, cu_seqlens):
+    """``(grad x, grad weights, grad gate_up, grad down)`` of ``_experts_forward``."""
+    q = runtime.gemm_interface()
+    with torch.amp.autocast("cuda", enabled=False):
+        weight_of_row = weights_TK.reshape(-1).index_select(0, pair_of_row).float()
+        grad_x_rows, grad_weight_of_row, grad_gate_up, grad_down = _gated_backward(
+            q, grad_out_TD.contiguous(), x_TD, gate_up_EOD, down_EDI, preact, weight_of_row, cu_seqlens,
+            token_of_row)
+    grad_weights = grad_weight_of_row.index_select(0, row_of_pair.reshape(-1)).view_as(weights_TK)
+    return sum_rows_per_token(grad_x_rows, row_of_pair), grad_weights.to(weights_TK.dtype), grad_gate_up, grad_down
+
+
 class _GatedExperts(torch.autograd.Function):
     """``out = combine(down(swiglu(gate_up(x[token_of_row]))), weights)`` per expert, as quack's grouped
     (variable-length) GEMMs; the combine's backward inside the down projection's input-gradient GEMM."""
 
     @staticmethod
     def forward(ctx, x_TD, weights_TK, gate_up_EOD, down_EDI, token_of_row, pair_of_row, row_of_pair, cu_seqlens):
-        q = runtime.gemm_interface()
-        with torch.amp.autocast("cuda", enabled=False):
-            preact, act = _gated_forward(q, x_TD, gate_up_EOD, cu_seqlens, token_of_row)
-            rows = q.gemm(act, down_EDI.mT, cu_seqlens_m=cu_seqlens, tuned=False)
-            out = weighted_rows_per_token(rows, weights_TK, row_of_pair, x_TD.dtype)
+        preact, out = _experts_forward(x_TD, weights_TK, gate_up_EOD, down_EDI, token_of_row, row_of_pair,
+                                       cu_seqlens)
         ctx.save_for_backward(x_TD, weights_TK, gate_up_EOD, down_EDI, preact, token_of_row, pair_of_row,
                               row_of_pair, cu_seqlens)
         return out
 
     @staticmethod
     def backward(ctx, grad_out_TD):
-        x_TD, weights_TK, gate_up_EOD, down_EDI, preact, token_of_row, pair_of_row, row_of_pair, cu_seqlens = \
-            ctx.saved_tensors
-        q = runtime.gemm_interface()
-        with torch.amp.autocast("cuda", enabled=False):
-            weight_of_row = weights_TK.reshape(-1).index_select(0, pair_of_row).float()
-            grad_x_rows, grad_weight_of_row, grad_gate_up, grad_down = _gated_backward(
-                q, grad_out_TD.contiguous(), x_TD, gate_up_EOD, down_EDI, preact, weight_of_row, cu_seqlens,
-                token_of_row)
-        grad_weights = grad_weight_of_row.index_select(0, row_of_pair.reshape(-1)).view_as(weights_TK)
-        return (sum_rows_per_token(grad_x_rows, row_of_pair), grad_weights.to(weights_TK.dtype), grad_gate_up,
-                grad_down, None, None, None, None)
+        grad_x, grad_weights, grad_gate_up, grad_down = _experts_backward(grad_out_TD, *ctx.saved_tensors)
+        return grad_x, grad_weights, grad_gate_up, grad_down, None, None, None, None
+
+
+class _GatedExpertsOfModules(torch.autograd.Function):
+    """``_GatedExperts`` with each expert's weights a tensor of its own (Megatron's per-expert parameters): stacked
+    in forward and again in backward (``stack_experts``: in place where consecutive), their gradients back to each."""
+
+    @staticmethod
+    def forward(ctx, x_TD, weights_TK, token_of_row, pair_of_row, row_of_pair, cu_seqlens, per_expert, *weights):
+        gate_up_EOD, down_EDI = _pair(weights, per_expert)
+        preact, out = _experts_forward(x_TD, weights_TK, gate_up_EOD, down_EDI, token_of_row, row_of_pair,
+                                       cu_seqlens)
+        ctx.save_for_backward(x_TD, weights_TK, preact, token_of_row, pair_of_row, row_of_pair, cu_seqlens,
+                              *weights)
+        ctx.per_expert = per_expert
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out_TD):
+        x_TD, weights_TK, preact, token_of_row, pair_of_row, row_of_pair, cu_seqlens, *weights = ctx.saved_tensors
+        gate_up_EOD, down_EDI = _pair(weights, ctx.per_expert)
+        grad_x, grad_weights, grad_gate_up, grad_down = _experts_backward(
+            grad_out_TD, x_TD, weights_TK, gate_up_EOD, down_EDI, preact, token_of_row, pair_of_row, row_of_pair,
+            cu_seqlens)
+        return grad_x, grad_weights, None, None, None, None, None, *grad_gate_up.unbind(0), *grad_down.unbind(0)
 
 
 def _check_quack_operands(x: torch.Tensor, *weights: torch.Tensor) -> None:
@@ -100,14 +134,18 @@ def _check_quack_operands(x: torch.Tensor, *weights: torch.Tensor) -> None:
                          f"{x.dtype}, {', '.join(str(w.dtype) for w in weights)}")
 
 
-def gated_experts(x_TD: torch.Tensor, weights_TK: torch.Tensor, gate_up_EOD: torch.Tensor, down_EDI: torch.Tensor,
-                  order: ExpertOrder) -> torch.Tensor:
+def gated_experts(x_TD: torch.Tensor, weights_TK: torch.Tensor, gate_up: torch.Tensor | Sequence[torch.Tensor],
+                  down: torch.Tensor | Sequence[torch.Tensor], order: ExpertOrder) -> torch.Tensor:
     """``[T, D]``: each token through its experts' SwiGLU MLPs (the sorted rows of ``order``), weighted by its
-    routing weights and summed (float32, rounded once)."""
-    _check_quack_operands(x_TD, gate_up_EOD, down_EDI)
+    routing weights and summed (float32, rounded once). ``gate_up`` / ``down``: ``[E, 2I, D]`` / ``[E, D, I]``, or
+    each expert's ``[2I, D]`` / ``[D, I]`` (their gradients go back to each)."""
+    stacked = isinstance(gate_up, torch.Tensor)
+    _check_quack_operands(x_TD, *((gate_up, down) if stacked else (*gate_up, *down)))
     cu_seqlens = torch.cat([order.offsets.new_zeros(1), order.offsets])
-    return _GatedExperts.apply(x_TD.contiguous(), weights_TK, gate_up_EOD, down_EDI, order.token_of_row.int(),
-                               order.pair_of_row, order.row_of_pair, cu_seqlens)
+    index = (order.token_of_row.int(), order.pair_of_row, order.row_of_pair, cu_seqlens)
+    if stacked:
+        return _GatedExperts.apply(x_TD.contiguous(), weights_TK, gate_up, down, *index)
+    return _GatedExpertsOfModules.apply(x_TD.contiguous(), weights_TK, *index, len(gate_up), *gate_up, *down)
 
 
 class _GatedRows(torch.autograd.Function):

@@ -18,6 +18,15 @@ dispatch counts in the dispatcher's ``dispatches`` (a call's trace: ``GATHER_DIS
 Where (``gather_dispatch_refusal``): the all-to-all dispatcher without capacity (token dropping or padding), router
 padding for quantisation or Transformer Engine's fused permutation; elsewhere megatron-core's dispatcher runs.
 
+Local experts (``local_experts_refusal``): where one rank holds every expert of the layer whole (EP = 1, expert TP =
+1) and they run quack's gated GEMMs, there is nothing to dispatch, and the layer skips the dispatcher: the tokens go
+to ``kernels.quack.moe.gated_experts``, the HF route's kernel, which gathers each row in the GEMM's loads and weighs
+and sums each token's ``K`` rows in fp32 (the combine's backward inside the down projection's input-gradient GEMM).
+On the dispatcher's path the ``[T * K, D]`` rows were written, kept for backward and summed back in separate passes,
+and the per-expert token counts were read to the host in every layer. Router, auxiliary losses, shared experts,
+parameters and state dict are unchanged; the probability weighs each expert's output instead of its activation
+(the same sum, rounded once in fp32). Counted in ``local_calls`` (a call's trace: ``LOCAL_EXPERTS_KEY``).
+
 Legend: ``T`` tokens, ``E`` experts, ``K`` experts per token, ``S = T * K`` rows, ``D`` features.
 """
 
@@ -29,6 +38,7 @@ import torch
 
 from actorcore.kernels.moe_permute import ExpertOrder, combine, permute, sort_by_expert
 from actorcore.mcore.build.fused_ops import compiled
+from actorcore.mcore.build.grouped_experts import QUACK, SEQUENTIAL, GroupedExperts, SequentialMLP
 
 try:  # megatron-core is optional; this module is only imported after require_megatron()
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -37,6 +47,7 @@ except ImportError:  # pragma: no cover - guarded by require_megatron
     MoELayer = MoEAlltoAllTokenDispatcher = torch.nn.Module  # type: ignore[misc,assignment]
 
 GATHER_DISPATCH_KEY = "mcore:gather_dispatch"  # MoE layer forwards whose dispatcher permuted by gathers
+LOCAL_EXPERTS_KEY = "mcore:local_experts"  # MoE layer forwards that ran their experts without the dispatcher
 
 
 def gather_dispatch_refusal(config: Any) -> str | None:
@@ -51,11 +62,36 @@ def gather_dispatch_refusal(config: Any) -> str | None:
     return next((what for ok, what in checks if not ok), None)
 
 
+def chosen_experts(routing_map_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T, K]``: the experts a routing map marks for each token, ascending."""
+    return torch.sort(routing_map_TE.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :top_k]
+
+
 def expert_order(routing_map_TE: torch.Tensor, top_k: int) -> ExpertOrder:
     """The rows of a routing map (``K`` experts marked per token) sorted by expert, tokens ascending within one:
     megatron-core's permutation order."""
-    chosen_TK = torch.sort(routing_map_TE.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :top_k]
-    return sort_by_expert(chosen_TK, routing_map_TE.shape[1])
+    return sort_by_expert(chosen_experts(routing_map_TE, top_k), routing_map_TE.shape[1])
+
+
+def local_routing(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
+    """``(weights [T, K], token_of_row, pair_of_row, row_of_pair, expert_of_row, offsets)``: each token's routing
+    probabilities of its chosen experts and the order of its rows (a function of tensors, compiled as one region)."""
+    chosen_TK = chosen_experts(routing_map_TE, top_k)
+    return (probs_TE.gather(1, chosen_TK), *sort_by_expert(chosen_TK, routing_map_TE.shape[1]))
+
+
+def local_experts_refusal(layer: Any) -> str | None:
+    """Why this MoE layer's experts run through its token dispatcher (None: they run on the tokens directly)."""
+    dispatcher, config = layer.token_dispatcher, layer.config
+    checks = (
+        (isinstance(dispatcher, GatherTokenDispatcher), "megatron-core's own dispatcher permutations"),
+        (isinstance(layer.experts, GroupedExperts) and layer.experts.kernel == QUACK, "experts not on quack's GEMMs"),
+        (dispatcher.ep_size == 1 and dispatcher.tp_size == 1, "experts split over ranks (EP or expert TP > 1)"),
+        (not layer.shared_expert_overlap, "shared experts overlapped with the dispatch"),
+        (not layer.moe_layer_recompute, "megatron-core's MoE-layer recompute"),
+        (not config.moe_latent_size, "MoE latent projections"),
+    )
+    return next((what for ok, what in checks if not ok), None)
 
 
 def _permute_rows(x_TD: torch.Tensor, token_of_row: torch.Tensor, row_of_pair: torch.Tensor) -> torch.Tensor:
@@ -106,10 +142,52 @@ class GatherTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
 
 class GatherMoELayer(MoELayer):
-    """``MoELayer`` with ``GatherTokenDispatcher`` (where ``gather_dispatch_refusal`` passes)."""
+    """``MoELayer`` with ``GatherTokenDispatcher`` (where ``gather_dispatch_refusal`` passes), and its experts on the
+    tokens directly where ``local_experts_refusal`` passes."""
+
+    local_calls = 0  # the forwards that ran the experts without the dispatcher (a call's trace: LOCAL_EXPERTS_KEY)
 
     def __init__(self, *args: Any, fused: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.fused = fused
         if type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher and gather_dispatch_refusal(self.config) is None:
             self.token_dispatcher.__class__ = GatherTokenDispatcher
             self.token_dispatcher.fused = fused
+        self.local_experts = local_experts_refusal(self) is None
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
+                padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        if not self.local_experts or intermediate_tensors is not None or hidden_states.numel() == 0:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        self.local_calls += 1
+        if padding_mask is not None:  # as MoELayer.forward: [bsz, seq] to the hidden states' [seq, bsz]
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        shared = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        routing = compiled(local_routing) if self.fused else local_routing
+        weights, *order = routing(probs, routing_map, self.config.moe_router_topk)
+        output = self.experts.forward_tokens(hidden_states.reshape(-1, hidden_states.shape[-1]), weights,
+                                             ExpertOrder(*order)).view(hidden_states.shape)
+        return (output if shared is None else output + shared), None
+
+
+def with_grouped_experts(layer_spec: Any, kernel: str | None, fused: bool) -> Any:
+    """A layer spec whose MoE experts are ``GroupedExperts`` running ``kernel``, in a ``GatherMoELayer`` (dense
+    layers and ``"sequential"`` / None: unchanged)."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    mlp = layer_spec.submodules.mlp
+    if kernel in (None, SEQUENTIAL) or not isinstance(mlp, ModuleSpec) or mlp.module is not MoELayer:
+        return layer_spec
+    experts = mlp.submodules.experts
+    if experts.module is not SequentialMLP:
+        raise ValueError(f"the MoE layer spec builds {experts.module.__name__} experts, not megatron-core's local "
+                         "SequentialMLP, which the grouped experts replace: pass moe_experts='sequential'")
+    experts = dataclasses.replace(experts, module=GroupedExperts, params={**experts.params, "kernel": kernel,
+                                                                          "fused": fused})
+    # the dispatcher's local permutations as gathers, where it covers them (gather_dispatch_refusal)
+    mlp = dataclasses.replace(mlp, module=GatherMoELayer, params={**mlp.params, "fused": fused},
+                              submodules=dataclasses.replace(mlp.submodules, experts=experts))
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))

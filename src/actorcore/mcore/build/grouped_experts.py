@@ -130,6 +130,17 @@ class GroupedExperts(SequentialMLP):
         return out, None
 
 
+    def forward_tokens(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, order: Any) -> torch.Tensor:
+        """``[T, D]``: the tokens themselves through their experts (every expert on this rank, no dispatcher), each
+        output weighted by its routing probability and summed in fp32 (``kernels.quack.moe.gated_experts``: the
+        rows gathered in the GEMM's loads). quack's kernel only (``gather_dispatch.local_experts_refusal``)."""
+        from actorcore.kernels.quack.moe import gated_experts
+
+        self.calls += 1
+        return gated_experts(x_TD, weights_TK, self.expert_tensors("linear_fc1.weight"),
+                             self.expert_tensors("linear_fc2.weight"), order)
+
+
 def _has_tensor(module: torch.nn.Module, name: str) -> bool:
     owner, _, attr = name.rpartition(".")
     return getattr(module.get_submodule(owner), attr, None) is not None
@@ -208,31 +219,6 @@ def resolve_moe_experts(request: Any, config: Any, dtype: torch.dtype) -> str | 
         raise ValueError(f"moe_experts={request!r}: {why}; pass moe_experts='sequential' (megatron-core's experts)"
                          + (" or 'grouped'" if request == QUACK else ""))
     return request
-
-
-def with_grouped_experts(layer_spec: Any, kernel: str | None, fused: bool) -> Any:
-    """A layer spec whose MoE experts are ``GroupedExperts`` running ``kernel``, in a ``GatherMoELayer`` (dense
-    layers and ``"sequential"`` / None: unchanged)."""
-    import dataclasses
-
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from actorcore.mcore.build.gather_dispatch import GatherMoELayer
-
-    mlp = layer_spec.submodules.mlp
-    if kernel in (None, SEQUENTIAL) or not isinstance(mlp, ModuleSpec) or mlp.module is not MoELayer:
-        return layer_spec
-    experts = mlp.submodules.experts
-    if experts.module is not SequentialMLP:
-        raise ValueError(f"the MoE layer spec builds {experts.module.__name__} experts, not megatron-core's local "
-                         "SequentialMLP, which the grouped experts replace: pass moe_experts='sequential'")
-    experts = dataclasses.replace(experts, module=GroupedExperts, params={**experts.params, "kernel": kernel,
-                                                                          "fused": fused})
-    # the dispatcher's local permutations as gathers (mcore/build/gather_dispatch.py), where it covers them
-    mlp = dataclasses.replace(mlp, module=GatherMoELayer, params={**mlp.params, "fused": fused},
-                              submodules=dataclasses.replace(mlp.submodules, experts=experts))
-    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))
 
 
 def grouped_calls(chunks: list[torch.nn.Module]) -> dict[str, int]:

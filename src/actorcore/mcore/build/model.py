@@ -109,7 +109,7 @@ def _mtp_block_spec(config: Any, mtp: Any, core_attention: type, vp_stage: int |
     wrapped one)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
 
-    from actorcore.mcore.build.grouped_experts import with_grouped_experts
+    from actorcore.mcore.build.gather_dispatch import with_grouped_experts
     from actorcore.mcore.build.norm import SequenceParallelTorchNorm
 
     layers = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization="RMSNorm")
@@ -329,7 +329,7 @@ class LayerOptions:
 
 def _with_layer_options(layer_spec: Any, options: LayerOptions) -> Any:
     """A decoder layer spec with the resolved experts kernel and actorcore's planned (and maybe fused) layer."""
-    from actorcore.mcore.build.grouped_experts import with_grouped_experts
+    from actorcore.mcore.build.gather_dispatch import with_grouped_experts
     from actorcore.mcore.build.layer import with_planned_layers
 
     layer_spec = with_grouped_experts(layer_spec, options.moe_experts, options.compiled_layers)
