@@ -7,7 +7,8 @@ Triton kernels), the grouped experts on torch's ``grouped_mm`` and on quack's ga
   (log-probs absolute, gradients as a relative L2 norm), and no further from transformers' fp32 forward than the
   eager route (the table's factor and floor); the defaults resolve as documented (fp32 stays unfused), and the
   trace proves the compiled layers and the grouped experts ran.
-- quack's experts against the grouped_mm ones (skipped where quack does not run).
+- quack's experts (on one rank: on the tokens, without the dispatcher) against the grouped_mm ones behind
+  Megatron's dispatcher (skipped where quack does not run).
 - ``recompute="auto"`` on a budget: the first call plans from the estimate and measures what each kept layer
   holds, the second plans with the measurement and stays within the budget; every mode's gradients within bf16
   rounding of no recompute (CUDA's attention and scatter backward kernels add with atomics: not bitwise here; the
@@ -157,7 +158,11 @@ def test_quack_experts_within_bf16_rounding_of_grouped_mm():
         tiny_hf("qwen3_moe", moe_intermediate_size=48).save_pretrained(directory)  # widths multiples of 8
         results = _run(directory, {"grouped": (torch.bfloat16, dict(moe_experts="grouped", compiled_layers=False)),
                                    "quack": (torch.bfloat16, dict(moe_experts="quack", compiled_layers=False))})
-    assert results["quack"][3] == "quack" and results["quack"][2]["moe_experts:quack_calls"] >= len(_batches())
+    quack_trace, grouped_trace = results["quack"][2], results["grouped"][2]
+    assert results["quack"][3] == "quack" and quack_trace["moe_experts:quack_calls"] >= len(_batches())
+    # one rank holds every expert: quack's kernel takes the tokens, the dispatcher runs only for grouped_mm
+    assert quack_trace["mcore:local_experts"] == quack_trace["moe_experts:quack_calls"], quack_trace
+    assert not quack_trace.get("mcore:gather_dispatch") and grouped_trace["mcore:gather_dispatch"] >= len(_batches())
     _assert_within_bf16_rounding(results["quack"], results["grouped"], "quack vs grouped_mm")
 
 
