@@ -6,7 +6,7 @@ A class, not an instance ``forward``: the compiled decoder compiles one layer fo
 Dynamo guards on the identity of what a layer calls; one object per module recompiled the layer for every layer
 (and past Dynamo's recompile limit, ran it uncompiled). Each installed module holds the patch's trace slot in its
 ``__dict__`` (a deep copy of the model is a copy of those modules); nothing per module is read inside a compiled
-layer. Compiled layers run only inside actorcore's calls, so there the path is taken without reading the slot
+layer (the MoE experts' config copy is one object for all layers). Compiled layers run only inside actorcore's calls, so there the path is taken without reading the slot
 (``is_compiling``): eager runs count into the call's trace, compiled ones are proven by the compiled decoder's own
 count (``modules_that_ran``).
 """

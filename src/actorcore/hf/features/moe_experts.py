@@ -11,23 +11,21 @@ torch has it for the device and dtype, transformers' compile-safe per-expert fal
 gate activation (``_apply_gate`` / ``act_fn``), biases and post-expert norm. It traces under ``torch.compile``
 without graph breaks, so the compiled decoder compiles it into the layer.
 
-How: through transformers' own extension point. ``use_experts_implementation`` makes an experts class's forward
-run the function ``ALL_EXPERTS_FUNCTIONS`` holds under ``config._experts_implementation``; this module registers two,
-``actorcore_sorted`` and ``actorcore_quack``, at import. A registered name decides nothing for a model whose config
-does not name it. ``patch_model`` names one on a shallow copy of the experts modules' config, made per patch and given
-to every experts module of the model (with the patch's trace slot): the config itself is shared by every layer and
-often by other models built from the same config object (an actor and its reference model), so naming the function
-there would turn the path on for all of them, and one model's revert would turn it off under another. One copy for
-all layers keeps what a compiled layer reads the same object in every layer (one compilation serves them all);
-``model.config`` is never touched. The function runs the path in actorcore's calls only; any other call (the
-model's own forward, ``verify``'s reference) runs the implementation the module's own config names now. Eager runs
-count under ``MOE_EXPERTS_KEY``; a layer the compiled decoder ran compiled took the path by construction; the
-``MoeExperts`` feature requires every installed module to have run one way or the other, and names the cause where
-one left the path (its config replaced or renamed, its class's forward replaced). ``model.set_experts_implementation``
-after the patch sets the model's configs, not the modules' copy: it changes the model's own forward, not actorcore's
-calls. The copy (and the trace slot) are in the modules' ``__dict__``, so ``copy.deepcopy`` and ``torch.save`` /
-``torch.load`` keep the patch; unpickling imports actorcore (the patch state's classes), which registers the names,
-and where actorcore is not installed the load fails there.
+How: on transformers' own extension point. ``use_experts_implementation`` makes an experts class's forward run the
+function ``ALL_EXPERTS_FUNCTIONS`` holds under ``config._experts_implementation``; this module registers
+``actorcore_sorted`` and ``actorcore_quack`` there at import. A registered name decides nothing for a model whose
+config does not name it. The config is shared by every layer and often by other models built from the same config
+object (an actor and its reference model): naming the function there would turn the path on for all of them, and one
+model's revert would turn it off under another. So ``patch_model`` names it on one shallow copy of the experts
+modules' config per patch, given to every experts module of the model with the patch's trace slot (one object for
+all layers: one compilation serves them); ``model.config`` is never touched. The function runs the path in
+actorcore's calls only; elsewhere (the model's own forward, ``verify``'s reference) it runs what the original config
+names now (``model.set_experts_implementation`` after the patch sets that, not the copy). Eager runs count under
+``MOE_EXPERTS_KEY``; a layer the compiled decoder ran compiled took the path by construction; the ``MoeExperts``
+feature requires every installed module to have run one way or the other, and names why where one left the path.
+The copy and the slot sit in the modules' ``__dict__``, so ``copy.deepcopy`` and ``torch.save`` / ``torch.load`` keep
+the patch; unpickling imports actorcore (the patch state's classes), which registers the names, so a load where
+actorcore is not installed fails there.
 
 Where: ``"sorted"`` (named ``"grouped"`` before: the old value still works for one release, with a
 DeprecationWarning; transformers' own ``"grouped_mm"`` experts are another path) installs it on any device and
