@@ -49,11 +49,11 @@ def test_experts_module_within_bf16_rounding_of_eager(model_type):
     from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY
 
     reference = copy.deepcopy(experts).float()  # fp32 math from the same bf16 values: the yardstick
-    reference.__class__ = reference._actorcore_base  # transformers' own experts class
     reference.__dict__.pop(TRACE_ATTR)
+    eager_forward = type(experts).forward.__wrapped__  # transformers' eager experts forward (the class's own)
     run = module_runner(301, model.config.hidden_size, experts.num_experts)
-    want = run(reference, reference.forward, torch.float32)
-    eager = run(experts, experts._actorcore_base.forward.__get__(experts), torch.bfloat16)
+    want = run(reference, eager_forward.__get__(reference), torch.float32)
+    eager = run(experts, eager_forward.__get__(experts), torch.bfloat16)
     handle.state.trace.counts = Counter()  # as inside an actorcore call
     try:
         path = run(experts, experts, torch.bfloat16)

@@ -30,17 +30,18 @@ def test_experts_module_within_bf16_rounding_of_fp32(hidden, intermediate, token
     model = moe_model("qwen3_moe", hidden_size=hidden, moe_intermediate_size=intermediate)
     handle = ac.patch_model(model, moe_experts="quack", compiled_decoder=False)
     module = model.model.get_submodule(handle.state.targets("moe_experts")[0])
-    assert module._actorcore_quack
+    assert module.config._experts_implementation == "actorcore_quack"
     reference = copy.deepcopy(module).float()
-    reference.__class__ = reference._actorcore_base
     run = module_runner(tokens, hidden, module.num_experts)
+
+    from transformers.integrations.moe import _grouped_mm
 
     from actorcore.hf.features.moe_experts import sorted_experts_forward
 
     def grouped(xs, idx, w):
-        return sorted_experts_forward(module, xs, idx, w, type(module)._actorcore_grouped_mm, quack=False)
+        return sorted_experts_forward(module, xs, idx, w, _grouped_mm, quack=False)
 
-    want = run(reference, reference.forward, torch.float32)
+    want = run(reference, type(module).forward.__wrapped__.__get__(reference), torch.float32)  # transformers' eager
     sorted_grouped = run(module, grouped, torch.bfloat16)
     handle.state.trace.counts = Counter()  # as inside an actorcore call
     try:

@@ -11,6 +11,7 @@ import copy
 import io
 import json
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -140,42 +141,47 @@ def test_an_mxfp4_checkpoint_without_its_quantization_config_is_named(tmp_path):
 def patched_moe():
     model = build_tiny_model("qwen3_moe", seed=0)
     handle = ac.patch_model(model, moe_experts="sorted")
-    yield model, ac.compute_logprobs(model, _batch()).log_probs
+    yield model, _runs_the_path(model, handle.state.targets("moe_experts")), handle.state.targets("moe_experts")
     handle.revert()
 
 
-def _experts_class(model) -> type:
-    return type(model.model.layers[0].mlp.experts)
+def _runs_the_path(model, names) -> torch.Tensor:
+    """The model's experts modules each hold one config copy naming actorcore's function, whose own config is the
+    model's; an actorcore call runs the path in every one of them: its log-probs."""
+    from actorcore.hf.features.moe_experts import OWN_CONFIG_ATTR
+
+    configs = {id(model.model.get_submodule(name).config) for name in names}
+    installed = model.model.get_submodule(names[0]).config
+    assert configs == {id(installed)} and installed._experts_implementation == "actorcore_sorted"
+    assert getattr(installed, OWN_CONFIG_ATTR) is model.config
+    trace = Counter()
+    log_probs = ac.compute_logprobs(model, _batch(), trace=trace).log_probs
+    assert trace["moe_experts:modules"] == len(names)
+    return log_probs
 
 
 def test_torch_save_of_a_patched_moe_model_loads_and_runs_the_path(patched_moe):
-    """Bitwise the same log-probs per token; the copy's call checks that the path ran in every experts module."""
-    from actorcore.hf.features.moe_experts import SortedExperts
-
-    model, want = patched_moe
+    """Bitwise the same log-probs per token, the path counted in every experts module of the loaded model."""
+    model, want, names = patched_moe
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    assert issubclass(_experts_class(loaded), SortedExperts)
-    assert torch.equal(ac.compute_logprobs(loaded, _batch()).log_probs, want)
+    assert torch.equal(_runs_the_path(loaded, names), want)
 
 
 def test_deepcopy_of_a_patched_moe_model_runs_with_its_own_weights(patched_moe):
-    from actorcore.hf.features.moe_experts import SortedExperts
-
-    model, want = patched_moe
+    model, want, names = patched_moe
     copied = copy.deepcopy(model)
-    assert issubclass(_experts_class(copied), SortedExperts)
-    assert torch.equal(ac.compute_logprobs(copied, _batch()).log_probs, want)
+    assert torch.equal(_runs_the_path(copied, names), want)
     with torch.no_grad():
-        copied.model.layers[0].mlp.experts.down_proj.mul_(2.0)
-    assert not torch.equal(ac.compute_logprobs(copied, _batch()).log_probs, want)
-    assert torch.equal(ac.compute_logprobs(model, _batch()).log_probs, want)
+        copied.model.get_submodule(names[0]).down_proj.mul_(2.0)
+    assert not torch.equal(_runs_the_path(copied, names), want)
+    assert torch.equal(_runs_the_path(model, names), want)
 
 
 def test_a_patched_moe_model_cast_to_float64_is_refused_before_the_forward(patched_moe):
-    model, _ = patched_moe
+    model, _, _ = patched_moe
     model.double()
     with pytest.raises(ValueError, match=r"Qwen3MoeExperts's weights are torch.float64; grouped_mm runs float32, bf16 "
                                          r"and fp16: the model was cast after patch_model"):

@@ -3,14 +3,17 @@ fp32: per token and per gradient element (every parameter: experts, routers, emb
 forward with transformers' eager experts, one sequence at a time, for every registered MoE architecture with
 transformers' standard experts class; the gather-only ``permute`` / ``combine`` / ``expert_bias`` Functions against
 plain torch indexing (float64, and ``gradcheck``); two runs bitwise equal; router logits as the model's own; the
-recomputation of checkpointed layers runs the path too; the trace proves it ran (a bypassed path raises); the
-model's own forward keeps its own experts code; ``revert`` and ``copy.deepcopy``; the option's values and
+recomputation of checkpointed layers runs the path too; the trace proves it ran (a bypassed path raises, naming
+why); the model's own forward keeps its own experts code, and so does another model built from the same config object;
+``revert``, ``copy.deepcopy`` and ``torch.load`` in a fresh process; the option's values and
 refusals; the experts forward traced by ``torch.compile(dynamic=True)`` without a graph break, and compiled in the
 compiled decoder on the CPU."""
 
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -24,7 +27,7 @@ from actorcore.hf.features.compiled_decoder import COMPILED_TRACE_KEY
 import actorcore.hf.features.moe_experts as moe_experts
 import actorcore.kernels.quack.runtime as quack_runtime
 from actorcore.hf.features.class_paths import TRACE_ATTR
-from actorcore.hf.features.moe_experts import MOE_EXPERTS_KEY, SortedExperts, sorted_experts_forward
+from actorcore.hf.features.moe_experts import EXPERTS_FUNCTIONS, MOE_EXPERTS_KEY, OWN_CONFIG_ATTR, sorted_experts_forward
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 from actorcore.testing.tolerances import TOL
@@ -106,6 +109,23 @@ def _grad_tolerance(model):
 
 def _experts(model, handle):
     return [model.model.get_submodule(name) for name in handle.state.targets("moe_experts")]
+
+
+def _on_path(module, kernel="sorted"):
+    """Whether the experts module runs actorcore's function (its config copy names it) holding a trace slot."""
+    return module.config._experts_implementation == EXPERTS_FUNCTIONS[kernel] and TRACE_ATTR in module.__dict__
+
+
+def _counting(monkeypatch):
+    """The experts modules that run the path, in order."""
+    runs = []
+
+    def counted(experts, *args):
+        runs.append(experts)
+        return sorted_experts_forward(experts, *args)
+
+    monkeypatch.setattr(moe_experts, "sorted_experts_forward", counted)
+    return runs
 
 
 # --- the Functions against plain torch indexing ------------------------------------------------------------------
@@ -192,8 +212,11 @@ def test_matches_the_models_own_forward_and_ran(model_type):
     want = _own_forward_step(model, sequences)
     handle = ac.patch_model(model, moe_experts="sorted")
     experts = _experts(model, handle)
-    assert experts and all(isinstance(m, SortedExperts) for m in experts)
-    assert len({type(m) for m in experts}) == 1  # one class for all layers: one compiled layer serves them
+    assert experts and all(_on_path(m) for m in experts)
+    # one config copy for all layers (one compiled layer serves them); the model's own config untouched
+    assert len({id(m.config) for m in experts}) == 1 and experts[0].config is not model.config
+    assert getattr(experts[0].config, OWN_CONFIG_ATTR) is model.config
+    assert model.config._experts_implementation == "eager"
     trace = Counter()
     got = _actorcore_step(model, sequences, trace)
     assert trace[MOE_EXPERTS_KEY] == len(experts)
@@ -202,7 +225,7 @@ def test_matches_the_models_own_forward_and_ran(model_type):
     _assert_close(want, got, TOL["packed_vs_hf_fp32"], _grad_tolerance(model))
     _assert_bitwise(got, _actorcore_step(model, sequences, Counter()))  # deterministic
     handle.revert()
-    assert not any(isinstance(m, SortedExperts) or TRACE_ATTR in m.__dict__ for m in experts)
+    assert all(m.config is model.config and TRACE_ATTR not in m.__dict__ for m in experts)
 
 
 def test_checkpointed_layers_recompute_on_the_path(monkeypatch):
@@ -254,20 +277,16 @@ def test_own_forward_bypassed_path_deepcopy_and_revert(monkeypatch):
     model = _moe_model("qwen2_moe")
     sequences = _sequences(3)
     handle = ac.patch_model(model, moe_experts="sorted")
-    runs = []
-
-    def counted(experts, *args):
-        runs.append(experts)
-        return sorted_experts_forward(experts, *args)
-
-    monkeypatch.setattr(moe_experts, "sorted_experts_forward", counted)
+    runs = _counting(monkeypatch)
     with torch.no_grad():
         model(input_ids=sequences[0][None])  # the model's own forward: its own experts code
     assert not runs
 
     twin = copy.deepcopy(model)
     twin_experts = [twin.model.get_submodule(n) for n in handle.state.targets("moe_experts")]
-    assert all(isinstance(m, SortedExperts) for m in twin_experts)
+    assert all(_on_path(m) for m in twin_experts)
+    assert getattr(twin_experts[0].config, OWN_CONFIG_ATTR) is twin.config  # the copy's own config, one copy
+    assert len({id(m.config) for m in twin_experts}) == 1 and twin_experts[0].config is not _experts(model, handle)[0].config
     with torch.no_grad():
         twin_experts[0].down_proj.mul_(2.0)  # the copy computes with its own weights
         trace = Counter()
@@ -280,11 +299,98 @@ def test_own_forward_bypassed_path_deepcopy_and_revert(monkeypatch):
         assert torch.equal(twin_own, ac.compute_logprobs(model, ac.pack(sequences)).log_probs)
 
     bypassed = model.model.get_submodule(handle.state.targets("moe_experts")[0])
-    bypassed.__class__ = bypassed._actorcore_base  # as if another patch had put its own class back
-    with pytest.raises(PatchNotAppliedError, match=r"MoE experts path ran in 1 of 2"):
+    installed = bypassed.config
+    bypassed.config = model.config  # as if another patch had given the module its config back
+    with pytest.raises(PatchNotAppliedError, match=r"MoE experts path ran in 1 of 2 experts modules of .*"
+                                                   r"layers.0.mlp.experts: Qwen2MoeExperts's config names the experts "
+                                                   r"implementation 'eager', not 'actorcore_sorted'"):
         ac.compute_logprobs(model, ac.pack(sequences))
+    bypassed.config = installed
+    monkeypatch.setattr(bypassed, "forward", lambda *a: type(bypassed).forward.__wrapped__(bypassed, *a))  # eager
+    with pytest.raises(PatchNotAppliedError, match=r"ran in 1 of 2 .*forward no longer dispatches through "
+                                                   r"transformers' ExpertsInterface"):
+        ac.compute_logprobs(model, ac.pack(sequences))
+    monkeypatch.delattr(bypassed, "forward")
+    installed._experts_implementation = "grouped_mm"  # the copy's setting, shared by the layers: none ran it
+    with pytest.raises(PatchNotAppliedError, match=r"ran in 0 of 2 .*names the experts implementation 'grouped_mm'"):
+        ac.compute_logprobs(model, ac.pack(sequences))
+    installed._experts_implementation = "actorcore_sorted"
     handle.revert()
-    assert not any(isinstance(m, SortedExperts) or TRACE_ATTR in m.__dict__ for m in _experts(model, handle))
+    assert all(m.config is model.config and TRACE_ATTR not in m.__dict__ for m in _experts(model, handle))
+
+
+def test_a_model_sharing_the_config_keeps_its_own_experts(monkeypatch):
+    """Two models built from one config object (an actor and its reference model): patching one names actorcore's
+    function on its own modules' config copy only; the other's forward is unchanged and its experts run their own
+    code, in its own forward and in actorcore's calls; reverting one patch leaves the other's in force."""
+    model = _moe_model("qwen3_moe")
+    other = type(model)(model.config).train()
+    other.load_state_dict(model.state_dict())
+    assert other.config is model.config
+    sequences = _sequences(7)
+    with torch.no_grad():
+        want = other(input_ids=sequences[1][None], use_cache=False).logits
+    runs = _counting(monkeypatch)
+    handle = ac.patch_model(model, moe_experts="sorted")
+    other_experts = [other.model.get_submodule(n) for n in handle.state.targets("moe_experts")]
+    assert model.config._experts_implementation == "eager" and all(m.config is model.config for m in other_experts)
+    with torch.no_grad():
+        assert torch.equal(other(input_ids=sequences[1][None], use_cache=False).logits, want)
+        trace = Counter()
+        ac.compute_logprobs(other, ac.pack(sequences), trace=trace)
+    assert not runs and trace[MOE_EXPERTS_KEY] == 0
+
+    other_handle = ac.patch_model(other, moe_experts="sorted")
+    handle.revert()  # the first model's revert: the other's patch stays
+    with torch.no_grad():
+        trace = Counter()
+        ac.compute_logprobs(other, ac.pack(sequences), trace=trace)
+        assert trace[MOE_EXPERTS_KEY] == len(other_experts) and [id(m) for m in runs] == [id(m) for m in other_experts]
+        runs.clear()
+        model(input_ids=sequences[1][None], use_cache=False)
+        other(input_ids=sequences[1][None], use_cache=False)
+    assert not runs  # the model's own forwards: their own experts code
+
+    # transformers' setter after the patch sets the models' configs, not the modules' copy: it decides the model's
+    # own forward (read at each call); actorcore's calls keep the path
+    spied = []
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    batched = ALL_EXPERTS_FUNCTIONS["batched_mm"]
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS, "batched_mm", lambda m, *a: spied.append(m) or batched(m, *a))
+    other.set_experts_implementation("batched_mm")
+    with torch.no_grad():
+        other(input_ids=sequences[1][None], use_cache=False)
+        assert [id(m) for m in spied] == [id(m) for m in other_experts] and not runs
+        spied.clear()
+        trace = Counter()
+        ac.compute_logprobs(other, ac.pack(sequences), trace=trace)
+    assert trace[MOE_EXPERTS_KEY] == len(other_experts) and not spied
+    other_handle.revert()
+    assert all(m.config is model.config and TRACE_ATTR not in m.__dict__ for m in other_experts)
+
+
+def test_torch_load_in_a_fresh_process_keeps_the_path(tmp_path):
+    """Unpickling a patched model imports actorcore (its patch state's classes), which registers the experts
+    functions: the loaded model's own forward and actorcore's calls run as before the save."""
+    model = _moe_model("qwen3_moe")
+    handle = ac.patch_model(model, moe_experts="sorted")
+    sequences = _sequences(8)
+    with torch.no_grad():
+        own = model(input_ids=sequences[0][None], use_cache=False).logits
+        want = ac.compute_logprobs(model, ac.pack(sequences)).log_probs
+    modules = len(handle.state.targets("moe_experts"))
+    torch.save({"model": model, "sequences": sequences, "own": own, "want": want, "modules": modules},
+               tmp_path / "patched.pt")
+    handle.revert()
+    code = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); model = saved['model']\n"
+            "assert 'actorcore.hf.features.moe_experts' in sys.modules\n"
+            "with torch.no_grad(): own = model(input_ids=saved['sequences'][0][None], use_cache=False).logits\n"
+            "assert torch.equal(own, saved['own'])\n"
+            "import actorcore as ac; from collections import Counter; trace = Counter()\n"
+            "with torch.no_grad(): got = ac.compute_logprobs(model, ac.pack(saved['sequences']), trace=trace).log_probs\n"
+            "assert torch.equal(got, saved['want']) and trace['moe_experts:modules'] == saved['modules'], trace\n")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "patched.pt")], check=True)
 
 
 # --- the option ------------------------------------------------------------------------------------------------
@@ -309,7 +415,7 @@ def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch):
     model = _moe_model("qwen3_moe")
     handle = ac.patch_model(model)  # the CPU: no compiled decoder, the model's own experts
     assert handle.state.targets("moe_experts") == () and "the decoder is not compiled here" in handle.plan["moe_experts"].why
-    assert not isinstance(model.model.layers[0].mlp.experts, SortedExperts)
+    assert not _on_path(model.model.layers[0].mlp.experts)
     handle.revert()
     assert ac.patch_model(build_tiny_model("llama"), moe_experts="auto").state.targets("moe_experts") == ()
 
@@ -318,7 +424,7 @@ def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch):
     monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)
     handle = ac.patch_model(model)
     assert handle.state.targets("compiled_decoder") and handle.state.targets("moe_experts") == ("layers.0.mlp.experts",)
-    assert isinstance(model.model.layers[0].mlp.experts, SortedExperts)
+    assert _on_path(model.model.layers[0].mlp.experts)
     handle.revert()
     handle = ac.patch_model(model, compiled_decoder=False)  # eager decoder: the model's own experts
     assert handle.state.targets("moe_experts") == ()
@@ -351,7 +457,7 @@ def test_grouped_refusals():
     model.model.layers[0].mlp.experts.__dict__["forward"] = lambda *a: None
     with pytest.raises(ValueError, match=r"already has an instance forward"):
         ac.patch_model(model, moe_experts="sorted")
-    assert not isinstance(model.model.layers[1].mlp.experts, SortedExperts)  # nothing stayed installed
+    assert not _on_path(model.model.layers[1].mlp.experts)  # nothing stayed installed
 
     model = _moe_model("qwen3_moe")
     custom = type("CustomExperts", (type(model.model.layers[0].mlp.experts),),
@@ -376,7 +482,7 @@ def test_quack_refusals():
     model = _moe_model("qwen3_moe")
     with pytest.raises(ValueError, match=r"moe_experts='quack': .*(Hopper|not installed).* or 'sorted'"):
         ac.patch_model(model, moe_experts="quack")
-    assert not ac.hf.patch.is_patched(model) and not isinstance(model.model.layers[0].mlp.experts, SortedExperts)
+    assert not ac.hf.patch.is_patched(model) and not _on_path(model.model.layers[0].mlp.experts)
     assert "no concatenated [gate; up]" in quack_module_refusal(_moe_model("gpt_oss").model.layers[0].mlp.experts)
     module = _moe_model("qwen3_moe").model.layers[0].mlp.experts
     module.has_bias = True
@@ -398,7 +504,7 @@ def test_auto_takes_quack_where_it_runs_and_covers_the_model(monkeypatch):
     for request, kernel in (("auto", "quack"), ("sorted", "sorted")):
         handle = ac.patch_model(model, moe_experts=request)
         assert handle.state.targets("moe_experts") and handle.state.value("moe_experts") == kernel
-        assert all(m._actorcore_quack == (kernel == "quack") for m in _experts(model, handle))
+        assert all(_on_path(m, kernel) for m in _experts(model, handle))
         handle.revert()
     monkeypatch.setattr(moe_experts, "quack_module_refusal", lambda module: "Experts has biases")
     handle = ac.patch_model(model)
@@ -478,8 +584,10 @@ def test_compiled_in_the_compiled_decoder_on_the_cpu(monkeypatch):
     assert int(counters["stats"]["unique_graphs"]) == graphs
     assert trace[COMPILED_TRACE_KEY] == model.config.num_hidden_layers
     bypassed = model.model.get_submodule(handle.state.targets("moe_experts")[0])
-    bypassed.__class__ = bypassed._actorcore_base  # as if another patch had put its own class back
-    with pytest.raises(PatchNotAppliedError, match=r"MoE experts path ran in 1 of 2"):
+    installed = bypassed.config
+    bypassed.config = model.config  # as if another patch had given the module its config back
+    with pytest.raises(PatchNotAppliedError, match=r"MoE experts path ran in 1 of 2 .*names the experts "
+                                                   "implementation 'eager'"):
         _actorcore_step(model, sequences, Counter())
-    bypassed.__class__ = moe_experts.sorted_experts_class(type(bypassed))  # back, so that revert restores it
+    bypassed.config = installed
     handle.revert()

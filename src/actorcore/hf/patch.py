@@ -23,9 +23,10 @@ What a patch changes, all on this model instance only:
 - Compiled decoder (``compiled_decoder``, CUDA and 16-bit models only): each attention decoder layer gets an instance
   ``forward`` (``hf.features.compiled_decoder.CompiledLayerForward``) that runs the layer's compiled forward in
   actorcore's calls; every call checks that it ran in each such layer.
-- MoE experts (``moe_experts``): each experts module of the MoE layers runs as a subclass of its own class
-  (``hf.features.moe_experts.SortedExperts``) whose forward runs grouped GEMMs over tokens moved with gathers only in
-  actorcore's calls; every call checks that each ran.
+- MoE experts (``moe_experts``): the experts modules of the MoE layers get one shallow copy of their config that names
+  actorcore's function in transformers' ``ExpertsInterface`` (``hf.features.moe_experts``; ``model.config`` is not
+  touched), which runs grouped GEMMs over tokens moved with gathers only in actorcore's calls and the model's own
+  experts code elsewhere; every call checks that each ran.
 - quack's gated MLP (``swiglu_mlp``): each covered SwiGLU MLP runs as a subclass of its own class
   (``hf.features.swiglu_mlp.QuackGatedMLP``) whose forward runs quack's gated GEMMs in actorcore's calls; every call
   checks that each ran.

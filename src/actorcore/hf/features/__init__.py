@@ -13,8 +13,9 @@ The modules: ``base`` (the protocol), ``plan`` (the options and the patch plan),
 ``finite``, ``checkpointing`` (full / selective / budgeted activation checkpointing), ``moe_experts`` (MoE
 experts on grouped GEMMs with gather-only token moves), ``swiglu_mlp`` (SwiGLU MLPs on quack's gated GEMMs),
 ``compiled_decoder`` (compiled decoder layers on CUDA), ``instance_forwards`` (how features install per-instance
-forwards and undo them) and ``class_paths`` (how features install a path by class and check it ran). ``fused_decoder``
-and ``dense_mlp`` are the old paths of ``compiled_decoder`` and ``swiglu_mlp``, kept for one release.
+forwards and undo them) and ``class_paths`` (how features install a path per module, by class or through
+transformers' ``ExpertsInterface``, and check it ran). ``fused_decoder`` and ``dense_mlp`` are the old paths of
+``compiled_decoder`` and ``swiglu_mlp``, kept for one release.
 
 Order (each feature declares what it enters ``after``): the VLM inputs are built before anything else is in force
 (as the plain model builds them); the call's checkpointing sets the layers' checkpoint functions before the offload

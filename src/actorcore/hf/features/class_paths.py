@@ -1,11 +1,12 @@
-"""Paths installed by class: a module runs, for the patch's lifetime, as a subclass of its own class put in front of
-it (the MoE experts path, quack's gated MLP), and the check that every installed module took the path in a call.
+"""Paths installed per module for the patch's lifetime, and the check that every installed module took the path in
+a call: by class (quack's gated MLP runs as a subclass of its own class put in front of it) or through transformers'
+``ExpertsInterface`` (the MoE experts: ``moe_experts``).
 
 A class, not an instance ``forward``: the compiled decoder compiles one layer forward for all layers of a class, and
 Dynamo guards on the identity of what a layer calls; one object per module recompiled the layer for every layer
 (and past Dynamo's recompile limit, ran it uncompiled). Each installed module holds the patch's trace slot in its
 ``__dict__`` (a deep copy of the model is a copy of those modules); nothing per module is read inside a compiled
-layer. Compiled layers run only inside actorcore's calls, so there the path is taken without reading the slot
+layer (the MoE experts' config copy is one object for all layers). Compiled layers run only inside actorcore's calls, so there the path is taken without reading the slot
 (``is_compiling``): eager runs count into the call's trace, compiled ones are proven by the compiled decoder's own
 count (``modules_that_ran``).
 """
@@ -68,21 +69,23 @@ def counted_call(module: torch.nn.Module, key: str, feature: str) -> bool:
     stand down (a batch-invariant call runs the model's own code)."""
     if torch.compiler.is_compiling():
         return True
-    trace = module.__dict__[TRACE_ATTR]
-    if trace.counts is None or feature in trace.standing_down:
+    trace = module.__dict__.get(TRACE_ATTR)  # None: a module no patch installed the path on
+    if trace is None or trace.counts is None or feature in trace.standing_down:
         return False
     trace.counts[key] += 1
     return True
 
 
-def modules_that_ran(call: DecoderCall, names: tuple[str, ...], key: str, path_class: type) -> tuple[int, list[str]]:
-    """``(how many of the installed modules ran the path, those no longer of the path's class)``: counted by
-    their eager runs under ``key``, or lying inside a layer the compiled decoder ran compiled."""
+def modules_that_ran(call: DecoderCall, names: tuple[str, ...], key: str,
+                     bypassed: Callable[[torch.nn.Module], str | None]) -> tuple[int, dict[str, str]]:
+    """``(how many of the installed modules ran the path, {name: why} of those no longer on it)``: counted by their
+    eager runs under ``key``, or lying inside a layer the compiled decoder ran compiled; ``bypassed(module)`` says
+    why a module no longer takes the path (None: it does)."""
     decoder, in_fused = call.parts.decoder, set()
     if CompiledDecoder().active(call):
         in_fused = names_inside(decoder, [call.parts.layers[i] for i in call.patch.targets("compiled_decoder")], names)
-    bypassed = [name for name in names if not isinstance(decoder.get_submodule(name), path_class)]
-    return call.ran(key) + len(in_fused), bypassed
+    reasons = {name: bypassed(decoder.get_submodule(name)) for name in names}
+    return call.ran(key) + len(in_fused), {name: why for name, why in reasons.items() if why is not None}
 
 
 def names_inside(decoder: torch.nn.Module, layers: list[torch.nn.Module], names: tuple[str, ...]) -> set[str]:
@@ -97,16 +100,20 @@ def names_inside(decoder: torch.nn.Module, layers: list[torch.nn.Module], names:
     return {name for name in names if inside(name)}
 
 
-class ClassPathFeature(DecoderFeature):
-    """A decoder feature whose modules (its decision's targets: names in the decoder) run as ``class_for(state)(their
-    class)`` for the patch's lifetime; ``check`` requires each of them to have run the path in the call (a
+class ModulePathFeature(DecoderFeature):
+    """A decoder feature whose modules (its decision's targets: names in the decoder) take its path for the patch's
+    lifetime (``install_path``); ``check`` requires each of them to have run the path in the call (a
     batch-invariant call stands it down)."""
 
     key: str  # the trace key of their eager runs
-    path_class: type  # the class every installed module's class derives from
     what: str  # the path and its modules, for the error: "quack's gated MLP ran in {ran} of {n} MLP modules"
 
-    def class_for(self, state: Any) -> Callable[[type], type]:
+    def install_path(self, modules: list[torch.nn.Module], state: Any) -> Callable[[], None]:
+        """Put the modules on the path (each holding ``state.trace`` under ``TRACE_ATTR``); returns the undo."""
+        raise NotImplementedError
+
+    def bypassed(self, module: torch.nn.Module, state: Any) -> str | None:
+        """Why an installed module no longer takes the path (None: it does)."""
         raise NotImplementedError
 
     def in_batch_invariant_call(self, decided: Any) -> str:
@@ -116,7 +123,7 @@ class ClassPathFeature(DecoderFeature):
         names = handle.state.targets(self.name)
         if names:
             modules = [handle.parts.decoder.get_submodule(name) for name in names]
-            handle.add_undo(install_classes(modules, handle.state.trace, self.class_for(handle.state)))
+            handle.add_undo(self.install_path(modules, handle.state))
 
     def active(self, call: DecoderCall) -> bool:
         return (call.patch is not None and bool(call.patch.targets(self.name))
@@ -127,9 +134,29 @@ class ClassPathFeature(DecoderFeature):
 
     def check(self, call: DecoderCall) -> None:
         names = call.patch.targets(self.name)
-        ran, bypassed = modules_that_ran(call, names, self.key, self.path_class)
+        ran, bypassed = modules_that_ran(call, names, self.key, lambda module: self.bypassed(module, call.patch))
         if bypassed or ran < len(names):
+            why = ("; ".join(f"{name}: {reason}" for name, reason in bypassed.items()) if bypassed else
+                   "the others did not run it (the installed transformers or another patch bypassed them)")
             raise PatchNotAppliedError(
                 self.what.format(ran=min(ran, len(names) - len(bypassed)), n=len(names))
-                + f" of {call.model_name}: the installed transformers (or another patch) bypassed their class; "
-                "refusing to continue on another path")
+                + f" of {call.model_name}: {why}; refusing to continue on another path")
+
+
+class ClassPathFeature(ModulePathFeature):
+    """A feature whose modules run as ``class_for(state)(their class)`` for the patch's lifetime; a module no longer
+    of ``path_class`` is bypassed."""
+
+    path_class: type  # the class every installed module's class derives from
+
+    def class_for(self, state: Any) -> Callable[[type], type]:
+        raise NotImplementedError
+
+    def install_path(self, modules: list[torch.nn.Module], state: Any) -> Callable[[], None]:
+        return install_classes(modules, state.trace, self.class_for(state))
+
+    def bypassed(self, module: torch.nn.Module, state: Any) -> str | None:
+        if isinstance(module, self.path_class):
+            return None
+        return (f"{type(module).__name__} no longer runs as its path's class (the installed transformers or another "
+                "patch put another class in)")

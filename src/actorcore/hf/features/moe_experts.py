@@ -11,13 +11,21 @@ torch has it for the device and dtype, transformers' compile-safe per-expert fal
 gate activation (``_apply_gate`` / ``act_fn``), biases and post-expert norm. It traces under ``torch.compile``
 without graph breaks, so the compiled decoder compiles it into the layer.
 
-How: each experts module of the MoE layers (transformers' standard experts class, the one its
-``use_experts_implementation`` decorator makes) runs, for the patch's lifetime, as a subclass of its own class
-(``SortedExperts`` in front; one per experts class, so the compiled decoder's one compiled layer serves every layer)
-holding the patch's trace slot; a deep copy of the model is a copy of those modules. It runs this path in
-actorcore's calls only; any other call (the model's own forward, ``verify``'s reference) runs the class's own
-forward. Eager runs count under ``MOE_EXPERTS_KEY``; a layer the compiled decoder ran compiled took the path by
-construction; the ``MoeExperts`` feature requires every installed module to have run one way or the other.
+How: on transformers' own extension point. ``use_experts_implementation`` makes an experts class's forward run the
+function ``ALL_EXPERTS_FUNCTIONS`` holds under ``config._experts_implementation``; this module registers
+``actorcore_sorted`` and ``actorcore_quack`` there at import. A registered name decides nothing for a model whose
+config does not name it. The config is shared by every layer and often by other models built from the same config
+object (an actor and its reference model): naming the function there would turn the path on for all of them, and one
+model's revert would turn it off under another. So ``patch_model`` names it on one shallow copy of the experts
+modules' config per patch, given to every experts module of the model with the patch's trace slot (one object for
+all layers: one compilation serves them); ``model.config`` is never touched. The function runs the path in
+actorcore's calls only; elsewhere (the model's own forward, ``verify``'s reference) it runs what the original config
+names now (``model.set_experts_implementation`` after the patch sets that, not the copy). Eager runs count under
+``MOE_EXPERTS_KEY``; a layer the compiled decoder ran compiled took the path by construction; the ``MoeExperts``
+feature requires every installed module to have run one way or the other, and names why where one left the path.
+The copy and the slot sit in the modules' ``__dict__``, so ``copy.deepcopy`` and ``torch.save`` / ``torch.load`` keep
+the patch; unpickling imports actorcore (the patch state's classes), which registers the names, so a load where
+actorcore is not installed fails there.
 
 Where: ``"sorted"`` (named ``"grouped"`` before: the old value still works for one release, with a
 DeprecationWarning; transformers' own ``"grouped_mm"`` experts are another path) installs it on any device and
@@ -33,6 +41,7 @@ transformers' eager experts.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any, Callable
@@ -42,15 +51,23 @@ import torch
 from actorcore._moved import renamed
 from actorcore.archs import submodule
 from actorcore.hf.call import DecoderCall
-from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call, reduce_to_path_class
+from actorcore.hf.features.class_paths import TRACE_ATTR, ModulePathFeature, counted_call
 from actorcore.hf.features.plan import FeatureOption, PlanFacts, check_choice
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.kernels.quack import runtime as quack_runtime
 from actorcore.kernels.quack.moe import gated_experts
 
+try:  # transformers' experts extension point (transformers 5); without it the path refuses every model
+    from transformers.integrations import moe as transformers_moe
+except ImportError:
+    transformers_moe = None
+
 logger = logging.getLogger(__name__)
 
 MOE_EXPERTS_KEY = "moe_experts:modules"
+# The plan's kernel -> the name of its function in transformers' ExpertsInterface (registered at import).
+EXPERTS_FUNCTIONS = {"sorted": "actorcore_sorted", "quack": "actorcore_quack"}
+OWN_CONFIG_ATTR = "_actorcore_own_config"  # on the patch's config copy: the config the experts modules had
 MOE_EXPERTS_CHOICES = ("auto", "sorted", "quack", False)
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 AUTO_REFUSAL = "the decoder is not compiled here (the path was measured faster only inside the compiled decoder)"
@@ -68,9 +85,8 @@ LINEAR_ATTENTION_REFUSAL = (
 def _standard_experts_code() -> Any:
     """The code object of the ``forward`` that transformers' ``use_experts_implementation`` gives a class (None if
     this transformers has no such decorator)."""
-    try:
-        from transformers.integrations import use_experts_implementation
-    except ImportError:
+    decorate = getattr(transformers_moe, "use_experts_implementation", None)
+    if decorate is None:
         return None
 
     class _Probe(torch.nn.Module):
@@ -80,7 +96,7 @@ def _standard_experts_code() -> Any:
         def forward(self) -> None:
             return None
 
-    return use_experts_implementation(_Probe).forward.__code__
+    return decorate(_Probe).forward.__code__
 
 
 def is_standard_experts(module: torch.nn.Module) -> bool:
@@ -92,11 +108,7 @@ def is_standard_experts(module: torch.nn.Module) -> bool:
 
 def _grouped_mm_dispatcher() -> Callable | None:
     """transformers' grouped GEMM dispatcher (``grouped_mm`` / ``_grouped_mm`` / its compile-safe fallback)."""
-    try:
-        from transformers.integrations import moe
-    except ImportError:
-        return None
-    return getattr(moe, "_grouped_mm", None)
+    return getattr(transformers_moe, "_grouped_mm", None)
 
 
 def _expert_linear(grouped_mm: Callable, rows_SD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -137,34 +149,77 @@ def sorted_experts_forward(experts: torch.nn.Module, hidden_states_TD: torch.Ten
     return combine(rows, top_k_weights_TK, order, hidden_states_TD.dtype)
 
 
-class SortedExperts:
-    """Put in front of an experts module's own class for the patch's lifetime (``sorted_experts_class``, installed
-    by ``class_paths``): its ``forward`` runs ``sorted_experts_forward`` in actorcore's calls, else the class's own
-    forward. Pickled (``torch.save``) and deep-copied as an instance of ``sorted_experts_class`` of its base: the
-    class is made at run time under the base's name, which pickle cannot look up."""
-
-    _actorcore_base: type  # the module's own class
-    _actorcore_grouped_mm: Callable  # transformers' grouped GEMM dispatcher
-    _actorcore_quack: bool  # the SwiGLU MLP as quack's fused GEMMs (moe_experts="quack")
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        cls = type(self)
-        if not counted_call(self, MOE_EXPERTS_KEY, "moe_experts"):  # not an actorcore call: the model's own experts code
-            return cls._actorcore_base.forward(self, hidden_states, top_k_index, top_k_weights)
-        return sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights, cls._actorcore_grouped_mm,
-                                      cls._actorcore_quack)
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        cls = type(self)
-        return reduce_to_path_class(self, sorted_experts_class, cls._actorcore_base, cls._actorcore_quack)
+def sorted_experts(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``ExpertsInterface`` function ``actorcore_sorted``: the path on transformers' grouped GEMMs in actorcore's
+    calls, else the module's own experts code."""
+    return _path_or_own(experts, hidden_states, top_k_index, top_k_weights, quack=False)
 
 
-@functools.cache
-def sorted_experts_class(base: type, quack: bool = False) -> type:
-    """The class an installed experts module of class ``base`` runs as (one per experts class and kernel)."""
-    return class_in_front(SortedExperts, base, _actorcore_grouped_mm=staticmethod(_grouped_mm_dispatcher()),
-                          _actorcore_quack=quack)
+def quack_experts(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``ExpertsInterface`` function ``actorcore_quack``: the path on quack's fused GEMMs in actorcore's calls,
+    else the module's own experts code."""
+    return _path_or_own(experts, hidden_states, top_k_index, top_k_weights, quack=True)
+
+
+def _path_or_own(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor, quack: bool) -> torch.Tensor:
+    if counted_call(experts, MOE_EXPERTS_KEY, "moe_experts"):  # an actorcore call, or inside a compiled layer
+        return sorted_experts_forward(experts, hidden_states, top_k_index, top_k_weights, _grouped_mm_dispatcher(),
+                                      quack)
+    return own_experts_forward(experts)(experts, hidden_states, top_k_index, top_k_weights)
+
+
+def own_experts_forward(experts: torch.nn.Module) -> Callable:
+    """The experts function the module's own config names now (read at each call, so that
+    ``model.set_experts_implementation`` after the patch still decides the model's own forward)."""
+    own = getattr(experts.config, OWN_CONFIG_ATTR, None)
+    name = None if own is None else own._experts_implementation
+    if own is None or name in EXPERTS_FUNCTIONS.values():
+        raise ValueError(f"{type(experts).__name__}'s config names {experts.config._experts_implementation!r}, "
+                         "actorcore's MoE experts path, which patch_model(moe_experts=...) installs on a config copy "
+                         "of the patched model's experts modules; name one of transformers' experts implementations "
+                         "(e.g. model.set_experts_implementation('grouped_mm')) and patch the model instead")
+    return transformers_moe.ALL_EXPERTS_FUNCTIONS.get_interface(name, type(experts).forward.__wrapped__)
+
+
+def _register_experts_functions() -> None:
+    """Add the two functions to transformers' ``ExpertsInterface`` table (at import: a model unpickled with the patch
+    finds them). A registered name decides nothing for a model whose config does not name it."""
+    interface = getattr(transformers_moe, "ExpertsInterface", None)
+    if interface is not None:
+        interface.register(EXPERTS_FUNCTIONS["sorted"], sorted_experts)
+        interface.register(EXPERTS_FUNCTIONS["quack"], quack_experts)
+
+
+_register_experts_functions()
+
+
+def install_experts_function(modules: list[torch.nn.Module], trace: Any, name: str) -> Callable[[], None]:
+    """Name the experts function ``name`` on one shallow copy of the modules' config (one per distinct config
+    object; in the models covered all layers share one), given to each module with the patch's trace slot; returns
+    the undo. The original config (``model.config``, and any other model holding it) keeps its experts code."""
+    copies: dict[int, Any] = {}
+    installed: list[tuple[torch.nn.Module, Any]] = []
+
+    def restore() -> None:
+        for module, own in reversed(installed):
+            module.config = own
+            module.__dict__.pop(TRACE_ATTR, None)
+        installed.clear()
+
+    for module in modules:
+        own = module.config
+        if id(own) not in copies:
+            shared = copies[id(own)] = copy.copy(own)
+            # The internal attribute: the property's setter also sets every sub-config, objects the copy shares.
+            shared._experts_implementation_internal = name
+            setattr(shared, OWN_CONFIG_ATTR, own)
+        module.__dict__[TRACE_ATTR] = trace
+        module.config = copies[id(own)]
+        installed.append((module, own))
+    return restore
 
 
 def moe_experts_modules(parts: Any, spec: Any) -> list[tuple[str, torch.nn.Module]]:
@@ -181,8 +236,11 @@ def moe_experts_modules(parts: Any, spec: Any) -> list[tuple[str, torch.nn.Modul
 def _module_refusal(module: torch.nn.Module) -> str | None:
     """Why this experts module cannot run the path (None: it can)."""
     name = type(module).__name__
-    if "forward" in module.__dict__ or isinstance(module, SortedExperts):
+    named = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if "forward" in module.__dict__ or TRACE_ATTR in module.__dict__ or named in EXPERTS_FUNCTIONS.values():
         return f"{name} already has an instance forward or the MoE experts path: revert the other patch first"
+    if getattr(transformers_moe, "ExpertsInterface", None) is None:
+        return "the installed transformers has no ExpertsInterface (transformers.integrations.moe), which this path uses"
     if _grouped_mm_dispatcher() is None:
         return "the installed transformers has no grouped GEMM dispatcher (transformers.integrations.moe._grouped_mm)"
     if not is_standard_experts(module):
@@ -304,20 +362,32 @@ class MoeExpertsOption(FeatureOption):
                              (name for name, _ in found))
 
 
-class MoeExperts(ClassPathFeature):
-    """``patch_model(moe_experts=...)``: the experts modules named in the patch state run as ``sorted_experts_class``
-    for the patch's lifetime; ``check`` requires each of them to have run in the call: counted by its eager runs,
-    or inside a layer the compiled decoder ran compiled (that feature checks its own count)."""
+class MoeExperts(ModulePathFeature):
+    """``patch_model(moe_experts=...)``: the experts modules named in the patch state run the ``ExpertsInterface``
+    function of the plan's kernel (``install_experts_function``) for the patch's lifetime; ``check`` requires each of
+    them to have run in the call: counted by its eager runs, or inside a layer the compiled decoder ran compiled
+    (that feature checks its own count)."""
 
     name = "moe_experts"
     options = (MoeExpertsOption(),)
     key = MOE_EXPERTS_KEY
-    path_class = SortedExperts
     what = "actorcore's MoE experts path ran in {ran} of {n} experts modules"
 
-    def class_for(self, state: Any) -> Callable[[type], type]:
-        quack = state.value("moe_experts") == "quack"
-        return lambda base: sorted_experts_class(base, quack)
+    def install_path(self, modules: list[torch.nn.Module], state: Any) -> Callable[[], None]:
+        return install_experts_function(modules, state.trace, EXPERTS_FUNCTIONS[state.value("moe_experts")])
+
+    def bypassed(self, module: torch.nn.Module, state: Any) -> str | None:
+        name = type(module).__name__
+        if not is_standard_experts(module) or "forward" in module.__dict__:
+            return f"{name}'s forward no longer dispatches through transformers' ExpertsInterface (another patch)"
+        named = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        ours = EXPERTS_FUNCTIONS[state.value("moe_experts")]
+        if named != ours:
+            return (f"{name}'s config names the experts implementation {named!r}, not {ours!r} (module.config "
+                    "replaced, or its _experts_implementation set, after patch_model)")
+        if module.__dict__.get(TRACE_ATTR) is not state.trace:
+            return f"{name} no longer holds the patch's trace slot"
+        return None
 
     def enter(self, call: DecoderCall) -> Any:
         """Refuse, before the forward, weights cast since the patch (``model.double()``) to a dtype the path does not
