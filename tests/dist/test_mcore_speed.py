@@ -232,35 +232,11 @@ def _edge_rows_case(directories: dict[str, str]) -> dict:
                                                             params, type(module).__name__)
     return out
 
-def _quack_stand_in_case(directory: str) -> dict:
-    """TP=2 x EP=2, bf16: one training step with the quack experts (quack's GEMMs as the documented stand-in) and
-    one with the grouped_mm experts, same weights."""
-    from transformers import AutoConfig
-
-    from actorcore.mcore.convert.load import load_hf_into_mcore
-    from actorcore.mcore.build.model import build_gpt_model
-    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
-    from actorcore.testing.quack_stand_in import use_quack_stand_in
-
-    parallel = McoreParallel(tp=2, ep=2)
-    initialize_megatron(parallel)
-    config = AutoConfig.from_pretrained(directory)
-    undo = use_quack_stand_in()
-    try:
-        out = {}
-        for kernel in ("quack", "grouped"):
-            model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts=kernel)
-            load_hf_into_mcore(model, directory)
-            trace = Counter()
-            out[kernel] = (*_train_step(model, _batches(), trace), dict(trace), model.moe_experts)
-        return out
-    finally:
-        undo()
-
-def _local_experts_case(directory: str) -> dict:
-    """One rank holding every expert (DP=2), bf16, compiled layers: one training step with the quack experts on the
-    tokens directly (no dispatcher; quack's GEMMs as the stand-in) and one with the grouped_mm experts behind the
-    dispatcher, same weights."""
+def _quack_experts_case(directory: str, tp: int, ep: int, compiled_layers: bool) -> dict:
+    """bf16: one training step with the quack experts (quack's GEMMs as the documented stand-in) and one with the
+    grouped_mm experts, same weights; each ``(log-probs, gradients, trace, moe_experts, each MoE layer's
+    local_experts)``. At TP=2 x EP=2 the dispatcher sorts the rows for both; with every expert on one rank (DP=2)
+    the quack experts take the tokens directly."""
     from transformers import AutoConfig
 
     from actorcore.mcore.build.gather_dispatch import GatherMoELayer
@@ -269,19 +245,20 @@ def _local_experts_case(directory: str) -> dict:
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.testing.quack_stand_in import use_quack_stand_in
 
-    parallel = McoreParallel()
+    parallel = McoreParallel(tp=tp, ep=ep)
     initialize_megatron(parallel)
     config = AutoConfig.from_pretrained(directory)
     undo = use_quack_stand_in()
     try:
         out = {}
         for kernel in ("quack", "grouped"):
-            model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts=kernel, compiled_layers=True)
+            model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts=kernel,
+                                    compiled_layers=compiled_layers)
             load_hf_into_mcore(model, directory)
             local = [m.local_experts for chunk in model.chunks for m in chunk.modules()
                      if isinstance(m, GatherMoELayer)]
             trace = Counter()
-            out[kernel] = (*_train_step(model, _batches(), trace), dict(trace), local)
+            out[kernel] = (*_train_step(model, _batches(), trace), dict(trace), model.moe_experts, local)
         return out
     finally:
         undo()
@@ -328,9 +305,9 @@ def world2(tmp_path_factory):
         cases.append((name, _family_case, (model_type, tp, ep, overrides, directory)))
     cases.append(("checkpoint_swap", _checkpoint_swap_case, (os.path.join(root, "qwen3_moe_ep2"), root)))
     cases.append(("recompute", _recompute_case, (os.path.join(root, "qwen3_moe_ep2"),)))
-    cases.append(("quack_stand_in", _quack_stand_in_case, (os.path.join(root, "qwen3_moe_ep2"),)))
+    cases.append(("quack_stand_in", _quack_experts_case, (os.path.join(root, "qwen3_moe_ep2"), 2, 2, "auto")))
     cases.append(("quack_mlp", _quack_mlp_case, (os.path.join(root, "qwen3_moe_ep2"),)))
-    cases.append(("local_experts", _local_experts_case, (os.path.join(root, "qwen3_moe_ep2"),)))
+    cases.append(("local_experts", _quack_experts_case, (os.path.join(root, "qwen3_moe_ep2"), 1, 1, True)))
     cases.append(("edge_rows", _edge_rows_case, ({m: os.path.join(root, f"{m}_ep2") for m in ("qwen3_moe", "gpt_oss")},)))
     return spawn_cases(2, cases)
 
@@ -451,7 +428,7 @@ def test_quack_experts_within_bf16_rounding_of_grouped_mm(world2):
     dgated epilogue, rows sorted by Megatron's dispatcher at TP=2 x EP=2), quack's GEMMs as the stand-in: per token
     and per gradient within bf16 rounding of the grouped_mm experts."""
     for rank, result in enumerate(world2["quack_stand_in"]):
-        (quack_lp, quack_grads, trace, kernel), (lp, grads, _, _) = result["quack"], result["grouped"]
+        (quack_lp, quack_grads, trace, kernel, _), (lp, grads, _, _, _) = result["quack"], result["grouped"]
         assert kernel == "quack" and trace["moe_experts:quack_calls"] == len(_sequences()), rank
         for a, b in zip(quack_lp, lp):
             torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
@@ -467,7 +444,7 @@ def test_local_quack_experts_skip_the_dispatcher_within_bf16_rounding(world2):
     per token and per gradient within bf16 rounding of the grouped_mm experts behind Megatron's dispatcher; the
     trace proves the dispatcher did not run for them and did for the grouped ones."""
     for rank, result in enumerate(world2["local_experts"]):
-        (quack_lp, quack_grads, trace, local), (lp, grads, grouped_trace, grouped_local) = \
+        (quack_lp, quack_grads, trace, _, local), (lp, grads, grouped_trace, _, grouped_local) = \
             result["quack"], result["grouped"]
         moe_layers = len(local)
         assert moe_layers and all(local) and not any(grouped_local), rank
