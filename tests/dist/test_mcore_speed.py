@@ -422,6 +422,16 @@ def test_grouped_experts_take_empty_and_single_row_experts(world2):
                     assert bool(grad.any()) == (counts[expert] > 0), (where, name)
 
 
+def _assert_within_bf16_rounding(quack_lp, quack_grads, lp, grads, rank) -> None:
+    """Log-probs per token and every gradient (relative L2 norm) of a quack run within bf16 rounding of the other."""
+    for a, b in zip(quack_lp, lp):
+        torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
+    assert sorted(quack_grads) == sorted(grads), rank
+    for name, grad in grads.items():
+        diff = (quack_grads[name].float() - grad.float()).norm()
+        assert diff <= TOL["grad_mcore_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), (rank, name)
+
+
 @pytest.mark.slow
 def test_quack_experts_within_bf16_rounding_of_grouped_mm(world2):
     """The quack kernel's plumbing on the CPU (weights per expert, offsets, the probabilities' gradient from the
@@ -430,11 +440,7 @@ def test_quack_experts_within_bf16_rounding_of_grouped_mm(world2):
     for rank, result in enumerate(world2["quack_stand_in"]):
         (quack_lp, quack_grads, trace, kernel, _), (lp, grads, _, _, _) = result["quack"], result["grouped"]
         assert kernel == "quack" and trace["moe_experts:quack_calls"] == len(_sequences()), rank
-        for a, b in zip(quack_lp, lp):
-            torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
-        for name, grad in grads.items():
-            diff = (quack_grads[name].float() - grad.float()).norm()
-            assert diff <= TOL["grad_mcore_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), (rank, name)
+        _assert_within_bf16_rounding(quack_lp, quack_grads, lp, grads, rank)
 
 
 @pytest.mark.slow
@@ -453,12 +459,7 @@ def test_local_quack_experts_skip_the_dispatcher_within_bf16_rounding(world2):
             "mcore:local_experts"], (rank, trace)
         assert grouped_trace["mcore:gather_dispatch"] == moe_layers * len(_sequences()), (rank, grouped_trace)
         assert not grouped_trace.get("mcore:local_experts"), rank
-        for a, b in zip(quack_lp, lp):
-            torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
-        assert sorted(quack_grads) == sorted(grads)
-        for name, grad in grads.items():
-            diff = (quack_grads[name].float() - grad.float()).norm()
-            assert diff <= TOL["grad_mcore_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), (rank, name)
+        _assert_within_bf16_rounding(quack_lp, quack_grads, lp, grads, rank)
 
 
 @pytest.mark.slow
@@ -471,9 +472,4 @@ def test_quack_dense_mlp_within_bf16_rounding_of_the_compiled_activation(world2)
         assert choice == "quack" and plain is False, rank
         dense_layers = 1
         assert trace["mcore:quack_mlp"] == dense_layers * len(_sequences()) and not plain_trace.get("mcore:quack_mlp")
-        for a, b in zip(quack_lp, lp):
-            torch.testing.assert_close(a, b, atol=TOL["mcore_quack_experts_vs_grouped_bf16"], rtol=0)
-        assert sorted(quack_grads) == sorted(grads)
-        for name, grad in grads.items():
-            diff = (quack_grads[name].float() - grad.float()).norm()
-            assert diff <= TOL["grad_mcore_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), (rank, name)
+        _assert_within_bf16_rounding(quack_lp, quack_grads, lp, grads, rank)
