@@ -395,6 +395,41 @@ def test_torch_load_in_a_fresh_process_keeps_the_path(tmp_path):
 
 # --- the option ------------------------------------------------------------------------------------------------
 
+def test_quack_runs_its_experts_function_on_the_stand_in():
+    """``moe_experts="quack"`` (quack's GEMMs as the CPU stand-in, bf16): the experts' config copy names
+    ``actorcore_quack``, every experts module runs it in the call, and the log-probs per token and every gradient
+    are within bf16 rounding of ``moe_experts="sorted"``; the model's own forward keeps its own experts code."""
+    from actorcore.testing.quack_stand_in import use_quack_stand_in
+
+    sequences = _sequences()
+    undo = use_quack_stand_in()
+    try:
+        runs = {}
+        for kernel in ("quack", "sorted"):
+            model = _moe_model("qwen3_moe").to(torch.bfloat16)
+            with torch.no_grad():
+                before = model(input_ids=sequences[0][None], use_cache=False).logits
+            handle = ac.patch_model(model, moe_experts=kernel)
+            experts = _experts(model, handle)
+            assert {m.config._experts_implementation for m in experts} == {f"actorcore_{kernel}"}
+            trace = Counter()
+            runs[kernel] = _actorcore_step(model, sequences, trace)
+            assert trace[MOE_EXPERTS_KEY] == len(experts), kernel
+            with torch.no_grad():  # not an actorcore call: the model's own experts code, bitwise
+                assert torch.equal(model(input_ids=sequences[0][None], use_cache=False).logits, before)
+            handle.revert()
+    finally:
+        undo()
+    (lp, ent, grads), (want_lp, want_ent, want_grads) = runs["quack"], runs["sorted"]
+    tol = TOL["quack_experts_vs_grouped_bf16"]
+    torch.testing.assert_close(lp, want_lp, atol=tol, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=tol, rtol=0)
+    assert sorted(grads) == sorted(want_grads)
+    for name, grad in want_grads.items():
+        diff = (grads[name].float() - grad.float()).norm()
+        assert diff <= TOL["grad_quack_experts_vs_grouped_bf16_rel_norm"] * grad.float().norm(), name
+
+
 @pytest.mark.parametrize("value", [True, "yes", "Grouped", 1, None, 0])
 def test_bad_values_are_refused(value):
     model = _moe_model("qwen3_moe")

@@ -88,8 +88,9 @@ class QuackStandIn:
 
 def use_quack_stand_in() -> Callable[[], None]:
     """Run actorcore's quack paths (both routes) on the stand-in, in any dtype and on any device (quack's one
-    availability probe, its entry point, and the gated MLP's 16-bit CUDA checks lifted), for this process; returns
-    the undo."""
+    availability probe, its entry point, and the gated MLP's and the MoE experts' CUDA checks lifted), for this
+    process; returns the undo."""
+    import actorcore.hf.features.moe_experts as moe_experts
     import actorcore.hf.features.swiglu_mlp as swiglu_mlp
     import actorcore.kernels.quack.gated_mlp as quack_gated_mlp
     import actorcore.kernels.quack.runtime as quack_runtime
@@ -97,6 +98,7 @@ def use_quack_stand_in() -> Callable[[], None]:
     return swap_attributes([(quack_runtime, "gemm_interface", lambda: QuackStandIn),
                             (quack_runtime, "quack_refusal", lambda: None),
                             (swiglu_mlp, "_device_refusal", lambda module: None),
+                            (moe_experts, "_device_refusal", lambda module: None),
                             (swiglu_mlp, "gated_mlp", lambda x, g, u, d: quack_gated_mlp._GatedMLP.apply(x, g, u, d))])
 
 

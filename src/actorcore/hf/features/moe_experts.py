@@ -270,6 +270,12 @@ def _dtype_refusal(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _device_refusal(module: torch.nn.Module) -> str | None:
+    """quack's GEMMs run 16-bit CUDA weights (``testing.quack_stand_in`` lifts this on the CPU)."""
+    weight = module.gate_up_proj
+    return None if weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) else "is not a 16-bit CUDA module"
+
+
 def quack_module_refusal(module: torch.nn.Module) -> str | None:
     """Why quack's fused experts GEMMs do not cover this experts module's math (None: they do): a concatenated
     ``[gate; up]`` projection, transformers' own gate function with a SiLU activation, no bias, no post-expert norm,
@@ -286,8 +292,7 @@ def quack_module_refusal(module: torch.nn.Module) -> str | None:
         (getattr(type(module), "_apply_gate", None) is getattr(moe, "_default_apply_gate", None),
          "has its own gate function (_apply_gate)"),
         (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation", f"gates with {act!r}, not SiLU"),
-        (module.gate_up_proj.is_cuda and module.gate_up_proj.dtype in (torch.bfloat16, torch.float16),
-         "is not a 16-bit CUDA module"),
+        (_device_refusal(module) is None, _device_refusal(module)),
     )
     why = next((reason for ok, reason in checks if not ok), None)
     if why is not None:
