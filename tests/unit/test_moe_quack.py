@@ -36,17 +36,19 @@ def test_refuses_without_a_hopper_gpu():
     assert "Hopper" in quack_refusal()
 
 
-def test_gated_experts_match_the_modules_own_forward_per_element(monkeypatch):
+@pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per_expert"])
+def test_gated_experts_match_the_modules_own_forward_per_element(monkeypatch, per_expert):
     """Output and the gradients of the inputs, the routing weights and both weights, fp32, against transformers'
-    eager experts of a tiny Qwen3-MoE (ties in the routing included)."""
+    eager experts of a tiny Qwen3-MoE (ties in the routing, an expert without tokens); the weights stacked (the HF
+    route) or each expert's a tensor of its own (Megatron's parameters, its experts taking the tokens directly)."""
     monkeypatch.setattr(quack_runtime, "gemm_interface", lambda: QuackStandIn)
     model = build_tiny_model("qwen3_moe", seed=4)
     model.set_experts_implementation("eager")
     experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
     g = torch.Generator().manual_seed(0)
-    tokens, top_k = 23, 2
+    tokens, top_k, num_experts = 23, 2, experts.num_experts
     x = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
-    index = torch.stack([torch.randperm(experts.num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    index = torch.stack([torch.randperm(num_experts - 1, generator=g)[:top_k] for _ in range(tokens)])
     index[:3] = index[0].clone()
     weights = torch.rand(tokens, top_k, generator=g, requires_grad=True)
     grad = torch.randn(tokens, model.config.hidden_size, generator=g)
@@ -54,49 +56,23 @@ def test_gated_experts_match_the_modules_own_forward_per_element(monkeypatch):
 
     want = experts(x, index, weights)
     want_grads = torch.autograd.grad(want, (x, weights, *params), grad)
-    order = sort_by_expert(index, experts.num_experts)
+    order = sort_by_expert(index, num_experts)
     cu_seqlens = torch.cat([order.offsets.new_zeros(1), order.offsets])
-    got = moe_quack._GatedExperts.apply(x, weights, *params, order.token_of_row.int(), order.pair_of_row,
-                                        order.row_of_pair, cu_seqlens)
-    got_grads = torch.autograd.grad(got, (x, weights, *params), grad)
+    index_args = (order.token_of_row.int(), order.pair_of_row, order.row_of_pair, cu_seqlens)
+    if per_expert:
+        weight_args = [w.detach().clone().requires_grad_() for p in params for w in p.unbind(0)]
+        got = moe_quack._GatedExpertsOfModules.apply(x, weights, *index_args, num_experts, *weight_args)
+        got_grads = torch.autograd.grad(got, (x, weights, *weight_args), grad)
+        got_grads = (*got_grads[:2], torch.stack(got_grads[2:2 + num_experts]),
+                     torch.stack(got_grads[2 + num_experts:]))
+    else:
+        got = moe_quack._GatedExperts.apply(x, weights, *params, *index_args)
+        got_grads = torch.autograd.grad(got, (x, weights, *params), grad)
     tol = TOL["gated_mlp_arithmetic_fp32"]
     assert (want - got).abs().max().item() <= tol * want.abs().max().item()
     for name, w, gg in zip(("x", "weights", "gate_up_proj", "down_proj"), want_grads, got_grads):
         assert w.shape == gg.shape and (w - gg).abs().max().item() <= tol * w.abs().max().item(), name
-
-
-def test_gated_experts_of_per_expert_weights_match_the_modules_own_forward(monkeypatch):
-    """The same kernel with each expert's weights a tensor of its own (Megatron's per-expert parameters, the experts
-    of one rank taking the tokens without a dispatcher): output and the gradients of the inputs, the routing weights
-    and every expert's two weights, fp32, against transformers' eager experts; an expert without tokens included."""
-    monkeypatch.setattr(quack_runtime, "gemm_interface", lambda: QuackStandIn)
-    model = build_tiny_model("qwen3_moe", seed=5)
-    model.set_experts_implementation("eager")
-    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
-    g = torch.Generator().manual_seed(2)
-    tokens, top_k = 19, 2
-    x = torch.randn(tokens, model.config.hidden_size, generator=g, requires_grad=True)
-    index = torch.stack([torch.randperm(experts.num_experts - 1, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=g, requires_grad=True)
-    grad = torch.randn(tokens, model.config.hidden_size, generator=g)
-    params = (experts.gate_up_proj, experts.down_proj)
-    per_expert = [[w.detach().clone().requires_grad_() for w in p.unbind(0)] for p in params]
-
-    want = experts(x, index, weights)
-    want_grads = torch.autograd.grad(want, (x, weights, *params), grad)
-    order = sort_by_expert(index, experts.num_experts)
-    cu_seqlens = torch.cat([order.offsets.new_zeros(1), order.offsets])
-    got = moe_quack._GatedExpertsOfModules.apply(x, weights, order.token_of_row.int(), order.pair_of_row,
-                                                 order.row_of_pair, cu_seqlens, experts.num_experts,
-                                                 *per_expert[0], *per_expert[1])
-    got_grads = torch.autograd.grad(got, (x, weights, *per_expert[0], *per_expert[1]), grad)
-    tol = TOL["gated_mlp_arithmetic_fp32"]
-    assert (want - got).abs().max().item() <= tol * want.abs().max().item()
-    stacked = (*got_grads[:2], torch.stack(got_grads[2:2 + experts.num_experts]),
-               torch.stack(got_grads[2 + experts.num_experts:]))
-    for name, w, gg in zip(("x", "weights", "gate_up_proj", "down_proj"), want_grads, stacked):
-        assert w.shape == gg.shape and (w - gg).abs().max().item() <= tol * w.abs().max().item(), name
-    assert not stacked[2][-1].any() and not stacked[3][-1].any()  # the expert without tokens: zero gradients
+    assert not got_grads[2][-1].any() and not got_grads[3][-1].any()  # the expert without tokens
 
 
 def test_gated_expert_rows_match_plain_expert_mlps_per_element(monkeypatch):
