@@ -6,9 +6,9 @@ A class, not an instance ``forward``: the compiled decoder compiles one layer fo
 Dynamo guards on the identity of what a layer calls; one object per module recompiled the layer for every layer
 (and past Dynamo's recompile limit, ran it uncompiled). Each installed module holds the patch's trace slot in its
 ``__dict__`` (a deep copy of the model is a copy of those modules); nothing per module is read inside a compiled
-layer (the MoE experts' config copy is one object for all layers). Compiled layers run only inside actorcore's calls, so there the path is taken without reading the slot
-(``is_compiling``): eager runs count into the call's trace, compiled ones are proven by the compiled decoder's own
-count (``modules_that_ran``).
+layer (the MoE experts' config copy is one object for all layers). Compiled layers run only inside actorcore's
+calls, so there the path is taken without reading the slot (``is_compiling``): eager runs count into the call's
+trace, compiled ones are proven by the compiled decoder's own count (``modules_that_ran``).
 """
 
 from __future__ import annotations
@@ -26,23 +26,34 @@ from actorcore.hf.features.plan import STANDS_DOWN
 TRACE_ATTR = "_actorcore_path_trace"  # the patch's trace slot, on each installed module
 
 
-def install_classes(modules: list[torch.nn.Module], trace: TraceRef, class_for: Callable[[type], type]
-                    ) -> Callable[[], None]:
-    """Run each module as ``class_for(its class)`` holding the trace slot; returns the undo."""
-    installed: list[tuple[torch.nn.Module, type]] = []
+def install_each(modules: list[torch.nn.Module], trace: TraceRef,
+                 put: Callable[[torch.nn.Module], Callable[[], None]]) -> Callable[[], None]:
+    """Give each module the trace slot and put it on the path (``put(module)`` returns that module's undo); returns
+    the undo of all, last first."""
+    installed: list[tuple[torch.nn.Module, Callable[[], None]]] = []
 
     def restore() -> None:
-        for module, base in reversed(installed):
-            module.__class__ = base
+        for module, undo in reversed(installed):
+            undo()
             module.__dict__.pop(TRACE_ATTR, None)
         installed.clear()
 
     for module in modules:
-        base = type(module)
         module.__dict__[TRACE_ATTR] = trace
-        module.__class__ = class_for(base)
-        installed.append((module, base))
+        installed.append((module, put(module)))
     return restore
+
+
+def install_classes(modules: list[torch.nn.Module], trace: TraceRef, class_for: Callable[[type], type]
+                    ) -> Callable[[], None]:
+    """Run each module as ``class_for(its class)`` holding the trace slot; returns the undo."""
+
+    def put(module: torch.nn.Module) -> Callable[[], None]:
+        base = module.__class__
+        module.__class__ = class_for(base)
+        return lambda: setattr(module, "__class__", base)
+
+    return install_each(modules, trace, put)
 
 
 def class_in_front(path_class: type, base: type, **attrs: Any) -> type:

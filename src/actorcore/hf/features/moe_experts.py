@@ -51,7 +51,7 @@ import torch
 from actorcore._moved import renamed
 from actorcore.archs import submodule
 from actorcore.hf.call import DecoderCall
-from actorcore.hf.features.class_paths import TRACE_ATTR, ModulePathFeature, counted_call
+from actorcore.hf.features.class_paths import TRACE_ATTR, ModulePathFeature, counted_call, install_each
 from actorcore.hf.features.plan import FeatureOption, PlanFacts, check_choice
 from actorcore.kernels.moe_permute import combine, expert_bias, permute, sort_by_expert
 from actorcore.kernels.quack import runtime as quack_runtime
@@ -201,25 +201,18 @@ def install_experts_function(modules: list[torch.nn.Module], trace: Any, name: s
     object; in the models covered all layers share one), given to each module with the patch's trace slot; returns
     the undo. The original config (``model.config``, and any other model holding it) keeps its experts code."""
     copies: dict[int, Any] = {}
-    installed: list[tuple[torch.nn.Module, Any]] = []
 
-    def restore() -> None:
-        for module, own in reversed(installed):
-            module.config = own
-            module.__dict__.pop(TRACE_ATTR, None)
-        installed.clear()
-
-    for module in modules:
+    def put(module: torch.nn.Module) -> Callable[[], None]:
         own = module.config
         if id(own) not in copies:
             shared = copies[id(own)] = copy.copy(own)
             # The internal attribute: the property's setter also sets every sub-config, objects the copy shares.
             shared._experts_implementation_internal = name
             setattr(shared, OWN_CONFIG_ATTR, own)
-        module.__dict__[TRACE_ATTR] = trace
         module.config = copies[id(own)]
-        installed.append((module, own))
-    return restore
+        return lambda: setattr(module, "config", own)
+
+    return install_each(modules, trace, put)
 
 
 def moe_experts_modules(parts: Any, spec: Any) -> list[tuple[str, torch.nn.Module]]:
@@ -284,6 +277,7 @@ def quack_module_refusal(module: torch.nn.Module) -> str | None:
     from transformers.integrations import moe
 
     act = getattr(module, "act_fn", None)
+    device_why = _device_refusal(module)
     checks = (
         (module.has_gate and getattr(module, "is_concatenated", True), "has no concatenated [gate; up] projection"),
         (not module.has_bias, "has biases"),
@@ -292,7 +286,7 @@ def quack_module_refusal(module: torch.nn.Module) -> str | None:
         (getattr(type(module), "_apply_gate", None) is getattr(moe, "_default_apply_gate", None),
          "has its own gate function (_apply_gate)"),
         (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation", f"gates with {act!r}, not SiLU"),
-        (_device_refusal(module) is None, _device_refusal(module)),
+        (device_why is None, device_why),
     )
     why = next((reason for ok, reason in checks if not ok), None)
     if why is not None:

@@ -11,7 +11,8 @@ expert, ``local_experts.{e}.linear_fc1.weight`` ...), so the same state dict, sh
 and Megatron DDP / optimizer treatment; only the forward runs each projection of all local experts as one grouped
 GEMM (``kernels.grouped_gemm``: torch's ``grouped_mm``), or the SwiGLU MLP as quack's gated GEMMs
 (``kernels.quack.moe.gated_expert_rows``) where quack runs. The token dispatchers (all-gather, all-to-all: expert
-parallelism), the router (auxiliary loss, score-correction bias) and the combine are megatron-core's, unchanged.
+parallelism), the router (auxiliary loss, score-correction bias) and the combine are megatron-core's, unchanged;
+where one rank holds every expert, ``forward_tokens`` takes the tokens without a dispatcher (``gather_dispatch``).
 
 The math is ``MLP.forward``'s with ``per_token_scale`` (what ``SequentialMLP`` calls per expert): fc1 (+ bias), the
 gated activation (gpt-oss's clamp and linear offset included), the routing probability times the activation in
@@ -128,7 +129,6 @@ class GroupedExperts(SequentialMLP):
         if bias2 is not None:  # MLP.forward: fc2's bias weighted by the probability, added in fp32, rounded once
             out = (out + bias_of_rows(bias2, expert_of_row) * probs.unsqueeze(-1)).to(out.dtype)
         return out, None
-
 
     def forward_tokens(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, order: Any) -> torch.Tensor:
         """``[T, D]``: the tokens themselves through their experts (every expert on this rank, no dispatcher), each

@@ -29,7 +29,7 @@ import torch
 from actorcore.errors import FastPathNotRunError
 from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY
 from actorcore.mcore.build.gather_dispatch import (GATHER_DISPATCH_KEY, LOCAL_EXPERTS_KEY, GatherMoELayer,
-                                                  GatherTokenDispatcher, MoELayer)
+                                                  GatherTokenDispatcher)
 from actorcore.mcore.build.grouped_experts import GROUPED_EXPERTS_KEY, QUACK, QUACK_EXPERTS_KEY, GroupedExperts
 from actorcore.mcore.build.layer import COMPILED_KEY
 from actorcore.mcore.build.recompute import (SELECTIVE, LayerPlan, layer_bytes_per_token, micro_batches_in_flight,
@@ -81,16 +81,15 @@ def counting_experts(model: Any, plan: LayerPlan) -> Iterator[None]:
     compared before and after: no state outside the model)."""
     experts = [m for chunk in model.chunks for m in chunk.modules() if isinstance(m, GroupedExperts)]
     before = [m.calls for m in experts]
-    dispatchers = [m.token_dispatcher for chunk in model.chunks for m in chunk.modules()
-                   if isinstance(m, MoELayer) and isinstance(m.token_dispatcher, GatherTokenDispatcher)]
+    layers = [m for chunk in model.chunks for m in chunk.modules() if isinstance(m, GatherMoELayer)]
+    dispatchers = [m.token_dispatcher for m in layers if isinstance(m.token_dispatcher, GatherTokenDispatcher)]
     dispatched = [d.dispatches for d in dispatchers]
-    local = [m for chunk in model.chunks for m in chunk.modules() if isinstance(m, GatherMoELayer)]
-    local_before = [m.local_calls for m in local]
+    local_before = [m.local_calls for m in layers]
     try:
         yield
     finally:
         plan.trace[GATHER_DISPATCH_KEY] += sum(d.dispatches - n for d, n in zip(dispatchers, dispatched))
-        plan.trace[LOCAL_EXPERTS_KEY] += sum(m.local_calls - n for m, n in zip(local, local_before))
+        plan.trace[LOCAL_EXPERTS_KEY] += sum(m.local_calls - n for m, n in zip(layers, local_before))
         for module, calls in zip(experts, before):
             ran = module.calls - calls
             plan.trace[GROUPED_EXPERTS_KEY] += ran
