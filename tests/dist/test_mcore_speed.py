@@ -248,10 +248,20 @@ def _quack_experts_case(directory: str, tp: int, ep: int, compiled_layers: bool)
     parallel = McoreParallel(tp=tp, ep=ep)
     initialize_megatron(parallel)
     config = AutoConfig.from_pretrained(directory)
+    import actorcore.mcore.build.grouped_experts as grouped_experts
+
     undo = use_quack_stand_in()
+    real_compiled, compiled_here = grouped_experts.compiled, set()
+
+    def recorded(fn):  # which functions the experts compile (the local path's row passes)
+        compiled_here.add(fn.__name__)
+        return real_compiled(fn)
+
+    grouped_experts.compiled = recorded
     try:
         out = {}
         for kernel in ("quack", "grouped"):
+            compiled_here.clear()
             model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts=kernel,
                                     compiled_layers=compiled_layers)
             load_hf_into_mcore(model, directory)
@@ -259,8 +269,10 @@ def _quack_experts_case(directory: str, tp: int, ep: int, compiled_layers: bool)
                      if isinstance(m, GatherMoELayer)]
             trace = Counter()
             out[kernel] = (*_train_step(model, _batches(), trace), dict(trace), model.moe_experts, local)
+            out[f"{kernel}_compiled"] = sorted(compiled_here)
         return out
     finally:
+        grouped_experts.compiled = real_compiled
         undo()
 
 
@@ -459,6 +471,8 @@ def test_local_quack_experts_skip_the_dispatcher_within_bf16_rounding(world2):
             "mcore:local_experts"], (rank, trace)
         assert grouped_trace["mcore:gather_dispatch"] == moe_layers * len(_sequences()), (rank, grouped_trace)
         assert not grouped_trace.get("mcore:local_experts"), rank
+        # with the compiled layers the combine and the per-token gradient sum run compiled (one kernel each)
+        assert {"weighted_rows_per_token", "sum_rows_per_token"} <= set(result["quack_compiled"]), rank
         _assert_within_bf16_rounding(quack_lp, quack_grads, lp, grads, rank)
 
 

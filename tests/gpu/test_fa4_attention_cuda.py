@@ -206,15 +206,22 @@ def test_hf_route_on_fa4_is_as_close_to_fp32_as_fa2(model_type, fused):
     baseline = "segments" if model_type == "gpt_oss" else "torch_varlen"  # FA2, or the per-sequence path for sinks
     for backend in (baseline, "fa4"):
         lp, grads, trace, choice = _step(model, batch, attention_backend=backend, compiled_decoder=fused)
-        grad_err = max(((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items())
-        results[backend] = ((lp - ref_lp).abs().max().item(), grad_err, trace, choice)
-    lp_err, grad_err, trace, choice = results["fa4"]
-    default_lp_err, default_grad_err, default_trace, default_choice = results[baseline]
+        grad_errs = {n: ((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items()}
+        results[backend] = ((lp - ref_lp).abs().max().item(), grad_errs, trace, choice)
+    lp_err, grad_errs, trace, choice = results["fa4"]
+    default_lp_err, default_grad_errs, default_trace, default_choice = results[baseline]
     assert choice.value == "fa4" and trace["varlen_attention:fa4"] == layers, dict(trace)
     assert trace["attention:actorcore_packed"] == layers and default_trace[f"varlen_attention:{baseline}"] == layers
     if fused:  # FA4's op counted inside every compiled layer's graph (the compiled decoder counts graph-held attention)
         assert trace[COMPILED_TRACE_KEY] == layers
     assert lp_err <= 2 * default_lp_err + 1e-3 and lp_err < TOL["fa4_hf_route_bf16_vs_fp32_cap"], \
         (lp_err, default_lp_err, default_choice.line())
-    assert grad_err <= 2 * default_grad_err + 1e-3 and grad_err < TOL["fa4_hf_route_bf16_vs_fp32_cap"], \
-        (grad_err, default_grad_err, default_choice.line())
+    # Per parameter: no further from fp32 than the baseline's gradient (x2); under the cap wherever the baseline is.
+    # (gpt-oss's tiny bf16 router flips a token's top-k expert against fp32: its experts' and router's gradients
+    # are past the cap on the baseline too, 0.44 on the H200 on 2026-12-07, FA4 0.40.)
+    cap = TOL["fa4_hf_route_bf16_vs_fp32_cap"]
+    for name, err in grad_errs.items():
+        base = default_grad_errs[name]
+        assert err <= 2 * base + 1e-3 and (err < cap or base >= cap), (name, err, base, default_choice.line())
+    capped = [n for n, base in default_grad_errs.items() if base < cap]
+    assert any("attn" in n for n in capped), sorted(default_grad_errs.items())  # the attention's gradients are held

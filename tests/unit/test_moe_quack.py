@@ -36,11 +36,13 @@ def test_refuses_without_a_hopper_gpu():
     assert "Hopper" in quack_refusal()
 
 
-@pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per_expert"])
-def test_gated_experts_match_the_modules_own_forward_per_element(monkeypatch, per_expert):
+@pytest.mark.parametrize("per_expert,compiled_passes", [(False, False), (True, False), (True, True)],
+                         ids=["stacked", "per_expert", "per_expert_compiled_passes"])
+def test_gated_experts_match_the_modules_own_forward_per_element(monkeypatch, per_expert, compiled_passes):
     """Output and the gradients of the inputs, the routing weights and both weights, fp32, against transformers'
     eager experts of a tiny Qwen3-MoE (ties in the routing, an expert without tokens); the weights stacked (the HF
-    route) or each expert's a tensor of its own (Megatron's parameters, its experts taking the tokens directly)."""
+    route) or each expert's a tensor of its own (Megatron's parameters, its experts taking the tokens directly),
+    there with the combine and the per-token gradient sum eager or compiled (the Megatron route's compiled layers)."""
     monkeypatch.setattr(quack_runtime, "gemm_interface", lambda: QuackStandIn)
     model = build_tiny_model("qwen3_moe", seed=4)
     model.set_experts_implementation("eager")
@@ -61,10 +63,21 @@ def test_gated_experts_match_the_modules_own_forward_per_element(monkeypatch, pe
     index_args = (order.token_of_row.int(), order.pair_of_row, order.row_of_pair, cu_seqlens)
     if per_expert:
         weight_args = [w.detach().clone().requires_grad_() for p in params for w in p.unbind(0)]
-        got = moe_quack._GatedExpertsOfModules.apply(x, weights, *index_args, num_experts, *weight_args)
+        passes = moe_quack.RowPasses()
+        if compiled_passes:
+            calls = []
+
+            def compiled(fn):
+                inner = torch.compile(fn, dynamic=True)
+                return lambda *args: calls.append(fn.__name__) or inner(*args)
+
+            passes = moe_quack.RowPasses(compiled(passes.combine), compiled(passes.sum_per_token))
+        got = moe_quack._GatedExpertsOfModules.apply(x, weights, *index_args, passes, num_experts, *weight_args)
         got_grads = torch.autograd.grad(got, (x, weights, *weight_args), grad)
         got_grads = (*got_grads[:2], torch.stack(got_grads[2:2 + num_experts]),
                      torch.stack(got_grads[2 + num_experts:]))
+        if compiled_passes:  # both passes ran through the compiled functions
+            assert calls == ["weighted_rows_per_token", "sum_rows_per_token"], calls
     else:
         got = moe_quack._GatedExperts.apply(x, weights, *params, *index_args)
         got_grads = torch.autograd.grad(got, (x, weights, *params), grad)

@@ -28,7 +28,7 @@ epilogue reduction, and the rows' gradients go back to the dispatcher as they ar
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -64,17 +64,27 @@ def _gated_backward(q, grad_out, x, gate_up_EOD, down_EDI, preact, weight_of_row
     return grad_x_rows, grad_weight_of_row, grad_gate_up, grad_down
 
 
-def _experts_forward(x_TD, weights_TK, gate_up_EOD, down_EDI, token_of_row, row_of_pair, cu_seqlens):
+class RowPasses(NamedTuple):
+    """The two passes over ``[S, D]`` rows outside the GEMMs: the combine's forward and the sum of each token's ``K``
+    input gradients. Eager, each is a gather, an fp32 cast, a multiply and an add per slot; inside a compiled graph
+    Inductor fuses them, and a caller outside one may pass them compiled (one kernel each)."""
+
+    combine: Callable = weighted_rows_per_token
+    sum_per_token: Callable = sum_rows_per_token
+
+
+def _experts_forward(x_TD, weights_TK, gate_up_EOD, down_EDI, token_of_row, row_of_pair, cu_seqlens,
+                     passes=RowPasses()):
     """``(preact, out)``: the gated GEMM over the gathered rows, the down projection, the combine (fp32)."""
     q = runtime.gemm_interface()
     with torch.amp.autocast("cuda", enabled=False):
         preact, act = _gated_forward(q, x_TD, gate_up_EOD, cu_seqlens, token_of_row)
         rows = q.gemm(act, down_EDI.mT, cu_seqlens_m=cu_seqlens, tuned=False)
-        return preact, weighted_rows_per_token(rows, weights_TK, row_of_pair, x_TD.dtype)
+        return preact, passes.combine(rows, weights_TK, row_of_pair, x_TD.dtype)
 
 
 def _experts_backward(grad_out_TD, x_TD, weights_TK, gate_up_EOD, down_EDI, preact, token_of_row, pair_of_row,
-                      row_of_pair, cu_seqlens):
+                      row_of_pair, cu_seqlens, passes=RowPasses()):
     """``(grad x, grad weights, grad gate_up, grad down)`` of ``_experts_forward``."""
     q = runtime.gemm_interface()
     with torch.amp.autocast("cuda", enabled=False):
@@ -83,7 +93,7 @@ def _experts_backward(grad_out_TD, x_TD, weights_TK, gate_up_EOD, down_EDI, prea
             q, grad_out_TD.contiguous(), x_TD, gate_up_EOD, down_EDI, preact, weight_of_row, cu_seqlens,
             token_of_row)
     grad_weights = grad_weight_of_row.index_select(0, row_of_pair.reshape(-1)).view_as(weights_TK)
-    return sum_rows_per_token(grad_x_rows, row_of_pair), grad_weights.to(weights_TK.dtype), grad_gate_up, grad_down
+    return passes.sum_per_token(grad_x_rows, row_of_pair), grad_weights.to(weights_TK.dtype), grad_gate_up, grad_down
 
 
 class _GatedExperts(torch.autograd.Function):
@@ -109,13 +119,14 @@ class _GatedExpertsOfModules(torch.autograd.Function):
     in forward and again in backward (``stack_experts``: in place where consecutive), their gradients back to each."""
 
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, token_of_row, pair_of_row, row_of_pair, cu_seqlens, per_expert, *weights):
+    def forward(ctx, x_TD, weights_TK, token_of_row, pair_of_row, row_of_pair, cu_seqlens, passes, per_expert,
+                *weights):
         gate_up_EOD, down_EDI = _pair(weights, per_expert)
         preact, out = _experts_forward(x_TD, weights_TK, gate_up_EOD, down_EDI, token_of_row, row_of_pair,
-                                       cu_seqlens)
+                                       cu_seqlens, passes)
         ctx.save_for_backward(x_TD, weights_TK, preact, token_of_row, pair_of_row, row_of_pair, cu_seqlens,
                               *weights)
-        ctx.per_expert = per_expert
+        ctx.per_expert, ctx.passes = per_expert, passes
         return out
 
     @staticmethod
@@ -124,8 +135,9 @@ class _GatedExpertsOfModules(torch.autograd.Function):
         gate_up_EOD, down_EDI = _pair(weights, ctx.per_expert)
         grad_x, grad_weights, grad_gate_up, grad_down = _experts_backward(
             grad_out_TD, x_TD, weights_TK, gate_up_EOD, down_EDI, preact, token_of_row, pair_of_row, row_of_pair,
-            cu_seqlens)
-        return grad_x, grad_weights, None, None, None, None, None, *grad_gate_up.unbind(0), *grad_down.unbind(0)
+            cu_seqlens, ctx.passes)
+        return (grad_x, grad_weights, None, None, None, None, None, None, *grad_gate_up.unbind(0),
+                *grad_down.unbind(0))
 
 
 def _check_quack_operands(x: torch.Tensor, *weights: torch.Tensor) -> None:
@@ -135,17 +147,22 @@ def _check_quack_operands(x: torch.Tensor, *weights: torch.Tensor) -> None:
 
 
 def gated_experts(x_TD: torch.Tensor, weights_TK: torch.Tensor, gate_up: torch.Tensor | Sequence[torch.Tensor],
-                  down: torch.Tensor | Sequence[torch.Tensor], order: ExpertOrder) -> torch.Tensor:
+                  down: torch.Tensor | Sequence[torch.Tensor], order: ExpertOrder,
+                  passes: RowPasses | None = None) -> torch.Tensor:
     """``[T, D]``: each token through its experts' SwiGLU MLPs (the sorted rows of ``order``), weighted by its
     routing weights and summed (float32, rounded once). ``gate_up`` / ``down``: ``[E, 2I, D]`` / ``[E, D, I]``, or
-    each expert's ``[2I, D]`` / ``[D, I]`` (their gradients go back to each)."""
+    each expert's ``[2I, D]`` / ``[D, I]`` (their gradients go back to each; then ``passes`` may be compiled)."""
     stacked = isinstance(gate_up, torch.Tensor)
     _check_quack_operands(x_TD, *((gate_up, down) if stacked else (*gate_up, *down)))
     cu_seqlens = torch.cat([order.offsets.new_zeros(1), order.offsets])
     index = (order.token_of_row.int(), order.pair_of_row, order.row_of_pair, cu_seqlens)
     if stacked:
+        if passes is not None:
+            raise ValueError("gated_experts: row passes are taken with per-expert weights only (stacked weights are "
+                             "the HF route's, whose compiled decoder layers hold the passes)")
         return _GatedExperts.apply(x_TD.contiguous(), weights_TK, gate_up, down, *index)
-    return _GatedExpertsOfModules.apply(x_TD.contiguous(), weights_TK, *index, len(gate_up), *gate_up, *down)
+    return _GatedExpertsOfModules.apply(x_TD.contiguous(), weights_TK, *index, passes or RowPasses(), len(gate_up),
+                                        *gate_up, *down)
 
 
 class _GatedRows(torch.autograd.Function):

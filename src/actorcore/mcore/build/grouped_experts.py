@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from actorcore.kernels.grouped_gemm import consecutive, group_offsets, grouped_linear
-from actorcore.kernels.moe_permute import bias_of_rows
+from actorcore.kernels.moe_permute import bias_of_rows, sum_rows_per_token, weighted_rows_per_token
 from actorcore.kernels.quack import runtime as quack_runtime
 from actorcore.mcore.build.fused_ops import compiled, expert_activation
 
@@ -134,11 +134,13 @@ class GroupedExperts(SequentialMLP):
         """``[T, D]``: the tokens themselves through their experts (every expert on this rank, no dispatcher), each
         output weighted by its routing probability and summed in fp32 (``kernels.quack.moe.gated_experts``: the
         rows gathered in the GEMM's loads). quack's kernel only (``gather_dispatch.local_experts_refusal``)."""
-        from actorcore.kernels.quack.moe import gated_experts
+        from actorcore.kernels.quack.moe import RowPasses, gated_experts
 
         self.calls += 1
+        passes = RowPasses(compiled(weighted_rows_per_token), compiled(sum_rows_per_token)) if self.fused \
+            else RowPasses()
         return gated_experts(x_TD, weights_TK, self.expert_tensors("linear_fc1.weight"),
-                             self.expert_tensors("linear_fc2.weight"), order)
+                             self.expert_tensors("linear_fc2.weight"), order, passes)
 
 
 def _has_tensor(module: torch.nn.Module, name: str) -> bool:
