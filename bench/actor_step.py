@@ -62,8 +62,10 @@ PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-ex
 # The dense SwiGLU MLPs stay compiled (``swiglu_mlp=False``) except on the "... quack-mlp" paths (``swiglu_mlp="quack"``).
 # "megatron": actorcore's Megatron-Core route on this one GPU (``megatron_step``) with its speed options as
 # ``--mcore-experts`` / ``--mcore-fused`` / ``--mcore-recompute`` set them (by default the route's defaults, and
-# recompute "auto" at ``--budget-gib``, the HF paths' budget); "megatron before": megatron-core's sequential experts,
-# unfused layers, no recompute (the route before these options). They run last (they move the HF model off the GPU).
+# recompute "auto" at ``--budget-gib``, the HF paths' budget) and the loss fused into the head
+# (``actorcore.mcore.compute_loss``, the same token loss as the HF paths); "megatron before": megatron-core's
+# sequential experts, unfused layers, no recompute, the loss through ``compute_logprobs(loss_fn=...)`` (the route
+# before these options). They run last (they move the HF model off the GPU).
 # Any actorcore or megatron path with " fa4" appended ("actorcore fused fa4", "megatron fa4") runs the same with its
 # attention on FlashAttention-4 (``patch_model(attention_backend="fa4")``, ``mcore.build.attention.use_attention_backend``),
 # right after the path without it: before and after in one process. The paths without it keep "auto".
@@ -198,13 +200,14 @@ def megatron_options(name: str, args) -> dict:
                 memory_budget_gib=args.budget_gib if recompute == "auto" else None)
 
 
-def megatron_step(model, packs, advs, device, options: dict):
+def megatron_step(model, packs, advs, device, options: dict, fused_loss: bool):
     """actorcore's Megatron-Core route on this one device (TP = PP = EP = CP = 1), with the same weights: the HF
     model written to a scratch checkpoint and loaded by ``load_hf_into_mcore`` (the HF model then leaves the GPU),
-    the packs through ``actorcore.mcore.compute_logprobs`` with the same token loss, forward+backward (Megatron's
-    schedule averages the loss over the packs: the gradients' scale differs, not the work). ``options``:
-    ``build_gpt_model``'s speed options. Returns the step (its ``trace`` and ``choices``: what the call ran and what
-    the model resolved) and the chunks (for ``run_path``)."""
+    the packs forward+backward with the same token loss (Megatron's schedule averages the loss over the packs: the
+    gradients' scale differs, not the work): ``fused_loss`` through ``actorcore.mcore.compute_loss`` (the loss in the
+    head, as the HF paths' ``ac.compute_loss``), else through ``compute_logprobs(loss_fn=...)`` (the head recomputes
+    the logits in backward). ``options``: ``build_gpt_model``'s speed options. Returns the step (its ``trace`` and
+    ``choices``: what the call ran and what the model resolved) and the chunks (for ``run_path``)."""
     import tempfile
 
     import torch.distributed as dist
@@ -212,7 +215,7 @@ def megatron_step(model, packs, advs, device, options: dict):
     import actorcore as ac
     from actorcore.mcore import McoreParallel, build_gpt_model, initialize_megatron, load_hf_into_mcore
     from actorcore.mcore.cpu_runtime import CpuRuntime
-    from actorcore.mcore.run.forward import compute_logprobs
+    from actorcore.mcore import compute_logprobs, compute_loss
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -239,6 +242,10 @@ def megatron_step(model, packs, advs, device, options: dict):
             return -(out.log_probs[: adv.numel()] * adv).sum()
 
         with runtime:
+            if fused_loss:
+                outs = compute_loss(mcore_model, batches, lambda lp, ent, adv: -(lp * adv), [(a,) for a in args],
+                                    entropy=False, trace=trace)
+                return [o.logprob[: b.num_tokens].float().cpu() for o, b in zip(outs, batches)]
             outs = compute_logprobs(mcore_model, batches, entropy=False, loss_fn=loss, trace=trace)
         return [o.log_probs[: b.num_tokens].float().cpu() for o, b in zip(outs, batches)]
     step.trace = trace
@@ -450,7 +457,8 @@ def main() -> None:
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                megatron = (base, *megatron_step(model, packs, pack_advs, device, megatron_options(base, args)))
+                megatron = (base, *megatron_step(model, packs, pack_advs, device, megatron_options(base, args),
+                                                 fused_loss=base != "megatron before"))
             _, step, runner = megatron
             step = counted_attention(step, use_attention_backend(list(runner), attention))
         else:

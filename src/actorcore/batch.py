@@ -292,6 +292,29 @@ def shift_to_scored_token(predicting_T: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def shift_to_predicting(scored_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
+    """Per-token rows in the scored-token layout (row t belongs to token t, ``[T_real, ...]``) moved to the position
+    that predicts each token (row t - 1), over the ``[T]`` positions of ``valid_T`` (``next_token_labels``'s, padding
+    included): zeros where nothing is predicted (every sequence's last token, padding). What a head that works at the
+    predicting positions needs of per-token inputs; ``shift_to_scored_token`` is the way back."""
+    tokens = valid_T.shape[0]
+    if scored_T.shape[0] > tokens:
+        raise ValueError(f"{scored_T.shape[0]} rows for a batch of {tokens} tokens: pass one row per real token")
+    out = scored_T.new_zeros((tokens, *scored_T.shape[1:]))
+    if scored_T.shape[0] > 1:
+        out[: scored_T.shape[0] - 1] = scored_T[1:]
+    keep = valid_T.reshape(-1, *([1] * (scored_T.dim() - 1)))
+    return torch.where(keep, out, torch.zeros_like(out))
+
+
+def to_scored_tokens(predicting_T: torch.Tensor, valid_T: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Per-token results at the predicting positions, back in the scored-token layout ``[T_real]``: predictions
+    that cross a sequence boundary zeroed (``valid_T`` of ``next_token_labels``), padding dropped, each value moved
+    to the token it scored (0 at every sequence's first token)."""
+    kept = torch.where(valid_T, predicting_T, torch.zeros_like(predicting_T))
+    return shift_to_scored_token(unpad(kept, batch))
+
+
 def pad_to_multiple(batch: PackedBatch, multiple: int, pad_token_id: int = 0) -> PackedBatch:
     """Append a padding segment so the token count is a multiple of ``multiple`` (no-op if it already is)."""
     if multiple < 1:

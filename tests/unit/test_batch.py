@@ -10,7 +10,9 @@ from actorcore.batch import (
     pad_to_multiple,
     sequence_start_mask,
     shard_for_sp,
+    shift_to_predicting,
     shift_to_scored_token,
+    to_scored_tokens,
     unpad,
 )
 
@@ -57,6 +59,22 @@ def test_labels_never_cross_sequences():
     scored = shift_to_scored_token(torch.where(valid, torch.arange(1.0, 7.0), 0.0))
     assert scored.tolist() == [0, 1, 2, 0, 0, 5]  # 0 at each sequence's first token
     assert sequence_start_mask(b).tolist() == [True, False, False, True, True, False]
+
+
+def test_shift_to_predicting_undoes_shift_to_scored_token():
+    """Rows of the scored tokens move to the positions predicting them and come back exactly; rows of sequence
+    starts (nothing scores them) move to positions that predict nothing and are zeroed; padding positions get 0."""
+    b = pad_to_multiple(ac.pack(_seqs()), 4)  # 6 real tokens, 2 padding
+    _, valid = next_token_labels(b)
+    scored = torch.tensor([[1.0, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]])
+    moved = shift_to_predicting(scored, valid)
+    assert moved.tolist() == [[3, 4], [5, 6], [0, 0], [0, 0], [11, 12], [0, 0], [0, 0], [0, 0]]
+    back = to_scored_tokens(moved[:, 0], valid, b)
+    starts = torch.tensor([True, False, False, True, True, False])
+    assert back.tolist() == torch.where(starts, 0.0, scored[:, 0]).tolist()
+    assert shift_to_predicting(torch.tensor([4.0]), torch.tensor([False])).tolist() == [0.0]
+    with pytest.raises(ValueError, match="one row per real token"):
+        shift_to_predicting(torch.zeros(9), valid)
 
 
 def test_pad_to_multiple_adds_own_segment():

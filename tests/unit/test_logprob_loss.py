@@ -232,3 +232,24 @@ def test_loss_under_inference_mode_evaluates(backend):
         out = linear_logprob_loss(hidden_TD, weight_VD, labels_T, ppo_loss, token_args=token_args, backend=backend)
     ref = linear_logprob_loss(hidden_TD, weight_VD, labels_T, ppo_loss, token_args=token_args, backend="reference")
     torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=0)
+
+
+def test_masked_token_loss_drops_the_rows_it_does_not_keep():
+    """A loss that is nonzero at zero inputs (an entropy bonus) gives 0 on the rows the keep mask drops; a result
+    that is not one loss per row passes through for ``linear_logprob_loss`` to refuse."""
+    from actorcore.kernels.logprob.fused_loss import masked_token_loss
+
+    def bonus(logprob, entropy, weight):
+        return logprob * weight - 0.01 * entropy
+
+    keep = torch.tensor([True, False, True])
+    logprob, entropy, weight = torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([4.0, 5.0, 6.0]), torch.zeros(3)
+    got = masked_token_loss(bonus)(logprob, entropy, keep, weight)
+    unmasked = bonus(logprob, entropy, weight)
+    assert bool((unmasked != 0).all())
+    assert got[1] == 0 and torch.equal(got[[0, 2]], unmasked[[0, 2]])
+    assert masked_token_loss(lambda lp, ent: lp.sum())(logprob, entropy, keep).shape == ()
+    hidden_TD, weight_VD, labels_T, _ = _inputs()
+    with pytest.raises(ValueError, match="one loss per token"):
+        linear_logprob_loss(hidden_TD, weight_VD, labels_T, masked_token_loss(lambda lp, ent: lp.sum()),
+                            token_args=(torch.ones(labels_T.shape[0], dtype=torch.bool),))

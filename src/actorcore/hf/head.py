@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from actorcore.archs import ArchSpec, UnsupportedArchitectureError, text_config
-from actorcore.batch import PackedBatch, shift_to_scored_token, unpad
 from actorcore.hf.as_forward import call_as_forward
 from actorcore.kernels.logprob import LossOutput, check_options, linear_logprob_entropy, linear_logprob_loss
 
@@ -101,9 +100,3 @@ def token_loss(model: Any, spec: ArchSpec, hidden_TD: torch.Tensor, labels_T: to
         hidden_TD, head.weight, labels_T.clamp(min=0), loss_fn, token_args=token_args,
         temperature=temperature / params.scale, entropy=entropy, softcap=params.softcap, trace=trace,
         batch_invariant=batch_invariant))
-
-
-def to_scored_tokens(predicting_T: torch.Tensor, valid_T: torch.Tensor, work: PackedBatch) -> torch.Tensor:
-    """Zero predictions that cross a sequence boundary, drop padding, move to the scored token."""
-    kept = torch.where(valid_T, predicting_T, torch.zeros_like(predicting_T))
-    return shift_to_scored_token(unpad(kept, work))

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from actorcore.archs import spec_for_model
-from actorcore.batch import PackedBatch, next_token_labels, shard_for_sp, unpad
+from actorcore.batch import PackedBatch, next_token_labels, shard_for_sp, to_scored_tokens, unpad
 from actorcore.hf.as_forward import call_as_forward
 from actorcore.hf.call import DecoderCall
 from actorcore.hf.decoder import decoder_call, run_decoder
-from actorcore.hf.head import check_head_options, to_scored_tokens, token_logprobs
+from actorcore.hf.head import check_head_options, token_logprobs
 from actorcore.kernels.precision import value_head
 from actorcore.outputs import LogProbOutput
 from actorcore.parallel import sp_size

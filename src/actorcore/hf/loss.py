@@ -21,13 +21,13 @@ from typing import Any, Sequence
 
 import torch
 
-from actorcore.batch import PackedBatch, next_token_labels
+from actorcore.batch import PackedBatch, next_token_labels, shift_to_predicting, to_scored_tokens
 from actorcore.hf.as_forward import call_as_forward
 from actorcore.hf.call import DecoderCall
 from actorcore.hf.decoder import decoder_call, run_decoder
-from actorcore.hf.head import check_head_options, to_scored_tokens, token_loss
+from actorcore.hf.head import check_head_options, token_loss
 from actorcore.kernels.logprob import LossOutput
-from actorcore.kernels.logprob.fused_loss import TokenLoss, check_loss_fn, check_token_args
+from actorcore.kernels.logprob.fused_loss import TokenLoss, check_loss_fn, check_token_args, masked_token_loss
 from actorcore.parallel import sp_size
 
 
@@ -57,27 +57,12 @@ def compute_loss(model: Any, batch: PackedBatch, loss_fn: TokenLoss, token_args:
     return call_as_forward(model, lambda: _loss_of(call, loss_fn, token_args, temperature, entropy))
 
 
-def _to_predicting(arg_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
-    """Row t -> row t - 1 (the position that predicts token t); zeros where nothing is predicted."""
-    out = torch.zeros_like(arg_T)
-    out[:-1] = arg_T[1:]
-    keep = valid_T.reshape(-1, *([1] * (arg_T.dim() - 1)))
-    return torch.where(keep, out, torch.zeros_like(out))
-
-
 def _loss_of(call: DecoderCall, loss_fn: TokenLoss, token_args: tuple, temperature: float,
              entropy: bool) -> LossOutput:
     hidden_TD, work = run_decoder(call), call.batch
     labels_T, valid_T = next_token_labels(work)
-
-    def scored_only(logprob_C, entropy_C, keep_C, *args_C):
-        loss_C = loss_fn(logprob_C, entropy_C, *args_C)
-        if not isinstance(loss_C, torch.Tensor) or loss_C.shape != logprob_C.shape:
-            return loss_C  # not per-token: linear_logprob_loss says what was wrong
-        return torch.where(keep_C, loss_C, torch.zeros_like(loss_C))
-
-    out = token_loss(call.model, call.spec, hidden_TD, labels_T, scored_only,
-                     (valid_T, *(_to_predicting(a, valid_T) for a in token_args)),
+    out = token_loss(call.model, call.spec, hidden_TD, labels_T, masked_token_loss(loss_fn),
+                     (valid_T, *(shift_to_predicting(a, valid_T) for a in token_args)),
                      temperature=temperature, entropy=entropy, trace=call.trace, batch_invariant=call.batch_invariant)
     entropy_T = None if out.entropy is None else to_scored_tokens(out.entropy, valid_T, work)
     return LossOutput(out.loss, to_scored_tokens(out.logprob, valid_T, work), entropy_T)

@@ -37,6 +37,7 @@ _EXPORTS = {
     "load_mcore_checkpoint": "actorcore.mcore.convert.dist_checkpoint",
     "CheckpointMismatchError": "actorcore.errors",
     "compute_logprobs": "actorcore.mcore.run.forward",
+    "compute_loss": "actorcore.mcore.run.loss",
     "compute_values": "actorcore.mcore.run.forward",
     "mtp_loss": "actorcore.mcore.run.forward",
 }

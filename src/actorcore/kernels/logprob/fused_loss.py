@@ -91,6 +91,23 @@ def check_loss_fn(loss_fn: TokenLoss) -> None:
                          f"{type(loss_fn).__name__}")
 
 
+def masked_token_loss(loss_fn: TokenLoss) -> TokenLoss:
+    """``loss_fn`` taking a leading keep mask among its token args: the losses of the rows it does not keep are 0.
+
+    A packed head runs at the predicting positions, some of which score nothing (every sequence's last token,
+    padding); their rows of ``token_args`` are zeros, and their losses are dropped here rather than trusted to be 0
+    (a loss may be nonzero at zero inputs, e.g. ``exp(logprob - old_logprob)``). A result that is not one loss per
+    row passes through, so ``linear_logprob_loss`` says what was wrong."""
+
+    def masked(logprob_C, entropy_C, keep_C, *args_C):
+        loss_C = loss_fn(logprob_C, entropy_C, *args_C)
+        if not isinstance(loss_C, torch.Tensor) or loss_C.shape != logprob_C.shape:
+            return loss_C
+        return torch.where(keep_C, loss_C, torch.zeros_like(loss_C))
+
+    return masked
+
+
 def check_token_args(
     token_args: Sequence[torch.Tensor], n_tok: int, device: torch.device | None
 ) -> tuple[torch.Tensor, ...]:

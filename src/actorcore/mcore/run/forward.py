@@ -26,8 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from actorcore.batch import (IGNORE_INDEX, PackedBatch, next_token_labels, pad_to_multiple, shift_to_scored_token,
-                             unpad)
+from actorcore.batch import IGNORE_INDEX, PackedBatch, next_token_labels, pad_to_multiple, to_scored_tokens, unpad
 from actorcore.context_split import CpShard, split_for_cp
 from actorcore.kernels.logprob import check_options
 from actorcore.kernels.precision import value_head
@@ -132,9 +131,7 @@ def logprobs_from_hidden(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch
         tp_group=context.tp_group if context.tp_size > 1 else None, temperature=temperature, entropy=entropy)
 
     def finish(x: torch.Tensor) -> torch.Tensor:
-        x = _merge_cp(x.float(), shard, context)
-        kept = torch.where(valid_T, x, torch.zeros((), dtype=torch.float32, device=x.device))
-        return shift_to_scored_token(unpad(kept, batch))
+        return to_scored_tokens(_merge_cp(x.float(), shard, context), valid_T, batch)
 
     return LogProbOutput(log_probs=finish(logprob_T), entropy=None if entropy_T is None else finish(entropy_T))
 
@@ -226,18 +223,19 @@ def _forward_step(model: McoreModel, batches: list[PackedBatch], shards: list[Cp
     def loss_func(output_tensor: torch.Tensor):
         if return_schedule_plan:  # the plan's post-processing hands float32 over: back to the model dtype (exact)
             output_tensor = output_tensor.to(chunk.config.params_dtype)
-        return head(chunk, _hidden_TD(output_tensor), batch, shard)
+        return head(chunk, _hidden_TD(output_tensor), batch, shard, index)
 
     return output, loss_func
 
 
 def run_schedule(model: McoreModel, batches: Sequence[PackedBatch], head: Callable, *, forward_only: bool,
                  run_mtp: bool = False, trace: Counter | None = None) -> list[Any]:
-    """One micro-batch per packed batch; ``head(chunk, hidden_TD, batch, shard) -> (loss, data)`` on the last
-    stage (``shard``: this rank's ``CpShard`` of the batch, None without CP). ``run_mtp``: the MTP layers run in
-    this call's forwards. Returns the ``data`` of every micro-batch on the last pipeline stage (empty elsewhere).
-    The call's ``LayerPlan`` (``mcore/run/call_plan.py``: each layer's recompute mode) goes to every layer with the
-    micro-batch; what ran is counted in ``trace`` and checked after the call."""
+    """One micro-batch per packed batch; ``head(chunk, hidden_TD, batch, shard, index) -> (loss, data)`` on the last
+    stage (``batch``: the prepared micro-batch, ``index`` its place in ``batches``; ``shard``: this rank's ``CpShard``
+    of the batch, None without CP). ``run_mtp``: the MTP layers run in this call's forwards. Returns the ``data`` of
+    every micro-batch on the last pipeline stage (empty elsewhere). The call's ``LayerPlan``
+    (``mcore/run/call_plan.py``: each layer's recompute mode) goes to every layer with the micro-batch; what ran is
+    counted in ``trace`` and checked after the call."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from actorcore.mcore.run.call_plan import check_plan_ran, counting_experts, plan_call
@@ -313,7 +311,7 @@ def compute_logprobs(model: McoreModel, batches: PackedBatch | Sequence[PackedBa
         _check_trainable(model.config)
     context, vocab_size = model.context, model.hf_config.vocab_size
 
-    def head(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None):
+    def head(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None, index: int):
         pieces = hidden_TD.chunk(1 + mtp_layers, dim=0)  # main hidden states, then one block per MTP depth
         out = logprobs_from_hidden(chunk, pieces[0], batch, context, vocab_size=vocab_size, temperature=temperature,
                                    entropy=entropy, shard=shard)
@@ -391,7 +389,7 @@ def compute_values(model: McoreModel, batches: PackedBatch | Sequence[PackedBatc
     batch_list = [batches] if single else list(batches)
     context = model.context
 
-    def head(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None):
+    def head(chunk: Any, hidden_TD: torch.Tensor, batch: PackedBatch, shard: CpShard | None, index: int):
         values = values_from_hidden(chunk, hidden_TD, batch, context, shard)
         return hidden_TD.sum() * 0.0, {"values": values.detach()}
 
