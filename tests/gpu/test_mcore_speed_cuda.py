@@ -44,15 +44,21 @@ def _batches():
     return [ac.pack(sequences) for sequences in logprob_sequences()]
 
 
-def _step(model, trace: Counter) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """One forward-backward of the summed log-probs: (log-probs per batch, every gradient as HF names)."""
+def _step(model, trace: Counter, fused_loss: bool = False) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """One forward-backward of the summed log-probs: (log-probs per batch, every gradient as HF names);
+    ``fused_loss``: the same loss through ``compute_loss``'s loss-fused head."""
     from support.mcore_moe_tp import grads_as_hf
 
+    from actorcore.mcore import compute_loss
     from actorcore.mcore.run.forward import compute_logprobs
 
     for chunk in model.chunks:
         chunk.zero_grad(set_to_none=True)
-    out = compute_logprobs(model, _batches(), loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace)
+    batches = _batches()
+    if fused_loss:
+        out = compute_loss(model, batches, lambda lp, ent: -lp, [()] * len(batches), entropy=False, trace=trace)
+        return [o.logprob for o in out], grads_as_hf(model)
+    out = compute_logprobs(model, batches, loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace)
     return [o.log_probs for o in out], grads_as_hf(model)
 
 
@@ -68,10 +74,12 @@ def _variants_worker(rank: int, world_size: int, directory: str, variants: dict)
     config = AutoConfig.from_pretrained(directory)
     out = {}
     for name, (dtype, options) in variants.items():
+        options = dict(options)
+        fused_loss = options.pop("fused_loss", False)
         model = build_gpt_model(config, McoreParallel(), dtype, **options)
         load_hf_into_mcore(model, directory)
         trace = Counter()
-        out[name] = on_cpu((*_step(model, trace), dict(trace), model.moe_experts, model.compiled_layers))
+        out[name] = on_cpu((*_step(model, trace, fused_loss), dict(trace), model.moe_experts, model.compiled_layers))
         del model
         torch.cuda.empty_cache()
     return out
@@ -156,14 +164,39 @@ def test_quack_experts_within_bf16_rounding_of_grouped_mm():
 
     with tempfile.TemporaryDirectory() as directory:
         tiny_hf("qwen3_moe", moe_intermediate_size=48).save_pretrained(directory)  # widths multiples of 8
-        results = _run(directory, {"grouped": (torch.bfloat16, dict(moe_experts="grouped", compiled_layers=False)),
-                                   "quack": (torch.bfloat16, dict(moe_experts="quack", compiled_layers=False))})
-    quack_trace, grouped_trace = results["quack"][2], results["grouped"][2]
-    assert results["quack"][3] == "quack" and quack_trace["moe_experts:quack_calls"] >= len(_batches())
-    # one rank holds every expert: quack's kernel takes the tokens, the dispatcher runs only for grouped_mm
-    assert quack_trace["mcore:local_experts"] == quack_trace["moe_experts:quack_calls"], quack_trace
-    assert not quack_trace.get("mcore:gather_dispatch") and grouped_trace["mcore:gather_dispatch"] >= len(_batches())
-    _assert_within_bf16_rounding(results["quack"], results["grouped"], "quack vs grouped_mm")
+        results = _run(directory, {
+            "grouped": (torch.bfloat16, dict(moe_experts="grouped", compiled_layers=False)),
+            "quack": (torch.bfloat16, dict(moe_experts="quack", compiled_layers=False)),
+            "grouped_fused": (torch.bfloat16, dict(moe_experts="grouped", compiled_layers=True)),
+            "quack_fused": (torch.bfloat16, dict(moe_experts="quack", compiled_layers=True))})
+    for quack, grouped in (("quack", "grouped"), ("quack_fused", "grouped_fused")):  # eager / compiled row passes
+        quack_trace, grouped_trace = results[quack][2], results[grouped][2]
+        assert results[quack][3] == "quack" and quack_trace["moe_experts:quack_calls"] >= len(_batches())
+        # one rank holds every expert: quack's kernel takes the tokens, the dispatcher runs only for grouped_mm
+        assert quack_trace["mcore:local_experts"] == quack_trace["moe_experts:quack_calls"], quack_trace
+        assert not quack_trace.get("mcore:gather_dispatch") and \
+            grouped_trace["mcore:gather_dispatch"] >= len(_batches())
+        _assert_within_bf16_rounding(results[quack], results[grouped], f"{quack} vs {grouped}")
+    assert results["quack_fused"][4] is True and results["quack_fused"][2]["mcore:compiled_layers"] >= len(_batches())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_fused_loss_head_matches_compute_logprobs_on_cuda(model_type):
+    """``compute_loss`` (the loss inside the head, its Triton kernel) against ``compute_logprobs`` with the same
+    summed loss, the route's defaults in bf16: per token and per gradient within bf16 rounding (the head's
+    statistics are fp32 in both; the gradients meet bf16 in the decoder's backward)."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("triton")
+    from support.mcore_logprobs import tiny_hf
+
+    with tempfile.TemporaryDirectory() as directory:
+        tiny_hf(model_type).save_pretrained(directory)
+        results = _run(directory, {"logprobs": (torch.bfloat16, {}),
+                                   "fused_loss": (torch.bfloat16, dict(fused_loss=True))})
+    trace = results["fused_loss"][2]
+    assert trace["mcore:fused_loss"] == len(_batches()) and trace["logprob:triton_fused_loss"] >= len(_batches())
+    assert not results["logprobs"][2].get("mcore:fused_loss")
+    _assert_within_bf16_rounding(results["fused_loss"], results["logprobs"], f"{model_type} fused loss")
 
 
 def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
