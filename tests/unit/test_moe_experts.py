@@ -464,15 +464,18 @@ def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch):
     handle = ac.patch_model(model, compiled_decoder=False)  # eager decoder: the model's own experts
     assert handle.state.targets("moe_experts") == ()
     handle.revert()
-    for hybrid in ("qwen3_next", "qwen3_5_moe_text"):  # linear-attention layers: "auto" keeps their own experts
+    import actorcore.hf.features.moe_experts as moe_experts
+
+    quack_refusal_for = moe_experts._quack_refusal_for
+    monkeypatch.setattr(moe_experts, "_quack_refusal_for", lambda modules: None)  # as if quack ran here
+    for hybrid in ("qwen3_next", "qwen3_5_moe_text"):  # linear-attention layers: "auto" takes the sorted path
         next_model = _moe_model(hybrid)
         handle = ac.patch_model(next_model)
-        assert handle.state.targets("compiled_decoder") and handle.state.targets("moe_experts") == ()
-        assert "A_log" in handle.plan["moe_experts"].why
+        assert handle.state.targets("compiled_decoder") and handle.state.targets("moe_experts")
+        choice = handle.plan["moe_experts"]
+        assert choice.value == "sorted" and "linear-attention" in choice.why, choice.line()
         handle.revert()
-        handle = ac.patch_model(next_model, moe_experts="sorted")  # asked for: installed
-        assert handle.state.targets("moe_experts")
-        handle.revert()
+    monkeypatch.setattr(moe_experts, "_quack_refusal_for", quack_refusal_for)
     model.model.layers[0].mlp.experts._is_expert_parallel = True  # a model the path refuses: "auto" keeps its code
     handle = ac.patch_model(model)
     assert handle.state.targets("moe_experts") == () and "expert-parallel" in str(handle.plan)
