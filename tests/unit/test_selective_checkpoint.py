@@ -169,8 +169,10 @@ def test_auto_plans_with_what_the_kept_layers_were_measured_to_hold(monkeypatch)
 def test_layers_to_keep_and_the_policy():
     assert layers_to_keep(10.0, 4.0, [2.0] * 8) == 2  # room for 3: two kept and the gradients of one
     assert layers_to_keep(12.0, 4.0, [2.0] * 8) == 3
-    assert layers_to_keep(9.0, 4.0, [2.0] * 8) == 0  # room for 2: not even a recompute fits
-    assert layers_to_keep(10.0, 12.0, [2.0] * 8) == 0
+    with pytest.warns(UserWarning, match=r"budget of 9 GiB cannot be met"):
+        assert layers_to_keep(9.0 * 2**30, 4.0 * 2**30, [2.0 * 2**30] * 8) == 0  # room for 2: not even a recompute
+    with pytest.warns(UserWarning, match=r"budget of 10 GiB cannot be met"):
+        assert layers_to_keep(10.0 * 2**30, 12.0 * 2**30, [2.0 * 2**30] * 8) == 0
     assert layers_to_keep(1e9, 0.0, [2.0] * 8) == 8
     # Layers of unequal bytes (a hybrid's two kinds, or measured ones): at each kept layer in backward, the kept
     # layers before it and its gradients.

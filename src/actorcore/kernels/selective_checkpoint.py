@@ -15,6 +15,7 @@ checkpointed at all) in a given memory budget, the others stay fully checkpointe
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import Counter
 from typing import Any, Callable, Sequence
 
@@ -99,11 +100,15 @@ def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: Seq
     layers up to j are alive, with j's gradients on top (about j's bytes again); a checkpointed layer then needs
     3 of its bytes (its recompute, its gradients) after the kept ones are gone, so the two peaks do not add. With
     equal layers: k kept cost k + 1 layers, up to two kept layers nothing over full checkpointing; where not even
-    that fits, none is kept."""
+    that fits, none is kept, and a warning says the budget cannot be met (once per budget: Python's registry)."""
     room = budget_bytes - base_bytes
     if max(kept_layer_bytes, default=0.0) <= 0:
         return len(kept_layer_bytes)
     if room < 3 * max(kept_layer_bytes):
+        warnings.warn(f"a memory budget of {budget_bytes / 2**30:g} GiB cannot be met here: the weights, gradients "
+                      "and the layers' checkpointed inputs leave no room for one layer's recompute, so every layer "
+                      "is fully recomputed and the peak goes over the budget; raise the budget, or spread the model "
+                      "(FSDP2, activation offload, sequence parallelism)", UserWarning, stacklevel=2)
         return 0
     keep, peak = 0, 0.0
     for layer_bytes in reversed(kept_layer_bytes):
