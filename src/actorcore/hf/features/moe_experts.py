@@ -34,9 +34,9 @@ classes); ``False`` keeps the model's own experts code; ``"auto"`` (the default)
 decoder runs (a CUDA model with 16-bit weights), the combination measured faster side by side on the H200
 (``bench/actor_step.py``), and keeps the model's own experts elsewhere or where the path refuses the model; on models
 with linear-attention layers "auto" takes the sorted path, not quack's GEMMs (``LINEAR_ATTENTION_QUACK``).
-Exactness, measured there per parameter (``tests/gpu/test_moe_experts_cuda.py``): under the compiled decoder the path is as close to the fp32 model as
-transformers' ``grouped_mm`` experts under the same decoder; with the eager decoder within bf16 rounding of
-transformers' eager experts.
+Exactness, measured there per parameter (``tests/gpu/test_moe_experts_cuda.py``): under the compiled decoder the
+path is as close to the fp32 model as transformers' ``grouped_mm`` experts under the same decoder; with the eager
+decoder within bf16 rounding of transformers' eager experts.
 """
 
 from __future__ import annotations

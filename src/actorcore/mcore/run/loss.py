@@ -113,8 +113,9 @@ def _check_fused_loss_runs(model: McoreModel) -> None:
         raise ValueError("compute_loss scores tokens with the lm head, which a critic (built with value_head=True) "
                          "does not have: build the policy model without value_head")
     if parallel.tp > 1:
-        raise ValueError(f"compute_loss needs the whole vocabulary on one rank, got tensor parallelism tp={parallel.tp}: "
-                         "the loss-fused head forms each token's gradient from its log-prob and entropy, which need "
+        raise ValueError(f"compute_loss needs the whole vocabulary on one rank, got tensor parallelism "
+                         f"tp={parallel.tp}: the loss-fused head forms each token's gradient from its log-prob and "
+                         "entropy, which need "
                          f"every vocabulary shard's statistics first; {_INSTEAD}")
     if parallel.cp > 1:
         raise ValueError(f"compute_loss does not run under context parallelism (cp={parallel.cp}): the token args and "
