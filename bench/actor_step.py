@@ -345,6 +345,7 @@ def run_path(name, model, step, tokens, active, profile, repeats, first_timeout)
             sync()
             times.append(time.perf_counter() - start)
         row["seconds"] = sorted(times)[len(times) // 2] if times else row["first_call_s"]
+        row["times"] = [round(t, 4) for t in times]
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         row["tokens_per_s"] = tokens / row["seconds"]
         row["mfu"] = mfu(active, tokens, row["seconds"])
@@ -353,7 +354,7 @@ def run_path(name, model, step, tokens, active, profile, repeats, first_timeout)
             row["breakdown"], row["top"] = kernel_breakdown(step)
             if os.environ.get("ACTORCORE_BENCH_SOURCES"):  # where the kernels were launched (a slower profile)
                 model.zero_grad(set_to_none=True)
-                row["sources"] = kernel_sources(step)
+                row["sources"], row["idle_sources"] = kernel_sources(step)
         row["_lp"] = lp
     except torch.OutOfMemoryError:
         row["error"] = "OOM"

@@ -84,7 +84,7 @@ def kernel_breakdown(fn, top: int = 40) -> tuple[dict, list]:
 
     if not torch.cuda.is_available():
         return {}, []
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         sync()
     per_kernel = Counter()
@@ -94,27 +94,73 @@ def kernel_breakdown(fn, top: int = 40) -> tuple[dict, list]:
     per_category = Counter()
     for name, ms in per_kernel.items():
         per_category[category(name)] += ms
+    events = prof.events()
+    idle_ms, _ = idle_gaps(events)
+    per_category["gpu idle"] = idle_ms
+    per_category["host before"], per_category["host after"] = host_edges(events)
     return dict(per_category), [(name[:90], category(name), round(ms, 1)) for name, ms in per_kernel.most_common(top)]
 
 
-def kernel_sources(fn, top: int = 30) -> list:
+def idle_gaps(events, min_gap_us: float = 5.0) -> tuple[float, list]:
+    """Milliseconds the GPU sat idle between the first kernel and the last (gaps over ``min_gap_us``), and each
+    gap with the kernel that ended it: ``(gap µs, device event)``. The host's share of the step: launches slower than
+    the kernels they launch, or synchronisations."""
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    gaps, end = [], None
+    for kernel in kernels:
+        if end is not None and kernel.time_range.start - end > min_gap_us:
+            gaps.append((kernel.time_range.start - end, kernel))
+        end = kernel.time_range.end if end is None else max(end, kernel.time_range.end)
+    return sum(g for g, _ in gaps) / 1e3, gaps
+
+
+def kernel_sources(fn, top: int = 30) -> tuple[list, list]:
     """Kernel milliseconds of one call of ``fn`` by where they were launched: the innermost frame of actorcore,
     megatron or transformers in the launching op's Python stack (forward), or the autograd node that ran it
-    (backward, which has no Python stack); the ``top`` places with the most time, each with its op."""
+    (backward, which has no Python stack); the ``top`` places with the most time, each with its op. Second, the GPU's
+    idle time by the same places (``idle_sources``)."""
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
-        return []
+        return [], []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         fn()
         sync()
     per_place = Counter()
-    for event in prof.events():
+    events = prof.events()
+    for event in events:
         own = getattr(event, "self_device_time_total", 0)
         if event.device_type != torch.autograd.DeviceType.CPU or own <= 0:
             continue
         per_place[(_launch_place(event), event.name)] += own / 1e3
-    return [(place, op, round(ms, 1)) for (place, op), ms in per_place.most_common(top)]
+    return [(place, op, round(ms, 1)) for (place, op), ms in per_place.most_common(top)], idle_sources(events)
+
+
+def host_edges(events) -> tuple[float, float]:
+    """Milliseconds of the call before its first kernel starts and after its last kernel ends (the host's setup
+    and wrap-up, with the GPU idle), from the first and last host op."""
+    kernels = [e.time_range for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = [e.time_range for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    if not kernels or not host:
+        return 0.0, 0.0
+    first, last = min(r.start for r in kernels), max(r.end for r in kernels)
+    return max(0.0, first - min(r.start for r in host)) / 1e3, max(0.0, max(r.end for r in host) - last) / 1e3
+
+
+def idle_sources(events, top: int = 20) -> list:
+    """The GPU's idle gaps (``idle_gaps``) by where the kernel that ended each was launched (as ``kernel_sources``):
+    the ``top`` places with the most idle milliseconds before their kernels, each with its op and gap count. Under a
+    profile with stacks the host runs slower, so the gaps are larger than in a plain step; their places are the
+    point."""
+    ops = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.name.startswith("cuda")}
+    per_place, counts = Counter(), Counter()
+    for gap_us, kernel in idle_gaps(events)[1]:
+        op = ops.get(getattr(kernel, "linked_correlation_id", 0))
+        key = (_launch_place(op), op.name) if op is not None else ("?", kernel.name[:60])
+        per_place[key] += gap_us / 1e3
+        counts[key] += 1
+    return [(place, op, round(ms, 1), counts[(place, op)]) for (place, op), ms in per_place.most_common(top)]
 
 
 def _launch_place(event) -> str:
@@ -133,9 +179,13 @@ def mfu(params_active: float, tokens: int, seconds: float) -> float:
 
 
 def format_breakdown(per_category: dict) -> str:
-    total = sum(per_category.values()) or 1.0
+    """Kernel time per category, each as a share of the kernel time; the GPU's idle time (between kernels, and
+    before the first and after the last while the host works) after it, not in the sum."""
     order = ("matmul", "attention", "elementwise", "copies", "head")
-    return " ".join(f"{k} {per_category.get(k, 0):.0f}ms ({100 * per_category.get(k, 0) / total:.0f}%)" for k in order)
+    total = sum(per_category.get(k, 0) for k in order) or 1.0
+    line = " ".join(f"{k} {per_category.get(k, 0):.0f}ms ({100 * per_category.get(k, 0) / total:.0f}%)" for k in order)
+    idle = [f"{k} {per_category[k]:.0f}ms" for k in ("gpu idle", "host before", "host after") if k in per_category]
+    return line + ("; " + ", ".join(idle) if idle else "")
 
 
 def write_json(out_dir: str | None, name: str, obj) -> None:

@@ -232,6 +232,32 @@ def _edge_rows_case(directories: dict[str, str]) -> dict:
                                                             params, type(module).__name__)
     return out
 
+class SavedBytes:
+    """Bytes per token that the given MoE layers save for backward (distinct storages, the parameters' aside), in each
+    of their forwards."""
+
+    def __init__(self, layers: list, parameters: list) -> None:
+        self.inside, self.forwards = None, []
+        self.parameters = {p.untyped_storage().data_ptr() for p in parameters}
+        for layer in layers:
+            layer.register_forward_pre_hook(self._enter)
+            layer.register_forward_hook(lambda *_: setattr(self, "inside", None))
+
+    def _enter(self, module, args) -> None:
+        self.inside = {"tokens": args[0].shape[0], "storages": set(), "bytes": 0}
+        self.forwards.append(self.inside)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if self.inside is not None and storage.data_ptr() not in self.inside["storages"] | self.parameters:
+            self.inside["storages"].add(storage.data_ptr())
+            self.inside["bytes"] += storage.nbytes()
+        return t
+
+    def most_per_token(self) -> float:
+        return max((f["bytes"] / f["tokens"] for f in self.forwards), default=0.0)
+
+
 def _quack_experts_case(directory: str, tp: int, ep: int, compiled_layers: bool) -> dict:
     """bf16: one training step with the quack experts (quack's GEMMs as the documented stand-in) and one with the
     grouped_mm experts, same weights; each ``(log-probs, gradients, trace, moe_experts, each MoE layer's
@@ -242,6 +268,7 @@ def _quack_experts_case(directory: str, tp: int, ep: int, compiled_layers: bool)
     from actorcore.mcore.build.gather_dispatch import GatherMoELayer
     from actorcore.mcore.convert.load import load_hf_into_mcore
     from actorcore.mcore.build.model import build_gpt_model
+    from actorcore.mcore.build.recompute import moe_block_bytes_per_token
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.testing.quack_stand_in import use_quack_stand_in
 
@@ -265,11 +292,14 @@ def _quack_experts_case(directory: str, tp: int, ep: int, compiled_layers: bool)
             model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts=kernel,
                                     compiled_layers=compiled_layers)
             load_hf_into_mcore(model, directory)
-            local = [m.local_experts for chunk in model.chunks for m in chunk.modules()
-                     if isinstance(m, GatherMoELayer)]
-            trace = Counter()
-            out[kernel] = (*_train_step(model, _batches(), trace), dict(trace), model.moe_experts, local)
+            moe = [m for chunk in model.chunks for m in chunk.modules() if isinstance(m, GatherMoELayer)]
+            trace, saved = Counter(), SavedBytes(moe, [p for chunk in model.chunks for p in chunk.parameters()])
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                out[kernel] = (*_train_step(model, _batches(), trace), dict(trace), model.moe_experts,
+                               [m.local_experts for m in moe])
             out[f"{kernel}_compiled"] = sorted(compiled_here)
+            out[f"{kernel}_saved_per_token"] = saved.most_per_token()
+        out["local_estimate_per_token"] = moe_block_bytes_per_token(model.config, 2, local_experts=True)
         return out
     finally:
         grouped_experts.compiled = real_compiled
@@ -387,7 +417,8 @@ def test_recompute_modes_give_bitwise_the_gradients_of_none(world2):
         fused_lp, fused_grads, fused_trace, fused = result["fused"]
         assert fused and fused_trace["mcore:compiled_layers"] == 2 * len(_sequences())
         assert fused_trace["mcore:fused_rope"] == 2 * len(_sequences()), "the compiled layers' RoPE did not run"
-        assert not none_trace.get("mcore:fused_rope")
+        assert fused_trace["mcore:fused_qk_norm"] == 2 * len(_sequences()), "the fused q/k norms did not run"
+        assert not none_trace.get("mcore:fused_rope") and not none_trace.get("mcore:fused_qk_norm")
         for trace in (none_trace, fused_trace):  # one MoE layer: the gather-only dispatch once per micro-batch
             assert trace["mcore:gather_dispatch"] == len(_sequences()), "the gather-only dispatch did not run"
         for a, b in zip(fused_lp, none_lp):
@@ -474,6 +505,9 @@ def test_local_quack_experts_skip_the_dispatcher_within_bf16_rounding(world2):
         # with the compiled layers the combine and the per-token gradient sum run compiled (one kernel each)
         assert {"weighted_rows_per_token", "sum_rows_per_token"} <= set(result["quack_compiled"]), rank
         _assert_within_bf16_rounding(quack_lp, quack_grads, lp, grads, rank)
+        # the recompute planner's first guess for such a layer errs on the large side, not by the dispatcher's rows
+        saved, estimate = result["quack_saved_per_token"], result["local_estimate_per_token"]
+        assert 0 < saved <= estimate <= 2 * saved, (rank, saved, estimate)
 
 
 @pytest.mark.slow

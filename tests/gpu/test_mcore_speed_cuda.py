@@ -141,6 +141,8 @@ def test_defaults_within_bf16_rounding_of_eager_and_as_close_to_fp32(model_type)
     moe = model_type != "qwen3"
     assert defaults[4] is True and fp32[4] is False  # fused in bf16 on CUDA, fp32 unchanged
     assert defaults[2]["mcore:compiled_layers"] >= 2 * len(_batches())
+    if model_type.startswith("qwen3"):  # q/k norms: fused on the QKV projection's views (mcore/build/qk_norm.py)
+        assert defaults[2]["mcore:fused_qk_norm"] == defaults[2]["mcore:compiled_layers"]
     if moe:
         assert defaults[3] in ("grouped", "quack") and fp32[3] == "grouped" and eager[3] == "sequential"
         assert defaults[2]["moe_experts:grouped_calls"] >= len(_batches())

@@ -57,6 +57,8 @@ def test_estimates_keep_more_without_recompute_and_count_the_experts():
     assert dense_input == moe_input == 64 * 2
     wider = layer_bytes_per_token(_config(moe_router_topk=4), 2, moe=True)
     assert wider[0] > moe_none and wider[1] > moe_selective  # twice the routed rows
+    local_none, local_selective, local_input = layer_bytes_per_token(config, 2, moe=True, local_experts=True)
+    assert dense_selective < local_selective < moe_selective and local_none < moe_none and local_input == moe_input
 
 
 def _layers(n: int) -> list[tuple[float, float, float]]:

@@ -110,3 +110,28 @@ def test_gather_dispatch_moves_rows_as_megatron_permute_and_unpermute(tokens, ex
     assert torch.equal(got_probs, want_probs)
     torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_qk_norms_cover_one_ranks_whole_query_groups_only():
+    """``mcore/build/qk_norm.py`` fuses the q/k norms of megatron-core's ``SelfAttention`` where a rank holds whole
+    query groups, the attention has q and k norms and no output gate; elsewhere Megatron's code runs, and says why."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    from actorcore.mcore.build.qk_norm import FusedQkNormAttention, qk_norm_refusal, use_fused_qk_norms
+
+    def attention(world_size=1, norms=True, **overrides):
+        module = SelfAttention.__new__(SelfAttention)
+        torch.nn.Module.__init__(module)
+        module.config, module.world_size = _config("qwen3", **overrides), world_size
+        module.q_layernorm = module.k_layernorm = torch.nn.RMSNorm(8) if norms else None
+        return module
+
+    plain = attention()
+    assert qk_norm_refusal(plain) is None and use_fused_qk_norms(plain) and type(plain) is FusedQkNormAttention
+    groups = plain.config.num_query_groups
+    assert "all-gather" in qk_norm_refusal(attention(world_size=2 * groups))
+    assert qk_norm_refusal(attention(norms=False)) == "no q/k norms"
+    assert qk_norm_refusal(attention(attention_output_gate=True)) == "an attention output gate"
+    assert "other than megatron-core's SelfAttention" in qk_norm_refusal(torch.nn.Linear(2, 2))
+    refused = attention(norms=False)
+    assert not use_fused_qk_norms(refused) and type(refused) is SelfAttention

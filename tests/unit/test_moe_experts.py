@@ -468,12 +468,12 @@ def test_auto_takes_the_path_where_the_decoder_is_fused(monkeypatch):
 
     quack_refusal_for = moe_experts._quack_refusal_for
     monkeypatch.setattr(moe_experts, "_quack_refusal_for", lambda modules: None)  # as if quack ran here
-    for hybrid in ("qwen3_next", "qwen3_5_moe_text"):  # linear-attention layers: "auto" takes the sorted path
+    for hybrid in ("qwen3_next", "qwen3_5_moe_text"):  # linear-attention layers: as any MoE model
         next_model = _moe_model(hybrid)
         handle = ac.patch_model(next_model)
         assert handle.state.targets("compiled_decoder") and handle.state.targets("moe_experts")
         choice = handle.plan["moe_experts"]
-        assert choice.value == "sorted" and "linear-attention" in choice.why, choice.line()
+        assert choice.value == "quack" and "quack's GEMMs run here" in choice.why, choice.line()
         handle.revert()
     monkeypatch.setattr(moe_experts, "_quack_refusal_for", quack_refusal_for)
     model.model.layers[0].mlp.experts._is_expert_parallel = True  # a model the path refuses: "auto" keeps its code

@@ -8,6 +8,7 @@ The processes are forked from multiprocessing's fork server, which has imported 
 code once: a spawned interpreter spends seconds of CPU on those imports (measured: 3.7 s for torch, 10 s with
 ``transformers.modeling_utils``), a fork milliseconds. The server itself never runs torch work, so each child
 starts as a fresh process would (no threads, no CUDA context); it receives the caller's current environment.
+Where CUDA is available the processes are spawned instead (``start_method``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
             dist.destroy_process_group()
 
 
+def start_method() -> str:
+    """``"forkserver"`` on a machine without CUDA; ``"spawn"`` where CUDA is available: there the fork server's
+    imports initialised CUDA (on the H100, 2026-12-07, its children's ``torch.cuda.set_device`` failed with "Cannot
+    re-initialize CUDA in forked subprocess"), and a forked child cannot use CUDA after that."""
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
 def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict[str, str] | None = None) -> list[Any]:
     """Spawn ``world_size`` gloo processes running ``fn(rank, world_size, *args)``; return results by rank.
 
@@ -64,9 +72,11 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict[s
     """
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        method = start_method()
+        if method == "forkserver":
+            multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
         ctx = mp.start_processes(_worker, args=(world_size, port, out_dir, fn, args, {**os.environ, **(env or {})}),
-                                 nprocs=world_size, join=False, start_method="forkserver")
+                                 nprocs=world_size, join=False, start_method=method)
         errors = []
         try:
             while not ctx.join():  # join() returns once any one process ends: wait for all of them

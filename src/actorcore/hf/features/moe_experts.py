@@ -32,8 +32,9 @@ DeprecationWarning; transformers' own ``"grouped_mm"`` experts are another path)
 dtype it runs in (float32 on the CPU too), refusing what it does not cover (expert parallelism, other experts
 classes); ``False`` keeps the model's own experts code; ``"auto"`` (the default) installs it where the compiled
 decoder runs (a CUDA model with 16-bit weights), the combination measured faster side by side on the H200
-(``bench/actor_step.py``), and keeps the model's own experts elsewhere or where the path refuses the model; on models
-with linear-attention layers "auto" takes the sorted path, not quack's GEMMs (``LINEAR_ATTENTION_QUACK``).
+(``bench/actor_step.py``), and keeps the model's own experts elsewhere or where the path refuses the model; models
+with linear-attention layers included (their quack and sorted paths measured as close to fp32 as transformers'
+experts, below).
 Exactness, measured there per parameter (``tests/gpu/test_moe_experts_cuda.py``): under the compiled decoder the
 path is as close to the fp32 model as transformers' ``grouped_mm`` experts under the same decoder; with the eager
 decoder within bf16 rounding of transformers' eager experts.
@@ -71,13 +72,11 @@ OWN_CONFIG_ATTR = "_actorcore_own_config"  # on the patch's config copy: the con
 MOE_EXPERTS_CHOICES = ("auto", "sorted", "quack", False)
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 AUTO_REFUSAL = "the decoder is not compiled here (the path was measured faster only inside the compiled decoder)"
-# "auto" on a model with linear-attention layers (Gated DeltaNet): the sorted path, not quack's GEMMs. Measured on the
-# H200 (tests/gpu/test_moe_experts_cuda.py, the tiny Qwen3-Next with its MoE block in a compiled layer): through
-# transformers' ExpertsInterface the sorted path's gradients, the decay parameters' included, were as close to the
-# fp32 model as transformers' grouped_mm experts on four of four seeds (2026-12-07; the earlier per-class install was
-# 2-4x further on two of four, which kept "auto" off these models); quack's GEMMs have not been measured there.
-LINEAR_ATTENTION_QUACK = ("the model has linear-attention (Gated DeltaNet) layers, where quack's experts GEMMs have "
-                          "not been measured against the fp32 model (moe_experts='quack' installs them)")
+# Models with linear-attention layers (tests/gpu/test_moe_experts_cuda.py, the tiny Qwen3-Next with its MoE block in a
+# compiled layer): through transformers' ExpertsInterface the sorted path's gradients, the decay parameters' included,
+# were as close to the fp32 model as transformers' grouped_mm experts on four of four seeds (H200, 2026-12-07; the
+# earlier per-class install was 2-4x further on two of four, which kept "auto" off these models), and quack's GEMMs
+# were too (four of four, H100, 2026-12-07), so "auto" treats them as any MoE model.
 
 
 @functools.cache
@@ -352,8 +351,7 @@ class MoeExpertsOption(FeatureOption):
                              + (" or 'sorted'" if request == "quack" else ""))
         kernel, how = request, "asked"
         if request == "auto":
-            quack_why = LINEAR_ATTENTION_QUACK if facts.spec.linear_attention is not None \
-                else _quack_refusal_for(modules)
+            quack_why = _quack_refusal_for(modules)
             kernel, how = ("sorted", f"grouped_mm: {quack_why}") if quack_why else ("quack", "quack's GEMMs run here")
         return self.decision(asked, kernel, f"{len(found)} experts modules on actorcore's path ({how})",
                              (name for name, _ in found))

@@ -14,7 +14,8 @@ layers (and ``mcore/build/grouped_experts.py``'s experts) run, written as Megatr
 - ``apply_norm``: a norm module (RMSNorm in fp32 inside, as torch's and ``ZeroCenteredRMSNorm`` compute it);
 - ``gated_activation`` / ``expert_activation``: ``MLP.forward``'s unfused activation (fc1's bias, the GLU with
   gpt-oss's clamp and linear offset), for experts times the routing probability in fp32, rounded once;
-- ``rotary``: Megatron's rotate-half RoPE of q and k by per-token angles (``mcore/build/fused_rope.py``).
+- ``rotary``: Megatron's rotate-half RoPE of q and k by per-token angles (``mcore/build/fused_rope.py``);
+- ``qk_norms``: the q and k norms on views of the QKV projection (``mcore/build/qk_norm.py``).
 
 ``compiled(fn)`` is ``torch.compile(fn)`` with the token dim of its tensors marked dynamic: one compilation per
 function for every pack length (the token count is symbolic) and every layer (modules are inputs, not constants of
@@ -50,6 +51,14 @@ def add_then_norm(out: torch.Tensor, bias: torch.Tensor | None, residual: torch.
 
 def apply_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm(x)
+
+
+def qk_norms(query: torch.Tensor, key: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module,
+             head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's q and k norms on views of the QKV projection: ``query`` ``[sq, b, ng, np/ng * hn]`` into its
+    ``[sq, b, np, hn]`` heads, then each norm (``get_query_key_value_tensors`` without the query's copy)."""
+    query = query.reshape(*query.shape[:2], -1, head_dim)
+    return q_norm(query), k_norm(key)
 
 
 def gated_activation(inter: torch.Tensor, bias: torch.Tensor | None, activation: Callable, gated: bool,

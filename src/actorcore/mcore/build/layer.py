@@ -16,8 +16,10 @@ output's residual add. A dense MLP runs its activation compiled (``fused_mlp``) 
 GEMMs with SwiGLU in their epilogues, the HF route's kernel (``kernels.quack.gated_mlp``; counted under
 ``QUACK_MLP_KEY``); the routed experts run their activation in ``GroupedExperts``. RoPE runs compiled in the core
 attention, from angles made once per micro-batch without a host synchronisation (``mcore/build/fused_rope.py``, where
-it covers the layer; counted under ``FUSED_ROPE_KEY``). The attention's projections and q/k norms, and the MoE router
-and the dispatcher's communication, stay Megatron's eager code: their collectives and host synchronisation would
+it covers the layer; counted under ``FUSED_ROPE_KEY``), and the q/k norms in one compiled region on views of the QKV
+projection, without Megatron's copy of q (``mcore/build/qk_norm.py``, where it covers the attention; counted under
+``FUSED_QK_NORM_KEY``). The attention's projections, the MoE router and the dispatcher's communication stay
+Megatron's eager code: their collectives and host synchronisation would
 split a compiled graph. A fused forward counts under ``COMPILED_KEY``. On CUDA with 16-bit weights by default
 (``compiled_layers="auto"``); ``True`` compiles on any device (Inductor's C++ kernels on the CPU), fp32 too.
 """
@@ -34,6 +36,7 @@ import torch.utils.checkpoint
 from actorcore.kernels.selective_checkpoint import SelectiveContexts
 from actorcore.mcore.build.fused_ops import add_then_norm, apply_norm, compiled, gated_activation, residual_add
 from actorcore.mcore.build.fused_rope import fused_rope_refusal, rope_request
+from actorcore.mcore.build.qk_norm import FUSED_QK_NORM_KEY, use_fused_qk_norms
 from actorcore.mcore.build.recompute import FULL, FULL_KEY, KEPT_KEY, NONE, SELECTIVE, SELECTIVE_KEY
 
 try:  # megatron-core is optional; this module is only imported after require_megatron()
@@ -56,6 +59,7 @@ class PlannedTransformerLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
         self.fused = fused
         self.quack_mlp = quack_mlp  # a dense MLP on quack's gated GEMMs (swiglu_mlp="quack"; fused layers only)
+        self.fused_qk_norms = fused and use_fused_qk_norms(self.self_attention)  # mcore/build/qk_norm.py
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         plan = getattr(kwargs.get("packed_seq_params"), "layer_plan", None)
@@ -103,10 +107,14 @@ class PlannedTransformerLayer(TransformerLayer):
             # the core attention rotates q and k (mcore/build/fused_rope.py), Megatron's attention does not
             request = rope_request(self.self_attention, rotary_pos_emb)
             attention_params, rotary_pos_emb = dataclasses.replace(packed_seq_params, rope=request), None
+        fused_qk_calls = self.self_attention.fused_calls if self.fused_qk_norms else 0
         attention = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
                                         rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
                                         rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
                                         packed_seq_params=attention_params, sequence_len_offset=sequence_len_offset)
+        plan = getattr(packed_seq_params, "layer_plan", None)
+        if plan is not None and self.fused_qk_norms and self.self_attention.fused_calls > fused_qk_calls:
+            plan.count(FUSED_QK_NORM_KEY)
         hidden, normed = compiled(add_then_norm)(*attention, hidden_states, self.pre_mlp_layernorm)
         if type(self.mlp) is MLP and self.quack_mlp:
             mlp_out, mlp_bias = quack_mlp(self.mlp, normed)

@@ -113,6 +113,13 @@ class LayerPlan:
         self.measured[(index, mode)] = max(per_token, self.measured.get((index, mode), 0.0))
 
 
+def moe_block_bytes_per_token(config: Any, element_bytes: int, local_experts: bool = False) -> float:
+    """The MoE block's part of ``layer_bytes_per_token``'s estimate without recompute: its experts' and the router's
+    kept bytes per token."""
+    kept, more = _mlp_widths(config, True, local_experts)
+    return float((kept + more) * element_bytes + 8 * config.num_moe_experts)
+
+
 def _attention_widths(config: Any) -> tuple[int, int]:
     """(query width, key + value width) of one attention layer's projections."""
     if config.multi_latent_attention:
@@ -121,24 +128,33 @@ def _attention_widths(config: Any) -> tuple[int, int]:
     return config.num_attention_heads * config.kv_channels, 2 * config.num_query_groups * config.kv_channels
 
 
-def _mlp_widths(config: Any, moe: bool) -> tuple[int, int]:
+def _mlp_widths(config: Any, moe: bool, local_experts: bool = False) -> tuple[int, int]:
     """(kept by the selective policy, kept beside it without recompute) per token of one layer's MLP."""
     if not moe:
         inner = config.ffn_hidden_size
         return 2 * inner + config.hidden_size, 3 * inner
     k, inner, d = config.moe_router_topk, config.moe_ffn_hidden_size, config.hidden_size
     shared = config.moe_shared_expert_intermediate_size or 0
+    shared_kept = 2 * shared + d if shared else 0
+    if local_experts:
+        # quack's gated GEMMs on the tokens themselves: each token's K gate/up rows (SwiGLU in the epilogues), the
+        # combined output, the routing's weights and row indices (one more hidden width covers them); no dispatched
+        # rows, no separate activation. Measured on the Qwen3-30B-A3B shape (H100, router included): 30.0 KB per
+        # token, this estimate 33.8 KB; the dispatcher's estimate was 123 KB
+        return k * 2 * inner + 2 * d + shared_kept, 3 * shared
     # the experts' GEMM outputs and the dispatcher's rows in and out; unrecomputed: the activation's inputs and output
-    kept = k * (2 * inner + 3 * d) + (2 * shared + d if shared else 0)
+    kept = k * (2 * inner + 3 * d) + shared_kept
     return kept, k * 3 * inner + 3 * shared
 
 
-def layer_bytes_per_token(config: Any, element_bytes: int, moe: bool) -> tuple[float, float, float]:
+def layer_bytes_per_token(config: Any, element_bytes: int, moe: bool, local_experts: bool = False
+                          ) -> tuple[float, float, float]:
     """Estimated activation bytes per token of one decoder layer: (kept without recompute, kept by the selective
-    checkpoint, the checkpointed layer's own input). From the config's widths; errs on the large side."""
+    checkpoint, the checkpointed layer's own input). From the config's widths; errs on the large side.
+    ``local_experts``: the MoE layer's tokens go to its experts without the dispatcher (``GatherMoELayer``)."""
     d = config.hidden_size
     q, kv = _attention_widths(config)
-    mlp_kept, mlp_more = _mlp_widths(config, moe)
+    mlp_kept, mlp_more = _mlp_widths(config, moe, local_experts)
     selective = (q + kv) + q + d + mlp_kept
     unrecomputed = selective + 2 * d + (q + kv) + mlp_more  # the norms' inputs and outputs, RoPE's, the activation's
     fp32 = 4 * config.num_attention_heads + (8 * config.num_moe_experts if moe else 0)  # log-sum-exps, router scores

@@ -61,13 +61,17 @@ def plan_call(model: Any, batches: list[Any], *, forward_only: bool, trace: Coun
         return plan
     device = model.device
     element = next(model.chunks[0].parameters()).element_size()
-    per_layer = [layer_bytes_per_token(config, element, _is_moe(layer)) for layer in layers]
+    per_layer = [layer_bytes_per_token(config, element, _is_moe(layer), _has_local_experts(layer)) for layer in layers]
     allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     context = model.context
     in_flight = micro_batches_in_flight(context.pp_size, context.pp_rank, model.parallel.vp, len(batches))
     modes = plan_layer_modes(model.recompute, per_layer, tokens, in_flight, allocated, model.measured_layer_bytes)
     plan.modes = {id(layer): mode for layer, mode in zip(layers, modes)}
     return plan
+
+
+def _has_local_experts(layer: torch.nn.Module) -> bool:
+    return isinstance(layer.mlp, GatherMoELayer) and layer.mlp.local_experts
 
 
 def _decoder_experts(model: Any) -> list[GroupedExperts]:
