@@ -116,6 +116,7 @@ def test_fused_qk_norms_cover_one_ranks_whole_query_groups_only():
     """``mcore/build/qk_norm.py`` fuses the q/k norms of megatron-core's ``SelfAttention`` where a rank holds whole
     query groups, the attention has q and k norms and no output gate; elsewhere Megatron's code runs, and says why."""
     from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
 
     from actorcore.mcore.build.qk_norm import FusedQkNormAttention, qk_norm_refusal, use_fused_qk_norms
 
@@ -131,6 +132,9 @@ def test_fused_qk_norms_cover_one_ranks_whole_query_groups_only():
     groups = plain.config.num_query_groups
     assert "all-gather" in qk_norm_refusal(attention(world_size=2 * groups))
     assert qk_norm_refusal(attention(norms=False)) == "no q/k norms"
+    identity = attention()
+    identity.q_layernorm = identity.k_layernorm = IdentityOp()  # the local spec's norms without qk_layernorm
+    assert qk_norm_refusal(identity) == "no q/k norms"
     assert qk_norm_refusal(attention(attention_output_gate=True)) == "an attention output gate"
     assert "other than megatron-core's SelfAttention" in qk_norm_refusal(torch.nn.Linear(2, 2))
     refused = attention(norms=False)

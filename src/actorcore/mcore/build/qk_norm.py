@@ -35,11 +35,14 @@ def qk_norm_refusal(attention: Any) -> str | None:
     """Why this attention's q/k norms stay Megatron's (None: ``FusedQkNormAttention`` fuses them)."""
     from megatron.core.transformer import attention as megatron_attention
 
+    from megatron.core.transformer.identity_op import IdentityOp
+
     if type(attention) not in (SelfAttention, FusedQkNormAttention):
         return "attention other than megatron-core's SelfAttention"
     config = attention.config
+    norms = (attention.q_layernorm, attention.k_layernorm)
     checks = (
-        (attention.q_layernorm is not None and attention.k_layernorm is not None, "no q/k norms"),
+        (all(n is not None and not isinstance(n, IdentityOp) for n in norms), "no q/k norms"),
         (config.num_query_groups >= attention.world_size, "query groups split over TP ranks (an all-gather)"),
         (not getattr(config, "attention_output_gate", False), "an attention output gate"),
         (megatron_attention.SplitAlongDim is None, "Transformer Engine's split"),
