@@ -43,8 +43,8 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # Elsewhere "auto" keeps FA2 and the other backends, and FA4 runs when asked for (backend="fa4").
 # (9, 0), Hopper: the kernel tests passed on the H100 (2026-12-06) and the HF-route tests on the H200 (2026-12-07),
 # but for gpt-oss's absolute gradient cap, which the per-sequence baseline missed too (FA4 was the closer of the two);
-# with that check per parameter the HF-route tests passed on the H100 (2026-12-07); FA4's kernels 1.73-1.82x FA2's on the RL packs, 1.70x on 256K tokens (H100),
-# the actor steps 1.08-1.13x (H200; docs/benchmarks.md).
+# with that check per parameter the HF-route tests passed on the H100 (2026-12-07); FA4's kernels 1.73-1.82x FA2's
+# on the RL packs, 1.70x on 256K tokens (H100), the actor steps 1.08-1.13x (H200; docs/benchmarks.md).
 FA4_MEASURED: Mapping[tuple[int, int], str] = MappingProxyType({(9, 0): "faster"})
 
 

@@ -89,7 +89,8 @@ def fused_rope_refusal(attention: Any, rotary_pos_emb: Any, packed_seq_params: A
     if isinstance(rotary_pos_emb, tuple):
         rotary_pos_emb = rotary_pos_emb[0] if rotary_pos_emb[0] is rotary_pos_emb[1] else None
     checks = (
-        (type(attention) in (SelfAttention, FusedQkNormAttention), "attention other than megatron-core's SelfAttention"),
+        (type(attention) in (SelfAttention, FusedQkNormAttention),
+         "attention other than megatron-core's SelfAttention"),
         (getattr(getattr(attention, "core_attention", None), "applies_rope", False),
          "a core attention other than actorcore's PackedCoreAttention"),
         (isinstance(rotary_pos_emb, torch.Tensor), "no RoPE, or other frequencies for q and k"),

@@ -3,11 +3,11 @@
 Why: Megatron's ``SelfAttention.get_query_key_value_tensors`` splits the ``linear_qkv`` output per query group and
 reshapes the query heads out of their groups, which copies q (the groups interleave q, k and v, so the heads cannot
 be one view); ``q_layernorm`` then keeps that copy for its backward while v keeps the whole projection output alive.
-On the Qwen3-30B-A3B shape that copy was 8 KB per token per layer, the one activation the Megatron layer kept beyond
-the HF route's (measured on the H100: 78.9 against 61.2 KB per token per layer with every activation kept), and
-torch's RMSNorm kernels on its 128-wide rows took 54 ms of a 1.2 s step. Here both norms run in one compiled region
-(``fused_ops.qk_norms``) reading the views directly: the region keeps its inputs, views of the projection output that
-is alive anyway, and its kernels are Inductor's.
+On the Qwen3-30B-A3B shape that copy was 8.3 KB per token per layer, the largest single part of what the Megatron
+layer kept beyond the HF route's (measured on the H100 with every activation kept: 78.9 against 61.2 KB per token
+per layer; ``bench/layer_memory.py``), and torch's RMSNorm kernels on its 128-wide rows took 54 ms of a 1.2 s step.
+Here both norms run in one compiled region (``fused_ops.qk_norms``) reading the views directly: the region keeps its
+inputs, views of the projection output that is alive anyway, and its kernels are Inductor's.
 
 Where (``qk_norm_refusal``): megatron-core's ``SelfAttention`` with q and k norms, one TP rank's whole query groups
 (no all-gather of the projection), no output gate, no Transformer Engine split, inside the compiled layers.
@@ -34,7 +34,6 @@ FUSED_QK_NORM_KEY = "mcore:fused_qk_norm"  # layer forwards whose q/k norms ran 
 def qk_norm_refusal(attention: Any) -> str | None:
     """Why this attention's q/k norms stay Megatron's (None: ``FusedQkNormAttention`` fuses them)."""
     from megatron.core.transformer import attention as megatron_attention
-
     from megatron.core.transformer.identity_op import IdentityOp
 
     if type(attention) not in (SelfAttention, FusedQkNormAttention):
