@@ -1,7 +1,8 @@
 """What one decoder layer keeps after its forward, bytes per token: the HF route (compiled decoder, quack's experts,
 no checkpointing) against the Megatron route (compiled layers, local quack experts, no recompute), the
 Qwen3-30B-A3B shape with 2 layers, one 32K-token pack; for the Megatron layer also by module (forward hooks: the
-memory allocated after the module's forward minus before, its output included).
+memory allocated after the module's forward minus before, its output included), and the HF layer module by module
+with its decoder eager (inside the compiled graph its modules are not called one by one).
 
     python bench/layer_memory.py                 # on a GPU; writes layer_memory.json to $OUT (or here)
     MODEL=tiny-moe python bench/layer_memory.py  # on the CPU: checks that the script runs (every byte reads 0)
@@ -21,6 +22,7 @@ import actor_step  # noqa: E402
 
 import actorcore as ac  # noqa: E402
 
+HF_MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp", "mlp.gate")
 MEGATRON_MODULES = ("input_layernorm", "self_attention", "self_attention.linear_qkv", "self_attention.core_attention",
                     "self_attention.linear_proj", "pre_mlp_layernorm", "mlp", "mlp.router")
 
@@ -70,16 +72,18 @@ def main() -> None:
     model = actor_step.build(model_type, shape, torch.bfloat16 if cuda else torch.float32, device, 2).train()
     out = {"tokens": tokens}
 
-    handle = ac.patch_model(model, compiled_decoder="auto", checkpointing=None, moe_experts="quack" if cuda else False,
-                            swiglu_mlp=False)
     batch, adv = ac.pack(pack).to(device), torch.cat(pack_advantages).to(device)
-    hf = LayerBytes(list(model.model.layers))
-    for _ in range(2):  # the second call, compiled
-        ac.compute_loss(model, batch, lambda lp, ent, a: -(lp * a), (adv,), entropy=False).loss.backward()
-        model.zero_grad(set_to_none=True)
-    out["hf"] = {"layers": hf.per_token(tokens), "peak_gib": peak_gib()}
-    hf.remove()
-    handle.revert()
+    # compiled (the default; the layer whole) and eager (module by module: the compiled graph hides its modules)
+    for key, compiled, modules in (("hf", "auto", ()), ("hf_eager", False, HF_MODULES)):
+        handle = ac.patch_model(model, compiled_decoder=compiled, checkpointing=None,
+                                moe_experts="quack" if cuda else False, swiglu_mlp=False)
+        hf = LayerBytes(list(model.model.layers), modules)
+        for _ in range(2):  # the second call, compiled
+            ac.compute_loss(model, batch, lambda lp, ent, a: -(lp * a), (adv,), entropy=False).loss.backward()
+            model.zero_grad(set_to_none=True)
+        out[key] = {"layers": hf.per_token(tokens), "peak_gib": peak_gib()}
+        hf.remove()
+        handle.revert()
 
     options = dict(moe_experts="quack" if cuda else "grouped", compiled_layers=cuda, swiglu_mlp="auto", recompute=None)
     step, chunks = actor_step.megatron_step(model, [pack], [pack_advantages], device, options, fused_loss=True)
