@@ -233,18 +233,19 @@ def _edge_rows_case(directories: dict[str, str]) -> dict:
     return out
 
 class SavedBytes:
-    """Bytes per token that the given MoE layers save for backward (distinct storages, the parameters' aside), in each
+    """Bytes per token that the given layers (MoE blocks, decoder layers) save for backward (distinct storages, the parameters' aside), in each
     of their forwards."""
 
     def __init__(self, layers: list, parameters: list) -> None:
         self.inside, self.forwards = None, []
         self.parameters = {p.untyped_storage().data_ptr() for p in parameters}
         for layer in layers:
-            layer.register_forward_pre_hook(self._enter)
+            layer.register_forward_pre_hook(self._enter, with_kwargs=True)
             layer.register_forward_hook(lambda *_: setattr(self, "inside", None))
 
-    def _enter(self, module, args) -> None:
-        self.inside = {"tokens": args[0].shape[0], "storages": set(), "bytes": 0}
+    def _enter(self, module, args, kwargs) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        self.inside = {"tokens": hidden.shape[0], "storages": set(), "bytes": 0}
         self.forwards.append(self.inside)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -306,6 +307,38 @@ def _quack_experts_case(directory: str, tp: int, ep: int, compiled_layers: bool)
         undo()
 
 
+def _norm_input_case(directory: str) -> dict:
+    """EP=2 (one TP rank), bf16, compiled layers: one training step per recompute mode with the projections keeping
+    their norms' inputs (the default there), and one keeping the norms' outputs (the layers' switches off); each
+    ``(log-probs, gradients, trace, saved bytes per layer forward and token)``."""
+    from transformers import AutoConfig
+
+    from actorcore.mcore.build.model import build_gpt_model
+    from actorcore.mcore.convert.load import load_hf_into_mcore
+    from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.run.call_plan import decoder_layers
+
+    parallel = McoreParallel(ep=2)
+    initialize_megatron(parallel)
+    config = AutoConfig.from_pretrained(directory)
+    out = {"hidden_size": config.hidden_size}
+    for name, options in (("kept", {}), ("full", dict(recompute="full")), ("selective", dict(recompute="selective")),
+                          ("outputs_kept", {})):
+        model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts="grouped", compiled_layers=True,
+                                swiglu_mlp=False, **options)
+        load_hf_into_mcore(model, directory)
+        layers = decoder_layers(model)
+        switches = [(layer.recompute_qkv_input, layer.recompute_fc1_input) for layer in layers]
+        if name == "outputs_kept":
+            for layer in layers:
+                layer.recompute_qkv_input = layer.recompute_fc1_input = False
+        trace, saved = Counter(), SavedBytes(layers, [p for chunk in model.chunks for p in chunk.parameters()])
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            out[name] = (*_train_step(model, _batches(), trace), dict(trace),
+                         [f["bytes"] / f["tokens"] for f in saved.forwards], switches)
+    return out
+
+
 def _quack_mlp_case(directory: str) -> dict:
     """EP=2 (one TP rank), bf16, compiled layers: one training step with the dense layer's MLP on quack's gated GEMMs
     (the stand-in) and one with the compiled activation between plain GEMMs, same weights."""
@@ -349,6 +382,7 @@ def world2(tmp_path_factory):
     cases.append(("recompute", _recompute_case, (os.path.join(root, "qwen3_moe_ep2"),)))
     cases.append(("quack_stand_in", _quack_experts_case, (os.path.join(root, "qwen3_moe_ep2"), 2, 2, "auto")))
     cases.append(("quack_mlp", _quack_mlp_case, (os.path.join(root, "qwen3_moe_ep2"),)))
+    cases.append(("norm_input", _norm_input_case, (os.path.join(root, "qwen3_moe_ep2"),)))
     cases.append(("local_experts", _quack_experts_case, (os.path.join(root, "qwen3_moe_ep2"), 1, 1, True)))
     cases.append(("edge_rows", _edge_rows_case, ({m: os.path.join(root, f"{m}_ep2") for m in ("qwen3_moe", "gpt_oss")},)))
     return spawn_cases(2, cases)
@@ -508,6 +542,33 @@ def test_local_quack_experts_skip_the_dispatcher_within_bf16_rounding(world2):
         # the recompute planner's first guess for such a layer errs on the large side, not by the dispatcher's rows
         saved, estimate = result["quack_saved_per_token"], result["local_estimate_per_token"]
         assert 0 < saved <= estimate <= 2 * saved, (rank, saved, estimate)
+
+
+@pytest.mark.slow
+def test_projections_keep_the_norms_inputs_bitwise_across_recompute_modes(world2):
+    """At one TP rank the compiled layers' QKV projection and dense fc1 keep their norms' inputs and recompute the
+    norms in backward (``mcore/build/normed_projection.py``): one hidden-sized tensor per token less for each of them
+    (measured on the saved tensors), per token and per gradient within bf16 rounding of keeping the norms' outputs,
+    and bitwise the same under the full and the selective checkpoint (where the projection runs again, or under
+    PyTorch's selective-checkpoint policy)."""
+    for rank, result in enumerate(world2["norm_input"]):
+        kept_lp, kept_grads, trace, kept_saved, switches = result["kept"]
+        assert switches == [(True, False), (True, True)], rank  # layer 0 is MoE, layer 1 dense
+        calls = 3 * len(_sequences())  # two QKV projections, one dense fc1, per micro-batch
+        assert trace["mcore:recomputed_norm_input"] == calls, (rank, trace)
+        for mode in ("full", "selective"):
+            lp, grads, mode_trace, _, _ = result[mode]
+            # the forward's, and the recompute's until torch's checkpoint has what backward needs
+            assert calls < mode_trace["mcore:recomputed_norm_input"] <= 2 * calls, (rank, mode)
+            assert all(torch.equal(a, b) for a, b in zip(lp, kept_lp)), (rank, mode)
+            assert all(torch.equal(grads[n], g) for n, g in kept_grads.items()), (rank, mode)
+        lp, grads, off_trace, off_saved, _ = result["outputs_kept"]
+        assert not off_trace.get("mcore:recomputed_norm_input"), rank
+        _assert_within_bf16_rounding(kept_lp, kept_grads, lp, grads, rank)
+        hidden_bytes = 2 * result["hidden_size"]  # bf16
+        for forward, (kept, off) in enumerate(zip(kept_saved, off_saved)):
+            tensors_less = (off - kept) / hidden_bytes
+            assert tensors_less == (1 if forward % 2 == 0 else 2), (rank, forward, kept, off)
 
 
 @pytest.mark.slow

@@ -99,7 +99,8 @@ def use_quack_stand_in() -> Callable[[], None]:
                             (quack_runtime, "quack_refusal", lambda: None),
                             (swiglu_mlp, "_device_refusal", lambda module: None),
                             (moe_experts, "_device_refusal", lambda module: None),
-                            (swiglu_mlp, "gated_mlp", lambda x, g, u, d: quack_gated_mlp._GatedMLP.apply(x, g, u, d))])
+                            (swiglu_mlp, "gated_mlp",
+                             lambda x, g, u, d, x_from=None: quack_gated_mlp._GatedMLP.apply(x, g, u, d, x_from))])
 
 
 def swap_attributes(replaced: list[tuple[object, str, object]]) -> Callable[[], None]:

@@ -15,6 +15,9 @@ quack's gated GEMMs take gate and up interleaved column by column (``[g0, u0, g1
 millisecond) and again in backward instead of being kept, and the weight gradient's rows are read back in that
 order as the two projections' gradients.
 
+An input that is a norm's output can be kept as the norm's input instead (``x_from``: the norm runs again in
+backward; ``kernels.recomputed_input``): one ``[T, D]`` tensor less kept where the norm's input is kept anyway.
+
 Math: ``down @ (silu(gate @ x) * (up @ x))``: transformers' gated MLP with SiLU, no biases. SwiGLU from the fp32
 accumulators (eager rounds gate and up to bf16 first): within bf16 rounding of eager, closer to fp32. CUDA on
 Hopper or newer (``runtime.quack_refusal``), bf16 / fp16 only.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from actorcore.kernels.quack import runtime
+from actorcore.kernels.recomputed_input import RecomputedInput, recompute
 
 
 def _interleaved(gate_ID: torch.Tensor, up_ID: torch.Tensor) -> torch.Tensor:
@@ -34,17 +38,20 @@ def _interleaved(gate_ID: torch.Tensor, up_ID: torch.Tensor) -> torch.Tensor:
 
 class _GatedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, gate_ID, up_ID, down_DI):
+    def forward(ctx, x_TD, gate_ID, up_ID, down_DI, x_from):
         q = runtime.gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
             preact_TO, act_TI = q.gemm_gated(x_TD, _interleaved(gate_ID, up_ID).T, activation="swiglu", tuned=False)
             out_TD = act_TI @ down_DI.T
-        ctx.save_for_backward(x_TD, gate_ID, up_ID, down_DI, preact_TO)
+        ctx.save_for_backward(x_TD if x_from is None else x_from.source, gate_ID, up_ID, down_DI, preact_TO)
+        ctx.x_fn, ctx.x_shape = (None if x_from is None else x_from.fn), x_TD.shape
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
         x_TD, gate_ID, up_ID, down_DI, preact_TO = ctx.saved_tensors
+        if ctx.x_fn is not None:  # kept as the norm's input: the norm again (kernels.recomputed_input)
+            x_TD = recompute(ctx.x_fn, x_TD).reshape(ctx.x_shape)
         q = runtime.gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
             # the down projection's input gradient with SwiGLU's backward in its epilogue (and SwiGLU recomputed)
@@ -53,17 +60,20 @@ class _GatedMLP(torch.autograd.Function):
             grad_down_DI = grad_out_TD.T @ act_TI
             grad_x_TD = grad_preact_TO @ _interleaved(gate_ID, up_ID)
             grad_pairs = (grad_preact_TO.T @ x_TD).unflatten(0, (-1, 2))  # [I, 2, D]: gate's and up's rows
-        return grad_x_TD, grad_pairs[:, 0], grad_pairs[:, 1], grad_down_DI
+        return grad_x_TD, grad_pairs[:, 0], grad_pairs[:, 1], grad_down_DI, None
 
 
-def gated_mlp(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch.Tensor, down_DI: torch.Tensor
-              ) -> torch.Tensor:
+def gated_mlp(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch.Tensor, down_DI: torch.Tensor,
+              x_from: RecomputedInput | None = None) -> torch.Tensor:
     """``[T, D]``: ``down(silu(gate(x)) * up(x))`` with SwiGLU inside quack's GEMMs (weights as ``nn.Linear``
-    stores them: ``[out, in]``)."""
+    stores them: ``[out, in]``). ``x_from``: ``x`` is ``x_from.fn(x_from.source)`` (its values, in any shape with
+    ``T * D`` elements); backward keeps the source and recomputes ``x``."""
     weights = (gate_ID, up_ID, down_DI)
     if x_TD.dtype not in (torch.bfloat16, torch.float16) or any(w.dtype != x_TD.dtype for w in weights):
         raise ValueError(f"quack's gated MLP takes bf16 / fp16 inputs and weights of one dtype, got {x_TD.dtype} "
                          f"and weights {', '.join(str(w.dtype) for w in weights)}")
     if x_TD.dim() != 2:
         raise ValueError(f"quack's gated MLP takes [tokens, features] inputs, got shape {tuple(x_TD.shape)}")
-    return _GatedMLP.apply(x_TD.contiguous(), gate_ID, up_ID, down_DI)
+    if x_from is not None and not x_TD.is_contiguous():
+        raise ValueError("gated_mlp(x_from=...) takes a contiguous x: the recomputed x must be its layout")
+    return _GatedMLP.apply(x_TD.contiguous(), gate_ID, up_ID, down_DI, x_from)

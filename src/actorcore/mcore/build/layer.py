@@ -26,6 +26,7 @@ split a compiled graph. A fused forward counts under ``COMPILED_KEY``. On CUDA w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -33,9 +34,11 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from actorcore.kernels.recomputed_input import RecomputedInput
 from actorcore.kernels.selective_checkpoint import SelectiveContexts
 from actorcore.mcore.build.fused_ops import add_then_norm, apply_norm, compiled, gated_activation, residual_add
 from actorcore.mcore.build.fused_rope import fused_rope_refusal, rope_request
+from actorcore.mcore.build.normed_projection import RECOMPUTED_NORM_KEY, use_norm_recomputing_projection
 from actorcore.mcore.build.qk_norm import FUSED_QK_NORM_KEY, use_fused_qk_norms
 from actorcore.mcore.build.recompute import FULL, FULL_KEY, KEPT_KEY, NONE, SELECTIVE, SELECTIVE_KEY
 
@@ -60,6 +63,11 @@ class PlannedTransformerLayer(TransformerLayer):
         self.fused = fused
         self.quack_mlp = quack_mlp  # a dense MLP on quack's gated GEMMs (swiglu_mlp="quack"; fused layers only)
         self.fused_qk_norms = fused and use_fused_qk_norms(self.self_attention)  # mcore/build/qk_norm.py
+        # mcore/build/normed_projection.py: linear_qkv (a dense MLP's linear_fc1) keeps the norm's input, not its output
+        self.recompute_qkv_input = fused and use_norm_recomputing_projection(
+            getattr(self.self_attention, "linear_qkv", None), self.config)
+        self.recompute_fc1_input = fused and not quack_mlp and type(self.mlp) is MLP \
+            and use_norm_recomputing_projection(self.mlp.linear_fc1, self.config)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         plan = getattr(kwargs.get("packed_seq_params"), "layer_plan", None)
@@ -108,23 +116,51 @@ class PlannedTransformerLayer(TransformerLayer):
             request = rope_request(self.self_attention, rotary_pos_emb)
             attention_params, rotary_pos_emb = dataclasses.replace(packed_seq_params, rope=request), None
         fused_qk_calls = self.self_attention.fused_calls if self.fused_qk_norms else 0
-        attention = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                        rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                                        rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
-                                        packed_seq_params=attention_params, sequence_len_offset=sequence_len_offset)
+        projection = self.self_attention.linear_qkv if self.recompute_qkv_input else None
+        recomputing_calls = projection.recomputing_calls if projection is not None else 0
+        lent = projection.normed_from(normed, RecomputedInput(hidden_states, functools.partial(
+            compiled(apply_norm), self.input_layernorm))) if projection is not None else contextlib.nullcontext()
+        with lent:
+            attention = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                            rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                                            rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                                            packed_seq_params=attention_params,
+                                            sequence_len_offset=sequence_len_offset)
         plan = getattr(packed_seq_params, "layer_plan", None)
         if plan is not None and self.fused_qk_norms and self.self_attention.fused_calls > fused_qk_calls:
             plan.count(FUSED_QK_NORM_KEY)
+        if plan is not None and projection is not None and projection.recomputing_calls > recomputing_calls:
+            plan.count(RECOMPUTED_NORM_KEY)
+        if type(self.mlp) is MLP and (self.quack_mlp or self.recompute_fc1_input):
+            return self._dense_mlp_keeping_the_sum(attention, hidden_states, plan), context
         hidden, normed = compiled(add_then_norm)(*attention, hidden_states, self.pre_mlp_layernorm)
-        if type(self.mlp) is MLP and self.quack_mlp:
-            mlp_out, mlp_bias = quack_mlp(self.mlp, normed)
-            if packed_seq_params is not None and getattr(packed_seq_params, "layer_plan", None) is not None:
-                packed_seq_params.layer_plan.count(QUACK_MLP_KEY)
-        elif type(self.mlp) is MLP:  # a dense layer (MoE layers compile their experts' activation themselves)
+        if type(self.mlp) is MLP:  # a dense layer (MoE layers compile their experts' activation themselves)
             mlp_out, mlp_bias = fused_mlp(self.mlp, normed)
         else:
             mlp_out, mlp_bias = self.mlp(normed, padding_mask=padding_mask)
         return compiled(residual_add)(mlp_out, mlp_bias, hidden), context
+
+    def _dense_mlp_keeping_the_sum(self, attention: tuple, residual: torch.Tensor, plan: Any) -> torch.Tensor:
+        """The residual add, the pre-MLP norm and the dense MLP, whose first GEMM keeps the sum (kept anyway for the
+        norm's backward) instead of the norm's output: the norm runs apart from the add, so that backward reruns
+        the same graph on the kept sum (``kernels.recomputed_input``: bitwise the forward's input)."""
+        hidden = compiled(residual_add)(*attention, residual)
+        normed = compiled(apply_norm)(self.pre_mlp_layernorm, hidden)
+        origin = RecomputedInput(hidden, functools.partial(compiled(apply_norm), self.pre_mlp_layernorm))
+        if self.quack_mlp:
+            mlp_out, mlp_bias = quack_mlp(self.mlp, normed, origin)
+            recomputed = True
+            if plan is not None:
+                plan.count(QUACK_MLP_KEY)
+        else:
+            fc1 = self.mlp.linear_fc1
+            calls = fc1.recomputing_calls
+            with fc1.normed_from(normed, origin):
+                mlp_out, mlp_bias = fused_mlp(self.mlp, normed)
+            recomputed = fc1.recomputing_calls > calls
+        if plan is not None and recomputed and torch.is_grad_enabled():
+            plan.count(RECOMPUTED_NORM_KEY)
+        return compiled(residual_add)(mlp_out, mlp_bias, hidden)
 
 
 def fused_mlp(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -137,14 +173,15 @@ def fused_mlp(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return mlp.linear_fc2(inter)
 
 
-def quack_mlp(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+def quack_mlp(mlp: Any, x: torch.Tensor, x_from: RecomputedInput | None = None) -> tuple[torch.Tensor, None]:
     """A dense Megatron ``MLP`` (SwiGLU, no biases, one TP rank) as quack's gated GEMMs: the HF route's
-    ``kernels.quack.gated_mlp`` on views of fc1's ``[gate; up]`` rows and fc2's weight."""
+    ``kernels.quack.gated_mlp`` on views of fc1's ``[gate; up]`` rows and fc2's weight (``x_from``: ``x``'s source
+    and norm, kept instead of ``x``)."""
     from actorcore.kernels.quack.gated_mlp import gated_mlp
 
     fc1_OD = mlp.linear_fc1.weight
     half = fc1_OD.shape[0] // 2
-    out_TD = gated_mlp(x.reshape(-1, x.shape[-1]), fc1_OD[:half], fc1_OD[half:], mlp.linear_fc2.weight)
+    out_TD = gated_mlp(x.reshape(-1, x.shape[-1]), fc1_OD[:half], fc1_OD[half:], mlp.linear_fc2.weight, x_from)
     return out_TD.view(*x.shape[:-1], out_TD.shape[-1]), None
 
 

@@ -1,0 +1,145 @@
+"""An op that keeps its norm's input instead of the norm's output (``kernels.recomputed_input``): the Megatron
+route's QKV projection (``mcore/build/normed_projection.py``) and quack's gated MLP (``kernels.quack.gated_mlp``,
+quack's GEMMs as the CPU stand-in). Each against the op keeping its input: the output and every gradient (the
+source's, the norm's weight, the projection's) bitwise equal, and the norm's output no longer among the saved
+tensors. A lent input the projection was not handed (a copy) runs Megatron's code."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from actorcore.kernels.recomputed_input import RecomputedInput
+
+pytest.importorskip("megatron.core")
+
+T, D, O = 37, 24, 40
+
+
+def _norm(dtype: torch.dtype) -> torch.nn.RMSNorm:
+    norm = torch.nn.RMSNorm(D, eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=torch.Generator().manual_seed(3)) + 0.5)
+    return norm
+
+
+def _inputs(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    source = torch.randn(T, 1, D, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(O, D, generator=gen) / D**0.5).to(dtype).requires_grad_()
+    bias = torch.randn(O, generator=gen).to(dtype).requires_grad_()
+    return source, weight, bias, torch.randn(T, 1, O, generator=gen).to(dtype)
+
+
+def _run(step, tensors, norm):
+    """``step``'s output, the gradients of ``tensors`` and the norm's weight, and the storages it saved."""
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    for t in (*tensors, norm.weight):
+        t.grad = None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, normed = step()
+    out.backward(grad_of(out))
+    return out.detach(), [t.grad.clone() for t in (*tensors, norm.weight)], saved, normed.untyped_storage().data_ptr()
+
+
+def grad_of(out: torch.Tensor) -> torch.Tensor:
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_projection_keeping_the_norms_input_has_megatrons_gradients_bitwise(dtype, compiled):
+    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+
+    from actorcore.mcore.build.fused_ops import apply_norm
+    from actorcore.mcore.build.fused_ops import compiled as compile_fn
+    from actorcore.mcore.build.normed_projection import _ProjectRecomputedInput
+
+    norm = _norm(dtype)
+    fn = functools.partial(compile_fn(apply_norm) if compiled else apply_norm, norm)
+    source, weight, bias, _ = _inputs(dtype, seed=1)
+
+    def megatrons():
+        normed = fn(source)
+        return linear_with_grad_accumulation_and_async_allreduce(normed, weight, bias, False, False, False), normed
+
+    def recomputing():
+        normed = fn(source)
+        return _ProjectRecomputedInput.apply(normed, RecomputedInput(source, fn), weight, bias), normed
+
+    want, want_grads, want_saved, want_normed = _run(megatrons, (source, weight, bias), norm)
+    got, got_grads, got_saved, got_normed = _run(recomputing, (source, weight, bias), norm)
+    assert torch.equal(got, want)
+    for name, a, b in zip(("source", "weight", "bias", "norm weight"), got_grads, want_grads):
+        assert torch.equal(a, b), name
+    assert want_normed in want_saved and got_normed not in got_saved  # Megatron's keeps the norm's output, this not
+    assert source.untyped_storage().data_ptr() in got_saved
+
+
+def test_a_projection_lent_another_tensor_runs_megatrons_code():
+    """Only the very norm output the layer lent (the same memory, view and version) is recomputed: a copy of it, or
+    the lent tensor written to after lending, keeps its input as Megatron does."""
+    from actorcore.mcore.build.normed_projection import NormRecomputingLinear
+
+    linear = NormRecomputingLinear.__new__(NormRecomputingLinear)
+    torch.nn.Module.__init__(linear)
+    norm = _norm(torch.float32)
+    source, weight, _, _ = _inputs(torch.float32, seed=2)
+    normed = norm(source)
+    origin = RecomputedInput(source, norm)
+    for handed, recomputed in ((normed, True), (normed.clone(), False), (normed.view(T, D), False)):
+        calls = linear.recomputing_calls
+        with linear.normed_from(normed, origin):
+            linear._forward_impl(handed, weight, None, False, False, False, None, None, None)
+        assert (linear.recomputing_calls > calls) == recomputed
+    for unchanged_only in (False, True):
+        lent = norm(source).detach().requires_grad_()
+        with linear.normed_from(lent, origin):
+            calls = linear.recomputing_calls
+            if unchanged_only:
+                with torch.no_grad():
+                    lent.mul_(1.0)  # a new version of the lent tensor
+            linear._forward_impl(lent, weight, None, False, False, False, None, None, None)
+        assert (linear.recomputing_calls > calls) == (not unchanged_only)
+    assert "_lent" not in linear.__dict__  # the loan ends with the block
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_quack_gated_mlp_keeping_the_norms_input_has_the_same_gradients_bitwise(compiled):
+    from actorcore.kernels.quack import gated_mlp as quack_gated_mlp
+    from actorcore.mcore.build.fused_ops import apply_norm
+    from actorcore.mcore.build.fused_ops import compiled as compile_fn
+    from actorcore.testing.quack_stand_in import use_quack_stand_in
+
+    undo = use_quack_stand_in()
+    try:
+        dtype = torch.bfloat16
+        norm = _norm(dtype)
+        fn = functools.partial(compile_fn(apply_norm) if compiled else apply_norm, norm)
+        source, _, _, _ = _inputs(dtype, seed=4)
+        gen = torch.Generator().manual_seed(5)
+        gate, up = ((torch.randn(O, D, generator=gen) / D**0.5).to(dtype).requires_grad_() for _ in range(2))
+        down = (torch.randn(D, O, generator=gen) / O**0.5).to(dtype).requires_grad_()
+
+        def step(keep_source):
+            def run():
+                normed = fn(source)
+                x_from = RecomputedInput(source, fn) if keep_source else None
+                return quack_gated_mlp.gated_mlp(normed.view(T, D), gate, up, down, x_from), normed
+            return run
+
+        want, want_grads, want_saved, want_normed = _run(step(False), (source, gate, up, down), norm)
+        got, got_grads, got_saved, got_normed = _run(step(True), (source, gate, up, down), norm)
+        assert torch.equal(got, want)
+        for name, a, b in zip(("source", "gate", "up", "down", "norm weight"), got_grads, want_grads):
+            assert torch.equal(a, b), name
+        assert want_normed in want_saved and got_normed not in got_saved
+    finally:
+        undo()
