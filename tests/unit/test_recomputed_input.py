@@ -15,22 +15,24 @@ from actorcore.kernels.recomputed_input import RecomputedInput
 
 pytest.importorskip("megatron.core")
 
-T, D, O = 37, 24, 40
+T, D, OUT = 37, 24, 40
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
 
 
-def _norm(dtype: torch.dtype) -> torch.nn.RMSNorm:
-    norm = torch.nn.RMSNorm(D, eps=1e-5, dtype=dtype)
+def _norm(dtype: torch.dtype, device: str = "cpu") -> torch.nn.RMSNorm:
+    norm = torch.nn.RMSNorm(D, eps=1e-5, dtype=dtype, device=device)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(D, generator=torch.Generator().manual_seed(3)) + 0.5)
     return norm
 
 
-def _inputs(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+def _inputs(dtype: torch.dtype, seed: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    source = torch.randn(T, 1, D, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(O, D, generator=gen) / D**0.5).to(dtype).requires_grad_()
-    bias = torch.randn(O, generator=gen).to(dtype).requires_grad_()
-    return source, weight, bias, torch.randn(T, 1, O, generator=gen).to(dtype)
+    source = torch.randn(T, 1, D, generator=gen).to(device, dtype).requires_grad_()
+    weight = (torch.randn(OUT, D, generator=gen) / D**0.5).to(device, dtype).requires_grad_()
+    bias = torch.randn(OUT, generator=gen).to(device, dtype).requires_grad_()
+    return source, weight, bias
 
 
 def _run(step, tensors, norm):
@@ -50,21 +52,22 @@ def _run(step, tensors, norm):
 
 
 def grad_of(out: torch.Tensor) -> torch.Tensor:
-    return torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, out.dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_projection_keeping_the_norms_input_has_megatrons_gradients_bitwise(dtype, compiled):
+def test_projection_keeping_the_norms_input_has_megatrons_gradients_bitwise(dtype, compiled, device):
     from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 
     from actorcore.mcore.build.fused_ops import apply_norm
     from actorcore.mcore.build.fused_ops import compiled as compile_fn
     from actorcore.mcore.build.normed_projection import _ProjectRecomputedInput
 
-    norm = _norm(dtype)
+    norm = _norm(dtype, device)
     fn = functools.partial(compile_fn(apply_norm) if compiled else apply_norm, norm)
-    source, weight, bias, _ = _inputs(dtype, seed=1)
+    source, weight, bias = _inputs(dtype, 1, device)
 
     def megatrons():
         normed = fn(source)
@@ -91,7 +94,7 @@ def test_a_projection_lent_another_tensor_runs_megatrons_code():
     linear = NormRecomputingLinear.__new__(NormRecomputingLinear)
     torch.nn.Module.__init__(linear)
     norm = _norm(torch.float32)
-    source, weight, _, _ = _inputs(torch.float32, seed=2)
+    source, weight, _ = _inputs(torch.float32, 2)
     normed = norm(source)
     origin = RecomputedInput(source, norm)
     for handed, recomputed in ((normed, True), (normed.clone(), False), (normed.view(T, D), False)):
@@ -111,22 +114,27 @@ def test_a_projection_lent_another_tensor_runs_megatrons_code():
     assert "_lent" not in linear.__dict__  # the loan ends with the block
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compiled", [False, True])
-def test_quack_gated_mlp_keeping_the_norms_input_has_the_same_gradients_bitwise(compiled):
+def test_quack_gated_mlp_keeping_the_norms_input_has_the_same_gradients_bitwise(compiled, device):
+    """quack's GEMMs as the stand-in on the CPU, quack's own on CUDA (skipped where quack does not run)."""
     from actorcore.kernels.quack import gated_mlp as quack_gated_mlp
+    from actorcore.kernels.quack.runtime import quack_refusal
     from actorcore.mcore.build.fused_ops import apply_norm
     from actorcore.mcore.build.fused_ops import compiled as compile_fn
     from actorcore.testing.quack_stand_in import use_quack_stand_in
 
-    undo = use_quack_stand_in()
+    if device == "cuda" and quack_refusal() is not None:
+        pytest.skip(quack_refusal())
+    undo = use_quack_stand_in() if device == "cpu" else (lambda: None)
     try:
         dtype = torch.bfloat16
-        norm = _norm(dtype)
+        norm = _norm(dtype, device)
         fn = functools.partial(compile_fn(apply_norm) if compiled else apply_norm, norm)
-        source, _, _, _ = _inputs(dtype, seed=4)
+        source, _, _ = _inputs(dtype, 4, device)
         gen = torch.Generator().manual_seed(5)
-        gate, up = ((torch.randn(O, D, generator=gen) / D**0.5).to(dtype).requires_grad_() for _ in range(2))
-        down = (torch.randn(D, O, generator=gen) / O**0.5).to(dtype).requires_grad_()
+        gate, up = ((torch.randn(OUT, D, generator=gen) / D**0.5).to(device, dtype).requires_grad_() for _ in range(2))
+        down = (torch.randn(D, OUT, generator=gen) / OUT**0.5).to(device, dtype).requires_grad_()
 
         def step(keep_source):
             def run():

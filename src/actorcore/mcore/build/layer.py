@@ -18,7 +18,9 @@ GEMMs with SwiGLU in their epilogues, the HF route's kernel (``kernels.quack.gat
 attention, from angles made once per micro-batch without a host synchronisation (``mcore/build/fused_rope.py``, where
 it covers the layer; counted under ``FUSED_ROPE_KEY``), and the q/k norms in one compiled region on views of the QKV
 projection, without Megatron's copy of q (``mcore/build/qk_norm.py``, where it covers the attention; counted under
-``FUSED_QK_NORM_KEY``). The attention's projections, the MoE router and the dispatcher's communication stay
+``FUSED_QK_NORM_KEY``). At one TP rank the QKV projection and a dense MLP's first GEMM keep their norm's input, not
+its output, and rerun the norm in backward (``mcore/build/normed_projection.py``; counted under
+``RECOMPUTED_NORM_KEY``). The attention's projections, the MoE router and the dispatcher's communication stay
 Megatron's eager code: their collectives and host synchronisation would
 split a compiled graph. A fused forward counts under ``COMPILED_KEY``. On CUDA with 16-bit weights by default
 (``compiled_layers="auto"``); ``True`` compiles on any device (Inductor's C++ kernels on the CPU), fp32 too.
