@@ -307,35 +307,42 @@ def _quack_experts_case(directory: str, tp: int, ep: int, compiled_layers: bool)
         undo()
 
 
-def _norm_input_case(directory: str) -> dict:
-    """EP=2 (one TP rank), bf16, compiled layers: one training step per recompute mode with the projections keeping
-    their norms' inputs (the default there), and one keeping the norms' outputs (the layers' switches off); each
-    ``(log-probs, gradients, trace, saved bytes per layer forward and token)``."""
+def _norm_input_case(directory: str, quack: bool) -> dict:
+    """One TP rank, bf16, compiled layers: one training step per recompute mode with the projections keeping their
+    norms' inputs (the default there), and one keeping the norms' outputs (the layers' switches off); each
+    ``(log-probs, gradients, trace, saved bytes per layer forward and token, the layers' switches)``. ``quack``:
+    quack's experts and dense MLP (the stand-in), every expert on each rank (the router and the local experts keep
+    the pre-MLP norm's input); else the grouped_mm experts at EP=2 and the compiled activation."""
     from transformers import AutoConfig
 
     from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.convert.load import load_hf_into_mcore
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
     from actorcore.mcore.run.call_plan import decoder_layers
+    from actorcore.testing.quack_stand_in import use_quack_stand_in
 
-    parallel = McoreParallel(ep=2)
+    parallel = McoreParallel() if quack else McoreParallel(ep=2)
     initialize_megatron(parallel)
     config = AutoConfig.from_pretrained(directory)
+    kernels = dict(moe_experts="quack", swiglu_mlp="quack") if quack else dict(moe_experts="grouped", swiglu_mlp=False)
+    undo = use_quack_stand_in() if quack else (lambda: None)
     out = {"hidden_size": config.hidden_size}
-    for name, options in (("kept", {}), ("full", dict(recompute="full")), ("selective", dict(recompute="selective")),
-                          ("outputs_kept", {})):
-        model = build_gpt_model(config, parallel, torch.bfloat16, moe_experts="grouped", compiled_layers=True,
-                                swiglu_mlp=False, **options)
-        load_hf_into_mcore(model, directory)
-        layers = decoder_layers(model)
-        switches = [(layer.recompute_qkv_input, layer.recompute_fc1_input) for layer in layers]
-        if name == "outputs_kept":
-            for layer in layers:
-                layer.recompute_qkv_input = layer.recompute_fc1_input = False
-        trace, saved = Counter(), SavedBytes(layers, [p for chunk in model.chunks for p in chunk.parameters()])
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            out[name] = (*_train_step(model, _batches(), trace), dict(trace),
-                         [f["bytes"] / f["tokens"] for f in saved.forwards], switches)
+    try:
+        for name, options in (("kept", {}), ("full", dict(recompute="full")),
+                              ("selective", dict(recompute="selective")), ("outputs_kept", {})):
+            model = build_gpt_model(config, parallel, torch.bfloat16, compiled_layers=True, **kernels, **options)
+            load_hf_into_mcore(model, directory)
+            layers = decoder_layers(model)
+            switches = [(layer.recompute_qkv_input, layer.recompute_mlp_input) for layer in layers]
+            if name == "outputs_kept":
+                for layer in layers:
+                    layer.recompute_qkv_input = layer.recompute_mlp_input = False
+            trace, saved = Counter(), SavedBytes(layers, [p for chunk in model.chunks for p in chunk.parameters()])
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                out[name] = (*_train_step(model, _batches(), trace), dict(trace),
+                             [f["bytes"] / f["tokens"] for f in saved.forwards], switches)
+    finally:
+        undo()
     return out
 
 
@@ -382,7 +389,8 @@ def world2(tmp_path_factory):
     cases.append(("recompute", _recompute_case, (os.path.join(root, "qwen3_moe_ep2"),)))
     cases.append(("quack_stand_in", _quack_experts_case, (os.path.join(root, "qwen3_moe_ep2"), 2, 2, "auto")))
     cases.append(("quack_mlp", _quack_mlp_case, (os.path.join(root, "qwen3_moe_ep2"),)))
-    cases.append(("norm_input", _norm_input_case, (os.path.join(root, "qwen3_moe_ep2"),)))
+    cases.append(("norm_input", _norm_input_case, (os.path.join(root, "qwen3_moe_ep2"), False)))
+    cases.append(("norm_input_quack", _norm_input_case, (os.path.join(root, "qwen3_moe_ep2"), True)))
     cases.append(("local_experts", _quack_experts_case, (os.path.join(root, "qwen3_moe_ep2"), 1, 1, True)))
     cases.append(("edge_rows", _edge_rows_case, ({m: os.path.join(root, f"{m}_ep2") for m in ("qwen3_moe", "gpt_oss")},)))
     return spawn_cases(2, cases)
@@ -545,16 +553,20 @@ def test_local_quack_experts_skip_the_dispatcher_within_bf16_rounding(world2):
 
 
 @pytest.mark.slow
-def test_projections_keep_the_norms_inputs_bitwise_across_recompute_modes(world2):
-    """At one TP rank the compiled layers' QKV projection and dense fc1 keep their norms' inputs and recompute the
-    norms in backward (``mcore/build/normed_projection.py``): one hidden-sized tensor per token less for each of them
-    (measured on the saved tensors), per token and per gradient within bf16 rounding of keeping the norms' outputs,
-    and bitwise the same under the full and the selective checkpoint (where the projection runs again, or under
-    PyTorch's selective-checkpoint policy)."""
-    for rank, result in enumerate(world2["norm_input"]):
+@pytest.mark.parametrize("case", ["norm_input", "norm_input_quack"])
+def test_projections_keep_the_norms_inputs_bitwise_across_recompute_modes(world2, case):
+    """At one TP rank the compiled layers' QKV projection and MLP keep their norms' inputs and recompute the norms in
+    backward (``mcore/build/normed_projection.py``): a dense fc1, quack's dense MLP, and with every expert on the rank
+    the MoE layer's router and quack's local experts. One hidden-sized tensor per token less for each (measured on the
+    saved tensors), per token and per gradient within bf16 rounding of keeping the norms' outputs, and bitwise the same
+    under the full and the selective checkpoint (where the layer runs again, or under PyTorch's selective-checkpoint
+    policy). Without local experts (EP=2) the MoE layer keeps its input, as Megatron's does."""
+    quack = case == "norm_input_quack"
+    for rank, result in enumerate(world2[case]):
         kept_lp, kept_grads, trace, kept_saved, switches = result["kept"]
-        assert switches == [(True, False), (True, True)], rank  # layer 0 is MoE, layer 1 dense
-        calls = 3 * len(_sequences())  # two QKV projections, one dense fc1, per micro-batch
+        assert switches == [(True, quack), (True, True)], rank  # layer 0 is MoE, layer 1 dense
+        per_batch = 4 if quack else 3  # QKV twice, the dense MLP, the MoE layer (local experts only)
+        calls = per_batch * len(_sequences())
         assert trace["mcore:recomputed_norm_input"] == calls, (rank, trace)
         for mode in ("full", "selective"):
             lp, grads, mode_trace, _, _ = result[mode]
@@ -567,8 +579,8 @@ def test_projections_keep_the_norms_inputs_bitwise_across_recompute_modes(world2
         _assert_within_bf16_rounding(kept_lp, kept_grads, lp, grads, rank)
         hidden_bytes = 2 * result["hidden_size"]  # bf16
         for forward, (kept, off) in enumerate(zip(kept_saved, off_saved)):
-            tensors_less = (off - kept) / hidden_bytes
-            assert tensors_less == (1 if forward % 2 == 0 else 2), (rank, forward, kept, off)
+            moe = forward % 2 == 0
+            assert (off - kept) / hidden_bytes == pytest.approx(2 if quack or not moe else 1), (rank, forward, off)
 
 
 @pytest.mark.slow

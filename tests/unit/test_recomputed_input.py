@@ -151,3 +151,86 @@ def test_quack_gated_mlp_keeping_the_norms_input_has_the_same_gradients_bitwise(
         assert want_normed in want_saved and got_normed not in got_saved
     finally:
         undo()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_router_gating_keeping_the_norms_input_has_megatrons_gradients_bitwise(with_bias, device):
+    """bf16 tokens, the router's GEMM in fp32 (``moe_router_dtype="fp32"``), against megatron-core's
+    ``RouterGatingLinearFunction`` (its path without Transformer Engine)."""
+    from megatron.core.transformer.moe.moe_utils import RouterGatingLinearFunction
+
+    from actorcore.mcore.build.fused_ops import apply_norm
+    from actorcore.mcore.build.fused_ops import compiled as compile_fn
+    from actorcore.mcore.build.normed_projection import _GateRecomputedInput
+    from actorcore.mcore.cpu_runtime import te_absent_fixes
+
+    norm = _norm(torch.bfloat16, device)
+    fn = functools.partial(compile_fn(apply_norm), norm)
+    source, weight, bias = _inputs(torch.bfloat16, 6, device)
+    bias = bias if with_bias else None
+    tensors = (source, weight) + ((bias,) if with_bias else ())
+
+    def megatrons():
+        normed = fn(source)
+        return RouterGatingLinearFunction.apply(normed, weight, bias, torch.float32), normed
+
+    def recomputing():
+        normed = fn(source)
+        return _GateRecomputedInput.apply(normed, RecomputedInput(source, fn), weight, bias, torch.float32), normed
+
+    with te_absent_fixes():  # megatron-core's router without Transformer Engine
+        want, want_grads, want_saved, want_normed = _run(megatrons, tensors, norm)
+    got, got_grads, got_saved, got_normed = _run(recomputing, tensors, norm)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b)
+    assert want_normed in want_saved and got_normed not in got_saved
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quack_local_experts_keeping_the_norms_input_have_the_same_gradients_bitwise(device):
+    """``kernels.quack.moe.gated_experts`` with per-expert weights (the Megatron route's local experts): quack's
+    GEMMs as the stand-in on the CPU, quack's own on CUDA."""
+    from actorcore.kernels.moe_permute import sort_by_expert
+    from actorcore.kernels.quack.moe import gated_experts
+    from actorcore.kernels.quack.runtime import quack_refusal
+    from actorcore.mcore.build.fused_ops import apply_norm
+    from actorcore.mcore.build.fused_ops import compiled as compile_fn
+    from actorcore.testing.quack_stand_in import use_quack_stand_in
+
+    if device == "cuda" and quack_refusal() is not None:
+        pytest.skip(quack_refusal())
+    undo = use_quack_stand_in() if device == "cpu" else (lambda: None)
+    try:
+        dtype, experts, top_k, inner = torch.bfloat16, 4, 2, 16
+        norm = _norm(dtype, device)
+        fn = functools.partial(compile_fn(apply_norm), norm)
+        source, _, _ = _inputs(dtype, 8, device)
+        gen = torch.Generator().manual_seed(9)
+        gate_up = [(torch.randn(2 * inner, D, generator=gen) / D**0.5).to(device, dtype).requires_grad_()
+                   for _ in range(experts)]
+        down = [(torch.randn(D, inner, generator=gen) / inner**0.5).to(device, dtype).requires_grad_()
+                for _ in range(experts)]
+        chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(T)]).to(device)
+        chosen[:, 0] = 1  # expert 1 takes every token, expert 3 maybe none
+        chosen[:, 1] = torch.where(chosen[:, 1] == 1, 0, chosen[:, 1])
+        weights = torch.rand(T, top_k, generator=gen).to(device).requires_grad_()
+        order = sort_by_expert(chosen, experts)
+
+        def step(keep_source):
+            def run():
+                normed = fn(source)
+                x_from = RecomputedInput(source, fn) if keep_source else None
+                return gated_experts(normed.view(T, D), weights, gate_up, down, order, None, x_from), normed
+            return run
+
+        tensors = (source, weights, *gate_up, *down)
+        want, want_grads, want_saved, want_normed = _run(step(False), tensors, norm)
+        got, got_grads, got_saved, got_normed = _run(step(True), tensors, norm)
+        assert torch.equal(got, want)
+        for a, b in zip(got_grads, want_grads):
+            assert torch.equal(a, b)
+        assert want_normed in want_saved and got_normed not in got_saved
+    finally:
+        undo()

@@ -35,6 +35,7 @@ import torch
 from actorcore.kernels.grouped_gemm import stack_experts
 from actorcore.kernels.moe_permute import ExpertOrder, sum_rows_per_token, weighted_rows_per_token
 from actorcore.kernels.quack import runtime
+from actorcore.kernels.recomputed_input import RecomputedInput, recompute
 
 
 def _gated_forward(q, x, gate_up_EOD, cu_seqlens, A_idx):
@@ -119,24 +120,26 @@ class _GatedExpertsOfModules(torch.autograd.Function):
     in forward and again in backward (``stack_experts``: in place where consecutive), their gradients back to each."""
 
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, token_of_row, pair_of_row, row_of_pair, cu_seqlens, passes, per_expert,
-                *weights):
+    def forward(ctx, x_TD, weights_TK, token_of_row, pair_of_row, row_of_pair, cu_seqlens, passes, x_from,
+                per_expert, *weights):
         gate_up_EOD, down_EDI = _pair(weights, per_expert)
         preact, out = _experts_forward(x_TD, weights_TK, gate_up_EOD, down_EDI, token_of_row, row_of_pair,
                                        cu_seqlens, passes)
-        ctx.save_for_backward(x_TD, weights_TK, preact, token_of_row, pair_of_row, row_of_pair, cu_seqlens,
-                              *weights)
-        ctx.per_expert, ctx.passes = per_expert, passes
+        ctx.save_for_backward(x_TD if x_from is None else x_from.source, weights_TK, preact, token_of_row,
+                              pair_of_row, row_of_pair, cu_seqlens, *weights)
+        ctx.per_expert, ctx.passes, ctx.x_fn, ctx.x_shape = per_expert, passes, x_from and x_from.fn, x_TD.shape
         return out
 
     @staticmethod
     def backward(ctx, grad_out_TD):
         x_TD, weights_TK, preact, token_of_row, pair_of_row, row_of_pair, cu_seqlens, *weights = ctx.saved_tensors
+        if ctx.x_fn is not None:  # kept as the norm's input: the norm again (kernels.recomputed_input)
+            x_TD = recompute(ctx.x_fn, x_TD).reshape(ctx.x_shape)
         gate_up_EOD, down_EDI = _pair(weights, ctx.per_expert)
         grad_x, grad_weights, grad_gate_up, grad_down = _experts_backward(
             grad_out_TD, x_TD, weights_TK, gate_up_EOD, down_EDI, preact, token_of_row, pair_of_row, row_of_pair,
             cu_seqlens, ctx.passes)
-        return (grad_x, grad_weights, None, None, None, None, None, None, *grad_gate_up.unbind(0),
+        return (grad_x, grad_weights, None, None, None, None, None, None, None, *grad_gate_up.unbind(0),
                 *grad_down.unbind(0))
 
 
@@ -148,21 +151,24 @@ def _check_quack_operands(x: torch.Tensor, *weights: torch.Tensor) -> None:
 
 def gated_experts(x_TD: torch.Tensor, weights_TK: torch.Tensor, gate_up: torch.Tensor | Sequence[torch.Tensor],
                   down: torch.Tensor | Sequence[torch.Tensor], order: ExpertOrder,
-                  passes: RowPasses | None = None) -> torch.Tensor:
+                  passes: RowPasses | None = None, x_from: RecomputedInput | None = None) -> torch.Tensor:
     """``[T, D]``: each token through its experts' SwiGLU MLPs (the sorted rows of ``order``), weighted by its
     routing weights and summed (float32, rounded once). ``gate_up`` / ``down``: ``[E, 2I, D]`` / ``[E, D, I]``, or
-    each expert's ``[2I, D]`` / ``[D, I]`` (their gradients go back to each; then ``passes`` may be compiled)."""
+    each expert's ``[2I, D]`` / ``[D, I]`` (their gradients go back to each; then ``passes`` may be compiled, and
+    ``x_from`` may name ``x``'s source and norm: backward keeps the source and recomputes ``x``)."""
     stacked = isinstance(gate_up, torch.Tensor)
     _check_quack_operands(x_TD, *((gate_up, down) if stacked else (*gate_up, *down)))
     cu_seqlens = torch.cat([order.offsets.new_zeros(1), order.offsets])
     index = (order.token_of_row.int(), order.pair_of_row, order.row_of_pair, cu_seqlens)
     if stacked:
-        if passes is not None:
-            raise ValueError("gated_experts: row passes are taken with per-expert weights only (stacked weights are "
-                             "the HF route's, whose compiled decoder layers hold the passes)")
+        if passes is not None or x_from is not None:
+            raise ValueError("gated_experts: row passes and x_from are taken with per-expert weights only (stacked "
+                             "weights are the HF route's, whose compiled decoder layers hold the passes)")
         return _GatedExperts.apply(x_TD.contiguous(), weights_TK, gate_up, down, *index)
-    return _GatedExpertsOfModules.apply(x_TD.contiguous(), weights_TK, *index, passes or RowPasses(), len(gate_up),
-                                        *gate_up, *down)
+    if x_from is not None and not x_TD.is_contiguous():
+        raise ValueError("gated_experts(x_from=...) takes a contiguous x: the recomputed x must be its layout")
+    return _GatedExpertsOfModules.apply(x_TD.contiguous(), weights_TK, *index, passes or RowPasses(), x_from,
+                                        len(gate_up), *gate_up, *down)
 
 
 class _GatedRows(torch.autograd.Function):

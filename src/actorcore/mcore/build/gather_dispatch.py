@@ -32,6 +32,7 @@ Legend: ``T`` tokens, ``E`` experts, ``K`` experts per token, ``S = T * K`` rows
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ import torch
 from actorcore.kernels.moe_permute import ExpertOrder, combine, permute, sort_by_expert
 from actorcore.mcore.build.fused_ops import compiled
 from actorcore.mcore.build.grouped_experts import QUACK, SEQUENTIAL, GroupedExperts, SequentialMLP
+from actorcore.mcore.build.normed_projection import LentNormInput, use_norm_recomputing_router
 
 try:  # megatron-core is optional; this module is only imported after require_megatron()
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -141,9 +143,11 @@ class GatherTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return output
 
 
-class GatherMoELayer(MoELayer):
+class GatherMoELayer(MoELayer, LentNormInput):
     """``MoELayer`` with ``GatherTokenDispatcher`` (where ``gather_dispatch_refusal`` passes), and its experts on the
-    tokens directly where ``local_experts_refusal`` passes."""
+    tokens directly where ``local_experts_refusal`` passes. Fused with local experts, no shared experts and
+    megatron-core's router, the router and the experts can keep the pre-MLP norm's input instead of its output when
+    the layer lends it (``LentNormInput``; ``mcore/build/normed_projection.py``)."""
 
     local_calls = 0  # the forwards that ran the experts without the dispatcher (a call's trace: LOCAL_EXPERTS_KEY)
 
@@ -154,6 +158,8 @@ class GatherMoELayer(MoELayer):
             self.token_dispatcher.__class__ = GatherTokenDispatcher
             self.token_dispatcher.fused = fused
         self.local_experts = local_experts_refusal(self) is None
+        self.recomputes_norm_input = fused and self.local_experts and self.shared_experts is None \
+            and use_norm_recomputing_router(self.router)
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
                 padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
@@ -163,11 +169,16 @@ class GatherMoELayer(MoELayer):
         if padding_mask is not None:  # as MoELayer.forward: [bsz, seq] to the hidden states' [seq, bsz]
             padding_mask = padding_mask.transpose(0, 1).bool()
         shared = self.shared_experts_compute(hidden_states)
-        probs, routing_map = self.route(hidden_states, padding_mask)
+        origin = self.lent_origin(hidden_states) if self.recomputes_norm_input else None
+        router_calls = self.router.recomputing_calls if origin is not None else 0
+        with self.router.normed_from(hidden_states, origin) if origin is not None else contextlib.nullcontext():
+            probs, routing_map = self.route(hidden_states, padding_mask)
         routing = compiled(local_routing) if self.fused else local_routing
         weights, *order = routing(probs, routing_map, self.config.moe_router_topk)
         output = self.experts.forward_tokens(hidden_states.reshape(-1, hidden_states.shape[-1]), weights,
-                                             ExpertOrder(*order)).view(hidden_states.shape)
+                                             ExpertOrder(*order), x_from=origin).view(hidden_states.shape)
+        if origin is not None and self.router.recomputing_calls > router_calls:
+            self.recomputing_calls += 1  # the router and the experts both kept the norm's input
         return (output if shared is None else output + shared), None
 
 

@@ -130,17 +130,19 @@ class GroupedExperts(SequentialMLP):
             out = (out + bias_of_rows(bias2, expert_of_row) * probs.unsqueeze(-1)).to(out.dtype)
         return out, None
 
-    def forward_tokens(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, order: Any) -> torch.Tensor:
+    def forward_tokens(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, order: Any,
+                       x_from: Any = None) -> torch.Tensor:
         """``[T, D]``: the tokens themselves through their experts (every expert on this rank, no dispatcher), each
         output weighted by its routing probability and summed in fp32 (``kernels.quack.moe.gated_experts``: the
-        rows gathered in the GEMM's loads). quack's kernel only (``gather_dispatch.local_experts_refusal``)."""
+        rows gathered in the GEMM's loads). quack's kernel only (``gather_dispatch.local_experts_refusal``).
+        ``x_from``: ``x``'s source and norm (``kernels.recomputed_input``), kept instead of ``x``."""
         from actorcore.kernels.quack.moe import RowPasses, gated_experts
 
         self.calls += 1
         passes = RowPasses(compiled(weighted_rows_per_token), compiled(sum_rows_per_token)) if self.fused \
             else RowPasses()
         return gated_experts(x_TD, weights_TK, self.expert_tensors("linear_fc1.weight"),
-                             self.expert_tensors("linear_fc2.weight"), order, passes)
+                             self.expert_tensors("linear_fc2.weight"), order, passes, x_from)
 
 
 def _has_tensor(module: torch.nn.Module, name: str) -> bool:

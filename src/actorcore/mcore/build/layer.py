@@ -65,11 +65,14 @@ class PlannedTransformerLayer(TransformerLayer):
         self.fused = fused
         self.quack_mlp = quack_mlp  # a dense MLP on quack's gated GEMMs (swiglu_mlp="quack"; fused layers only)
         self.fused_qk_norms = fused and use_fused_qk_norms(self.self_attention)  # mcore/build/qk_norm.py
-        # mcore/build/normed_projection.py: linear_qkv (a dense MLP's linear_fc1) keeps the norm's input, not its output
+        # mcore/build/normed_projection.py: the QKV projection and the MLP (a dense one's fc1 or quack's GEMMs, an MoE
+        # layer's router and local experts) keep their norm's input, not its output
         self.recompute_qkv_input = fused and use_norm_recomputing_projection(
             getattr(self.self_attention, "linear_qkv", None), self.config)
-        self.recompute_fc1_input = fused and not quack_mlp and type(self.mlp) is MLP \
-            and use_norm_recomputing_projection(self.mlp.linear_fc1, self.config)
+        self.recompute_mlp_input = fused and (
+            quack_mlp if type(self.mlp) is MLP and quack_mlp else
+            use_norm_recomputing_projection(self.mlp.linear_fc1, self.config) if type(self.mlp) is MLP else
+            getattr(self.mlp, "recomputes_norm_input", False))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         plan = getattr(kwargs.get("packed_seq_params"), "layer_plan", None)
@@ -133,36 +136,35 @@ class PlannedTransformerLayer(TransformerLayer):
             plan.count(FUSED_QK_NORM_KEY)
         if plan is not None and projection is not None and projection.recomputing_calls > recomputing_calls:
             plan.count(RECOMPUTED_NORM_KEY)
-        if type(self.mlp) is MLP and (self.quack_mlp or self.recompute_fc1_input):
-            return self._dense_mlp_keeping_the_sum(attention, hidden_states, plan), context
-        hidden, normed = compiled(add_then_norm)(*attention, hidden_states, self.pre_mlp_layernorm)
-        if type(self.mlp) is MLP:  # a dense layer (MoE layers compile their experts' activation themselves)
-            mlp_out, mlp_bias = fused_mlp(self.mlp, normed)
+        if self.recompute_mlp_input:
+            # the pre-MLP norm apart from the add, so that backward reruns that graph on the kept sum (bitwise)
+            hidden = compiled(residual_add)(*attention, hidden_states)
+            normed = compiled(apply_norm)(self.pre_mlp_layernorm, hidden)
+            origin = RecomputedInput(hidden, functools.partial(compiled(apply_norm), self.pre_mlp_layernorm))
         else:
-            mlp_out, mlp_bias = self.mlp(normed, padding_mask=padding_mask)
+            hidden, normed = compiled(add_then_norm)(*attention, hidden_states, self.pre_mlp_layernorm)
+            origin = None
+        mlp_out, mlp_bias = self._fused_mlp(normed, origin, plan, padding_mask)
         return compiled(residual_add)(mlp_out, mlp_bias, hidden), context
 
-    def _dense_mlp_keeping_the_sum(self, attention: tuple, residual: torch.Tensor, plan: Any) -> torch.Tensor:
-        """The residual add, the pre-MLP norm and the dense MLP, whose first GEMM keeps the sum (kept anyway for the
-        norm's backward) instead of the norm's output: the norm runs apart from the add, so that backward reruns
-        the same graph on the kept sum (``kernels.recomputed_input``: bitwise the forward's input)."""
-        hidden = compiled(residual_add)(*attention, residual)
-        normed = compiled(apply_norm)(self.pre_mlp_layernorm, hidden)
-        origin = RecomputedInput(hidden, functools.partial(compiled(apply_norm), self.pre_mlp_layernorm))
-        if self.quack_mlp:
-            mlp_out, mlp_bias = quack_mlp(self.mlp, normed, origin)
-            recomputed = True
+    def _fused_mlp(self, normed: torch.Tensor, origin: RecomputedInput | None, plan: Any, padding_mask: Any
+                   ) -> tuple[torch.Tensor, Any]:
+        """The MLP on the pre-MLP norm's output; with ``origin``, keeping the norm's input instead of its output."""
+        if type(self.mlp) is MLP and self.quack_mlp:
+            out = quack_mlp(self.mlp, normed, origin)
+            recomputed = origin is not None
             if plan is not None:
                 plan.count(QUACK_MLP_KEY)
         else:
-            fc1 = self.mlp.linear_fc1
-            calls = fc1.recomputing_calls
-            with fc1.normed_from(normed, origin):
-                mlp_out, mlp_bias = fused_mlp(self.mlp, normed)
-            recomputed = fc1.recomputing_calls > calls
+            dense = type(self.mlp) is MLP  # (MoE layers compile their experts' activation themselves)
+            lender = None if origin is None else self.mlp.linear_fc1 if dense else self.mlp
+            calls = lender.recomputing_calls if lender is not None else 0
+            with lender.normed_from(normed, origin) if lender is not None else contextlib.nullcontext():
+                out = fused_mlp(self.mlp, normed) if dense else self.mlp(normed, padding_mask=padding_mask)
+            recomputed = lender is not None and lender.recomputing_calls > calls
         if plan is not None and recomputed and torch.is_grad_enabled():
             plan.count(RECOMPUTED_NORM_KEY)
-        return compiled(residual_add)(mlp_out, mlp_bias, hidden)
+        return out
 
 
 def fused_mlp(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
