@@ -72,7 +72,7 @@ def test_gated_experts_match_the_modules_own_forward_per_element(monkeypatch, pe
                 return lambda *args: calls.append(fn.__name__) or inner(*args)
 
             passes = moe_quack.RowPasses(compiled(passes.combine), compiled(passes.sum_per_token))
-        got = moe_quack._GatedExpertsOfModules.apply(x, weights, *index_args, passes, num_experts, *weight_args)
+        got = moe_quack._GatedExpertsOfModules.apply(x, weights, *index_args, passes, None, num_experts, *weight_args)
         got_grads = torch.autograd.grad(got, (x, weights, *weight_args), grad)
         got_grads = (*got_grads[:2], torch.stack(got_grads[2:2 + num_experts]),
                      torch.stack(got_grads[2 + num_experts:]))

@@ -4,7 +4,7 @@ chosen in ``attention.backends``), packed linear attention (``linear_attention/`
 epilogues for MoE experts and SwiGLU MLPs (``quack/``, behind its one availability probe
 ``quack.runtime.quack_refusal``); one-file concerns beside them: ``tiled_mlp``, ``batch_invariant``, ``precision``
 (autocast-free fp32 numerics, the critic's value head), ``trace``, ``selective_checkpoint`` (the selective
-checkpointing policy), the MoE token moves ``moe_permute``, grouped GEMMs over rows sorted by expert
+checkpointing policy), ``recomputed_input`` (an op keeping a norm's input and recomputing its output), the MoE token moves ``moe_permute``, grouped GEMMs over rows sorted by expert
 (``grouped_gemm``) and the MXFP4 weights of gpt-oss checkpoints (``mxfp4``).
 
 Nothing heavy is imported here; import the submodule you need, e.g.
