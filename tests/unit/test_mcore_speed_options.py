@@ -139,3 +139,20 @@ def test_fused_qk_norms_cover_one_ranks_whole_query_groups_only():
     assert "other than megatron-core's SelfAttention" in qk_norm_refusal(torch.nn.Linear(2, 2))
     refused = attention(norms=False)
     assert not use_fused_qk_norms(refused) and type(refused) is SelfAttention
+
+
+def test_the_head_takes_the_output_weight_itself_where_it_has_no_padding_rows():
+    """The head's weight is the parameter (its gradient lands in ``.grad`` as formed), a slice only where the
+    vocabulary is padded: a slice's backward copies the ``[V, D]`` gradient into a new zero-filled tensor."""
+    from types import SimpleNamespace
+
+    from actorcore.mcore.run.forward import _output_weight_shard
+
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    chunk = SimpleNamespace(share_embeddings_and_output_weights=False, output_layer=SimpleNamespace(weight=weight))
+    whole, start = _output_weight_shard(chunk, 8, SimpleNamespace(tp_rank=0))
+    assert whole is weight and start == 0
+    padded, _ = _output_weight_shard(chunk, 6, SimpleNamespace(tp_rank=0))
+    assert padded.shape == (6, 4) and padded._base is weight
+    second_rank, start = _output_weight_shard(chunk, 13, SimpleNamespace(tp_rank=1))
+    assert start == 8 and second_rank.shape == (5, 4)

@@ -80,13 +80,15 @@ def split_batches(batches: Sequence[PackedBatch], model: McoreModel) -> list[CpS
 
 
 def _output_weight_shard(chunk: Any, vocab_size: int, context: ParallelContext) -> tuple[torch.Tensor, int]:
-    """This TP rank's rows of the output weight without the vocabulary padding, and its first vocab id."""
+    """This TP rank's rows of the output weight without the vocabulary padding, and its first vocab id. The
+    parameter itself where it has no padding rows: a slice of it would make backward write the head's weight
+    gradient into a new zero-filled ``[V, D]`` tensor (a copy at the start of backward, where memory peaks)."""
     weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights \
         else chunk.output_layer.weight
     rows = weight.shape[0]
     start = context.tp_rank * rows
     real = max(0, min(rows, vocab_size - start))
-    return weight[:real], start
+    return (weight if real == rows else weight[:real]), start
 
 
 def _hidden_TD(output: torch.Tensor) -> torch.Tensor:
