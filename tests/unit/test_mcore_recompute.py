@@ -102,3 +102,17 @@ def test_micro_batches_in_flight():
     assert [micro_batches_in_flight(4, rank, None, 8) for rank in range(4)] == [4, 3, 2, 1]
     assert micro_batches_in_flight(4, 3, None, 2) == 1 and micro_batches_in_flight(4, 0, None, 2) == 2
     assert micro_batches_in_flight(2, 1, 2, 8) == 4
+
+
+def test_a_layer_built_alike_stands_in_for_a_mode_a_layer_has_not_run():
+    """The last layer kept whole measured 150 bytes per token against the 300 estimated: layers of its kind plan
+    with that before they run unrecomputed themselves (without kinds each waits for its own measurement); a layer
+    of another kind keeps its estimate."""
+    layers, tokens = _layers(6), 1000
+    base = SLACK_BYTES + 6 * 10.0 * tokens
+    auto = RecomputePlan("auto", base + 11 * 100.0 * tokens)
+    measured = {(5, NONE): 150.0}
+    own_only = [SELECTIVE] * 4 + [NONE] * 2
+    assert plan_layer_modes(auto, layers, tokens, 1, 0.0, measured) == own_only
+    assert plan_layer_modes(auto, layers, tokens, 1, 0.0, measured, kinds=["dense"] * 6) == [NONE] * 6
+    assert plan_layer_modes(auto, layers, tokens, 1, 0.0, measured, kinds=["moe"] * 5 + ["dense"]) == own_only

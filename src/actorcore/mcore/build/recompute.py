@@ -13,7 +13,9 @@ Requests: ``None`` (the default) keeps every layer; ``"full"`` / ``"selective"``
 the others ``"full"`` (backward reaches the last layers first, so their kept activations are freed first); where
 every layer fits selectively, as many of the last as fit keep everything (``"none"``: no recompute at all). A
 layer's bytes per token are estimated from the config until a CUDA call has measured what the layer kept
-(``LayerPlan.measured``, kept on the handle), then the measurement plans. The planner is
+(``LayerPlan.measured``, kept on the handle), then the measurement plans (a layer not yet run in a mode plans with
+the measurement of a layer built alike: a selectively recomputed layer's unrecomputed bytes are those a kept layer
+of its kind measured). The planner is
 ``kernels.selective_checkpoint.layers_to_keep``, the HF route's. The recomputed kernels see the same inputs, so the
 gradients are bitwise those of ``"full"`` (and of no recompute) wherever the kernels are deterministic.
 
@@ -162,10 +164,12 @@ def layer_bytes_per_token(config: Any, element_bytes: int, moe: bool, local_expe
 
 
 def plan_layer_modes(plan: RecomputePlan, per_layer: list[tuple[float, float, float]], tokens: int, in_flight: int,
-                     allocated_bytes: float, measured: dict[tuple[int, str], float] | None = None) -> list[str]:
+                     allocated_bytes: float, measured: dict[tuple[int, str], float] | None = None,
+                     kinds: list | None = None) -> list[str]:
     """Each layer's mode for one call. ``per_layer``: ``layer_bytes_per_token`` of this rank's layers in order;
     ``tokens``: this rank's tokens of the largest micro-batch; ``in_flight``: micro-batches whose activations are
-    alive at once (pipeline warm-up); ``measured``: bytes per token measured for ``(layer, mode)``."""
+    alive at once (pipeline warm-up); ``measured``: bytes per token measured for ``(layer, mode)``; ``kinds``: a
+    key per layer, equal for layers built alike (``layer_kind``), whose measurements stand in for each other."""
     layers = len(per_layer)
     if plan.mode == FULL:
         return [FULL] * layers
@@ -173,8 +177,8 @@ def plan_layer_modes(plan: RecomputePlan, per_layer: list[tuple[float, float, fl
         return [SELECTIVE] * layers
     measured = measured or {}
     scale = tokens * in_flight
-    none = [measured.get((i, NONE), b[0]) * scale for i, b in enumerate(per_layer)]
-    selective = [measured.get((i, SELECTIVE), b[1]) * scale for i, b in enumerate(per_layer)]
+    none = [_layer_bytes(measured, kinds, i, NONE, b[0]) * scale for i, b in enumerate(per_layer)]
+    selective = [_layer_bytes(measured, kinds, i, SELECTIVE, b[1]) * scale for i, b in enumerate(per_layer)]
     base = allocated_bytes + sum(b[2] for b in per_layer) * scale + SLACK_BYTES
     keep = layers_to_keep(plan.budget_bytes, base, selective)
     if keep < layers:
@@ -184,6 +188,21 @@ def plan_layer_modes(plan: RecomputePlan, per_layer: list[tuple[float, float, fl
                 == layers:
             return [SELECTIVE] * (layers - unrecomputed) + [NONE] * unrecomputed
     return [SELECTIVE] * layers
+
+
+def _layer_bytes(measured: dict[tuple[int, str], float], kinds: list | None, index: int, mode: str,
+                 estimate: float) -> float:
+    """Layer ``index``'s bytes per token in ``mode``: its own measurement, else the largest measured in that mode for
+    a layer of its kind (a layer planned selectively is never measured unrecomputed until it runs so; a layer built
+    alike keeps the same), else the config's estimate."""
+    if (index, mode) in measured:
+        return measured[(index, mode)]
+    if kinds is not None:
+        alike = [value for (other, m), value in measured.items()
+                 if m == mode and other < len(kinds) and kinds[other] == kinds[index]]
+        if alike:
+            return max(alike)
+    return estimate
 
 
 def micro_batches_in_flight(pp: int, pp_rank: int, vp: int | None, micro_batches: int) -> int:

@@ -65,7 +65,10 @@ def plan_call(model: Any, batches: list[Any], *, forward_only: bool, trace: Coun
     allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     context = model.context
     in_flight = micro_batches_in_flight(context.pp_size, context.pp_rank, model.parallel.vp, len(batches))
-    modes = plan_layer_modes(model.recompute, per_layer, tokens, in_flight, allocated, model.measured_layer_bytes)
+    kinds = [(estimate, *(type(module).__name__ for module in layer.children())) for estimate, layer in
+             zip(per_layer, layers)]  # layers built alike (the same estimate and submodule types) keep alike
+    modes = plan_layer_modes(model.recompute, per_layer, tokens, in_flight, allocated, model.measured_layer_bytes,
+                             kinds)
     plan.modes = {id(layer): mode for layer, mode in zip(layers, modes)}
     return plan
 
