@@ -318,7 +318,9 @@ def _norm_input_case(directory: str, quack: bool) -> dict:
     from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.convert.load import load_hf_into_mcore
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
+    from actorcore.mcore.build.attention import use_attention_backend
     from actorcore.mcore.run.call_plan import decoder_layers
+    from actorcore.testing.fa4_stand_in import use_fa4_stand_in
     from actorcore.testing.quack_stand_in import use_quack_stand_in
 
     parallel = McoreParallel() if quack else McoreParallel(ep=2)
@@ -326,23 +328,31 @@ def _norm_input_case(directory: str, quack: bool) -> dict:
     config = AutoConfig.from_pretrained(directory)
     kernels = dict(moe_experts="quack", swiglu_mlp="quack") if quack else dict(moe_experts="grouped", swiglu_mlp=False)
     undo = use_quack_stand_in() if quack else (lambda: None)
-    out = {"hidden_size": config.hidden_size}
+    _, undo_fa4 = use_fa4_stand_in()  # an attention kernel that keeps its q and k, as FA4 does
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    out = {"hidden_size": config.hidden_size,
+           "rotated_width": (config.num_attention_heads + config.num_key_value_heads) * head_dim}
     try:
         for name, options in (("kept", {}), ("full", dict(recompute="full")),
-                              ("selective", dict(recompute="selective")), ("outputs_kept", {})):
+                              ("selective", dict(recompute="selective")), ("outputs_kept", {}), ("rotated_kept", {})):
             model = build_gpt_model(config, parallel, torch.bfloat16, compiled_layers=True, **kernels, **options)
             load_hf_into_mcore(model, directory)
+            use_attention_backend(model, "fa4")
             layers = decoder_layers(model)
             switches = [(layer.recompute_qkv_input, layer.recompute_mlp_input) for layer in layers]
             if name == "outputs_kept":
                 for layer in layers:
                     layer.recompute_qkv_input = layer.recompute_mlp_input = False
+            if name == "rotated_kept":
+                for layer in layers:
+                    layer.recompute_rotated_qk = False
             trace, saved = Counter(), SavedBytes(layers, [p for chunk in model.chunks for p in chunk.parameters()])
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 out[name] = (*_train_step(model, _batches(), trace), dict(trace),
                              [f["bytes"] / f["tokens"] for f in saved.forwards], switches)
     finally:
         undo()
+        undo_fa4()
     return out
 
 
@@ -560,7 +570,8 @@ def test_projections_keep_the_norms_inputs_bitwise_across_recompute_modes(world2
     the MoE layer's router and quack's local experts. One hidden-sized tensor per token less for each (measured on the
     saved tensors), per token and per gradient within bf16 rounding of keeping the norms' outputs, and bitwise the same
     under the full and the selective checkpoint (where the layer runs again, or under PyTorch's selective-checkpoint
-    policy). Without local experts (EP=2) the MoE layer keeps its input, as Megatron's does."""
+    policy). Without local experts (EP=2) the MoE layer keeps its input, as Megatron's does. The same for the core
+    attention's rotated q and k (``mcore/build/rotated_qk.py``), made again in backward from the QKV projection."""
     quack = case == "norm_input_quack"
     for rank, result in enumerate(world2[case]):
         kept_lp, kept_grads, trace, kept_saved, switches = result["kept"]
@@ -581,6 +592,17 @@ def test_projections_keep_the_norms_inputs_bitwise_across_recompute_modes(world2
         for forward, (kept, off) in enumerate(zip(kept_saved, off_saved)):
             moe = forward % 2 == 0
             assert (off - kept) / hidden_bytes == pytest.approx(2 if quack or not moe else 1), (rank, forward, off)
+        # the attention kernel's rotated q and k (FA4's stand-in keeps them) made again from the projection: bitwise
+        # the same step, their bytes less in every layer forward; not under a checkpoint (it recomputes anyway)
+        assert trace["mcore:recomputed_rotated_qk"] == 2 * len(_sequences()), (rank, trace)
+        assert not any(result[mode][2].get("mcore:recomputed_rotated_qk") for mode in ("full", "selective")), rank
+        lp, grads, rotated_trace, rotated_saved, _ = result["rotated_kept"]
+        assert not rotated_trace.get("mcore:recomputed_rotated_qk"), rank
+        assert all(torch.equal(a, b) for a, b in zip(lp, kept_lp)), rank
+        assert all(torch.equal(grads[n], g) for n, g in kept_grads.items()), rank
+        rotated_bytes = 2 * result["rotated_width"]  # q's and k's heads, bf16
+        for forward, (kept, rotated) in enumerate(zip(kept_saved, rotated_saved)):
+            assert (rotated - kept) / rotated_bytes == pytest.approx(1), (rank, forward, kept, rotated)
 
 
 @pytest.mark.slow

@@ -164,11 +164,17 @@ class PackedCoreAttention(MegatronModule):
         from actorcore.mcore.build.fused_ops import compiled, rotary
         from actorcore.mcore.build.fused_rope import FUSED_ROPE_KEY
 
+        from actorcore.mcore.build.rotated_qk import lent
+
         cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
         angles = params.rope_cache.angles(params.rope, cu, query.shape[0], query.dtype)
         if params.layer_plan is not None:
             params.layer_plan.count(FUSED_ROPE_KEY)
-        return compiled(rotary)(query, key, angles.cos, angles.sin)
+        rotated = compiled(rotary)(query, key, angles.cos, angles.sin)
+        record = lent(self)  # mcore/build/rotated_qk.py: made again in backward rather than kept
+        if record is not None:
+            record.note_rotated(query, key, rotated, lambda q, k: compiled(rotary)(q, k, angles.cos, angles.sin))
+        return rotated
 
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any,
                           dropout: float) -> torch.Tensor:

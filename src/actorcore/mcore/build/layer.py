@@ -43,6 +43,7 @@ from actorcore.mcore.build.fused_rope import fused_rope_refusal, rope_request
 from actorcore.mcore.build.normed_projection import RECOMPUTED_NORM_KEY, use_norm_recomputing_projection
 from actorcore.mcore.build.qk_norm import FUSED_QK_NORM_KEY, use_fused_qk_norms
 from actorcore.mcore.build.recompute import FULL, FULL_KEY, KEPT_KEY, NONE, SELECTIVE, SELECTIVE_KEY
+from actorcore.mcore.build.rotated_qk import ROTATED_QK_KEY, RotatedQk
 
 try:  # megatron-core is optional; this module is only imported after require_megatron()
     from megatron.core.transformer.mlp import MLP
@@ -69,6 +70,7 @@ class PlannedTransformerLayer(TransformerLayer):
         # layer's router and local experts) keep their norm's input, not its output
         self.recompute_qkv_input = fused and use_norm_recomputing_projection(
             getattr(self.self_attention, "linear_qkv", None), self.config)
+        self.recompute_rotated_qk = fused  # mcore/build/rotated_qk.py, where the q/k norms and RoPE are fused
         self.recompute_mlp_input = fused and (
             quack_mlp if type(self.mlp) is MLP and quack_mlp else
             use_norm_recomputing_projection(self.mlp.linear_fc1, self.config) if type(self.mlp) is MLP else
@@ -121,21 +123,26 @@ class PlannedTransformerLayer(TransformerLayer):
             request = rope_request(self.self_attention, rotary_pos_emb)
             attention_params, rotary_pos_emb = dataclasses.replace(packed_seq_params, rope=request), None
         fused_qk_calls = self.self_attention.fused_calls if self.fused_qk_norms else 0
+        plan = getattr(packed_seq_params, "layer_plan", None)
         projection = self.self_attention.linear_qkv if self.recompute_qkv_input else None
         recomputing_calls = projection.recomputing_calls if projection is not None else 0
         lent = projection.normed_from(normed, RecomputedInput(hidden_states, functools.partial(
             compiled(apply_norm), self.input_layernorm))) if projection is not None else contextlib.nullcontext()
-        with lent:
+        rotated = self._rotated_qk(plan, attention_params)
+        collecting = rotated.collecting(self.self_attention, self.self_attention.core_attention) \
+            if rotated is not None else contextlib.nullcontext()
+        with lent, collecting:
             attention = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
                                             rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
                                             rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
                                             packed_seq_params=attention_params,
                                             sequence_len_offset=sequence_len_offset)
-        plan = getattr(packed_seq_params, "layer_plan", None)
         if plan is not None and self.fused_qk_norms and self.self_attention.fused_calls > fused_qk_calls:
             plan.count(FUSED_QK_NORM_KEY)
         if plan is not None and projection is not None and projection.recomputing_calls > recomputing_calls:
             plan.count(RECOMPUTED_NORM_KEY)
+        if plan is not None and rotated is not None and rotated.recomputes():
+            plan.count(ROTATED_QK_KEY)
         if self.recompute_mlp_input:
             # the pre-MLP norm apart from the add, so that backward reruns that graph on the kept sum (bitwise)
             hidden = compiled(residual_add)(*attention, hidden_states)
@@ -146,6 +153,14 @@ class PlannedTransformerLayer(TransformerLayer):
             origin = None
         mlp_out, mlp_bias = self._fused_mlp(normed, origin, plan, padding_mask)
         return compiled(residual_add)(mlp_out, mlp_bias, hidden), context
+
+    def _rotated_qk(self, plan: Any, attention_params: Any) -> RotatedQk | None:
+        """A record for this call's rotated q and k to be made again in backward rather than kept
+        (``mcore/build/rotated_qk.py``): a training forward keeping its activations, the q/k norms fused and RoPE in
+        the core attention; None elsewhere."""
+        keeps = self.training and torch.is_grad_enabled() and (plan is None or plan.mode_of(self) == NONE)
+        rope_here = getattr(attention_params, "rope", None) is not None
+        return RotatedQk() if keeps and self.recompute_rotated_qk and self.fused_qk_norms and rope_here else None
 
     def _fused_mlp(self, normed: torch.Tensor, origin: RecomputedInput | None, plan: Any, padding_mask: Any
                    ) -> tuple[torch.Tensor, Any]:

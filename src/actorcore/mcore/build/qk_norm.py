@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from actorcore.mcore.build.fused_ops import compiled, qk_norms
+from actorcore.mcore.build.rotated_qk import lent
 
 try:  # megatron-core is optional; this module is only imported after require_megatron()
     from megatron.core.transformer.attention import SelfAttention
@@ -68,8 +69,13 @@ class FusedQkNormAttention(SelfAttention):
         # [sq, b, ng * (np/ng + 2) * hn] -> [sq, b, ng, (np/ng + 2) * hn], then q, k, v as views (Megatron's split)
         mixed_qkv = mixed_qkv.view(*mixed_qkv.shape[:-1], groups, (per_group + 2) * head_dim)
         query, key, value = torch.split(mixed_qkv, [per_group * head_dim, head_dim, head_dim], dim=3)
+        sources = (query, key)
         query, key = compiled(qk_norms)(query, key, self.q_layernorm, self.k_layernorm, head_dim)
         self.fused_calls += 1
+        record = lent(self)
+        if record is not None:  # mcore/build/rotated_qk.py: the core attention's rotated q and k made again from these
+            record.note_normed(query, key, sources, lambda q, k: compiled(qk_norms)(q, k, self.q_layernorm,
+                                                                                  self.k_layernorm, head_dim))
         return query, key, value
 
 
