@@ -14,7 +14,7 @@ bit where those kernels are deterministic.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -27,7 +27,9 @@ class RecomputedInput:
     fn: Callable[[torch.Tensor], torch.Tensor]
 
 
-def recompute(fn: Callable[[torch.Tensor], torch.Tensor], source: torch.Tensor) -> torch.Tensor:
-    """``fn(source)`` again, detached, through the graph the forward ran (see the module's docstring)."""
+def recompute(fn: Callable[..., Any], *sources: torch.Tensor) -> Any:
+    """``fn(*sources)`` again, detached (a tensor or a tuple of them), through the graph the forward ran (see the
+    module's docstring)."""
     with torch.enable_grad():
-        return fn(source.detach().requires_grad_(source.requires_grad)).detach()
+        out = fn(*(s.detach().requires_grad_(s.requires_grad) for s in sources))
+    return tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()

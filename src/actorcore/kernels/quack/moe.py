@@ -127,7 +127,8 @@ class _GatedExpertsOfModules(torch.autograd.Function):
                                        cu_seqlens, passes)
         ctx.save_for_backward(x_TD if x_from is None else x_from.source, weights_TK, preact, token_of_row,
                               pair_of_row, row_of_pair, cu_seqlens, *weights)
-        ctx.per_expert, ctx.passes, ctx.x_fn, ctx.x_shape = per_expert, passes, x_from and x_from.fn, x_TD.shape
+        ctx.per_expert, ctx.passes, ctx.x_shape = per_expert, passes, x_TD.shape
+        ctx.x_fn = None if x_from is None else x_from.fn
         return out
 
     @staticmethod

@@ -125,9 +125,8 @@ class PlannedTransformerLayer(TransformerLayer):
         fused_qk_calls = self.self_attention.fused_calls if self.fused_qk_norms else 0
         plan = getattr(packed_seq_params, "layer_plan", None)
         projection = self.self_attention.linear_qkv if self.recompute_qkv_input else None
-        recomputing_calls = projection.recomputing_calls if projection is not None else 0
-        lent = projection.normed_from(normed, RecomputedInput(hidden_states, functools.partial(
-            compiled(apply_norm), self.input_layernorm))) if projection is not None else contextlib.nullcontext()
+        lent = lending(projection, normed, RecomputedInput(hidden_states, functools.partial(
+            compiled(apply_norm), self.input_layernorm)), plan)
         rotated = self._rotated_qk(plan, attention_params)
         collecting = rotated.collecting(self.self_attention, self.self_attention.core_attention) \
             if rotated is not None else contextlib.nullcontext()
@@ -139,8 +138,6 @@ class PlannedTransformerLayer(TransformerLayer):
                                             sequence_len_offset=sequence_len_offset)
         if plan is not None and self.fused_qk_norms and self.self_attention.fused_calls > fused_qk_calls:
             plan.count(FUSED_QK_NORM_KEY)
-        if plan is not None and projection is not None and projection.recomputing_calls > recomputing_calls:
-            plan.count(RECOMPUTED_NORM_KEY)
         if plan is not None and rotated is not None and rotated.recomputes():
             plan.count(ROTATED_QK_KEY)
         if self.recompute_mlp_input:
@@ -166,20 +163,28 @@ class PlannedTransformerLayer(TransformerLayer):
                    ) -> tuple[torch.Tensor, Any]:
         """The MLP on the pre-MLP norm's output; with ``origin``, keeping the norm's input instead of its output."""
         if type(self.mlp) is MLP and self.quack_mlp:
-            out = quack_mlp(self.mlp, normed, origin)
-            recomputed = origin is not None
             if plan is not None:
                 plan.count(QUACK_MLP_KEY)
-        else:
-            dense = type(self.mlp) is MLP  # (MoE layers compile their experts' activation themselves)
-            lender = None if origin is None else self.mlp.linear_fc1 if dense else self.mlp
-            calls = lender.recomputing_calls if lender is not None else 0
-            with lender.normed_from(normed, origin) if lender is not None else contextlib.nullcontext():
-                out = fused_mlp(self.mlp, normed) if dense else self.mlp(normed, padding_mask=padding_mask)
-            recomputed = lender is not None and lender.recomputing_calls > calls
-        if plan is not None and recomputed and torch.is_grad_enabled():
-            plan.count(RECOMPUTED_NORM_KEY)
-        return out
+                if origin is not None and torch.is_grad_enabled():
+                    plan.count(RECOMPUTED_NORM_KEY)
+            return quack_mlp(self.mlp, normed, origin)
+        dense = type(self.mlp) is MLP  # (MoE layers compile their experts' activation themselves)
+        with lending(None if origin is None else self.mlp.linear_fc1 if dense else self.mlp, normed, origin, plan):
+            return fused_mlp(self.mlp, normed) if dense else self.mlp(normed, padding_mask=padding_mask)
+
+
+@contextlib.contextmanager
+def lending(lender: Any, normed: torch.Tensor, origin: RecomputedInput | None, plan: Any) -> Any:
+    """Within the block ``lender`` (a ``normed_projection.LentNormInput``; None: nothing lent) keeps ``origin``'s
+    source instead of ``normed``; the call's trace counts ``RECOMPUTED_NORM_KEY`` if it did."""
+    if lender is None or origin is None:
+        yield
+        return
+    calls = lender.recomputing_calls
+    with lender.normed_from(normed, origin):
+        yield
+    if plan is not None and lender.recomputing_calls > calls:
+        plan.count(RECOMPUTED_NORM_KEY)
 
 
 def fused_mlp(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:

@@ -18,10 +18,13 @@ a rotated q or k as a token (a backend that saves other tensors, e.g. SDPA's sca
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+
+from actorcore.kernels.recomputed_input import recompute
 
 ROTATED_QK_KEY = "mcore:recomputed_rotated_qk"  # layer forwards whose attention kept no rotated q and k
 _LENT = "_rotated_qk"
@@ -46,10 +49,10 @@ class _Rotation:
 
     def again(self, which: int) -> torch.Tensor:
         if self.made is None:
+            # as the forward rotated them: Megatron's views of the norms' outputs, which required gradients
             q, k = (t.as_strided(shape, stride, t.storage_offset()).requires_grad_()
                     for t, (shape, stride) in zip(self.normed(), self.layouts))
-            with torch.enable_grad():  # the forward's graph again (kernels.recomputed_input)
-                self.made = tuple(t.detach() for t in self.rotate(q, k))
+            self.made = recompute(self.rotate, q, k)
         tensor = self.made[which]
         self.outstanding -= 1
         if self.outstanding <= 0:
@@ -70,12 +73,7 @@ class RotatedQk:
     def note_normed(self, query: torch.Tensor, key: torch.Tensor, sources: tuple[torch.Tensor, torch.Tensor],
                     norms: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``(query, key) == norms(*sources)``: the q/k norms' outputs and how to make them again."""
-        def again() -> tuple[torch.Tensor, torch.Tensor]:
-            leaves = [s.detach().requires_grad_(s.requires_grad) for s in sources]
-            with torch.enable_grad():  # the forward's graph again (kernels.recomputed_input)
-                return tuple(t.detach() for t in norms(*leaves))
-
-        self.normed[_where(query, key)] = again
+        self.normed[_where(query, key)] = functools.partial(recompute, norms, *sources)
 
     def note_rotated(self, query: torch.Tensor, key: torch.Tensor, rotated: tuple[torch.Tensor, torch.Tensor],
                      rotate: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> bool:
