@@ -334,6 +334,7 @@ def run_path(name, model, step, tokens, active, profile, repeats, first_timeout)
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         model.zero_grad(set_to_none=True)
+        row["resident_gib"] = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0  # weights and leftovers
         lp = step()
         sync()
         row["first_call_s"] = time.perf_counter() - start

@@ -78,10 +78,11 @@ def main() -> None:
         handle = ac.patch_model(model, compiled_decoder=compiled, checkpointing=None,
                                 moe_experts="quack" if cuda else False, swiglu_mlp=False)
         hf = LayerBytes(list(model.model.layers), modules)
+        resident = allocated() / 2**30  # weights and anything left behind
         for _ in range(2):  # the second call, compiled
             ac.compute_loss(model, batch, lambda lp, ent, a: -(lp * a), (adv,), entropy=False).loss.backward()
             model.zero_grad(set_to_none=True)
-        out[key] = {"layers": hf.per_token(tokens), "peak_gib": peak_gib()}
+        out[key] = {"layers": hf.per_token(tokens), "peak_gib": peak_gib(), "resident_gib": resident}
         hf.remove()
         handle.revert()
 
@@ -89,12 +90,13 @@ def main() -> None:
     step, chunks = actor_step.megatron_step(model, [pack], [pack_advantages], device, options, fused_loss=True)
     layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
     megatron = LayerBytes(layers, MEGATRON_MODULES)
+    resident = allocated() / 2**30
     for _ in range(2):
         chunks.zero_grad()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         step()
-    out["megatron"] = {"layers": megatron.per_token(tokens), "peak_gib": peak_gib()}
+    out["megatron"] = {"layers": megatron.per_token(tokens), "peak_gib": peak_gib(), "resident_gib": resident}
     print(json.dumps(out), flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "layer_memory.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -205,7 +205,7 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
     from support.mcore_moe_tp_cuda import on_cpu
     from transformers import AutoConfig
 
-    from actorcore.mcore.run.call_plan import _is_moe, decoder_layers
+    from actorcore.mcore.run.call_plan import _has_local_experts, _is_moe, decoder_layers, gradient_bytes_to_come
     from actorcore.mcore.convert.load import load_hf_into_mcore
     from actorcore.mcore.build.model import build_gpt_model
     from actorcore.mcore.parallel import McoreParallel, initialize_megatron
@@ -223,9 +223,12 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
         probe = build_gpt_model(config, McoreParallel(), torch.bfloat16, compiled_layers=True)
         load_hf_into_mcore(probe, directory)
         options = {"recompute": mode}
-        if mode == "auto":  # room for about half the layers selectively, on top of what is allocated now
-            estimates = [layer_bytes_per_token(probe.config, 2, _is_moe(layer)) for layer in decoder_layers(probe)]
-            base = torch.cuda.memory_allocated() + SLACK_BYTES + sum(e[2] for e in estimates) * batch.num_tokens
+        if mode == "auto":  # room for about half the layers selectively, on top of what is allocated now and the
+            # gradients (two micro-batches: the second runs with the first one's gradients)
+            estimates = [layer_bytes_per_token(probe.config, 2, _is_moe(layer), _has_local_experts(layer))
+                         for layer in decoder_layers(probe)]
+            base = (torch.cuda.memory_allocated() + gradient_bytes_to_come(probe) + SLACK_BYTES
+                    + sum(e[2] for e in estimates) * batch.num_tokens)
             budget = base + 0.5 * sum(e[1] for e in estimates) * batch.num_tokens
             options["memory_budget_gib"] = budget / 2**30
         del probe
@@ -239,7 +242,9 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
                 chunk.zero_grad(set_to_none=True)
             torch.cuda.reset_peak_memory_stats()
             trace = Counter()
-            lp = compute_logprobs(model, batch, loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace).log_probs
+            batches = [batch, batch] if mode == "auto" else batch
+            out_ = compute_logprobs(model, batches, loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace)
+            lp = (out_[0] if mode == "auto" else out_).log_probs
             grads = {n: p.grad for n, p in model.chunks[0].named_parameters() if p.grad is not None}
             runs.append(on_cpu((lp, grads, dict(trace), torch.cuda.max_memory_allocated())))
         out[str(mode)] = (runs, dict(model.measured_layer_bytes), options.get("memory_budget_gib"))

@@ -116,3 +116,21 @@ def test_a_layer_built_alike_stands_in_for_a_mode_a_layer_has_not_run():
     assert plan_layer_modes(auto, layers, tokens, 1, 0.0, measured) == own_only
     assert plan_layer_modes(auto, layers, tokens, 1, 0.0, measured, kinds=["dense"] * 6) == [NONE] * 6
     assert plan_layer_modes(auto, layers, tokens, 1, 0.0, measured, kinds=["moe"] * 5 + ["dense"]) == own_only
+
+
+def test_gradients_to_come_count_what_backward_will_allocate():
+    """A call of several micro-batches plans with the gradients its first backward allocates: parameters without a
+    ``grad`` or a ``main_grad`` buffer, at their dtype; frozen parameters none."""
+    import torch
+
+    from actorcore.mcore.run.call_plan import gradient_bytes_to_come, resident_bytes
+
+    layers = [torch.nn.Linear(8, 4, dtype=torch.bfloat16), torch.nn.Linear(4, 2), torch.nn.Linear(2, 3),
+              torch.nn.Linear(3, 5)]
+    layers[1].weight.grad = torch.zeros_like(layers[1].weight)  # allocated already
+    layers[2].weight.main_grad = torch.zeros(3, 2)  # Megatron's gradient buffer, allocated already
+    layers[3].requires_grad_(False)
+    model = SimpleNamespace(chunks=[torch.nn.ModuleList(layers[:2]), torch.nn.ModuleList(layers[2:])],
+                            device=torch.device("cpu"))
+    assert gradient_bytes_to_come(model) == (8 * 4 + 4) * 2 + 2 * 4 + 3 * 4
+    assert resident_bytes(model, 2) == 0  # off CUDA: no allocator to ask, nothing counted

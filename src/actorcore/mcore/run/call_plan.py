@@ -59,10 +59,9 @@ def plan_call(model: Any, batches: list[Any], *, forward_only: bool, trace: Coun
                      measured=model.measured_layer_bytes)
     if forward_only or model.recompute is None or not layers:
         return plan
-    device = model.device
     element = next(model.chunks[0].parameters()).element_size()
     per_layer = [layer_bytes_per_token(config, element, _is_moe(layer), _has_local_experts(layer)) for layer in layers]
-    allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    allocated = resident_bytes(model, len(batches))
     context = model.context
     in_flight = micro_batches_in_flight(context.pp_size, context.pp_rank, model.parallel.vp, len(batches))
     kinds = [(estimate, *(type(module).__name__ for module in layer.children())) for estimate, layer in
@@ -71,6 +70,24 @@ def plan_call(model: Any, batches: list[Any], *, forward_only: bool, trace: Coun
                              kinds)
     plan.modes = {id(layer): mode for layer, mode in zip(layers, modes)}
     return plan
+
+
+def resident_bytes(model: Any, micro_batches: int) -> int:
+    """Device bytes the layers' activations come on top of: what is allocated now and, in a call of several
+    micro-batches, the gradients the first one's backward allocates (the others run with them). 0 off CUDA, where
+    there is no allocator to ask."""
+    device = model.device
+    if device.type != "cuda":
+        return 0
+    pending = gradient_bytes_to_come(model) if micro_batches > 1 else 0
+    return torch.cuda.memory_allocated(device) + pending
+
+
+def gradient_bytes_to_come(model: Any) -> int:
+    """Bytes of the gradients this rank's backward will allocate: its trainable parameters with neither a ``grad``
+    nor a ``main_grad`` buffer yet (a gradient takes its parameter's dtype)."""
+    return sum(p.numel() * p.element_size() for chunk in model.chunks for p in chunk.parameters()
+               if p.requires_grad and p.grad is None and getattr(p, "main_grad", None) is None)
 
 
 def _has_local_experts(layer: torch.nn.Module) -> bool:
