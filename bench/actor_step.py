@@ -109,6 +109,17 @@ def batch_sequences(vocab, tiny):
     return sequences, advantages
 
 
+def one_pack_model(model_name: str, device: str, layers: int):
+    """The bench batch's first 32K-token pack and a ``layers``-layer model of ``model_name``'s shape (bf16 on CUDA,
+    fp32 elsewhere; the tiny batch off CUDA), for the per-pack memory scripts: (model, sequences, advantages)."""
+    model_type, shape = MODELS[model_name]
+    cuda = device == "cuda"
+    sequences, advantages = batch_sequences(shape["vocab_size"], not cuda)
+    first = pack_greedy([torch.arange(s.numel()) for s in sequences], 32768)[0]
+    model = build(model_type, shape, torch.bfloat16 if cuda else torch.float32, device, layers).train()
+    return model, sequences[:len(first)], advantages[:len(first)]
+
+
 def per_token_reference(model, packs, device):
     """Eager fp32 log-probs per pack (actorcore's exact packed path, unfused: the fp32 model is not patched)."""
     import actorcore as ac

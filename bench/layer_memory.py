@@ -64,12 +64,8 @@ class LayerBytes:
 def main() -> None:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    model_type, shape = actor_step.MODELS[os.environ.get("MODEL", "qwen3-30b-a3b")]
-    sequences, advantages = actor_step.batch_sequences(shape["vocab_size"], not cuda)
-    first = actor_step.pack_greedy([torch.arange(s.numel()) for s in sequences], 32768)[0]
-    pack, pack_advantages = sequences[:len(first)], advantages[:len(first)]
+    model, pack, pack_advantages = actor_step.one_pack_model(os.environ.get("MODEL", "qwen3-30b-a3b"), device, 2)
     tokens = sum(s.numel() for s in pack)
-    model = actor_step.build(model_type, shape, torch.bfloat16 if cuda else torch.float32, device, 2).train()
     out = {"tokens": tokens}
 
     batch, adv = ac.pack(pack).to(device), torch.cat(pack_advantages).to(device)

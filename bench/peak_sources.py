@@ -69,11 +69,7 @@ def traced(step, calls: int = 3) -> tuple[int, dict] | None:
 
 def main() -> None:
     device = "cuda" if CUDA else "cpu"
-    model_type, shape = actor_step.MODELS[os.environ.get("MODEL", "qwen3-30b-a3b")]
-    sequences, advantages = actor_step.batch_sequences(shape["vocab_size"], not CUDA)
-    first = actor_step.pack_greedy([torch.arange(s.numel()) for s in sequences], 32768)[0]
-    pack, pack_advantages = sequences[:len(first)], advantages[:len(first)]
-    model = actor_step.build(model_type, shape, torch.bfloat16 if CUDA else torch.float32, device, 2).train()
+    model, pack, pack_advantages = actor_step.one_pack_model(os.environ.get("MODEL", "qwen3-30b-a3b"), device, 2)
     batch, adv = ac.pack(pack).to(device), torch.cat(pack_advantages).to(device)
     lite = os.environ.get("LITE") == "1" or not CUDA
     experts, attention = ("grouped" if CUDA else False, "torch_varlen" if CUDA else "auto") if lite else \

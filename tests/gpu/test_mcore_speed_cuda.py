@@ -243,8 +243,8 @@ def _budget_worker(rank: int, world_size: int, directory: str) -> dict:
             torch.cuda.reset_peak_memory_stats()
             trace = Counter()
             batches = [batch, batch] if mode == "auto" else batch
-            out_ = compute_logprobs(model, batches, loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace)
-            lp = (out_[0] if mode == "auto" else out_).log_probs
+            result = compute_logprobs(model, batches, loss_fn=lambda o, b: -o.log_probs.sum(), trace=trace)
+            lp = (result[0] if mode == "auto" else result).log_probs
             grads = {n: p.grad for n, p in model.chunks[0].named_parameters() if p.grad is not None}
             runs.append(on_cpu((lp, grads, dict(trace), torch.cuda.max_memory_allocated())))
         out[str(mode)] = (runs, dict(model.measured_layer_bytes), options.get("memory_budget_gib"))
