@@ -27,6 +27,7 @@ given by ``--single-json`` (a JSON written by a one-process run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -54,12 +55,14 @@ MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B)
           "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B), "tiny": ("qwen2", TINY), "tiny-moe": ("qwen3_moe", TINY_MOE)}
 PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-experts", "actorcore fused no-ckpt",
          "actorcore fused quack-experts", "actorcore fused quack-experts no-ckpt",
-         "actorcore fused quack-mlp", "actorcore fused quack-mlp no-ckpt",
+         "actorcore fused quack-mlp", "actorcore fused quack-mlp no-gate-up", "actorcore fused quack-mlp no-ckpt",
          "transformers padded", "transformers packed", "transformers+liger padded", "megatron before", "megatron")
 # On MoE models "actorcore fused" and "actorcore fused no-ckpt" run actorcore's gather-only experts path
 # (``moe_experts="grouped"``, the default under the compiled decoder), "actorcore fused transformers-experts" transformers'
 # own grouped_mm forward, "... quack-experts" that path with quack's fused GEMMs (``moe_experts="quack"``).
 # The dense SwiGLU MLPs stay compiled (``swiglu_mlp=False``) except on the "... quack-mlp" paths (``swiglu_mlp="quack"``).
+# "... no-gate-up": the budget planner as it was before its "gate_up" mode (layers kept whole or fully checkpointed,
+# none kept but for their quack MLP's gate/up output): the same plan's before and after in one process.
 # "megatron": actorcore's Megatron-Core route on this one GPU (``megatron_step``) with its speed options as
 # ``--mcore-experts`` / ``--mcore-fused`` / ``--mcore-recompute`` set them (by default the route's defaults, and
 # recompute "auto" at ``--budget-gib``, the HF paths' budget) and the loss fused into the head
@@ -80,6 +83,19 @@ def ordered_paths(wanted: list[str]) -> list[str]:
     if unknown:
         raise SystemExit(f"unknown paths {unknown}; choose from {known}")
     return [p for p in known if p in wanted]
+
+
+@contextlib.contextmanager
+def whole_layers_only():
+    """The "auto" planner offered no "gate_up" layers (it sees no quack MLP to run that way) while a path runs."""
+    import actorcore.hf.features.checkpointing as checkpointing
+
+    offered = checkpointing.quack_mlps
+    checkpointing.quack_mlps = lambda layer: []
+    try:
+        yield
+    finally:
+        checkpointing.quack_mlps = offered
 
 
 def build(model_type, shape, dtype, device, layers):
@@ -483,8 +499,9 @@ def main() -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             packed = order if name == "transformers packed" else None
             step = transformers_step(model, sequences, advs, device, args.micro_batch, packed)
-        row = global_row(run_path(name, runner, step, tokens, active, profile, args.repeats, args.first_timeout),
-                         total_tokens)
+        with whole_layers_only() if "no-gate-up" in name else contextlib.nullcontext():
+            row = global_row(run_path(name, runner, step, tokens, active, profile, args.repeats, args.first_timeout),
+                             total_tokens)
         if "_lp" in row:
             lp = row.pop("_lp")
             if name.startswith(("actorcore", "megatron")):  # per pack

@@ -158,7 +158,7 @@ def test_offload_under_a_budget_moves_every_layer_it_asks_for(fusable):
     """``checkpointing="auto"`` keeps layers selectively (still checkpointed: their inputs offload); a compiled layer
     it keeps is kept whole (no checkpointed input), so the budget keeps no compiled layer among the first K offloaded,
     and a compiled decoder with every layer offloaded under a budget is refused."""
-    from actorcore.hf.features.checkpointing import CheckpointPlan, plan_layer_modes
+    from actorcore.hf.features.checkpointing import CallShape, CheckpointPlan, plan_layer_modes
 
     model = checkpointed(build_tiny_model("qwen2", num_hidden_layers=4))
     with pytest.raises(ValueError, match=r"compiled_decoder=True and offload_activations=True cannot both hold: under "
@@ -167,8 +167,8 @@ def test_offload_under_a_budget_moves_every_layer_it_asks_for(fusable):
                                memory_budget_gib=1e3)
     roomy = CheckpointPlan("auto", 1e15)
     config = model.config
-    assert plan_layer_modes(roomy, [True] * 4, 10, config, 2, 0, offloaded=2) == ["full", "full", "none", "none"]
-    assert plan_layer_modes(roomy, [False] * 4, 10, config, 2, 0, offloaded=4) == ["selective"] * 4
+    assert plan_layer_modes(roomy, [True] * 4, CallShape(10, 2, 0), config, offloaded=2) == ["full", "full", "none", "none"]
+    assert plan_layer_modes(roomy, [False] * 4, CallShape(10, 2, 0), config, offloaded=4) == ["selective"] * 4
     fusable.undo()  # on the CPU: the eager decoder, every layer kept selectively and offloaded
     handle = ac.patch_model(model, offload_activations=True, checkpointing="auto", memory_budget_gib=1e3)
     trace = Counter()

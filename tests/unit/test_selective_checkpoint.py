@@ -17,14 +17,19 @@ from actorcore.archs import get_spec, registered_model_types
 from actorcore.hf.call import DecoderParts
 from actorcore.hf.features.checkpointing import (
     FULL_LAYERS,
+    GATE_UP_LAYERS,
     SELECTIVE_LAYERS,
+    CallShape,
     CheckpointPlan,
     layer_bytes_per_token,
+    layer_forward_flops,
+    mean_context,
     plan_layer_modes,
 )
 from actorcore.hf.features.compiled_decoder import original_forward
 from actorcore.hf.patch import PatchNotAppliedError, patch_state
-from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY, is_expensive, layers_to_keep
+from actorcore.kernels.selective_checkpoint import (SELECTIVE_TRACE_KEY, KeptLayer, cheapest_plan, is_expensive,
+                                                    layers_to_keep)
 from actorcore.testing.reference import reference_logprobs, right_padded
 from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 from actorcore.testing.tolerances import TOL
@@ -107,22 +112,22 @@ def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
     batch = seeded_batch()
     config, layers = model.config, model.config.num_hidden_layers
     kept, _ = layer_bytes_per_token(config, 2, fused=False)
-    base = plan_layer_modes(CheckpointPlan("auto", 0.0), [False] * layers, batch.num_tokens, config, 2, 0)
+    base = plan_layer_modes(CheckpointPlan("auto", 0.0), [False] * layers, CallShape(batch.num_tokens, 2, 0), config)
     assert base == ["full"] * layers  # no room: all fully checkpointed
     # Room for 3 layers above the checkpointed inputs and the slack: a fully checkpointed step's recompute, or
     # two kept layers and the gradients of the one in backward. The last two layers run selectively.
     ckpt_inputs = layers * config.hidden_size * 2 * batch.num_tokens
     budget = ckpt_inputs + 2**30 + 3 * kept * batch.num_tokens + 1
-    modes = plan_layer_modes(CheckpointPlan("auto", budget), [False] * layers, batch.num_tokens, config, 2, 0)
+    modes = plan_layer_modes(CheckpointPlan("auto", budget), [False] * layers, CallShape(batch.num_tokens, 2, 0), config)
     assert modes == ["full"] * (layers - 2) + ["selective"] * 2
-    tight = plan_layer_modes(CheckpointPlan("auto", budget - 2), [False] * layers, batch.num_tokens, config, 2, 0)
+    tight = plan_layer_modes(CheckpointPlan("auto", budget - 2), [False] * layers, CallShape(batch.num_tokens, 2, 0), config)
     assert tight == ["full"] * layers  # under 3 layers of room nothing is kept
     full, auto, trace = _full_then(model, batch, checkpointing="auto", memory_budget_gib=budget / 2**30)
     assert_bitwise(full, auto)
     assert trace[SELECTIVE_LAYERS] == 2 and trace[FULL_LAYERS] == layers - 2
-    roomy = plan_layer_modes(CheckpointPlan("auto", 1e15), [False] * layers, batch.num_tokens, config, 2, 0)
+    roomy = plan_layer_modes(CheckpointPlan("auto", 1e15), [False] * layers, CallShape(batch.num_tokens, 2, 0), config)
     assert roomy == ["selective"] * layers
-    fused = plan_layer_modes(CheckpointPlan("auto", 1e15), [True] * layers, batch.num_tokens, config, 2, 0)
+    fused = plan_layer_modes(CheckpointPlan("auto", 1e15), [True] * layers, CallShape(batch.num_tokens, 2, 0), config)
     assert fused == ["none"] * layers  # a compiled layer keeps its compiled graph's tensors instead
 
 
@@ -186,6 +191,85 @@ def test_layers_to_keep_and_the_policy():
 
     assert is_expensive(torch.ops.actorcore.fa4_varlen_forward.default)  # the attention, kept
     assert not is_expensive(torch.ops.actorcore.fa4_varlen_backward.default)
+
+
+def test_cheapest_plan_mixes_partial_layers_where_they_redo_less():
+    """Kept layers (24.6 bytes, their gradients as much again), partial ones (13.3, a backward peak of 35.9: the
+    gradients and what they make again; 11.5 of work redone) and full ones (24.5 of work redone): the plan with the
+    least work redone whose backward peak fits, full first, partial, kept last."""
+    kept, partial = KeptLayer(24.6, 24.6), KeptLayer(13.3, 35.9, 11.5)
+    full = [24.5] * 8
+    # One kept (peak 49.2) and five partial (+13.3 each: 115.7 <= 118): 2 full + 5 partial = 106.5 of work; three
+    # kept and one partial (111.7) would redo 109.5, six partial (115.7) 118, kept-or-full only 122.5.
+    assert cheapest_plan(118, 0, full, [kept] * 8, [partial] * 8) == ["full"] * 2 + ["partial"] * 5 + ["kept"]
+    assert cheapest_plan(118, 0, full, [kept] * 8) == ["full"] * 5 + ["kept"] * 3  # layers_to_keep's plan
+    # Layers without a partial way are kept in the partial stretch: 4 full + 1 partial (layer 4) + 3 kept = 109.5.
+    assert cheapest_plan(118, 0, full, [kept] * 8, [partial, None] * 4) == ["full"] * 4 + ["partial"] + ["kept"] * 3
+    assert cheapest_plan(75, 0, full, [kept] * 8, [partial] * 8) == ["full"] * 6 + ["kept"] * 2  # partial costs more
+    assert cheapest_plan(1e9, 0, full, [kept] * 8, [partial] * 8) == ["kept"] * 8
+    unreachable = KeptLayer(24.6, float("inf"))  # a layer that must stay fully checkpointed (offloaded)
+    assert cheapest_plan(1e9, 0, full, [unreachable] * 2 + [kept] * 6, [None] * 2 + [partial] * 6) == \
+        ["full"] * 2 + ["kept"] * 6
+
+
+def test_auto_offers_gate_up_on_compiled_layers_with_quack_mlps():
+    """``plan_layer_modes``: a compiled layer with a quack MLP (its intermediate width in ``gate_up_widths``) may run
+    ``"gate_up"``, estimated to keep a ``[T, 2I]`` pre-activation less than kept whole, or measured; an eager layer
+    or one without quack's MLP never; the FLOPs that decide it from the config and the batch's attention context."""
+    config = build_tiny_model("llama", num_hidden_layers=8).config
+    d, inner, tokens = config.hidden_size, config.intermediate_size, 1000
+    estimate, checkpointed_input = layer_bytes_per_token(config, 2, fused=True)
+    preact = 2 * inner * 2
+    flops = layer_forward_flops(config, 100.0)
+    assert flops == 2 * (d * (2 * d + 2 * 2 * 16) + 3 * d * inner) + 4 * d * 100  # 2 kv heads of 16
+    assert mean_context(torch.tensor([0, 3, 4], dtype=torch.int32)) == pytest.approx((1 + 2 + 3 + 1) / 4)
+    base = 8 * checkpointed_input * tokens + 2**30
+    shape = CallShape(tokens, 2, 0, 100.0, (inner,) * 8)
+    budget = base + 4.5 * estimate * tokens  # room for 4.5 kept layers: fewer kept, some gate_up, redoes less
+    modes = plan_layer_modes(CheckpointPlan("auto", budget), [True] * 8, shape, config)
+    assert modes.count("gate_up") >= 2 and modes[-1] == "none" and modes[0] == "full", modes
+    assert modes == sorted(modes, key=["full", "gate_up", "none"].index)
+    kept_or_full = plan_layer_modes(CheckpointPlan("auto", budget), [True] * 8, CallShape(tokens, 2, 0, 100.0), config)
+    assert "gate_up" not in kept_or_full and kept_or_full.count("none") == 3
+    assert "gate_up" not in plan_layer_modes(CheckpointPlan("auto", budget), [False] * 8, shape, config)
+    # measured: kept whole at the estimate, gate_up at a tenth of it, fits four more layers that way
+    measured = {(i, "gate_up"): estimate / 10 for i in range(8)}
+    cheap = plan_layer_modes(CheckpointPlan("auto", budget), [True] * 8, shape, config, measured)
+    assert cheap.count("full") < modes.count("full"), (cheap, modes)
+    # not measured: a kept whole layer's measurement less the pre-activation
+    small = {(i, "none"): float(preact + 8) for i in range(8)}
+    assert plan_layer_modes(CheckpointPlan("auto", base + 3 * (preact + 8) * tokens), [True] * 8, shape, config,
+                            small).count("full") == 0
+
+
+def test_gate_up_layers_run_uncheckpointed_and_bitwise(monkeypatch):
+    """Layers planned ``"gate_up"`` (forced here: on the CPU no layer is compiled) run without a checkpoint, their
+    quack MLPs (the stand-in) keeping no pre-activation: log-probs, entropies and every gradient bitwise those of
+    full checkpointing, the modes counted; their forward runs once (a checkpointed layer's twice)."""
+    import actorcore.hf.features.checkpointing as checkpointing
+    from actorcore.hf.features.swiglu_mlp import GATE_UP_RECOMPUTED_KEY
+    from actorcore.testing.quack_stand_in import use_quack_stand_in
+
+    undo = use_quack_stand_in()
+    try:
+        model = checkpointed(build_tiny_model("llama", seed=2, num_hidden_layers=4))
+        batch = seeded_batch()
+        forced = ["full", "gate_up", "gate_up", "selective"]
+        monkeypatch.setattr(checkpointing, "plan_layer_modes", lambda *args, **kwargs: list(forced))
+        full, mixed, trace = _full_then(model, batch, {"swiglu_mlp": "quack"}, checkpointing="auto",
+                                        memory_budget_gib=1e3)
+        assert_bitwise(full, mixed)
+        assert trace[GATE_UP_LAYERS] == 2 and trace[FULL_LAYERS] == 1 and trace[SELECTIVE_LAYERS] == 1
+        assert trace[GATE_UP_RECOMPUTED_KEY] == 2
+        forwards = Counter()
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.register_forward_hook(lambda module, args, out, i=i: forwards.update([i]))
+        handle = ac.patch_model(model, swiglu_mlp="quack", checkpointing="auto", memory_budget_gib=1e3)
+        train_step(model, batch, Counter())
+        handle.revert()
+        assert forwards == {0: 2, 1: 1, 2: 1, 3: 2}
+    finally:
+        undo()
 
 
 def test_composes_with_tiled_mlp_and_offload():

@@ -54,12 +54,73 @@ def test_function_matches_the_models_mlp_per_element(quack_stand_in):
     want = mlp(x)
     want_grads = torch.autograd.grad(want, (x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), grad)
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-    got = quack_gated_mlp._GatedMLP.apply(x.reshape(-1, x.shape[-1]), *weights, None).view_as(want)
+    got = quack_gated_mlp._GatedMLP.apply(x.reshape(-1, x.shape[-1]), *weights, None, True).view_as(want)
     got_grads = torch.autograd.grad(got, (x, *weights), grad)
     tol = TOL["gated_mlp_arithmetic_fp32"]
     assert (want - got).abs().max().item() <= tol * want.abs().max().item()
     for w, g in zip(want_grads, got_grads):
         assert w.shape == g.shape and (w - g).abs().max().item() <= tol * w.abs().max().item()
+
+
+def _saved_shapes(fn):
+    """``(fn(), the shapes of the tensors autograd saved while it ran)``."""
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        result = fn()
+    return result, shapes
+
+
+def test_function_without_the_kept_preactivation_is_bitwise(quack_stand_in, monkeypatch):
+    """``keep_preact=False``: no ``[T, 2I]`` tensor saved, the gate/up GEMM run again in backward (counted), and the
+    output and every gradient bitwise those of the Function that keeps it."""
+    model = build_tiny_model("qwen2", seed=3)
+    mlp = model.model.layers[0].mlp
+    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    x = torch.randn(18, model.config.hidden_size, requires_grad=True)
+    grad = torch.randn(18, model.config.hidden_size)
+    stand_in, calls = quack_runtime.gemm_interface(), []
+    gemm_gated = stand_in.gemm_gated
+    monkeypatch.setattr(stand_in, "gemm_gated",
+                        staticmethod(lambda *a, **k: calls.append(k["store_preact"]) or gemm_gated(*a, **k)))
+    runs = {}
+    for keep in (True, False):
+        out, shapes = _saved_shapes(lambda: quack_gated_mlp._GatedMLP.apply(x, *weights, None, keep))
+        runs[keep] = (out, *torch.autograd.grad(out, (x, *weights), grad)), shapes
+    assert calls == [True, False, True]  # kept: one GEMM; recomputed: forward without the pre-activation, then again
+    preact = (18, 2 * model.config.intermediate_size)
+    assert preact in runs[True][1] and preact not in runs[False][1]
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert torch.equal(a, b)
+
+
+def test_gate_up_recomputed_sets_the_layers_mlps_for_one_call(quack_stand_in):
+    """``gate_up_recomputed(layers)``: those layers' quack MLPs keep no pre-activation in the call (eager runs
+    counted), the other layers' do, and nothing is left on the modules afterwards (also after an error)."""
+    model = build_tiny_model("llama", seed=1, num_hidden_layers=3).train()
+    handle = ac.patch_model(model, swiglu_mlp="quack")
+    layers = model.model.layers
+    assert [len(swiglu_mlp.quack_mlps(layer)) for layer in layers] == [1, 1, 1]
+    batch = ac.pack([torch.arange(3, 40), torch.arange(5, 22)])
+    preact = (batch.num_tokens, 2 * model.config.intermediate_size)
+
+    def run():
+        trace = Counter()
+        out = ac.compute_logprobs(model, batch, trace=trace)
+        return out, trace
+
+    with swiglu_mlp.gate_up_recomputed(layers[1:]):
+        assert [m.actorcore_recompute_gate_up for layer in layers for m in swiglu_mlp.quack_mlps(layer)] == \
+            [False, True, True]
+        (out, trace), shapes = _saved_shapes(run)
+    assert trace[swiglu_mlp.GATE_UP_RECOMPUTED_KEY] == 2 and trace[SWIGLU_MLP_KEY] == 3
+    assert shapes.count(preact) == 1  # layer 0's MLP keeps it
+    with pytest.raises(RuntimeError, match="stop"):
+        with swiglu_mlp.gate_up_recomputed(layers):
+            raise RuntimeError("stop")
+    assert not any("actorcore_recompute_gate_up" in m.__dict__ for m in model.modules())
+    _, shapes = _saved_shapes(run)
+    assert shapes.count(preact) == 3
+    handle.revert()
 
 
 def test_gated_mlp_refuses_fp32_and_mixed_dtypes():

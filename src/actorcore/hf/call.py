@@ -35,6 +35,9 @@ PARALLEL_KWARG = "actorcore_parallel"
 TRACE_KWARG = "actorcore_trace"
 
 PATCH_ATTR = "_actorcore_patch"
+# A layer's checkpointing modes that run it without a checkpoint (hf.features.checkpointing): kept whole by its
+# compiled graph, or kept but for its MLP's gate/up output.
+UNCHECKPOINTED_MODES = ("none", "gate_up")
 
 
 class TraceRef:
@@ -203,7 +206,8 @@ class DecoderCall:
         """The layers checkpointed in this call: all, unless the call's checkpointing leaves some out."""
         if self.checkpoint_modes is None:
             return self.parts.layers
-        return [layer for layer, mode in zip(self.parts.layers, self.checkpoint_modes) if mode != "none"]
+        return [layer for layer, mode in zip(self.parts.layers, self.checkpoint_modes)
+                if mode not in UNCHECKPOINTED_MODES]
 
     def ran(self, *keys: str) -> int:
         """How often these trace keys were counted since the call began."""

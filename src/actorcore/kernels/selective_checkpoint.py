@@ -8,8 +8,9 @@ recomputes the pointwise ops and norms in backward (the bytes), using PyTorch's 
 (kept outputs are reused as they were), so the gradients are bitwise those of full checkpointing wherever
 the recomputed kernels are deterministic.
 
-``layers_to_keep`` is the pure budget planner: how many layers may keep their activations (selective or not
-checkpointed at all) in a given memory budget, the others stay fully checkpointed.
+``cheapest_plan`` is the pure budget planner: which layers may keep their activations (selective or not
+checkpointed at all), which keep part of them and redo the rest, and which stay fully checkpointed, in a given
+memory budget, redoing the least work; ``layers_to_keep`` its kept-or-full case.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -93,29 +95,77 @@ def selective_checkpoint_function(trace: Counter | None = None, recompute: Seque
     return functools.partial(checkpoint, use_reentrant=False, context_fn=SelectiveContexts(trace, recompute))
 
 
-def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: Sequence[float]) -> int:
-    """How many of the last layers may keep their activations within ``budget_bytes`` above ``base_bytes``
-    (weights, gradients, the checkpointed inputs, slack); ``kept_layer_bytes[i]``: what layer ``i`` keeps beyond a
-    checkpointed layer. Backward runs the kept layers first, the last first, freeing each: at kept layer j the kept
-    layers up to j are alive, with j's gradients on top (about j's bytes again); a checkpointed layer then needs
-    3 of its bytes (its recompute, its gradients) after the kept ones are gone, so the two peaks do not add. With
-    equal layers: k kept cost k + 1 layers, up to two kept layers nothing over full checkpointing; where not even
-    that fits, none is kept, and a warning says the budget cannot be met (once per budget: Python's registry)."""
-    room = budget_bytes - base_bytes
-    if max(kept_layer_bytes, default=0.0) <= 0:
-        return len(kept_layer_bytes)
-    if room < 3 * max(kept_layer_bytes):
+@dataclass(frozen=True)
+class KeptLayer:
+    """One way a layer keeps activations under a memory budget (bytes for the call): what it keeps beyond a fully
+    checkpointed layer; its own peak in backward on top of that (its gradients, about its kept bytes again, and what
+    its backward makes again); the work (any unit, the same for every layer) its backward redoes."""
+
+    kept: float
+    backward: float
+    recompute: float = 0.0
+
+
+def cheapest_plan(budget_bytes: float, base_bytes: float, full_cost: Sequence[float], kept: Sequence[KeptLayer],
+                  partial: Sequence[KeptLayer | None] | None = None) -> list[str]:
+    """Each layer's way, ``"full"``, ``"partial"`` or ``"kept"``, that redoes the least work in backward while the
+    backward peak stays within ``budget_bytes`` above ``base_bytes`` (weights, gradients, the checkpointed inputs,
+    slack). ``full_cost[i]``: the work of layer ``i``'s forward (what full checkpointing redoes); ``kept[i]``: the layer
+    keeping its activations; ``partial[i]``: a way that keeps less and redoes part of the forward (None: none).
+
+    The plan is full layers first, then partial ones, then kept ones: backward runs the last layer first, freeing each
+    layer after it; at layer j the kept and partial layers up to j are alive with j's own backward peak on top, so
+    the layers with the larger backward peak go in front. A fully checkpointed layer needs 3 of its kept bytes (its
+    recompute, its gradients) after the others are gone, so the peaks do not add. Where not even that fits, every
+    layer is fully checkpointed and a warning says the budget cannot be met (once per budget: Python's registry)."""
+    layers = len(kept)
+    partial = partial if partial is not None else [None] * layers
+    room, largest = budget_bytes - base_bytes, max((k.kept for k in kept), default=0.0)
+    if largest <= 0:  # keeping costs nothing
+        room = max(room, 0.0)
+    elif room < 3 * largest:
         warnings.warn(f"a memory budget of {budget_bytes / 2**30:g} GiB cannot be met here: the weights, gradients "
                       "and the layers' checkpointed inputs leave no room for one layer's recompute, so every layer "
                       "is fully recomputed and the peak goes over the budget; raise the budget, or spread the model "
-                      "(FSDP2, activation offload, sequence parallelism)", UserWarning, stacklevel=2)
-        return 0
-    keep, peak = 0, 0.0
-    for layer_bytes in reversed(kept_layer_bytes):
-        # One more kept layer in front: it is alive at every kept layer after it, and its own peak is its bytes
-        # and its gradients.
-        peak = max(peak + layer_bytes, 2 * layer_bytes)
-        if peak > room:
-            break
-        keep += 1
-    return keep
+                      "(FSDP2, activation offload, sequence parallelism)", UserWarning, stacklevel=3)
+        return ["full"] * layers
+    best_cost, best = float(sum(full_cost)), (0, 0)
+    kept_peak = 0.0
+    for n_kept in range(layers + 1):
+        if n_kept:
+            layer = kept[layers - n_kept]
+            kept_peak = _with_one_more(kept_peak, layer)
+            if kept_peak > room:
+                break
+        peak, cost = kept_peak, float(sum(full_cost[:layers - n_kept]))
+        if cost < best_cost:
+            best_cost, best = cost, (n_kept, 0)
+        for n_partial in range(1, layers - n_kept + 1):
+            index = layers - n_kept - n_partial
+            layer = partial[index] or kept[index]
+            peak = _with_one_more(peak, layer)
+            if peak > room:
+                break
+            cost += layer.recompute - full_cost[index]
+            if cost < best_cost:
+                best_cost, best = cost, (n_kept, n_partial)
+    n_kept, n_partial = best
+    first_kept = layers - n_kept
+    return (["full"] * (first_kept - n_partial)
+            + ["partial" if partial[i] is not None else "kept" for i in range(first_kept - n_partial, first_kept)]
+            + ["kept"] * n_kept)
+
+
+def _with_one_more(peak: float, layer: KeptLayer) -> float:
+    """The backward peak with one more layer in front: it is alive at every layer after it, and its own peak is what
+    it keeps and its backward's."""
+    return max(peak + layer.kept, layer.kept + layer.backward)
+
+
+def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: Sequence[float]) -> int:
+    """How many of the last layers may keep their activations within ``budget_bytes`` above ``base_bytes``
+    (``cheapest_plan`` with kept or fully checkpointed layers only; ``kept_layer_bytes[i]``: what layer ``i`` keeps
+    beyond a checkpointed layer, its gradients about as much again). With equal layers: k kept cost k + 1 layers,
+    up to two kept layers nothing over full checkpointing; where not even that fits, none."""
+    kept = [KeptLayer(b, b) for b in kept_layer_bytes]
+    return cheapest_plan(budget_bytes, base_bytes, [1.0] * len(kept), kept).count("kept")

@@ -68,10 +68,10 @@ class QuackStandIn:
         return out
 
     @staticmethod
-    def gemm_gated(A, B, activation, cu_seqlens_m=None, A_idx=None, concat_layout=None, tuned=True):
+    def gemm_gated(A, B, activation, cu_seqlens_m=None, A_idx=None, concat_layout=None, store_preact=True, tuned=True):
         assert activation == "swiglu"
         preact = _rows(A, _interleaved(B) if concat_layout == ("B",) else B, cu_seqlens_m, A_idx)
-        return preact, F.silu(preact[..., ::2]) * preact[..., 1::2]
+        return preact if store_preact else None, F.silu(preact[..., ::2]) * preact[..., 1::2]
 
     @staticmethod
     def gemm_dgated(A, B, PreAct, activation, colvec_scale=None, colvec_reduce=False, cu_seqlens_m=None, A_idx=None,
@@ -100,7 +100,8 @@ def use_quack_stand_in() -> Callable[[], None]:
                             (swiglu_mlp, "_device_refusal", lambda module: None),
                             (moe_experts, "_device_refusal", lambda module: None),
                             (swiglu_mlp, "gated_mlp",
-                             lambda x, g, u, d, x_from=None: quack_gated_mlp._GatedMLP.apply(x, g, u, d, x_from))])
+                             lambda x, g, u, d, x_from=None, keep_preact=True:
+                             quack_gated_mlp._GatedMLP.apply(x, g, u, d, x_from, keep_preact))])
 
 
 def swap_attributes(replaced: list[tuple[object, str, object]]) -> Callable[[], None]:

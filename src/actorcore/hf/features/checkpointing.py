@@ -6,19 +6,23 @@ Modes (``None`` leaves the model's own setting, the behaviour before this option
   (``kernels.selective_checkpoint``; bitwise the gradients of ``"full"``). A compiled layer
   (``hf.features.compiled_decoder``) is not checkpointed at all instead: its compiled graph already keeps the matmul outputs and recomputes the
   fused pointwise work in its backward.
-- ``"auto"``: as many of the LAST layers as fit ``memory_budget_gib`` (from the call's token count, the memory
-  already allocated and each layer's bytes per token) run as in ``"selective"``, the others as in ``"full"``. The
-  last ones, because backward reaches them first and activation offload (``hf.features.offload``) moves the first
-  ones. A layer's bytes per token are estimated from the config until a CUDA call has measured what the layer
-  keeps (``LayerBytesMeter``; kept on the patch), then the measurement plans: the estimate errs on the safe side
-  (it cannot know which norms and casts the compiled graph keeps), the measurement fills the budget.
+- ``"auto"``: within ``memory_budget_gib`` (from the call's token count, the memory already allocated and each
+  layer's bytes per token), the plan that redoes the least forward work: the LAST layers run as in ``"selective"``,
+  the others as in ``"full"``; a compiled layer whose MLP is quack's gated MLP (``hf.features.swiglu_mlp``) may also
+  run kept but for that MLP's ``[T, 2I]`` gate/up output (``"gate_up"``: its backward runs the gate/up GEMM again,
+  about a third of the layer's forward, for three quarters of its bytes), between the two. The last ones kept,
+  because backward reaches them first and activation offload (``hf.features.offload``) moves the first ones. A
+  layer's bytes per token are estimated from the config until a CUDA call has measured what the layer keeps in each
+  mode (``LayerBytesMeter``; kept on the patch), then the measurement plans: the estimate errs on the safe side (it
+  cannot know which norms and casts the compiled graph keeps), the measurement fills the budget.
 
 The ``Checkpointing`` decoder feature sets, for each training call, the layers' ``gradient_checkpointing`` /
 ``_gradient_checkpointing_func`` and restores them afterwards (the functions travel with the autograd graph into
 backward); it records the plan in ``call.checkpoint_modes`` (activation offload reads which layers are
 checkpointed). Trace keys: ``checkpoint:full_layers``, ``checkpoint:selective_layers``,
-``checkpoint:compiled_layers_kept`` (layers per mode in the call) and ``checkpoint:selective`` (each selective
-checkpoint that ran: the self-check).
+``checkpoint:compiled_layers_kept``, ``checkpoint:gate_up_layers`` (layers per mode in the call) and
+``checkpoint:selective`` (each selective checkpoint that ran: the self-check; a ``"gate_up"`` layer's MLP is checked
+by the swiglu_mlp feature, in whose path the mode lives).
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ import torch.utils.checkpoint
 
 from actorcore.archs import text_config
 from actorcore.errors import PatchNotAppliedError
-from actorcore.hf.call import DecoderCall
+from actorcore.hf.call import UNCHECKPOINTED_MODES, DecoderCall
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.plan import FeatureOption, PlanFacts
 from actorcore.hf.features.moe_experts import is_standard_experts
-from actorcore.kernels.selective_checkpoint import (GROUPED_GEMM_OPS, SELECTIVE_TRACE_KEY, layers_to_keep,
+from actorcore.hf.features.swiglu_mlp import gate_up_recomputed, quack_mlps
+from actorcore.kernels.selective_checkpoint import (GROUPED_GEMM_OPS, SELECTIVE_TRACE_KEY, KeptLayer, cheapest_plan,
                                                     selective_checkpoint_function)
 from actorcore.sizes import positive_size
 
@@ -49,6 +54,7 @@ CHECKPOINT_MODES = ("full", "selective", "auto")
 FULL_LAYERS = "checkpoint:full_layers"
 SELECTIVE_LAYERS = "checkpoint:selective_layers"
 UNCHECKPOINTED_LAYERS = "checkpoint:compiled_layers_kept"
+GATE_UP_LAYERS = "checkpoint:gate_up_layers"
 
 
 @dataclass(frozen=True)
@@ -98,16 +104,54 @@ def layer_bytes_per_token(config: Any, element_bytes: int, fused: bool) -> tuple
     return float(widths * element_bytes + 4 * heads), float(d * element_bytes)
 
 
-def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], tokens: int, config: Any, element_bytes: int,
-                     allocated_bytes: float, measured: dict[tuple[int, str], float] | None = None,
-                     offloaded: int = 0) -> list[str]:
-    """Each layer's mode for one call: ``"full"``, ``"selective"`` or ``"none"`` (a compiled layer under ``"auto"``,
-    kept whole: its compiled graph keeps the matmul outputs and recomputes its pointwise work).
+def layer_forward_flops(config: Any, context: float) -> float:
+    """FLOPs per token of one attention layer's forward (what full checkpointing runs again): its matmuls (an MoE
+    layer's routed experts and shared expert) and its attention over ``context`` earlier tokens on average."""
+    d = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    q, kv = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    experts = getattr(config, "num_experts_per_tok", None) or 0
+    if experts and getattr(config, "moe_intermediate_size", None):
+        inner = experts * config.moe_intermediate_size + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    else:
+        inner = config.intermediate_size
+    return 2.0 * (d * (2 * q + 2 * kv) + 3 * d * inner) + 4.0 * q * context
 
-    ``measured``: bytes per token that layer ``i`` was measured to keep in mode ``m`` beyond a checkpointed layer
-    (``LayerBytesMeter``, earlier calls), used for ``"auto"`` in place of the estimate from the config.
-    ``offloaded``: the leading layers whose checkpointed input activation offload moves: ``"auto"`` keeps no fused
-    layer among them (a compiled layer kept whole has no checkpointed input to move; a selective one has)."""
+
+def mean_context(cu_seqlens: torch.Tensor) -> float:
+    """How many tokens a token attends to, on average over a packed batch (causal: ``(s + 1) / 2`` in a sequence of
+    ``s``)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
+    return float((lengths * (lengths + 1) / 2).sum() / lengths.sum().clamp(min=1))
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """What a call's plan depends on beyond the model: tokens on this rank, bytes per element, bytes the allocator
+    holds, the average attention context, and per layer the intermediate width of the quack MLPs whose gate/up output
+    it may drop (``"gate_up"``; 0: none)."""
+
+    tokens: int
+    element_bytes: int
+    allocated_bytes: float
+    context: float = 0.0
+    gate_up_widths: tuple[int, ...] = ()
+
+
+def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, config: Any,
+                     measured: dict[tuple[int, str], float] | None = None, offloaded: int = 0) -> list[str]:
+    """Each layer's mode for one call: ``"full"``, ``"selective"``, ``"none"`` (a compiled layer under ``"auto"``,
+    kept whole: its compiled graph keeps the matmul outputs and recomputes its pointwise work) or ``"gate_up"`` (a
+    compiled layer with quack's gated MLP kept whole but for the MLP's ``[T, 2I]`` gate/up output, which its backward
+    makes again: ``swiglu_mlp.gate_up_recomputed``).
+
+    Under ``"auto"`` the plan redoing the least forward work within the budget (``cheapest_plan``): a ``"gate_up"``
+    layer redoes its gate/up GEMM, a ``"full"`` one its whole forward. ``measured``: bytes per token that layer ``i``
+    was measured to keep in mode ``m`` beyond a checkpointed layer (``LayerBytesMeter``, earlier calls), used in place
+    of the estimate from the config. ``offloaded``: the leading layers whose checkpointed input activation offload
+    moves: ``"auto"`` keeps no fused layer among them (a compiled layer kept whole has no checkpointed input to move; a
+    selective one has)."""
     kept = ["none" if f else "selective" for f in fused]
     if plan.mode == "full":
         return ["full"] * len(fused)
@@ -115,17 +159,32 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], tokens: int, confi
         if any(fused):
             raise ValueError("checkpointing='selective' on compiled layers: the plan refuses this pair at patch time")
         return kept
-    measured = measured or {}
-    per_layer = [layer_bytes_per_token(config, element_bytes, f) for f in fused]
-    kept_per_token = [measured.get((i, mode), estimate) for i, (mode, (estimate, _)) in enumerate(zip(kept, per_layer))]
+    measured, tokens, element = measured or {}, shape.tokens, shape.element_bytes
+    widths = shape.gate_up_widths or (0,) * len(fused)
+    per_layer = [layer_bytes_per_token(config, element, f) for f in fused]
+    full_cost = layer_forward_flops(config, shape.context)
+    keep_options, partial_options = [], []
+    for i, (mode, (estimate, _)) in enumerate(zip(kept, per_layer)):
+        kept_bytes = measured.get((i, mode), estimate)
+        keep_options.append(KeptLayer(kept_bytes * tokens, kept_bytes * tokens))
+        if not (fused[i] and widths[i]):
+            partial_options.append(None)
+            continue
+        preact = 2 * widths[i] * element
+        partial_bytes = measured.get((i, "gate_up"), max(kept_bytes - preact, 0.0))
+        # Its backward: its gradients (about a kept layer's bytes) and the pre-activation made again.
+        partial_options.append(KeptLayer(partial_bytes * tokens, (2 * kept_bytes - partial_bytes) * tokens,
+                                         2.0 * config.hidden_size * 2 * widths[i]))
+    fused_offloaded = [i for i in range(min(offloaded, len(fused))) if fused[i]]
+    for i in range(fused_offloaded[-1] + 1 if fused_offloaded else 0):
+        # offloaded compiled layers stay fully checkpointed: no kept or partial way in front of them either
+        keep_options[i] = KeptLayer(keep_options[i].kept, float("inf"))
+        partial_options[i] = None
     ckpt_input = sum(inp for _, inp in per_layer) * tokens
     # Beside the kept layers: the layers' checkpointed inputs and 1 GiB of slack (the head's chunk workspace).
-    base = allocated_bytes + ckpt_input + 2**30
-    keep = layers_to_keep(plan.budget_bytes, base, [b * tokens for b in kept_per_token])
-    fused_offloaded = [i for i in range(min(offloaded, len(fused))) if fused[i]]
-    if fused_offloaded:
-        keep = min(keep, len(fused) - fused_offloaded[-1] - 1)
-    return ["full"] * (len(fused) - keep) + kept[len(fused) - keep:]
+    base = shape.allocated_bytes + ckpt_input + 2**30
+    ways = cheapest_plan(plan.budget_bytes, base, [full_cost] * len(fused), keep_options, partial_options)
+    return [{"full": "full", "partial": "gate_up", "kept": mode}[way] for way, mode in zip(ways, kept)]
 
 
 MEASURE_MARGIN = 1.05  # on a measured layer's bytes: allocator rounding and packs of other lengths
@@ -179,7 +238,7 @@ def checkpointing_for_call(layers: list[torch.nn.Module], modes: list[str], trac
                       if k in layer.__dict__}) for layer in layers]
     try:
         for layer, mode in zip(layers, modes):
-            layer.gradient_checkpointing = mode != "none"
+            layer.gradient_checkpointing = mode not in UNCHECKPOINTED_MODES
             if mode == "selective":
                 layer._gradient_checkpointing_func = selective_checkpoint_function(trace, in_place_outputs(layer))
             elif mode == "full" and not _non_reentrant(layer.__dict__.get("_gradient_checkpointing_func")):
@@ -188,7 +247,9 @@ def checkpointing_for_call(layers: list[torch.nn.Module], modes: list[str], trac
         trace[FULL_LAYERS] += modes.count("full")
         trace[SELECTIVE_LAYERS] += modes.count("selective")
         trace[UNCHECKPOINTED_LAYERS] += modes.count("none")
-        yield
+        trace[GATE_UP_LAYERS] += modes.count("gate_up")
+        with gate_up_recomputed([layer for layer, mode in zip(layers, modes) if mode == "gate_up"]):
+            yield
     finally:
         for layer, attrs in saved:
             for key in ("gradient_checkpointing", "_gradient_checkpointing_func"):
@@ -238,7 +299,9 @@ class CheckpointingOption(FeatureOption):
            "keeps every layer's matmul and attention outputs and recomputes the rest (bitwise the gradients of "
            "``'full'``); ``'auto'`` with ``memory_budget_gib`` keeps as many of the last layers as the budget fits "
            "(estimated per call from the config and the token count, then measured on CUDA), the others fully "
-           "checkpointed: a kept layer runs selectively, or, fused, as its compiled graph keeps it.")
+           "checkpointed: a kept layer runs selectively, or, fused, as its compiled graph keeps it; a compiled layer "
+           "with quack's gated MLP may instead keep all but its gate/up output (made again in backward) where that "
+           "redoes less work in the budget.")
 
     def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
         plan = check_checkpointing(asked["checkpointing"], asked["memory_budget_gib"])
@@ -246,8 +309,8 @@ class CheckpointingOption(FeatureOption):
             return self.decision(asked, None, "the model's own checkpointing setting, untouched")
         if plan.mode == "auto":
             why = (f"per training call, as many of the last layers as {plan.budget_bytes / 2**30:g} GiB fits keep "
-                   "their activations (selectively; a compiled layer as its compiled graph keeps them), the others "
-                   "fully checkpointed")
+                   "their activations (selectively; a compiled layer as its compiled graph keeps them, or all but "
+                   "its quack MLP's gate/up output), the others fully checkpointed: the least work redone")
         else:
             why = {"full": "every layer under torch's non-reentrant checkpoint",
                    "selective": "every layer keeps its matmul and attention outputs and recomputes the rest"}[plan.mode]
@@ -275,9 +338,12 @@ class Checkpointing(DecoderFeature):
         tokens = call.batch.num_tokens // call.sp_size  # this rank's shard
         config = text_config(call.model.config)
         plan, measured = call.patch.value("checkpointing"), call.patch.measured_layer_bytes
-        call.checkpoint_modes = plan_layer_modes(plan, [i in fused for i in range(len(call.parts.layers))], tokens,
-                                                 config, param.element_size(), allocated, measured,
-                                                 call.patch.value("offload_activations"))
+        layers = call.parts.layers
+        widths = tuple(sum(mlp.gate_proj.out_features for mlp in quack_mlps(layer)) if i in fused else 0
+                       for i, layer in enumerate(layers)) if plan.mode == "auto" else ()
+        shape = CallShape(tokens, param.element_size(), allocated, mean_context(call.batch.cu_seqlens), widths)
+        call.checkpoint_modes = plan_layer_modes(plan, [i in fused for i in range(len(layers))], shape, config,
+                                                 measured, call.patch.value("offload_activations"))
         meter = None
         if plan.mode == "auto" and allocated_now is not None:
             meter = LayerBytesMeter(call.parts.layers, call.checkpoint_modes, tokens,

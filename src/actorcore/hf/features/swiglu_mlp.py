@@ -19,14 +19,16 @@ nothing; ``False`` keeps the model's own MLP code.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from actorcore.archs import submodule
-from actorcore.hf.features.class_paths import ClassPathFeature, class_in_front, counted_call, reduce_to_path_class
+from actorcore.hf.features.class_paths import (TRACE_ATTR, ClassPathFeature, class_in_front, counted_call,
+                                               reduce_to_path_class)
 from actorcore.hf.features.plan import FeatureOption, PlanFacts, check_choice
 from actorcore.kernels.quack import runtime as quack_runtime
 from actorcore.kernels.quack.gated_mlp import gated_mlp
@@ -34,6 +36,7 @@ from actorcore.kernels.quack.gated_mlp import gated_mlp
 logger = logging.getLogger(__name__)
 
 SWIGLU_MLP_KEY = "swiglu_mlp:modules"
+GATE_UP_RECOMPUTED_KEY = "swiglu_mlp:gate_up_recomputed"  # eager runs that kept no pre-activation
 SWIGLU_MLP_CHOICES = ("auto", "quack", False)
 
 
@@ -88,15 +91,40 @@ class QuackGatedMLP:
     ``quack_mlp_class`` of its base (``class_paths.reduce_to_path_class``)."""
 
     _actorcore_base: type  # the module's own class
+    # Set on an instance for one call by ``gate_up_recomputed`` (a checkpoint plan's layer): keep no pre-activation.
+    actorcore_recompute_gate_up = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not counted_call(self, SWIGLU_MLP_KEY, "swiglu_mlp"):  # not an actorcore call: the model's own MLP code
             return type(self)._actorcore_base.forward(self, x)
-        out = gated_mlp(x.reshape(-1, x.shape[-1]), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        recompute = self.actorcore_recompute_gate_up
+        if recompute and not torch.compiler.is_compiling():
+            self.__dict__[TRACE_ATTR].counts[GATE_UP_RECOMPUTED_KEY] += 1
+        out = gated_mlp(x.reshape(-1, x.shape[-1]), self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                        keep_preact=not recompute)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def __reduce_ex__(self, protocol: int) -> Any:
         return reduce_to_path_class(self, quack_mlp_class, type(self)._actorcore_base)
+
+
+def quack_mlps(layer: torch.nn.Module) -> list[QuackGatedMLP]:
+    """The MLP modules of ``layer`` that run quack's gated MLP (none where the patch did not install it)."""
+    return [module for module in layer.modules() if isinstance(module, QuackGatedMLP)]
+
+
+@contextlib.contextmanager
+def gate_up_recomputed(layers: list[torch.nn.Module]) -> Iterator[None]:
+    """For one call: the quack MLPs of ``layers`` keep no ``[T, 2I]`` pre-activation, their backward runs the
+    gate/up GEMM again (``gated_mlp(keep_preact=False)``; a compiled layer compiles that variant once more)."""
+    mlps = [mlp for layer in layers for mlp in quack_mlps(layer)]
+    try:
+        for mlp in mlps:
+            mlp.actorcore_recompute_gate_up = True
+        yield
+    finally:
+        for mlp in mlps:
+            mlp.__dict__.pop("actorcore_recompute_gate_up", None)
 
 
 @functools.cache

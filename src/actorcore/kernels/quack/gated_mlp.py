@@ -18,6 +18,11 @@ order as the two projections' gradients.
 An input that is a norm's output can be kept as the norm's input instead (``x_from``: the norm runs again in
 backward; ``kernels.recomputed_input``): one ``[T, D]`` tensor less kept where the norm's input is kept anyway.
 
+``keep_preact=False`` keeps no ``[T, O]`` pre-activation (about three quarters of what a dense layer's compiled graph
+keeps): the forward's gated GEMM does not store it, and backward runs that GEMM again before its own (``2 T D O``
+FLOPs, the most expensive third of the MLP's forward): a memory budget's cheaper alternative to recomputing the whole
+layer. The GEMM is deterministic, so the recomputed pre-activation, and every gradient, is bitwise the kept one's.
+
 Math: ``down @ (silu(gate @ x) * (up @ x))``: transformers' gated MLP with SiLU, no biases. SwiGLU from the fp32
 accumulators (eager rounds gate and up to bf16 first): within bf16 rounding of eager, closer to fp32. CUDA on
 Hopper or newer (``runtime.quack_refusal``), bf16 / fp16 only.
@@ -38,36 +43,45 @@ def _interleaved(gate_ID: torch.Tensor, up_ID: torch.Tensor) -> torch.Tensor:
 
 class _GatedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, gate_ID, up_ID, down_DI, x_from):
-        q = runtime.gemm_interface()
+    def forward(ctx, x_TD, gate_ID, up_ID, down_DI, x_from, keep_preact):
         with torch.amp.autocast("cuda", enabled=False):
-            preact_TO, act_TI = q.gemm_gated(x_TD, _interleaved(gate_ID, up_ID).T, activation="swiglu", tuned=False)
+            preact_TO, act_TI = _gate_up(x_TD, gate_ID, up_ID, store_preact=keep_preact)
             out_TD = act_TI @ down_DI.T
-        ctx.save_for_backward(x_TD if x_from is None else x_from.source, gate_ID, up_ID, down_DI, preact_TO)
+        kept = (preact_TO,) if keep_preact else ()
+        ctx.save_for_backward(x_TD if x_from is None else x_from.source, gate_ID, up_ID, down_DI, *kept)
         ctx.x_fn, ctx.x_shape = (None if x_from is None else x_from.fn), x_TD.shape
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_out_TD):
-        x_TD, gate_ID, up_ID, down_DI, preact_TO = ctx.saved_tensors
+        x_TD, gate_ID, up_ID, down_DI, *kept = ctx.saved_tensors
         if ctx.x_fn is not None:  # kept as the norm's input: the norm again (kernels.recomputed_input)
             x_TD = recompute(ctx.x_fn, x_TD).reshape(ctx.x_shape)
         q = runtime.gemm_interface()
         with torch.amp.autocast("cuda", enabled=False):
+            preact_TO = kept[0] if kept else _gate_up(x_TD, gate_ID, up_ID, store_preact=True)[0]
             # the down projection's input gradient with SwiGLU's backward in its epilogue (and SwiGLU recomputed)
             grad_preact_TO, act_TI = q.gemm_dgated(grad_out_TD.contiguous(), down_DI, preact_TO, activation="swiglu",
                                                    tuned=False)
             grad_down_DI = grad_out_TD.T @ act_TI
             grad_x_TD = grad_preact_TO @ _interleaved(gate_ID, up_ID)
             grad_pairs = (grad_preact_TO.T @ x_TD).unflatten(0, (-1, 2))  # [I, 2, D]: gate's and up's rows
-        return grad_x_TD, grad_pairs[:, 0], grad_pairs[:, 1], grad_down_DI, None
+        return grad_x_TD, grad_pairs[:, 0], grad_pairs[:, 1], grad_down_DI, None, None
+
+
+def _gate_up(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch.Tensor, store_preact: bool) -> tuple:
+    """``(the [T, O] pre-activation or None, SwiGLU's [T, I] output)``: the gate/up GEMM with SwiGLU in its
+    epilogue (the same call in forward and in a recompute: bitwise the same pre-activation)."""
+    return runtime.gemm_interface().gemm_gated(x_TD, _interleaved(gate_ID, up_ID).T, activation="swiglu",
+                                               store_preact=store_preact, tuned=False)
 
 
 def gated_mlp(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch.Tensor, down_DI: torch.Tensor,
-              x_from: RecomputedInput | None = None) -> torch.Tensor:
+              x_from: RecomputedInput | None = None, keep_preact: bool = True) -> torch.Tensor:
     """``[T, D]``: ``down(silu(gate(x)) * up(x))`` with SwiGLU inside quack's GEMMs (weights as ``nn.Linear``
     stores them: ``[out, in]``). ``x_from``: ``x`` is ``x_from.fn(x_from.source)`` (its values, in any shape with
-    ``T * D`` elements); backward keeps the source and recomputes ``x``."""
+    ``T * D`` elements); backward keeps the source and recomputes ``x``. ``keep_preact=False``: backward runs the
+    gate/up GEMM again instead of keeping its ``[T, 2I]`` output."""
     weights = (gate_ID, up_ID, down_DI)
     if x_TD.dtype not in (torch.bfloat16, torch.float16) or any(w.dtype != x_TD.dtype for w in weights):
         raise ValueError(f"quack's gated MLP takes bf16 / fp16 inputs and weights of one dtype, got {x_TD.dtype} "
@@ -76,4 +90,4 @@ def gated_mlp(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch.Tensor, do
         raise ValueError(f"quack's gated MLP takes [tokens, features] inputs, got shape {tuple(x_TD.shape)}")
     if x_from is not None and not x_TD.is_contiguous():
         raise ValueError("gated_mlp(x_from=...) takes a contiguous x: the recomputed x must be its layout")
-    return _GatedMLP.apply(x_TD.contiguous(), gate_ID, up_ID, down_DI, x_from)
+    return _GatedMLP.apply(x_TD.contiguous(), gate_ID, up_ID, down_DI, x_from, keep_preact)
