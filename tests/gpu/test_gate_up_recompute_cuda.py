@@ -104,10 +104,11 @@ def test_compiled_layers_keep_no_preactivation(monkeypatch):
 
 
 def test_auto_mixes_gate_up_layers_within_the_budget():
-    """A budget the planner fills with kept, gate/up-recomputed and fully checkpointed layers (from the estimate,
-    then from what the first call measured): the peak stays within it."""
+    """A budget the planner fills with gate/up-recomputed layers beside kept and fully checkpointed ones, from the
+    estimate, then from what the first call measured (fewer fully checkpointed): the peak stays within it."""
     pytest.importorskip("triton")
-    from actorcore.hf.features.checkpointing import FULL_LAYERS, GATE_UP_LAYERS, layer_bytes_per_token
+    from actorcore.hf.features.checkpointing import (FULL_LAYERS, GATE_UP_LAYERS, UNCHECKPOINTED_LAYERS,
+                                                     layer_bytes_per_token)
 
     layers = 8
     model, batch = _model(layers), _batch()
@@ -115,10 +116,14 @@ def test_auto_mixes_gate_up_layers_within_the_budget():
     estimate, checkpointed_input = layer_bytes_per_token(config, 2, fused=True)
     budget = torch.cuda.memory_allocated() + layers * checkpointed_input * tokens + 2**30 + 4.8 * estimate * tokens
     handle = ac.patch_model(model, checkpointing="auto", memory_budget_gib=budget / 2**30)
+    plans = {}
     for call in ("estimated", "measured"):
         trace = Counter()
         torch.cuda.reset_peak_memory_stats()
         step(model, batch, trace)
-        assert trace[GATE_UP_LAYERS] >= 1 and trace[FULL_LAYERS] >= 1, (call, dict(trace))
+        assert trace[GATE_UP_LAYERS] >= 1, (call, dict(trace))
         assert torch.cuda.max_memory_allocated() <= budget, call
+        plans[call] = (trace[FULL_LAYERS], trace[GATE_UP_LAYERS], trace[UNCHECKPOINTED_LAYERS])
+    assert plans["estimated"][0] >= 1  # the estimate errs on the safe side: some layers fully checkpointed
+    assert plans["measured"][0] <= plans["estimated"][0], plans
     handle.revert()
