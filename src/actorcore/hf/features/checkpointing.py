@@ -84,39 +84,49 @@ def check_checkpointing(mode: Any, memory_budget_gib: Any) -> CheckpointPlan | N
     return CheckpointPlan(mode, budget * 2**30)
 
 
+@dataclass(frozen=True)
+class LayerWidths:
+    """A decoder layer's widths from its config: hidden, attention heads, q and kv widths, routed experts per token
+    (0: dense) and the MLP's intermediate width a token passes through (an MoE layer's routed and shared experts)."""
+
+    d: int
+    heads: int
+    q: int
+    kv: int
+    experts: int
+    inner: int
+
+    @classmethod
+    def of(cls, config: Any) -> "LayerWidths":
+        d, heads = config.hidden_size, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or d // heads
+        experts = getattr(config, "num_experts_per_tok", None) or 0
+        if experts and getattr(config, "moe_intermediate_size", None):
+            inner = experts * config.moe_intermediate_size + (getattr(config, "shared_expert_intermediate_size", 0)
+                                                               or 0)
+        else:
+            experts, inner = 0, config.intermediate_size
+        kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+        return cls(d, heads, heads * head_dim, kv, experts, inner)
+
+
 def layer_bytes_per_token(config: Any, element_bytes: int, fused: bool) -> tuple[float, float]:
     """Estimated activation bytes per token of one decoder layer: (kept beyond a checkpointed layer, the
     checkpointed layer's own input). From the config's widths; an MoE layer counts its routed copies."""
-    d = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    q, kv = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    experts = getattr(config, "num_experts_per_tok", None) or 0
-    if experts and getattr(config, "moe_intermediate_size", None):
-        inner = experts * config.moe_intermediate_size + getattr(config, "shared_expert_intermediate_size", 0)
-        routed = 2 * experts * d  # tokens permuted to their experts and the experts' outputs
-    else:
-        inner, routed = config.intermediate_size, 0
+    w = LayerWidths.of(config)
+    routed = 2 * w.experts * w.d  # tokens permuted to their experts and the experts' outputs
     # Fused: the compiled graph's saved tensors (its partitioner recomputing the pointwise work: 49.3 KB per token
     # measured on the Qwen2.5-1.5B shape, 2d + 2q + 2kv + 2 inner counts 49.2; 126.8 KB on the Qwen3-30B-A3B
     # shape, counted 116.7): 2d more as slack. Selective: the matmul and attention outputs.
-    widths = (4 * d + 2 * q + 2 * kv + 2 * inner + routed) if fused else (3 * d + 2 * q + 2 * kv + 2 * inner + routed)
-    return float(widths * element_bytes + 4 * heads), float(d * element_bytes)
+    widths = (4 if fused else 3) * w.d + 2 * w.q + 2 * w.kv + 2 * w.inner + routed
+    return float(widths * element_bytes + 4 * w.heads), float(w.d * element_bytes)
 
 
 def layer_forward_flops(config: Any, context: float) -> float:
     """FLOPs per token of one attention layer's forward (what full checkpointing runs again): its matmuls (an MoE
     layer's routed experts and shared expert) and its attention over ``context`` earlier tokens on average."""
-    d = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    q, kv = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    experts = getattr(config, "num_experts_per_tok", None) or 0
-    if experts and getattr(config, "moe_intermediate_size", None):
-        inner = experts * config.moe_intermediate_size + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
-    else:
-        inner = config.intermediate_size
-    return 2.0 * (d * (2 * q + 2 * kv) + 3 * d * inner) + 4.0 * q * context
+    w = LayerWidths.of(config)
+    return 2.0 * (w.d * (2 * w.q + 2 * w.kv) + 3 * w.d * w.inner) + 4.0 * w.q * context
 
 
 def mean_context(cu_seqlens: torch.Tensor) -> float:
