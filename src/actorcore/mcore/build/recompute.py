@@ -15,9 +15,9 @@ every layer fits selectively, as many of the last as fit keep everything (``"non
 layer's bytes per token are estimated from the config until a CUDA call has measured what the layer kept
 (``LayerPlan.measured``, kept on the handle), then the measurement plans (a layer not yet run in a mode plans with
 the measurement of a layer built alike: a selectively recomputed layer's unrecomputed bytes are those a kept layer
-of its kind measured). The planner is
-``kernels.selective_checkpoint.layers_to_keep``, the HF route's. The recomputed kernels see the same inputs, so the
-gradients are bitwise those of ``"full"`` (and of no recompute) wherever the kernels are deterministic.
+of its kind measured). The planner is ``kernels.selective_checkpoint.layers_to_keep``, the kept-or-full case of the
+HF route's ``cheapest_plan``. The recomputed kernels see the same inputs, so the gradients are bitwise those of
+``"full"`` (and of no recompute) wherever the kernels are deterministic.
 
 Megatron's own recompute options (``recompute_granularity``) do the same by other means and are refused beside
 these. Dropout must be off: a recompute would draw other masks (Megatron's tracker states are not replayed).
