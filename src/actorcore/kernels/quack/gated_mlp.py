@@ -45,7 +45,7 @@ class _GatedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, gate_ID, up_ID, down_DI, x_from, keep_preact):
         with torch.amp.autocast("cuda", enabled=False):
-            preact_TO, act_TI = _gate_up(x_TD, gate_ID, up_ID, store_preact=keep_preact)
+            preact_TO, act_TI = _gate_up(x_TD, _interleaved(gate_ID, up_ID), store_preact=keep_preact)
             out_TD = act_TI @ down_DI.T
         kept = (preact_TO,) if keep_preact else ()
         ctx.save_for_backward(x_TD if x_from is None else x_from.source, gate_ID, up_ID, down_DI, *kept)
@@ -58,22 +58,23 @@ class _GatedMLP(torch.autograd.Function):
         if ctx.x_fn is not None:  # kept as the norm's input: the norm again (kernels.recomputed_input)
             x_TD = recompute(ctx.x_fn, x_TD).reshape(ctx.x_shape)
         q = runtime.gemm_interface()
+        pairs_OD = _interleaved(gate_ID, up_ID)
         with torch.amp.autocast("cuda", enabled=False):
-            preact_TO = kept[0] if kept else _gate_up(x_TD, gate_ID, up_ID, store_preact=True)[0]
+            preact_TO = kept[0] if kept else _gate_up(x_TD, pairs_OD, store_preact=True)[0]
             # the down projection's input gradient with SwiGLU's backward in its epilogue (and SwiGLU recomputed)
             grad_preact_TO, act_TI = q.gemm_dgated(grad_out_TD.contiguous(), down_DI, preact_TO, activation="swiglu",
                                                    tuned=False)
             grad_down_DI = grad_out_TD.T @ act_TI
-            grad_x_TD = grad_preact_TO @ _interleaved(gate_ID, up_ID)
+            grad_x_TD = grad_preact_TO @ pairs_OD
             grad_pairs = (grad_preact_TO.T @ x_TD).unflatten(0, (-1, 2))  # [I, 2, D]: gate's and up's rows
         return grad_x_TD, grad_pairs[:, 0], grad_pairs[:, 1], grad_down_DI, None, None
 
 
-def _gate_up(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch.Tensor, store_preact: bool) -> tuple:
-    """``(the [T, O] pre-activation or None, SwiGLU's [T, I] output)``: the gate/up GEMM with SwiGLU in its
-    epilogue (the same call in forward and in a recompute: bitwise the same pre-activation)."""
-    return runtime.gemm_interface().gemm_gated(x_TD, _interleaved(gate_ID, up_ID).T, activation="swiglu",
-                                               store_preact=store_preact, tuned=False)
+def _gate_up(x_TD: torch.Tensor, pairs_OD: torch.Tensor, store_preact: bool) -> tuple:
+    """``(the [T, O] pre-activation or None, SwiGLU's [T, I] output)``: the gate/up GEMM over the interleaved weight
+    with SwiGLU in its epilogue (the same call in forward and in a recompute: bitwise the same pre-activation)."""
+    return runtime.gemm_interface().gemm_gated(x_TD, pairs_OD.T, activation="swiglu", store_preact=store_preact,
+                                               tuned=False)
 
 
 def gated_mlp(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch.Tensor, down_DI: torch.Tensor,
