@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -234,3 +235,48 @@ def test_compiled_graphs_report_attention_to_the_call_that_ran_them(monkeypatch)
     with torch.no_grad():
         assert call(reference)[1] == 1  # the first graph again: it still reports to the call that runs it
     torch._dynamo.reset()
+
+
+def test_a_layer_dynamo_runs_uncompiled_is_counted_and_refused(monkeypatch):
+    """Past Dynamo's recompile limit torch.compile runs a frame's Python eagerly with only a log line. A compiled
+    layer call in which no compiled graph ran counts under ``EAGER_FALLBACK_TRACE_KEY``: here the variants' room
+    (``COMPILED_VARIANTS_LIMIT``) is one graph, so the second variant (gradients off) runs uncompiled and is
+    counted; with the room of two it compiles and is not. Then a patched model whose compiled forwards run no graph
+    is refused."""
+    from actorcore.hf.call import TRACE_KWARG, TraceRef
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((4,), 0.5))
+            self.gradient_checkpointing = False
+
+        def forward(self, hidden, **kwargs):
+            return torch.relu(hidden * self.weight) + 1
+
+    x = torch.randn(3, 4)
+
+    def uncompiled_calls(layer: Layer, grad: bool) -> int:
+        trace = Counter()
+        with torch.set_grad_enabled(grad):
+            out = CompiledLayerForward(layer)(x, **{compiled_decoder.COMPILED_KWARG: True, TRACE_KWARG: TraceRef(trace)})
+        assert torch.equal(out, torch.relu(x * 0.5) + 1) and trace[COMPILED_TRACE_KEY] == 1
+        return trace[compiled_decoder.EAGER_FALLBACK_TRACE_KEY]
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    for room, fallbacks in ((1, 1), (2, 0)):
+        monkeypatch.setattr(compiled_decoder, "COMPILED_VARIANTS_LIMIT", room)
+        torch._dynamo.reset()
+        compiled_decoder.compiled_forward.cache_clear()
+        assert uncompiled_calls(Layer(), grad=True) == 0  # the first graph
+        assert uncompiled_calls(Layer(), grad=False) == fallbacks  # a second variant: compiled only with room for it
+    torch._dynamo.reset()
+    compiled_decoder.compiled_forward.cache_clear()
+
+    monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)
+    monkeypatch.setattr(compiled_decoder, "compiled_forward", lambda forward: SimpleNamespace(fn=forward))
+    model = build_tiny_model("llama", seed=4).train()
+    handle = ac.patch_model(model, compiled_decoder=True)
+    with pytest.raises(PatchNotAppliedError, match=r"calls of .* ran no compiled graph: torch.compile ran them "):
+        ac.compute_logprobs(model, seeded_batch())
+    handle.revert()

@@ -15,7 +15,9 @@ q/k/v layouts and the residual stream's gradients around it. Other attention (Ul
 outside FA4) stays out of the graph (``torch.compiler.disable``), as do instance forwards other patches install in a
 layer (tiled MLP, recomputed norms). A layer runs compiled only in actorcore's own decoder calls, which pass
 ``COMPILED_KWARG``; any other call (the model's own forward, ``verify``'s reference, batch-invariant calls)
-runs the original eager forward. Each compiled layer call counts under ``COMPILED_TRACE_KEY`` in the call's trace.
+runs the original eager forward. Each compiled layer call counts under ``COMPILED_TRACE_KEY`` in the call's trace;
+one in which no compiled graph ran (Dynamo ran the layer's Python: past its recompile limit, or a skipped frame)
+counts under ``EAGER_FALLBACK_TRACE_KEY``, and the call is refused.
 
 Where: CUDA, 16-bit weights, Triton present; elsewhere (CPU, fp32) nothing is installed and the path is the
 eager one, unchanged. Within bf16 rounding of the eager layer, not bitwise (Inductor reduces in another order); as
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 COMPILED_KWARG = "actorcore_compiled"
 COMPILED_TRACE_KEY = "compiled_decoder:layers"
+EAGER_FALLBACK_TRACE_KEY = "compiled_decoder:ran_uncompiled"  # compiled layer calls in which no compiled graph ran
 COMPILED_CHOICES = (True, False, "auto")
 
 
@@ -176,20 +179,19 @@ class CompiledLayer:
         backends = graph_attention_backends(gm.graph)
         self.graphs += 1
         self.attention_backends |= backends
-        compiled = compile_fx(gm, example_inputs)
-        if not backends:
-            return compiled
-        self.graphs_with_attention += 1
-        return GraphWithAttention(compiled, frozenset(backends))
+        self.graphs_with_attention += bool(backends)
+        return ReportingGraph(compile_fx(gm, example_inputs), frozenset(backends))
 
 
 class GraphRuns:
     """What the compiled graphs that ran in one compiled layer call held (set for the call by
-    ``CompiledLayerForward``)."""
+    ``CompiledLayerForward``). ``graphs`` 0 after the call: Dynamo ran the layer's Python eagerly (past its recompile
+    limit, or a frame it skipped), which the call must not pass off as compiled."""
 
-    __slots__ = ("with_attention", "backends")
+    __slots__ = ("graphs", "with_attention", "backends")
 
     def __init__(self) -> None:
+        self.graphs = 0
         self.with_attention = 0
         self.backends: set[str] = set()  # the attention backends whose ops those graphs called
 
@@ -200,9 +202,9 @@ _LAYER_CALL: contextvars.ContextVar[GraphRuns | None] = contextvars.ContextVar("
                                                                                default=None)
 
 
-class GraphWithAttention:
-    """A compiled graph that holds the packed attention (on ``backends``): each run notes it in the layer call it
-    runs in."""
+class ReportingGraph:
+    """A compiled graph that notes each run in the layer call it runs in, with the packed attention's ``backends``
+    where it holds that attention (empty: it does not)."""
 
     def __init__(self, compiled: Callable, backends: frozenset[str]) -> None:
         self.compiled = compiled
@@ -212,8 +214,10 @@ class GraphWithAttention:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         runs = _LAYER_CALL.get()
         if runs is not None:
-            runs.with_attention += 1
-            runs.backends |= self.backends
+            runs.graphs += 1
+            if self.backends:
+                runs.with_attention += 1
+                runs.backends |= self.backends
         return self.compiled(*args, **kwargs)
 
 
@@ -240,15 +244,24 @@ def recompute_pointwise() -> contextlib.AbstractContextManager:
     return config.patch(ban_recompute_materialized_backward=False)
 
 
+# Graphs one layer class's compiled forward may hold: its variants multiply (gradients on or off, training or eval,
+# the MLP's gate/up output kept or made again, each attention backend, every model of the class in the process), and
+# Dynamo's default limit of 8 would run the ninth variant uncompiled. Past this one the call is refused
+# (``CompiledDecoder.check``), never run uncompiled in silence.
+COMPILED_VARIANTS_LIMIT = 64
+
+
 @contextlib.contextmanager
 def compile_settings() -> Iterator[None]:
     """What the compiled layers are traced and run under: the partitioner recomputing pointwise work
-    (``recompute_pointwise``), and floats specialised (Dynamo's ``specialize_float``): a layer's float attributes
+    (``recompute_pointwise``), floats specialised (Dynamo's ``specialize_float``): a layer's float attributes
     (norm eps, attention scale, dropout) are constants of its graph, guarded, rather than graph inputs, so the
-    attention traced into the graph hands torch's varlen op its scale as a number."""
+    attention traced into the graph hands torch's varlen op its scale as a number; and room for the graph variants
+    (``COMPILED_VARIANTS_LIMIT``, never below the process's own setting)."""
     dynamo = torch._dynamo.config
     floats = dynamo.patch(specialize_float=True) if hasattr(dynamo, "specialize_float") else contextlib.nullcontext()
-    with recompute_pointwise(), floats:
+    variants = dynamo.patch(recompile_limit=max(dynamo.recompile_limit, COMPILED_VARIANTS_LIMIT))
+    with recompute_pointwise(), floats, variants:
         yield
 
 
@@ -288,6 +301,8 @@ class CompiledLayerForward:
                 out = compiled.fn(self.layer, *args, **kwargs, **{IN_GRAPH_KWARG: True})
         finally:
             _LAYER_CALL.reset(token)
+        if ref is not None and not runs.graphs:
+            ref.counts[EAGER_FALLBACK_TRACE_KEY] += 1
         parallel = parallel_from_kwargs(kwargs)
         if ref is not None and runs.with_attention and (parallel is None or parallel.sp_size == 1):
             ref.counts[trace_key(PACKED_ATTENTION)] += 1  # its graph ran the attention; Ulysses counts itself
@@ -339,3 +354,10 @@ class CompiledDecoder(DecoderFeature):
             raise PatchNotAppliedError(
                 f"the compiled decoder ran in {ran} of {layers} decoder layers of {call.model_name}: the installed "
                 "transformers bypassed the layers' instance forward; refusing to continue unfused")
+        uncompiled = call.ran(EAGER_FALLBACK_TRACE_KEY)
+        if uncompiled:
+            raise PatchNotAppliedError(
+                f"{uncompiled} compiled decoder layer calls of {call.model_name} ran no compiled graph: torch.compile "
+                "ran them uncompiled (past torch._dynamo.config.recompile_limit, here at least "
+                f"{COMPILED_VARIANTS_LIMIT} variants of one layer class, or a frame Dynamo skipped; its log says "
+                "which); refusing to continue unfused. Raise the limit, or pass compiled_decoder=False")
