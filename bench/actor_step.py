@@ -151,17 +151,41 @@ def actorcore_step(model, packs, advs, device):
     args = [torch.cat(pa).to(device) for pa in advs]  # the scored-token layout: row t scores token t
 
     trace = Counter()
+    packs_seen = []  # per call, per pack: its own peak (GiB) and its layers' checkpoint modes
 
     def step():
         out = []
         trace.clear()
+        packs_seen.append([])
         for b, a in zip(batches, args):
+            before = Counter(trace)
+            peak = PackPeak()
             res = ac.compute_loss(model, b, lambda lp, ent, adv: -(lp * adv), (a,), entropy=False, trace=trace)
             res.loss.backward()
             out.append(res.logprob.detach().float())
+            modes = {k.split(":")[1]: trace[k] - before[k] for k in CHECKPOINT_KEYS if trace[k] - before[k]}
+            packs_seen[-1].append((b.num_tokens, peak.read(), modes))
         return [lp.cpu() for lp in out]  # after the last pack: no host sync between packs
     step.trace = trace  # the last step's kernels, compiled layers and checkpointing modes
+    step.packs_seen = packs_seen
     return step
+
+
+CHECKPOINT_KEYS = ("checkpoint:full_layers", "checkpoint:compiled_layers_kept", "checkpoint:gate_up_layers",
+                   "checkpoint:selective_layers")
+
+
+class PackPeak:
+    """One pack's own peak (GiB): the process's peak counter restarted for the pack (the path's row then takes the
+    largest pack peak of all its calls as its peak). None off CUDA."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def read(self) -> float | None:
+        return round(torch.cuda.max_memory_allocated() / 2**30, 3) if self.cuda else None
 
 
 def transformers_step(model, sequences, advs, device, micro, packed):
@@ -500,8 +524,11 @@ def main() -> None:
             packed = order if name == "transformers packed" else None
             step = transformers_step(model, sequences, advs, device, args.micro_batch, packed)
         with whole_layers_only() if "no-gate-up" in name else contextlib.nullcontext():
-            row = global_row(run_path(name, runner, step, tokens, active, profile, args.repeats, args.first_timeout),
-                             total_tokens)
+            row = run_path(name, runner, step, tokens, active, profile, args.repeats, args.first_timeout)
+        if getattr(step, "packs_seen", None) and "peak_gib" in row:  # per pack of the first and the last call
+            row["peak_gib"] = max(p or 0.0 for call in step.packs_seen for _, p, _ in call)
+            row["packs_first_call"], row["packs_last_call"] = step.packs_seen[0], step.packs_seen[-1]
+        row = global_row(row, total_tokens)
         if "_lp" in row:
             lp = row.pop("_lp")
             if name.startswith(("actorcore", "megatron")):  # per pack

@@ -263,13 +263,13 @@ def test_a_layer_dynamo_runs_uncompiled_is_counted_and_refused(monkeypatch):
         assert torch.equal(out, torch.relu(x * 0.5) + 1) and trace[COMPILED_TRACE_KEY] == 1
         return trace[compiled_decoder.EAGER_FALLBACK_TRACE_KEY]
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     for room, fallbacks in ((1, 1), (2, 0)):
         monkeypatch.setattr(compiled_decoder, "COMPILED_VARIANTS_LIMIT", room)
         torch._dynamo.reset()
         compiled_decoder.compiled_forward.cache_clear()
-        assert uncompiled_calls(Layer(), grad=True) == 0  # the first graph
-        assert uncompiled_calls(Layer(), grad=False) == fallbacks  # a second variant: compiled only with room for it
+        with torch._dynamo.config.patch(recompile_limit=1):  # a config module: monkeypatch would delete it after
+            assert uncompiled_calls(Layer(), grad=True) == 0  # the first graph
+            assert uncompiled_calls(Layer(), grad=False) == fallbacks  # a second variant: only with room for it
     torch._dynamo.reset()
     compiled_decoder.compiled_forward.cache_clear()
 

@@ -21,6 +21,7 @@ from actorcore.hf.features.checkpointing import (
     SELECTIVE_LAYERS,
     CallShape,
     CheckpointPlan,
+    head_gradient_bytes,
     layer_bytes_per_token,
     layer_forward_flops,
     mean_context,
@@ -114,14 +115,21 @@ def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
     kept, _ = layer_bytes_per_token(config, 2, fused=False)
     base = plan_layer_modes(CheckpointPlan("auto", 0.0), [False] * layers, CallShape(batch.num_tokens, 2, 0), config)
     assert base == ["full"] * layers  # no room: all fully checkpointed
-    # Room for 3 layers above the checkpointed inputs and the slack: a fully checkpointed step's recompute, or
-    # two kept layers and the gradients of the one in backward. The last two layers run selectively.
+    # Room for 3 layers above the checkpointed inputs, the head's weight gradient and the slack: a fully
+    # checkpointed step's recompute, or two kept layers and the gradients of the one in backward. The last two
+    # layers run selectively.
     ckpt_inputs = layers * config.hidden_size * 2 * batch.num_tokens
-    budget = ckpt_inputs + 2**30 + 3 * kept * batch.num_tokens + 1
-    modes = plan_layer_modes(CheckpointPlan("auto", budget), [False] * layers, CallShape(batch.num_tokens, 2, 0), config)
+    head = head_gradient_bytes(model)
+    assert head == config.vocab_size * config.hidden_size * 2  # the tiny model's untied head, bf16
+    budget = ckpt_inputs + head + 2**30 + 3 * kept * batch.num_tokens + 1
+    shape = CallShape(batch.num_tokens, 2, 0, head_bytes=head)
+    modes = plan_layer_modes(CheckpointPlan("auto", budget), [False] * layers, shape, config)
     assert modes == ["full"] * (layers - 2) + ["selective"] * 2
-    tight = plan_layer_modes(CheckpointPlan("auto", budget - 2), [False] * layers, CallShape(batch.num_tokens, 2, 0), config)
+    tight = plan_layer_modes(CheckpointPlan("auto", budget - 2), [False] * layers, shape, config)
     assert tight == ["full"] * layers  # under 3 layers of room nothing is kept
+    model.lm_head.weight.requires_grad_(False)  # a frozen head forms no gradient: its bytes are room again
+    assert head_gradient_bytes(model) == 0.0
+    model.lm_head.weight.requires_grad_(True)
     full, auto, trace = _full_then(model, batch, checkpointing="auto", memory_budget_gib=budget / 2**30)
     assert_bitwise(full, auto)
     assert trace[SELECTIVE_LAYERS] == 2 and trace[FULL_LAYERS] == layers - 2
@@ -151,7 +159,7 @@ def test_auto_plans_with_what_the_kept_layers_were_measured_to_hold(monkeypatch)
     for layer in model.model.layers:
         layer.mlp.register_forward_hook(hold)
     monkeypatch.setattr(checkpointing, "allocated_bytes_counter", lambda device: lambda: counter["bytes"])
-    budget = layers * config.hidden_size * 2 * tokens + 2**30 + 3 * estimate * tokens + 1
+    budget = layers * config.hidden_size * 2 * tokens + head_gradient_bytes(model) + 2**30 + 3 * estimate * tokens + 1
     handle = ac.patch_model(model, checkpointing="auto", memory_budget_gib=budget / 2**30)
     first, second = Counter(), Counter()
     train_step(model, batch, first)

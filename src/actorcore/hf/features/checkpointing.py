@@ -139,14 +139,26 @@ def mean_context(cu_seqlens: torch.Tensor) -> float:
 @dataclass(frozen=True)
 class CallShape:
     """What a call's plan depends on beyond the model: tokens on this rank, bytes per element, bytes the allocator
-    holds, the average attention context, and per layer the intermediate width of the quack MLPs whose gate/up output
-    it may drop (``"gate_up"``; 0: none)."""
+    holds, the average attention context, per layer the intermediate width of the quack MLPs whose gate/up output
+    it may drop (``"gate_up"``; 0: none), and the head's weight gradient (``head_gradient_bytes``)."""
 
     tokens: int
     element_bytes: int
     allocated_bytes: float
     context: float = 0.0
     gate_up_widths: tuple[int, ...] = ()
+    head_bytes: float = 0.0
+
+
+def head_gradient_bytes(model: Any) -> float:
+    """Bytes of the LM head's weight gradient: formed by the loss-fused head in the forward (by the log-prob head at
+    the start of backward) and alive beside every kept layer until autograd accumulates it, a whole ``[V, D]`` also
+    where ``.grad`` already holds one (1.2 GiB on the Qwen3-8B shape). 0 for a frozen head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
+        return 0.0
+    return float(weight.numel() * weight.element_size())
 
 
 def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, config: Any,
@@ -191,8 +203,9 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
         keep_options[i] = KeptLayer(keep_options[i].kept, float("inf"))
         partial_options[i] = None
     ckpt_input = sum(inp for _, inp in per_layer) * tokens
-    # Beside the kept layers: the layers' checkpointed inputs and 1 GiB of slack (the head's chunk workspace).
-    base = shape.allocated_bytes + ckpt_input + 2**30
+    # Beside the kept layers: the layers' checkpointed inputs, the head's weight gradient and 1 GiB of slack (the
+    # head's chunk workspace).
+    base = shape.allocated_bytes + ckpt_input + shape.head_bytes + 2**30
     ways = cheapest_plan(plan.budget_bytes, base, [full_cost] * len(fused), keep_options, partial_options)
     return [{"full": "full", "partial": "gate_up", "kept": mode}[way] for way, mode in zip(ways, kept)]
 
@@ -351,7 +364,8 @@ class Checkpointing(DecoderFeature):
         layers = call.parts.layers
         widths = tuple(sum(mlp.gate_proj.out_features for mlp in quack_mlps(layer)) if i in fused else 0
                        for i, layer in enumerate(layers)) if plan.mode == "auto" else ()
-        shape = CallShape(tokens, param.element_size(), allocated, mean_context(call.batch.cu_seqlens), widths)
+        shape = CallShape(tokens, param.element_size(), allocated, mean_context(call.batch.cu_seqlens), widths,
+                          head_gradient_bytes(call.model) if plan.mode == "auto" else 0.0)
         call.checkpoint_modes = plan_layer_modes(plan, [i in fused for i in range(len(layers))], shape, config,
                                                  measured, call.patch.value("offload_activations"))
         meter = None
