@@ -539,6 +539,7 @@ def main() -> None:
             row["trace"] = {k: v for k, v in step.trace.items() if k.split(":")[0] in (
                 "compiled_decoder", "checkpoint", "moe_experts", "swiglu_mlp", "attention", "varlen_attention", "mcore")}
         if handle is not None:
+            row["measured_bytes_per_token"] = measured_layer_bytes(model)
             row["attention_backend"] = handle.plan["attention"].line()
             handle.revert()
         if base.startswith("megatron"):
@@ -561,6 +562,17 @@ def main() -> None:
     for row in rows:
         if row.get("breakdown"):
             print(f"{row['path']:<28} kernels: {format_breakdown(row['breakdown'])}")
+
+
+def measured_layer_bytes(model) -> dict[str, list[int]]:
+    """What ``checkpointing="auto"`` measured the layers to keep, per mode: [least, most] bytes per token (the
+    planner's inputs, against its estimate from the config)."""
+    from actorcore.hf.patch import patch_state
+
+    by_mode: dict[str, list[float]] = {}
+    for (_, mode), value in patch_state(model).measured_layer_bytes.items():
+        by_mode.setdefault(mode, []).append(value)
+    return {mode: [round(min(v)), round(max(v))] for mode, v in sorted(by_mode.items())}
 
 
 def add_scaling(rows: list[dict], single_json: str | None, active: float) -> None:
