@@ -126,8 +126,9 @@ def cheapest_plan(budget_bytes: float, base_bytes: float, full_cost: Sequence[fl
     elif room < 3 * largest:
         warnings.warn(f"a memory budget of {budget_bytes / 2**30:g} GiB cannot be met here: the weights, gradients "
                       "and the layers' checkpointed inputs leave no room for one layer's recompute, so every layer "
-                      "is fully recomputed and the peak goes over the budget; raise the budget, or spread the model "
-                      "(FSDP2, activation offload, sequence parallelism)", UserWarning, stacklevel=3)
+                      "is fully recomputed and the peak goes over the budget; raise the budget, pass fewer tokens "
+                      "per call (the checkpointed inputs and a layer's recompute scale with them), or spread the "
+                      "model (FSDP2, activation offload, sequence parallelism)", UserWarning, stacklevel=3)
         return ["full"] * layers
     best_cost, best = float(sum(full_cost)), (0, 0)
     kept_peak = 0.0
