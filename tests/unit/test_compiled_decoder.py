@@ -193,6 +193,18 @@ def test_packed_attention_traces_into_a_compiled_layer_only_when_asked(monkeypat
     torch._dynamo.reset()
 
 
+class TinyLayer(torch.nn.Module):
+    """Stands for a decoder layer in the compiled forward's own tests: ``relu(x * 0.5) + 1``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((4,), 0.5))
+        self.gradient_checkpointing = False
+
+    def forward(self, hidden, **kwargs):
+        return torch.relu(hidden * self.weight) + 1
+
+
 def test_compiled_graphs_report_attention_to_the_call_that_ran_them(monkeypatch):
     """The compiled forward of a layer class is shared by every model of the class (one compilation), but whether
     a call's compiled graph ran the packed attention comes from that call: a reference model's graph that held the
@@ -202,19 +214,10 @@ def test_compiled_graphs_report_attention_to_the_call_that_ran_them(monkeypatch)
     from actorcore.hf.call import TRACE_KWARG, TraceRef
     from actorcore.hf.features.attention import PACKED_ATTENTION, trace_key
 
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.full((4,), 0.5))
-            self.gradient_checkpointing = False
-
-        def forward(self, hidden, **kwargs):
-            return torch.relu(hidden * self.weight) + 1
-
     holding = {"attention": True}
     monkeypatch.setattr(compiled_decoder, "graph_attention_backends",
                         lambda graph: {"torch_varlen"} if holding["attention"] else set())
-    reference, actor = Layer(), Layer()
+    reference, actor = TinyLayer(), TinyLayer()
     x = torch.randn(3, 4)
 
     def call(layer):
@@ -245,18 +248,9 @@ def test_a_layer_dynamo_runs_uncompiled_is_counted_and_refused(monkeypatch):
     is refused."""
     from actorcore.hf.call import TRACE_KWARG, TraceRef
 
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.full((4,), 0.5))
-            self.gradient_checkpointing = False
-
-        def forward(self, hidden, **kwargs):
-            return torch.relu(hidden * self.weight) + 1
-
     x = torch.randn(3, 4)
 
-    def uncompiled_calls(layer: Layer, grad: bool) -> int:
+    def uncompiled_calls(layer: TinyLayer, grad: bool) -> int:
         trace = Counter()
         with torch.set_grad_enabled(grad):
             out = CompiledLayerForward(layer)(x, **{compiled_decoder.COMPILED_KWARG: True, TRACE_KWARG: TraceRef(trace)})
@@ -268,8 +262,8 @@ def test_a_layer_dynamo_runs_uncompiled_is_counted_and_refused(monkeypatch):
         torch._dynamo.reset()
         compiled_decoder.compiled_forward.cache_clear()
         with torch._dynamo.config.patch(recompile_limit=1):  # a config module: monkeypatch would delete it after
-            assert uncompiled_calls(Layer(), grad=True) == 0  # the first graph
-            assert uncompiled_calls(Layer(), grad=False) == fallbacks  # a second variant: only with room for it
+            assert uncompiled_calls(TinyLayer(), grad=True) == 0  # the first graph
+            assert uncompiled_calls(TinyLayer(), grad=False) == fallbacks  # a second variant: only with room for it
     torch._dynamo.reset()
     compiled_decoder.compiled_forward.cache_clear()
 
