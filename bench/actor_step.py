@@ -13,7 +13,8 @@ weights), and the kernel-time breakdown by category (``step_profile``). Random w
         [--budget-gib 40] [--out DIR] [--mcore-experts auto|grouped|quack|sequential] [--mcore-fused auto|on|off]
         [--mcore-swiglu auto|quack|off] [--mcore-recompute auto|selective|full|none]
 
-A path name with " fa4" appended runs that path with FlashAttention-4 (see ``FA4_SUFFIX``).
+A path name with " fa4" appended runs that path with FlashAttention-4 (see ``FA4_SUFFIX``). "actorcore fused quack-mlp
+offload" moves the first ``--offload-layers`` layers' checkpointed inputs to the host (``offload_activations``).
 
 Under ``torchrun --nproc-per-node N`` (NCCL on N GPUs; gloo on the CPU with ``--model tiny``) the actorcore paths run
 with FSDP2 (``fully_shard`` per decoder layer and the root), each rank on its share of the sequences (every N-th,
@@ -56,6 +57,7 @@ MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B)
 PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-experts", "actorcore fused no-ckpt",
          "actorcore fused quack-experts", "actorcore fused quack-experts no-ckpt",
          "actorcore fused quack-mlp", "actorcore fused quack-mlp no-gate-up", "actorcore fused quack-mlp no-ckpt",
+         "actorcore fused quack-mlp offload",
          "transformers padded", "transformers packed", "transformers+liger padded", "megatron before", "megatron")
 # On MoE models "actorcore fused" and "actorcore fused no-ckpt" run actorcore's gather-only experts path
 # (``moe_experts="grouped"``, the default under the compiled decoder), "actorcore fused transformers-experts" transformers'
@@ -429,6 +431,8 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--budget-gib", type=float, default=40.0)
     parser.add_argument("--pack-tokens", type=int, default=32768)
+    parser.add_argument("--offload-layers", type=int, default=28,
+                        help="the '... offload' path: how many of the first layers' checkpointed inputs go to the host")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--first-timeout", type=float, default=120.0, help="one timed call if the first is slower")
@@ -492,11 +496,14 @@ def main() -> None:
             moe = bool(getattr(model.config, "num_experts", None))
             experts = "grouped" if moe and fused and "transformers-experts" not in name else False
             experts = "quack" if "quack-experts" in name else experts
+            # offload: the first --offload-layers layers' checkpointed inputs to the host ("auto" compiles no layer
+            # with offload asked for, so the compiled decoder is asked for by name)
+            offload = min(args.offload_layers, model.config.num_hidden_layers) if "offload" in name else False
             try:
-                handle = ac.patch_model(model, compiled_decoder="auto" if fused else False, checkpointing=ckpt,
-                                        memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
+                handle = ac.patch_model(model, compiled_decoder=(True if offload else "auto") if fused else False,
+                                        checkpointing=ckpt, memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
                                         moe_experts=experts, swiglu_mlp="quack" if "quack-mlp" in name else False,
-                                        attention_backend=attention)
+                                        attention_backend=attention, offload_activations=offload)
             except ValueError as refused:  # e.g. FA4 where it cannot run: a result, not the end of the run
                 rows.append({"path": name, "error": f"refused: {refused}"})
                 print(f"[row] {json.dumps(rows[-1])}", flush=True)
