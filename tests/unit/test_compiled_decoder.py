@@ -18,6 +18,7 @@ from support.decoder_steps import seeded_batch, train_step
 
 import actorcore as ac
 import actorcore.hf.features.compiled_decoder as compiled_decoder
+import actorcore.kernels.compiled_graphs as compiled_graphs
 from actorcore.hf.features.checkpointing import UNCHECKPOINTED_LAYERS
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.features.compiled_decoder import COMPILED_TRACE_KEY, CompiledLayerForward
@@ -243,7 +244,7 @@ def test_compiled_graphs_report_attention_to_the_call_that_ran_them(monkeypatch)
 def test_a_layer_dynamo_runs_uncompiled_is_counted_and_refused(monkeypatch):
     """Past Dynamo's recompile limit torch.compile runs a frame's Python eagerly with only a log line. A compiled
     layer call in which no compiled graph ran counts under ``EAGER_FALLBACK_TRACE_KEY``: here the variants' room
-    (``COMPILED_VARIANTS_LIMIT``) is one graph, so the second variant (gradients off) runs uncompiled and is
+    (``kernels.compiled_graphs.VARIANTS_LIMIT``) is one graph, so the second variant (gradients off) runs uncompiled and is
     counted; with the room of two it compiles and is not. Then a patched model whose compiled forwards run no graph
     is refused."""
     from actorcore.hf.call import TRACE_KWARG, TraceRef
@@ -258,7 +259,7 @@ def test_a_layer_dynamo_runs_uncompiled_is_counted_and_refused(monkeypatch):
         return trace[compiled_decoder.EAGER_FALLBACK_TRACE_KEY]
 
     for room, fallbacks in ((1, 1), (2, 0)):
-        monkeypatch.setattr(compiled_decoder, "COMPILED_VARIANTS_LIMIT", room)
+        monkeypatch.setattr(compiled_graphs, "VARIANTS_LIMIT", room)
         torch._dynamo.reset()
         compiled_decoder.compiled_forward.cache_clear()
         with torch._dynamo.config.patch(recompile_limit=1):  # a config module: monkeypatch would delete it after

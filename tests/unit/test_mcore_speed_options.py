@@ -79,6 +79,35 @@ def test_compiled_layers_resolve_and_refuse():
             resolve_compiled_layers(bad, config, torch.float32)
 
 
+def test_a_compiled_region_dynamo_runs_uncompiled_is_refused(monkeypatch):
+    """The compiled layers' regions (``fused_ops.compiled``): past Dynamo's recompile limit torch.compile would run
+    them uncompiled with only a log line. With room for one graph, the second variant (gradients off) raises; with
+    room for two it compiles, per element the eager function."""
+    import actorcore.kernels.compiled_graphs as compiled_graphs
+    from actorcore.errors import PatchNotAppliedError
+    from actorcore.mcore.build import fused_ops
+
+    def shifted_relu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x * w) + 1
+
+    x, w = torch.randn(5, 4), torch.full((4,), 0.5, requires_grad=True)
+    for room in (1, 2):
+        monkeypatch.setattr(compiled_graphs, "VARIANTS_LIMIT", room)
+        torch._dynamo.reset()
+        fused_ops.compiled.cache_clear()
+        region = fused_ops.compiled(shifted_relu)
+        with torch._dynamo.config.patch(recompile_limit=1):  # a config module: monkeypatch would delete it after
+            assert torch.equal(region(x, w), shifted_relu(x, w))  # the first graph
+            with torch.no_grad():
+                if room == 1:
+                    with pytest.raises(PatchNotAppliedError, match="compiled shifted_relu ran no compiled graph"):
+                        region(x, w)
+                else:
+                    assert torch.equal(region(x, w), shifted_relu(x, w))
+    torch._dynamo.reset()
+    fused_ops.compiled.cache_clear()
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(13, 6, 2), (1, 4, 1), (40, 8, 8), (7, 128, 8)])
 def test_gather_dispatch_moves_rows_as_megatron_permute_and_unpermute(tokens, experts, top_k):
     """The gather-only dispatcher's rows are megatron-core's (``moe_utils.permute``: by expert, tokens ascending);

@@ -3,7 +3,8 @@ packed and ring attention (``attention/``: FlashAttention-4, flash-attn 2, torch
 chosen in ``attention.backends``), packed linear attention (``linear_attention/``), quack's Hopper GEMMs with fused
 epilogues for MoE experts and SwiGLU MLPs (``quack/``, behind its one availability probe
 ``quack.runtime.quack_refusal``); one-file concerns beside them: ``tiled_mlp``, ``batch_invariant``, ``precision``
-(autocast-free fp32 numerics, the critic's value head), ``trace``, ``selective_checkpoint`` (the selective
+(autocast-free fp32 numerics, the critic's value head), ``trace``, ``compiled_graphs`` (room for a compiled region's
+graph variants, and graphs that report their runs), ``selective_checkpoint`` (the selective
 checkpointing policy), ``recomputed_input`` (an op keeping a norm's input and recomputing its output), the MoE token moves ``moe_permute``, grouped GEMMs over rows sorted by expert
 (``grouped_gemm``) and the MXFP4 weights of gpt-oss checkpoints (``mxfp4``).
 

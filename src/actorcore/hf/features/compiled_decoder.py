@@ -41,6 +41,7 @@ from actorcore.hf.features.attention import IN_GRAPH_KWARG, PACKED_ATTENTION, gr
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.instance_forwards import install_forwards
 from actorcore.hf.features.plan import STANDS_DOWN, Conflict, FeatureOption, PlanFacts, check_choice
+from actorcore.kernels.compiled_graphs import VARIANTS_LIMIT, ReportingGraph, variant_room
 
 logger = logging.getLogger(__name__)
 
@@ -176,11 +177,11 @@ class CompiledLayer:
     def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
-        backends = graph_attention_backends(gm.graph)
+        backends = frozenset(graph_attention_backends(gm.graph))
         self.graphs += 1
         self.attention_backends |= backends
         self.graphs_with_attention += bool(backends)
-        return ReportingGraph(compile_fx(gm, example_inputs), frozenset(backends))
+        return ReportingGraph(compile_fx(gm, example_inputs), functools.partial(_graph_ran, backends))
 
 
 class GraphRuns:
@@ -202,23 +203,15 @@ _LAYER_CALL: contextvars.ContextVar[GraphRuns | None] = contextvars.ContextVar("
                                                                                default=None)
 
 
-class ReportingGraph:
-    """A compiled graph that notes each run in the layer call it runs in, with the packed attention's ``backends``
-    where it holds that attention (empty: it does not)."""
-
-    def __init__(self, compiled: Callable, backends: frozenset[str]) -> None:
-        self.compiled = compiled
-        self.backends = backends
-        self._boxed_call = getattr(compiled, "_boxed_call", False)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        runs = _LAYER_CALL.get()
-        if runs is not None:
-            runs.graphs += 1
-            if self.backends:
-                runs.with_attention += 1
-                runs.backends |= self.backends
-        return self.compiled(*args, **kwargs)
+def _graph_ran(backends: frozenset[str]) -> None:
+    """A compiled graph's run, noted in the layer call it runs in, with the packed attention's ``backends`` where
+    the graph holds that attention (empty: it does not)."""
+    runs = _LAYER_CALL.get()
+    if runs is not None:
+        runs.graphs += 1
+        if backends:
+            runs.with_attention += 1
+            runs.backends |= backends
 
 
 @functools.cache
@@ -244,24 +237,16 @@ def recompute_pointwise() -> contextlib.AbstractContextManager:
     return config.patch(ban_recompute_materialized_backward=False)
 
 
-# Graphs one layer class's compiled forward may hold: its variants multiply (gradients on or off, training or eval,
-# the MLP's gate/up output kept or made again, each attention backend, every model of the class in the process), and
-# Dynamo's default limit of 8 would run the ninth variant uncompiled. Past this one the call is refused
-# (``CompiledDecoder.check``), never run uncompiled in silence.
-COMPILED_VARIANTS_LIMIT = 64
-
-
 @contextlib.contextmanager
 def compile_settings() -> Iterator[None]:
     """What the compiled layers are traced and run under: the partitioner recomputing pointwise work
     (``recompute_pointwise``), floats specialised (Dynamo's ``specialize_float``): a layer's float attributes
     (norm eps, attention scale, dropout) are constants of its graph, guarded, rather than graph inputs, so the
     attention traced into the graph hands torch's varlen op its scale as a number; and room for the graph variants
-    (``COMPILED_VARIANTS_LIMIT``, never below the process's own setting)."""
+    (``kernels.compiled_graphs.variant_room``)."""
     dynamo = torch._dynamo.config
     floats = dynamo.patch(specialize_float=True) if hasattr(dynamo, "specialize_float") else contextlib.nullcontext()
-    variants = dynamo.patch(recompile_limit=max(dynamo.recompile_limit, COMPILED_VARIANTS_LIMIT))
-    with recompute_pointwise(), floats, variants:
+    with recompute_pointwise(), floats, variant_room():
         yield
 
 
@@ -359,5 +344,5 @@ class CompiledDecoder(DecoderFeature):
             raise PatchNotAppliedError(
                 f"{uncompiled} compiled decoder layer calls of {call.model_name} ran no compiled graph: torch.compile "
                 "ran them uncompiled (past torch._dynamo.config.recompile_limit, here at least "
-                f"{COMPILED_VARIANTS_LIMIT} variants of one layer class, or a frame Dynamo skipped; its log says "
+                f"{VARIANTS_LIMIT} variants of one layer class, or a frame Dynamo skipped; its log says "
                 "which); refusing to continue unfused. Raise the limit, or pass compiled_decoder=False")

@@ -33,6 +33,9 @@ from typing import Any, Callable
 
 import torch
 
+from actorcore.errors import PatchNotAppliedError
+from actorcore.kernels.compiled_graphs import VARIANTS_LIMIT, GraphRunCounter, variant_room
+
 
 def residual_add(out: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
     """``residual + (out + bias)``: Megatron's ``bias_dropout_add`` with dropout 0."""
@@ -105,14 +108,28 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def compiled(fn: Callable) -> Callable:
     """``fn`` compiled by Inductor with a symbolic token count and every other size static (one compilation per
     function, cached): the first dim of each tensor argument is marked dynamic (tokens or rows; a bias whose first dim
-    is a width is then specialised by the shape it meets, without a recompilation)."""
-    inner = torch.compile(fn)
+    is a width is then specialised by the shape it meets, without a recompilation). A call in which no compiled graph
+    ran (Dynamo past its recompile limit runs ``fn`` uncompiled, with only a log line) raises; inside another compiled
+    region the call is traced into that one's graph."""
+    graphs = GraphRunCounter()
+    inner = torch.compile(fn, backend=graphs)
 
     @functools.wraps(fn)
     def run(*args: Any) -> Any:
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim():
                 torch._dynamo.maybe_mark_dynamic(a, 0)
-        return inner(*args)
+        if torch.compiler.is_compiling():
+            return inner(*args)
+        before = graphs.runs
+        with variant_room():
+            out = inner(*args)
+        if graphs.runs == before:
+            raise PatchNotAppliedError(
+                f"the Megatron route's compiled {fn.__name__} ran no compiled graph: torch.compile ran it uncompiled "
+                f"(past torch._dynamo.config.recompile_limit, here at least {VARIANTS_LIMIT} variants, or a frame "
+                "Dynamo skipped; its log says which); refusing to continue unfused. Raise the limit, or build the "
+                "model with compiled_layers=False")
+        return out
 
     return run
