@@ -161,8 +161,9 @@ def original_forward(layer_class: type) -> Callable:
 class CompiledLayer:
     """``torch.compile`` of one layer class's forward (Inductor, symbolic token count), shared by all its layers
     (they are its first argument) and by every model of the class in the process: one compilation. Its backend
-    notes which attention backends' ops each captured graph calls (``graph_attention_backends``) and makes each such
-    graph, when it runs, say so to the layer call it runs in (``GraphRuns``): a layer whose attention was traced into
+    notes which attention backends' ops each captured graph calls (``graph_attention_backends``) and makes each
+    graph, when it runs, say so to the layer call it runs in (``GraphRuns``: that a graph ran, and the attention it
+    held): a layer whose attention was traced into
     its graph cannot count that call itself, so the compiled layer counts it (and the backend) for the graph, from what
     ran in this call, never from what an earlier model or another backend request compiled. ``graphs`` /
     ``graphs_with_attention`` / ``attention_backends`` describe the captures (for tests and benchmarks; no check
