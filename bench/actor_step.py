@@ -378,7 +378,7 @@ def global_row(row: dict, total_tokens: int) -> dict:
     return row
 
 
-def run_path(name, model, step, tokens, active, profile, repeats, first_timeout):
+def run_path(name, model, step, tokens, active, profile, repeats, first_timeout, warmup=0):
     row = {"path": name}
     cuda = torch.cuda.is_available()
     try:
@@ -392,7 +392,12 @@ def run_path(name, model, step, tokens, active, profile, repeats, first_timeout)
         sync()
         row["first_call_s"] = time.perf_counter() - start
         times = []
-        for _ in range(repeats if row["first_call_s"] < first_timeout else 0):
+        fast_enough = row["first_call_s"] < first_timeout
+        for _ in range(warmup if fast_enough else 0):  # untimed: plans from measured bytes meet their variants here
+            model.zero_grad(set_to_none=True)
+            step()
+            sync()
+        for _ in range(repeats if fast_enough else 0):
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             lp = step()
@@ -435,6 +440,8 @@ def main() -> None:
                         help="the '... offload' path: how many of the first layers' checkpointed inputs go to the host")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="untimed steps after the first call (the plan of a budget changes once layers are measured)")
     parser.add_argument("--first-timeout", type=float, default=120.0, help="one timed call if the first is slower")
     parser.add_argument("--profile", default="actorcore before,actorcore fused", help="paths to profile")
     parser.add_argument("--single-json", default=None, help="one-GPU results, for the FSDP2 scaling efficiency")
@@ -531,7 +538,7 @@ def main() -> None:
             packed = order if name == "transformers packed" else None
             step = transformers_step(model, sequences, advs, device, args.micro_batch, packed)
         with whole_layers_only() if "no-gate-up" in name else contextlib.nullcontext():
-            row = run_path(name, runner, step, tokens, active, profile, args.repeats, args.first_timeout)
+            row = run_path(name, runner, step, tokens, active, profile, args.repeats, args.first_timeout, args.warmup)
         if getattr(step, "packs_seen", None) and "peak_gib" in row:  # per pack of the first and the last call
             row["peak_gib"] = max(p or 0.0 for call in step.packs_seen for _, p, _ in call)
             row["packs_first_call"], row["packs_last_call"] = step.packs_seen[0], step.packs_seen[-1]
