@@ -14,7 +14,8 @@ weights), and the kernel-time breakdown by category (``step_profile``). Random w
         [--mcore-swiglu auto|quack|off] [--mcore-recompute auto|selective|full|none]
 
 A path name with " fa4" appended runs that path with FlashAttention-4 (see ``FA4_SUFFIX``). "actorcore fused quack-mlp
-offload" moves the first ``--offload-layers`` layers' checkpointed inputs to the host (``offload_activations``).
+offload" moves checkpointed inputs to the host (``offload_activations``): ``--offload-layers auto`` (default) those of
+the layers the budget's plan fully checkpoints, K those of the first K layers.
 
 Under ``torchrun --nproc-per-node N`` (NCCL on N GPUs; gloo on the CPU with ``--model tiny``) the actorcore paths run
 with FSDP2 (``fully_shard`` per decoder layer and the root), each rank on its share of the sequences (every N-th,
@@ -165,7 +166,7 @@ def actorcore_step(model, packs, advs, device):
             res = ac.compute_loss(model, b, lambda lp, ent, adv: -(lp * adv), (a,), entropy=False, trace=trace)
             res.loss.backward()
             out.append(res.logprob.detach().float())
-            modes = {k.split(":")[1]: trace[k] - before[k] for k in CHECKPOINT_KEYS if trace[k] - before[k]}
+            modes = {PACK_KEYS[k]: trace[k] - before[k] for k in PACK_KEYS if trace[k] - before[k]}
             packs_seen[-1].append((b.num_tokens, peak.read(), modes))
         return [lp.cpu() for lp in out]  # after the last pack: no host sync between packs
     step.trace = trace  # the last step's kernels, compiled layers and checkpointing modes
@@ -173,8 +174,10 @@ def actorcore_step(model, packs, advs, device):
     return step
 
 
-CHECKPOINT_KEYS = ("checkpoint:full_layers", "checkpoint:compiled_layers_kept", "checkpoint:gate_up_layers",
-                   "checkpoint:selective_layers")
+# What each pack's plan ran: layers per checkpointing mode, and the layers whose input activation offload moved.
+PACK_KEYS = {"checkpoint:full_layers": "full_layers", "checkpoint:compiled_layers_kept": "compiled_layers_kept",
+             "checkpoint:gate_up_layers": "gate_up_layers", "checkpoint:selective_layers": "selective_layers",
+             "offload:layers": "offloaded_layers"}
 
 
 class PackPeak:
@@ -427,6 +430,11 @@ def run_path(name, model, step, tokens, active, profile, repeats, first_timeout,
     return row
 
 
+def offload_layers(value: str) -> int | str:
+    """``--offload-layers``: "auto" or a positive number of layers."""
+    return value if value == "auto" else int(value)
+
+
 def main() -> None:
     import actorcore as ac
 
@@ -436,8 +444,9 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--budget-gib", type=float, default=40.0)
     parser.add_argument("--pack-tokens", type=int, default=32768)
-    parser.add_argument("--offload-layers", type=int, default=28,
-                        help="the '... offload' path: how many of the first layers' checkpointed inputs go to the host")
+    parser.add_argument("--offload-layers", type=offload_layers, default="auto",
+                        help="the '... offload' path: 'auto' (the layers the plan fully checkpoints) or how many of "
+                             "the first layers' checkpointed inputs go to the host")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=0,
@@ -503,9 +512,13 @@ def main() -> None:
             moe = bool(getattr(model.config, "num_experts", None))
             experts = "grouped" if moe and fused and "transformers-experts" not in name else False
             experts = "quack" if "quack-experts" in name else experts
-            # offload: the first --offload-layers layers' checkpointed inputs to the host ("auto" compiles no layer
-            # with offload asked for, so the compiled decoder is asked for by name)
-            offload = min(args.offload_layers, model.config.num_hidden_layers) if "offload" in name else False
+            # offload: --offload-layers ("auto" or the first K) layers' checkpointed inputs to the host
+            # (compiled_decoder="auto" compiles no layer with offload asked for, so the compiled decoder is asked for
+            # by name)
+            offload = False
+            if "offload" in name:
+                offload = (args.offload_layers if args.offload_layers == "auto"
+                           else min(args.offload_layers, model.config.num_hidden_layers))
             try:
                 handle = ac.patch_model(model, compiled_decoder=(True if offload else "auto") if fused else False,
                                         checkpointing=ckpt, memory_budget_gib=args.budget_gib if ckpt == "auto" else None,
@@ -551,7 +564,8 @@ def main() -> None:
                 row["max_dlp_vs_fp32"] = max((a - b).abs().max().item() for a, b in zip(lp, ref_seq))
         if handle is not None or base.startswith("megatron"):
             row["trace"] = {k: v for k, v in step.trace.items() if k.split(":")[0] in (
-                "compiled_decoder", "checkpoint", "moe_experts", "swiglu_mlp", "attention", "varlen_attention", "mcore")}
+                "compiled_decoder", "checkpoint", "moe_experts", "swiglu_mlp", "attention", "varlen_attention", "mcore",
+                "offload")}
         if handle is not None:
             row["measured_bytes_per_token"] = measured_layer_bytes(model)
             row["attention_backend"] = handle.plan["attention"].line()

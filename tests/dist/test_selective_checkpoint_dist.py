@@ -42,7 +42,7 @@ def _bitwise(a, b):
 
 def _two_layer_budget(model, tokens):
     """A budget (GiB) with room for exactly two kept layers (the planner's rule: the checkpointed inputs and 1 GiB
-    of slack, then the kept layers and the gradients of one)."""
+    of slack, then the kept layers and the gradients of one), the weight gradients already there."""
     from actorcore.hf.features.checkpointing import layer_bytes_per_token
 
     config = model.config
@@ -64,6 +64,8 @@ def _worker(rank, world_size):
     runs = []
     for mode in ("full", "selective", "auto"):
         model = build_tiny_model("llama", seed=3, num_hidden_layers=3)
+        for param in model.parameters():  # a later micro-batch: the gradients are there
+            param.grad = torch.zeros_like(param)
         budget = _two_layer_budget(model, shard_tokens) if mode == "auto" else None
         ac.patch_model(model, parallel=ctx, tiled_mlp_shards=3, offload_activations=True, checkpointing=mode,
                        memory_budget_gib=budget)

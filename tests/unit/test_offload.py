@@ -103,7 +103,8 @@ def test_offload_refuses_or_fails_loudly_without_checkpointing():
     with pytest.raises(ValueError, match="use_reentrant=False"):
         ac.patch_model(checkpointed(build_tiny_model("llama"), reentrant=True), offload_activations=True)
     for bad, message in ((0, "between 1 and 2 decoder layers"), (3, "between 1 and 2 decoder layers"),
-                         (1.5, "True, False or a number of decoder layers"), ("all", "True, False or a number")):
+                         (1.5, "True, False, 'auto' or a number of decoder layers"),
+                         ("all", "True, False, 'auto' or a number"), ("Auto", "True, False, 'auto' or a number")):
         with pytest.raises(ValueError, match=message):
             ac.patch_model(checkpointed(build_tiny_model("llama")), offload_activations=bad)
 
@@ -152,6 +153,43 @@ def test_partial_offload_is_bitwise_and_reuses_host_blocks():
             assert trace[OFFLOAD_HOST_ALLOCATED] == 0 and POOL.allocated_blocks == blocks
     handle.revert()
     assert POOL.idle_bytes == 0, "reverting the offload patch frees the idle host blocks"
+
+
+def test_auto_offloads_the_layers_the_budget_fully_checkpoints():
+    """``offload_activations="auto"`` moves, in each call, the inputs of the leading layers that
+    ``checkpointing="auto"`` fully checkpoints, and the plan counts them off the device: a budget that keeps two
+    layers only with the others' inputs away. Bitwise the same step; refused without ``checkpointing="auto"``."""
+    from actorcore.hf.features.checkpointing import layer_bytes_per_token
+
+    batch = seeded_batch()
+    plain = checkpointed(build_tiny_model("llama", seed=3, num_hidden_layers=6))
+    model = checkpointed(build_tiny_model("llama", seed=3, num_hidden_layers=6))
+    for params in (plain.parameters(), model.parameters()):  # a later micro-batch: every gradient already there
+        for param in params:
+            param.grad = torch.zeros_like(param)
+    kept, inp = (b * batch.num_tokens for b in layer_bytes_per_token(model.config, 4, fused=False))
+    # Two inputs under way, two kept layers with their inputs and the second's gradients; with every input on the
+    # device (no offload), less than a layer's recompute.
+    budget = 2**30 + 2 * inp + 2 * (kept + inp) + kept + 1
+    ac.patch_model(plain)
+    handle = ac.patch_model(model, checkpointing="auto", memory_budget_gib=budget / 2**30,
+                            offload_activations="auto")
+    assert handle.plan.value("offload_activations") == "auto"
+    trace = Counter()
+    assert_bitwise(train_step(model, batch, trace), train_step(plain, batch, Counter()))
+    assert trace["checkpoint:full_layers"] == 4 and trace["checkpoint:selective_layers"] == 2
+    assert trace[OFFLOAD_LAYERS] == 4 and trace[OFFLOAD_KEPT] == 2 and trace[OFFLOAD_TENSORS] == 4
+    assert trace[OFFLOAD_BYTES] == inp * 4
+    handle.revert()
+    with pytest.warns(UserWarning, match="cannot be met"):  # the same budget without offload keeps none
+        ac.patch_model(model, checkpointing="auto", memory_budget_gib=budget / 2**30)
+        trace = Counter()
+        train_step(model, batch, trace)
+    assert trace["checkpoint:full_layers"] == 6
+    for asked in ({}, {"checkpointing": "full"}):
+        with pytest.raises(ValueError, match=r"offload_activations='auto' offloads the layers that "
+                                             r"checkpointing='auto' fully checkpoints.*pass checkpointing='auto'"):
+            ac.patch_model(checkpointed(build_tiny_model("llama")), offload_activations="auto", **asked)
 
 
 class _InterruptAt:

@@ -21,6 +21,7 @@ from actorcore.hf.features.checkpointing import (
     SELECTIVE_LAYERS,
     CallShape,
     CheckpointPlan,
+    gradients_to_come,
     head_gradient_bytes,
     layer_bytes_per_token,
     layer_forward_flops,
@@ -115,28 +116,100 @@ def test_auto_mixes_layers_to_the_budget_and_stays_bitwise():
     kept, _ = layer_bytes_per_token(config, 2, fused=False)
     base = plan_layer_modes(CheckpointPlan("auto", 0.0), [False] * layers, CallShape(batch.num_tokens, 2, 0), config)
     assert base == ["full"] * layers  # no room: all fully checkpointed
-    # Room for 3 layers above the checkpointed inputs, the head's weight gradient and the slack: a fully
-    # checkpointed step's recompute, or two kept layers and the gradients of the one in backward. The last two
-    # layers run selectively.
+    # Room for 3 layers above the checkpointed inputs and the slack: a fully checkpointed step's recompute, or two
+    # kept layers and the gradients of the one in backward. The last two layers run selectively.
     ckpt_inputs = layers * config.hidden_size * 2 * batch.num_tokens
-    head = head_gradient_bytes(model)
-    assert head == config.vocab_size * config.hidden_size * 2  # the tiny model's untied head, bf16
-    budget = ckpt_inputs + head + 2**30 + 3 * kept * batch.num_tokens + 1
-    shape = CallShape(batch.num_tokens, 2, 0, head_bytes=head)
+    budget = ckpt_inputs + 2**30 + 3 * kept * batch.num_tokens + 1
+    shape = CallShape(batch.num_tokens, 2, 0)
     modes = plan_layer_modes(CheckpointPlan("auto", budget), [False] * layers, shape, config)
     assert modes == ["full"] * (layers - 2) + ["selective"] * 2
     tight = plan_layer_modes(CheckpointPlan("auto", budget - 2), [False] * layers, shape, config)
     assert tight == ["full"] * layers  # under 3 layers of room nothing is kept
-    model.lm_head.weight.requires_grad_(False)  # a frozen head forms no gradient: its bytes are room again
-    assert head_gradient_bytes(model) == 0.0
-    model.lm_head.weight.requires_grad_(True)
-    full, auto, trace = _full_then(model, batch, checkpointing="auto", memory_budget_gib=budget / 2**30)
-    assert_bitwise(full, auto)
-    assert trace[SELECTIVE_LAYERS] == 2 and trace[FULL_LAYERS] == layers - 2
+    # A step's first call allocates every gradient anew: where the kept layers' backward runs, only the last layers'
+    # and the head's exist, so with room for all of them at the first layer's backward it keeps more.
+    grads, head_grad = gradients_to_come(model, list(model.model.layers))
+    budget += sum(grads) + head_grad
+    first_call = plan_layer_modes(CheckpointPlan("auto", budget), [False] * layers,
+                                  CallShape(batch.num_tokens, 2, 0, head_bytes=head_gradient_bytes(model),
+                                            grads_to_come=grads, head_grad_to_come=head_grad), config)
+    assert first_call == ["selective"] * layers  # (the tiny model's gradients outweigh its activations)
+    handle = ac.patch_model(model, checkpointing="full")
+    want = [train_step(model, batch, Counter()) for _ in range(2)]  # the second accumulates into the first
+    handle.revert()
+    model.zero_grad(set_to_none=True)
+    handle = ac.patch_model(model, checkpointing="auto", memory_budget_gib=budget / 2**30)
+    traces = [Counter(), Counter()]
+    got = [train_step(model, batch, trace) for trace in traces]
+    handle.revert()
+    for a, b in zip(want, got):
+        assert_bitwise(a, b)
+    assert traces[0][SELECTIVE_LAYERS] == layers and traces[0][FULL_LAYERS] == 0
+    # (the second call plans with the allocator's count of the gradients now there: on CUDA only)
     roomy = plan_layer_modes(CheckpointPlan("auto", 1e15), [False] * layers, CallShape(batch.num_tokens, 2, 0), config)
     assert roomy == ["selective"] * layers
     fused = plan_layer_modes(CheckpointPlan("auto", 1e15), [True] * layers, CallShape(batch.num_tokens, 2, 0), config)
     assert fused == ["none"] * layers  # a compiled layer keeps its compiled graph's tensors instead
+
+
+def test_auto_counts_the_head_gradient_and_the_gradients_still_to_come():
+    """The LM head's weight gradient is alive beside every kept layer until the last layer's backward (not with it);
+    a call whose gradients are not yet allocated (a step's first micro-batch) counts each one from where backward
+    makes it: the head's from the start, a layer's from its own backward on; the fully checkpointed layers' backward
+    comes after all of them."""
+    model = build_tiny_model("qwen3", seed=4, dtype=torch.bfloat16, num_hidden_layers=4).train()
+    config, layers, tokens = model.config, model.config.num_hidden_layers, 100
+    kept = layer_bytes_per_token(config, 2, fused=False)[0] * tokens
+    base = layers * config.hidden_size * 2 * tokens + 2**30
+
+    def plan(room, **shape):
+        return plan_layer_modes(CheckpointPlan("auto", base + room), [False] * layers, CallShape(tokens, 2, 0, **shape),
+                                config)
+
+    # Four kept layers: 4 kept + the last one's gradients at its backward.
+    assert plan(5 * kept + 1) == ["selective"] * 4
+    assert plan(5 * kept + 1, head_bytes=kept) == ["selective"] * 4  # the head's gradient, gone before that peak
+    assert plan(5 * kept + 1, head_bytes=1.5 * kept) == ["full"] + ["selective"] * 3  # 4 kept + 1.5 before backward
+    # The head's gradient allocated anew stays (it becomes .grad): at the last layer's backward too.
+    assert plan(5 * kept + 1, head_bytes=kept, head_grad_to_come=kept) == ["full"] + ["selective"] * 3
+    # Each layer's gradients from its backward on: the fully checkpointed layers' backward has all of them.
+    with pytest.warns(UserWarning, match="cannot be met"):
+        assert plan(3 * kept + 1, grads_to_come=(kept / 8,) * layers) == ["full"] * layers
+    assert plan(3.5 * kept + 1, grads_to_come=(kept / 8,) * layers) == ["full"] * 2 + ["selective"] * 2
+
+    grads, head = gradients_to_come(model, list(model.model.layers))
+    per_layer = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers]
+    assert grads == tuple(per_layer) and head == head_gradient_bytes(model)
+    assert head == config.vocab_size * config.hidden_size * 2  # the tiny model's untied head, bf16
+    train_step(model, seeded_batch(), Counter())  # now every gradient is allocated: nothing more to come
+    assert gradients_to_come(model, list(model.model.layers)) == ((0.0,) * layers, 0.0)
+    model.zero_grad(set_to_none=True)
+    model.lm_head.weight.requires_grad_(False)  # a frozen head forms no gradient
+    assert head_gradient_bytes(model) == 0.0 and gradients_to_come(model, list(model.model.layers))[1] == 0.0
+
+
+def test_auto_counts_offloaded_inputs_off_the_gpu():
+    """With activation offload the moved inputs are not on the GPU but for the two under way: K (the first K
+    layers, a compiled one among them fully checkpointed), or ``"auto"``, where a kept layer's input stays with it
+    and only the fully checkpointed (leading) layers' move."""
+    config = build_tiny_model("qwen3", num_hidden_layers=8).config
+    tokens, layers = 100, 8
+    kept, inp = (b * tokens for b in layer_bytes_per_token(config, 2, fused=False))
+
+    def plan(room, fused=False, **kwargs):
+        budget = 2**30 + room
+        return plan_layer_modes(CheckpointPlan("auto", budget), [fused] * layers, CallShape(tokens, 2, 0), config,
+                                **kwargs)
+
+    # The first four offloaded: four inputs on the GPU and two under way, then room for two kept layers.
+    room = 6 * inp + 3 * kept + 1
+    assert plan(room, offloaded=4) == ["full"] * 6 + ["selective"] * 2
+    with pytest.warns(UserWarning, match="cannot be met"):
+        assert plan(room) == ["full"] * layers  # all eight inputs on the GPU: no room
+    assert plan(8 * inp + 3 * kept + 1, fused=True, offloaded=4)[:4] == ["full"] * 4  # compiled: not kept among them
+    # "auto": two under way, and each kept layer with its input (at the second's backward: two of each, its gradients).
+    room = 2 * inp + 2 * (kept + inp) + kept + 1
+    assert plan(room, offloaded="auto") == ["full"] * 6 + ["selective"] * 2
+    assert plan(room - 2, offloaded="auto") == ["full"] * 7 + ["selective"]
 
 
 def test_auto_plans_with_what_the_kept_layers_were_measured_to_hold(monkeypatch):
@@ -159,7 +232,9 @@ def test_auto_plans_with_what_the_kept_layers_were_measured_to_hold(monkeypatch)
     for layer in model.model.layers:
         layer.mlp.register_forward_hook(hold)
     monkeypatch.setattr(checkpointing, "allocated_bytes_counter", lambda device: lambda: counter["bytes"])
-    budget = layers * config.hidden_size * 2 * tokens + head_gradient_bytes(model) + 2**30 + 3 * estimate * tokens + 1
+    for param in model.parameters():  # a later micro-batch: the gradients are there (and, here, not counted)
+        param.grad = torch.zeros_like(param)
+    budget = layers * config.hidden_size * 2 * tokens + 2**30 + 3 * estimate * tokens + 1
     handle = ac.patch_model(model, checkpointing="auto", memory_budget_gib=budget / 2**30)
     first, second = Counter(), Counter()
     train_step(model, batch, first)

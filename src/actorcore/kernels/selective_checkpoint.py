@@ -107,11 +107,16 @@ class KeptLayer:
 
 
 def cheapest_plan(budget_bytes: float, base_bytes: float, full_cost: Sequence[float], kept: Sequence[KeptLayer],
-                  partial: Sequence[KeptLayer | None] | None = None) -> list[str]:
+                  partial: Sequence[KeptLayer | None] | None = None, tail_bytes: float = 0.0,
+                  full_backward: float | None = None) -> list[str]:
     """Each layer's way, ``"full"``, ``"partial"`` or ``"kept"``, that redoes the least work in backward while the
     backward peak stays within ``budget_bytes`` above ``base_bytes`` (weights, gradients, the checkpointed inputs,
     slack). ``full_cost[i]``: the work of layer ``i``'s forward (what full checkpointing redoes); ``kept[i]``: the layer
     keeping its activations; ``partial[i]``: a way that keeps less and redoes part of the forward (None: none).
+    ``tail_bytes``: what is alive beside every kept layer after the last layer and before its backward (the LM head's
+    weight gradient), gone before it; ``full_backward``: what a fully checkpointed layer's backward needs once the
+    others are gone (default: 3 of the largest kept bytes, its recompute and gradients; more where gradients not
+    allocated when the call plans are all there by the first layer's backward).
 
     The plan is full layers first, then partial ones, then kept ones: backward runs the last layer first, freeing each
     layer after it; at layer j the kept and partial layers up to j are alive with j's own backward peak on top, so
@@ -123,7 +128,7 @@ def cheapest_plan(budget_bytes: float, base_bytes: float, full_cost: Sequence[fl
     room, largest = budget_bytes - base_bytes, max((k.kept for k in kept), default=0.0)
     if largest <= 0:  # keeping costs nothing
         room = max(room, 0.0)
-    elif room < 3 * largest:
+    elif room < (3 * largest if full_backward is None else full_backward):
         warnings.warn(f"a memory budget of {budget_bytes / 2**30:g} GiB cannot be met here: the weights, gradients "
                       "and the layers' checkpointed inputs leave no room for one layer's recompute, so every layer "
                       "is fully recomputed and the peak goes over the budget; raise the budget, pass fewer tokens "
@@ -131,7 +136,7 @@ def cheapest_plan(budget_bytes: float, base_bytes: float, full_cost: Sequence[fl
                       "model (FSDP2, activation offload, sequence parallelism)", UserWarning, stacklevel=3)
         return ["full"] * layers
     best_cost, best = float(sum(full_cost)), (0, 0)
-    kept_peak = 0.0
+    kept_peak = tail_bytes
     for n_kept in range(layers + 1):
         if n_kept:
             layer = kept[layers - n_kept]

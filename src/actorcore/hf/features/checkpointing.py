@@ -55,6 +55,9 @@ CHECKPOINT_MODES = ("full", "selective", "auto")
 FULL_LAYERS = "checkpoint:full_layers"
 SELECTIVE_LAYERS = "checkpoint:selective_layers"
 UNCHECKPOINTED_LAYERS = "checkpoint:compiled_layers_kept"
+# Offloaded inputs the planner still counts on the GPU: the one a layer's recompute reads and the one prefetched
+# ahead of it in backward (in the forward, each waits on the GPU only until its copy to the host is done).
+OFFLOAD_IN_FLIGHT = 2
 GATE_UP_LAYERS = "checkpoint:gate_up_layers"
 
 
@@ -141,7 +144,8 @@ def mean_context(cu_seqlens: torch.Tensor) -> float:
 class CallShape:
     """What a call's plan depends on beyond the model: tokens on this rank, bytes per element, bytes the allocator
     holds, the average attention context, per layer the intermediate width of the quack MLPs whose gate/up output
-    it may drop (``"gate_up"``; 0: none), and the head's weight gradient (``head_gradient_bytes``)."""
+    it may drop (``"gate_up"``; 0: none), the head's weight gradient (``head_gradient_bytes``) and the gradients
+    this call's backward allocates anew (``gradients_to_come``: per layer, and the head's)."""
 
     tokens: int
     element_bytes: int
@@ -149,21 +153,44 @@ class CallShape:
     context: float = 0.0
     gate_up_widths: tuple[int, ...] = ()
     head_bytes: float = 0.0
+    grads_to_come: tuple[float, ...] = ()
+    head_grad_to_come: float = 0.0
 
 
 def head_gradient_bytes(model: Any) -> float:
     """Bytes of the LM head's weight gradient: formed by the loss-fused head in the forward (by the log-prob head at
-    the start of backward) and alive beside every kept layer until autograd accumulates it, a whole ``[V, D]`` also
-    where ``.grad`` already holds one (1.2 GiB on the Qwen3-8B shape). 0 for a frozen head."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
+    the start of backward) and alive beside every kept layer until autograd accumulates it, before the last layer's
+    backward (1.2 GiB on the Qwen3-8B shape). 0 for a frozen head."""
+    weight = _head_weight(model)
+    if weight is None or not weight.requires_grad:
         return 0.0
     return float(weight.numel() * weight.element_size())
 
 
+def _head_weight(model: Any) -> torch.Tensor | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) else None
+
+
+def gradients_to_come(model: Any, layers: list[torch.nn.Module]) -> tuple[tuple[float, ...], float]:
+    """The weight-gradient bytes this call's backward allocates anew (parameters whose ``.grad`` is None: the
+    first micro-batch of a step): per decoder layer, each there from that layer's backward on, and the head's,
+    there from the start of backward. A later micro-batch accumulates into gradients the allocator already counts."""
+    def to_come(params: Any) -> float:
+        return float(sum(_local(p).numel() * p.element_size() for p in params if p.requires_grad and p.grad is None))
+
+    head = _head_weight(model)
+    return tuple(to_come(layer.parameters()) for layer in layers), to_come([head] if head is not None else [])
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter (a DTensor), else the parameter."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
 def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, config: Any,
-                     measured: dict[tuple[int, str], float] | None = None, offloaded: int = 0) -> list[str]:
+                     measured: dict[tuple[int, str], float] | None = None, offloaded: int | str = 0) -> list[str]:
     """Each layer's mode for one call: ``"full"``, ``"selective"``, ``"none"`` (a compiled layer under ``"auto"``,
     kept whole: its compiled graph keeps the matmul outputs and recomputes its pointwise work) or ``"gate_up"`` (a
     compiled layer with quack's gated MLP kept whole but for the MLP's ``[T, 2I]`` gate/up output, which its backward
@@ -172,9 +199,11 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
     Under ``"auto"`` the plan redoing the least forward work within the budget (``cheapest_plan``): a ``"gate_up"``
     layer redoes its gate/up GEMM, a ``"full"`` one its whole forward. ``measured``: bytes per token that layer ``i``
     was measured to keep in mode ``m`` beyond a checkpointed layer (``LayerBytesMeter``, earlier calls), used in place
-    of the estimate from the config. ``offloaded``: the leading layers whose checkpointed input activation offload
-    moves: ``"auto"`` keeps no fused layer among them (a compiled layer kept whole has no checkpointed input to move; a
-    selective one has)."""
+    of the estimate from the config. ``offloaded`` (activation offload): K, the leading layers whose checkpointed
+    input moves to the host, or ``"auto"``, every layer this plan fully checkpoints (the leading ones). Their inputs
+    are not counted on the GPU but for ``OFFLOAD_IN_FLIGHT`` of them; under K ``"auto"`` keeps no fused layer among
+    the K (a compiled layer kept whole has no checkpointed input to move; a selective one has), under ``"auto"`` a
+    layer's input counts with what it keeps, since only a full layer's moves."""
     kept = ["none" if f else "selective" for f in fused]
     if plan.mode == "full":
         return ["full"] * len(fused)
@@ -186,28 +215,41 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
     widths = shape.gate_up_widths or (0,) * len(fused)
     per_layer = [layer_bytes_per_token(config, element, f) for f in fused]
     full_cost = layer_forward_flops(config, shape.context)
-    keep_options, partial_options = [], []
-    for i, (mode, (estimate, _)) in enumerate(zip(kept, per_layer)):
+    follow = offloaded == "auto"
+    moved = len(fused) if follow else min(int(offloaded), len(fused))
+    # At a layer's backward, the gradients allocated anew from there on (its own, the later layers', the head's).
+    to_come = list(shape.grads_to_come or (0.0,) * len(fused)) + [shape.head_grad_to_come]
+    grads_from = [sum(to_come[i:]) for i in range(len(fused))]
+    keep_options, partial_options, whole = [], [], []
+    for i, (mode, (estimate, inp)) in enumerate(zip(kept, per_layer)):
         kept_bytes = measured.get((i, mode), estimate)
-        keep_options.append(KeptLayer(kept_bytes * tokens, kept_bytes * tokens))
+        whole.append(kept_bytes * tokens)
+        # Under "auto" offload a layer kept in any way keeps its input on the GPU; a full one's moves.
+        stays = inp * tokens if follow else 0.0
+        keep_options.append(KeptLayer(kept_bytes * tokens + stays, kept_bytes * tokens + grads_from[i]))
         if not (fused[i] and widths[i]):
             partial_options.append(None)
             continue
         preact = 2 * widths[i] * element
         partial_bytes = measured.get((i, "gate_up"), max(kept_bytes - preact, 0.0))
         # Its backward: its gradients (about a kept layer's bytes) and the pre-activation made again.
-        partial_options.append(KeptLayer(partial_bytes * tokens, (2 * kept_bytes - partial_bytes) * tokens,
+        partial_options.append(KeptLayer(partial_bytes * tokens + stays,
+                                         (2 * kept_bytes - partial_bytes) * tokens + grads_from[i],
                                          2.0 * config.hidden_size * 2 * widths[i]))
-    fused_offloaded = [i for i in range(min(offloaded, len(fused))) if fused[i]]
+    fused_offloaded = [] if follow else [i for i in range(moved) if fused[i]]
     for i in range(fused_offloaded[-1] + 1 if fused_offloaded else 0):
         # offloaded compiled layers stay fully checkpointed: no kept or partial way in front of them either
         keep_options[i] = KeptLayer(keep_options[i].kept, float("inf"))
         partial_options[i] = None
-    ckpt_input = sum(inp for _, inp in per_layer) * tokens
-    # Beside the kept layers: the layers' checkpointed inputs, the head's weight gradient and 1 GiB of slack (the
-    # head's chunk workspace).
-    base = shape.allocated_bytes + ckpt_input + shape.head_bytes + 2**30
-    ways = cheapest_plan(plan.budget_bytes, base, [full_cost] * len(fused), keep_options, partial_options)
+    on_gpu = sum(inp for _, inp in per_layer[moved:]) * tokens
+    in_flight = sum(sorted((inp for _, inp in per_layer[:moved]), reverse=True)[:OFFLOAD_IN_FLIGHT]) * tokens
+    # Beside the kept layers: the checkpointed inputs on the GPU (those moving: the few under way) and 1 GiB of slack
+    # (the head's chunk workspace); the head's weight gradient beside them until the last layer's backward.
+    base = shape.allocated_bytes + on_gpu + in_flight + 2**30
+    # A fully checkpointed layer's backward: its recompute and gradients, every layer's weight gradients there.
+    full_backward = 3 * max(whole, default=0.0) + (grads_from[0] if fused else 0.0)
+    ways = cheapest_plan(plan.budget_bytes, base, [full_cost] * len(fused), keep_options, partial_options,
+                         tail_bytes=shape.head_bytes, full_backward=full_backward)
     return [{"full": "full", "partial": "gate_up", "kept": mode}[way] for way, mode in zip(ways, kept)]
 
 
@@ -365,8 +407,9 @@ class Checkpointing(DecoderFeature):
         layers = call.parts.layers
         widths = tuple(sum(mlp.gate_proj.out_features for mlp in quack_mlps(layer)) if i in fused else 0
                        for i, layer in enumerate(layers)) if plan.mode == "auto" else ()
+        grads, head_grad = gradients_to_come(call.model, layers) if plan.mode == "auto" else ((), 0.0)
         shape = CallShape(tokens, param.element_size(), allocated, mean_context(call.batch.cu_seqlens), widths,
-                          head_gradient_bytes(call.model) if plan.mode == "auto" else 0.0)
+                          head_gradient_bytes(call.model) if plan.mode == "auto" else 0.0, grads, head_grad)
         call.checkpoint_modes = plan_layer_modes(plan, [i in fused for i in range(len(layers))], shape, config,
                                                  measured, call.patch.value("offload_activations"))
         meter = None

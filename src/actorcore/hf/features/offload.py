@@ -351,18 +351,31 @@ class OffloadedCheckpoint:
             return self.checkpoint_fn(fn, *args, **kwargs)
 
 
-def check_offload_layers(value: Any, num_layers: int, model_name: str) -> int:
-    """How many leading decoder layers ``offload_activations`` offloads (True: all, False: none, or an int)."""
+def check_offload_layers(value: Any, num_layers: int, model_name: str) -> int | str:
+    """How many leading decoder layers ``offload_activations`` offloads (True: all, False: none, or an int), or
+    ``"auto"``: those ``checkpointing="auto"`` fully checkpoints in each call."""
+    if value == "auto" and isinstance(value, str):
+        return value
     if isinstance(value, bool):
         return num_layers if value else 0
     if not isinstance(value, int):
-        raise ValueError(f"offload_activations must be True, False or a number of decoder layers (int), got "
+        raise ValueError(f"offload_activations must be True, False, 'auto' or a number of decoder layers (int), got "
                          f"{value!r}")
     if not 1 <= value <= num_layers:
         raise ValueError(f"offload_activations={value} must count between 1 and {num_layers} decoder layers (the "
                          f"first K layers' inputs are offloaded; {model_name} has {num_layers}); pass True for all "
                          "of them or False for none")
     return value
+
+
+def leading_full_layers(modes: list[str]) -> int:
+    """How many of the first layers a call's plan fully checkpoints: what ``offload_activations="auto"`` moves."""
+    count = 0
+    for mode in modes:
+        if mode != "full":
+            break
+        count += 1
+    return count
 
 
 def check_checkpointed(layers: Any, model_name: str) -> None:
@@ -402,7 +415,8 @@ def offloaded_layers(layers: Any, trace: Counter, model_name: str,
 
 
 class OffloadActivations(FeatureOption):
-    """``offload_activations``: True (every layer), False, or K (the first K layers); its value: K."""
+    """``offload_activations``: True (every layer), False, K (the first K layers) or ``"auto"``; its value: K or
+    ``"auto"``."""
 
     name = "offload_activations"
     keywords = {"offload_activations": False}
@@ -410,18 +424,32 @@ class OffloadActivations(FeatureOption):
     needs = ("checkpointing",)
     doc = ("in every training call the checkpointed decoder layers' inputs wait in pinned CPU memory until backward "
            "(copies on a side stream, prefetched one layer ahead; bitwise the same results). An int K offloads only "
-           "the first K layers' inputs (host memory: K x tokens x hidden x dtype bytes per call). Needs the layers "
-           "checkpointed: by ``checkpointing=`` or by the model's own non-reentrant gradient checkpointing.")
+           "the first K layers' inputs (host memory: K x tokens x hidden x dtype bytes per call); ``'auto'`` (with "
+           "``checkpointing='auto'``) offloads, in each call, the layers its plan fully checkpoints, and the plan "
+           "counts their inputs off the GPU, so the budget keeps more layers. Needs the layers checkpointed: by "
+           "``checkpointing=`` or by the model's own non-reentrant gradient checkpointing.")
 
     def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
         layers = check_offload_layers(asked["offload_activations"], len(facts.parts.layers), facts.model_name)
         if not layers:
             return self.decision(asked, 0, "not asked")
-        if decided["checkpointing"].value is None:
+        checkpointing = decided["checkpointing"].value
+        if layers == "auto":
+            if checkpointing is None or checkpointing.mode != "auto":
+                raise ValueError(
+                    "offload_activations='auto' offloads the layers that checkpointing='auto' fully checkpoints in "
+                    f"each call, but checkpointing={checkpointing.mode if checkpointing else None!r}; pass "
+                    "checkpointing='auto' with memory_budget_gib, or offload_activations=True / K (the first K "
+                    "layers)")
+            return self.decision(asked, "auto", "in each training call, the layers checkpointing='auto' fully "
+                                 "checkpoints (the leading ones) offload their inputs to pinned host memory until "
+                                 "backward; the plan counts those inputs off the GPU",
+                                 range(len(facts.parts.layers)))
+        if checkpointing is None:
             check_checkpointed(facts.parts.layers, facts.model_name)
             how = "the model's own non-reentrant checkpoint"
         else:
-            how = f"checkpointing={decided['checkpointing'].value.mode!r}"
+            how = f"checkpointing={checkpointing.mode!r}"
         return self.decision(asked, layers, f"the first {layers} layers' checkpointed inputs ({how}) wait in pinned "
                              "host memory until backward", range(layers))
 
@@ -441,7 +469,7 @@ class ActivationOffload(DecoderFeature):
             handle.add_undo(release_offload_buffers)
 
     def active(self, call: DecoderCall) -> bool:
-        return call.patch is not None and call.patch.value("offload_activations") > 0 and torch.is_grad_enabled()
+        return call.patch is not None and bool(call.patch.value("offload_activations")) and torch.is_grad_enabled()
 
     def enter(self, call: DecoderCall) -> contextlib.AbstractContextManager:
         # Only the layers checkpointed in this call: the planned checkpointing keeps no compiled layer of the first K
@@ -449,16 +477,22 @@ class ActivationOffload(DecoderFeature):
         layers = call.checkpointed_layers
         return offloaded_layers(layers, call.trace, call.model_name, self._offloaded(call))
 
+    def _asked(self, call: DecoderCall) -> int:
+        """How many of the first layers this call offloads: K, or under ``"auto"`` those its plan fully
+        checkpoints."""
+        asked = call.patch.value("offload_activations")
+        return leading_full_layers(call.checkpoint_modes or []) if asked == "auto" else asked
+
     def _offloaded(self, call: DecoderCall) -> int:
         """How many of the call's checkpointed layers offload: the first K of the decoder's layers, all checkpointed
         (the planned checkpointing keeps none of them whole)."""
-        first = call.parts.layers[:call.patch.value("offload_activations")]
+        first = call.parts.layers[:self._asked(call)]
         checkpointed = {id(layer) for layer in call.checkpointed_layers}
         return sum(id(layer) in checkpointed for layer in first)
 
     def check(self, call: DecoderCall) -> None:
         layers = len(call.checkpointed_layers)
-        offload, asked = self._offloaded(call), call.patch.value("offload_activations")
+        offload, asked = self._offloaded(call), self._asked(call)
         ran, kept, tensors = call.ran(OFFLOAD_LAYERS), call.ran(OFFLOAD_KEPT), call.ran(OFFLOAD_TENSORS)
         if offload < asked:
             raise PatchNotAppliedError(
