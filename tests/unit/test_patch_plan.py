@@ -162,7 +162,8 @@ def test_offload_under_a_budget_moves_every_layer_it_asks_for(fusable):
 
     model = checkpointed(build_tiny_model("qwen2", num_hidden_layers=4))
     with pytest.raises(ValueError, match=r"compiled_decoder=True and offload_activations=True cannot both hold: under "
-                                         r"checkpointing='auto' a compiled layer .*pass offload_activations=K"):
+                                         r"checkpointing='auto' a compiled layer .*pass offload_activations='auto'"
+                                         r".*offload_activations=K"):
         ac.hf.patch.plan_patch(model, compiled_decoder=True, offload_activations=True, checkpointing="auto",
                                memory_budget_gib=1e3)
     roomy = CheckpointPlan("auto", 1e15)

@@ -15,7 +15,10 @@ Modes (``None`` leaves the model's own setting, the behaviour before this option
   layer's bytes per token are estimated from the config until a CUDA call has measured what the layer keeps in each
   mode (``LayerBytesMeter``; kept on the patch), then the measurement plans. The estimate cannot know which norms
   and casts the compiled graph keeps: safe on the 1.5B shape, 0.8 GiB over a 40 GiB budget in the 8B shape's first
-  call; the measurement fills the budget.
+  call; the measurement fills the budget. Beside the kept layers the plan counts the checkpointed inputs on the
+  device (activation offload's moved ones off it but for two under way), the LM head's weight gradient until the
+  last layer's backward, and, in a step's first micro-batch, the weight gradients backward allocates as it goes
+  (``gradients_to_come``).
 
 The ``Checkpointing`` decoder feature sets, for each training call, the layers' ``gradient_checkpointing`` /
 ``_gradient_checkpointing_func`` and restores them afterwards (the functions travel with the autograd graph into

@@ -105,7 +105,8 @@ class CompiledDecoderOption(FeatureOption):
         Conflict("offload_activations", holds=_every_layer_offloaded_under_a_budget,
                  why="under checkpointing='auto' a compiled layer the budget keeps is kept whole (not checkpointed: no "
                      "input to offload), so offloading every layer would leave the budget nothing to keep",
-                 instead="offload_activations=K (the first K layers; the budget keeps among the others), "
+                 instead="offload_activations='auto' (the layers the budget fully checkpoints), "
+                         "offload_activations=K (the first K layers; the budget keeps among the others), "
                          "checkpointing='full', or compiled_decoder=False"),
     )
     doc = ("the attention decoder layers run their forward compiled by ``torch.compile`` in actorcore's calls (the "
