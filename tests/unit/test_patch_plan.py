@@ -179,7 +179,8 @@ def test_offload_under_a_budget_moves_every_layer_it_asks_for(fusable):
 
 
 def test_memory_options_that_leave_the_compiled_decoder_off_say_so_in_the_plan(fusable):
-    """Offload, recomputed norms and tiled MLP keep ``"auto"``'s compiled decoder off (not measured together), and with
+    """Offload of fixed layers, recomputed norms and tiled MLP keep ``"auto"``'s compiled decoder off (not measured
+    together; ``offload_activations="auto"`` was), and with
     it the MoE path and quack's gated MLP that follow it: every such choice is in the plan with its reason (they
     were log lines only); ``True`` fuses anyway."""
     undo = use_quack_stand_in()
@@ -198,6 +199,10 @@ def test_memory_options_that_leave_the_compiled_decoder_off_say_so_in_the_plan(f
             plain = ac.hf.patch.plan_patch(model)
             assert plain.value("compiled_decoder") is True
             assert all(plain.value(f) for f in followers), str(plain)
+            # offload of the layers the budget fully checkpoints: measured with the compiled decoder, which "auto" keeps
+            follows = ac.hf.patch.plan_patch(model, offload_activations="auto", checkpointing="auto",
+                                             memory_budget_gib=40)
+            assert follows.value("compiled_decoder") is True and follows.value("offload_activations") == "auto"
     finally:
         undo()
 

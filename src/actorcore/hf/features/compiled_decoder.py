@@ -69,10 +69,11 @@ def compile_refusal(model: torch.nn.Module) -> str | None:
 def auto_compile_refusal(decided: Any) -> str | None:
     """Why ``"auto"`` (the default) leaves a model eager that could compile: the other options asked for (None:
     compile). ``"auto"`` compiles only the combinations measured side by side on the GPU (plain, with any
-    checkpointing mode but ``"selective"``); ``True`` compiles the others too."""
+    checkpointing mode but ``"selective"``, with ``offload_activations="auto"``); ``True`` compiles the others too."""
+    offload = decided["offload_activations"]
     others = [name for name, on in (("Ulysses SP", decided["parallel"].on),
                                     ("tiled MLP", decided["tiled_mlp_shards"].on),
-                                    ("activation offload", decided["offload_activations"].on),
+                                    ("activation offload of fixed layers", offload.on and offload.value != "auto"),
                                     ("recomputed norms", decided["recompute_norms"].on)) if on]
     if others:
         return (f"the compiled decoder with {' and '.join(others)} has not been measured on the GPU "
@@ -111,9 +112,10 @@ class CompiledDecoderOption(FeatureOption):
     )
     doc = ("the attention decoder layers run their forward compiled by ``torch.compile`` in actorcore's calls (the "
            "elementwise work between the matmuls fused; within bf16 rounding of eager). ``'auto'`` (default): on a "
-           "CUDA model with 16-bit weights and Triton, without SP, tiled MLP, offload or recomputed norms (not "
-           "measured on the GPU) and not with ``checkpointing='selective'``, else eager; ``True`` refuses where it "
-           "cannot run and compiles with the other options too; ``False`` keeps the eager forward.")
+           "CUDA model with 16-bit weights and Triton, without SP, tiled MLP, offload of fixed layers or recomputed "
+           "norms (not measured on the GPU; ``offload_activations='auto'`` is) and not with "
+           "``checkpointing='selective'``, else eager; ``True`` refuses where it cannot run and compiles with the "
+           "other options too; ``False`` keeps the eager forward.")
 
     def resolve(self, asked: Any, facts: PlanFacts, decided: Any) -> Any:
         fused = asked["compiled_decoder"]
