@@ -51,6 +51,16 @@ def _two_layer_budget(model, tokens):
     return (base + 3.5 * kept * tokens) / 2**30
 
 
+def _gradient_shards(model):
+    """(per layer: the gradient bytes ``gradients_to_come`` counts, the layer's local shard bytes, its whole bytes)."""
+    from actorcore.hf.features.checkpointing import gradients_to_come
+
+    counted, _ = gradients_to_come(model, list(model.model.layers))
+    return [(c, sum(p.to_local().numel() * p.element_size() for p in layer.parameters()),
+             sum(p.numel() * p.element_size() for p in layer.parameters()))
+            for c, layer in zip(counted, model.model.layers)]
+
+
 def _worker(rank, world_size):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -80,9 +90,11 @@ def _worker(rank, world_size):
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+        if mode == "full":  # what checkpointing="auto" would count: this rank's shards of the gradients to come
+            runs_shards = _gradient_shards(model)
         runs.append(_step(model, _batch(rank), None))
     fsdp = {"selective": _bitwise(runs[0], runs[1]), "counts": [r[3] for r in runs],
-            "layers": model.config.num_hidden_layers}
+            "layers": model.config.num_hidden_layers, "shards": runs_shards}
     return {"sp": sp, "fsdp": fsdp}
 
 
@@ -95,3 +107,5 @@ def test_selective_checkpointing_with_sequence_parallel_tiled_mlp_offload_and_fs
         assert r["fsdp"]["selective"], f"rank {rank} fsdp: selective changed the results"
         n = r["fsdp"]["layers"]
         assert r["fsdp"]["counts"] == [(n, 0, 0, n), (0, n, n, n)], r["fsdp"]["counts"]
+        for counted, local, whole in r["fsdp"]["shards"]:  # each rank's own shard, not the whole layer
+            assert counted == local < whole, (counted, local, whole)

@@ -354,7 +354,7 @@ class OffloadedCheckpoint:
 def check_offload_layers(value: Any, num_layers: int, model_name: str) -> int | str:
     """How many leading decoder layers ``offload_activations`` offloads (True: all, False: none, or an int), or
     ``"auto"``: those ``checkpointing="auto"`` fully checkpoints in each call."""
-    if value == "auto" and isinstance(value, str):
+    if isinstance(value, str) and value == "auto":
         return value
     if isinstance(value, bool):
         return num_layers if value else 0
