@@ -14,8 +14,8 @@ Modes (``None`` leaves the model's own setting, the behaviour before this option
   because backward reaches them first and activation offload (``hf.features.offload``) moves the first ones. A
   layer's bytes per token are estimated from the config until a CUDA call has measured what the layer keeps in each
   mode (``LayerBytesMeter``; kept on the patch), then the measurement plans. The estimate cannot know which norms
-  and casts the compiled graph keeps: safe on the 1.5B shape, 0.8 GiB over a 40 GiB budget in the 8B shape's first
-  call; the measurement fills the budget. Beside the kept layers the plan counts the checkpointed inputs on the
+  and casts the compiled graph keeps: above the measurement on the 1.5B shape, 10% under it on the 8B shape (whose
+  first call stayed within 40 GiB, at 39.9); the measurement fills the budget. Beside the kept layers the plan counts the checkpointed inputs on the
   device (activation offload's moved ones off it but for two under way), the LM head's weight gradient until the
   last layer's backward, and, in a step's first micro-batch, the weight gradients backward allocates as it goes
   (``gradients_to_come``).
