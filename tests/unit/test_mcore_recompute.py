@@ -97,6 +97,25 @@ def test_measured_bytes_take_over_and_micro_batches_in_flight_count():
     assert plan_layer_modes(auto, layers, tokens, 1, budget) == [FULL] * 4  # the budget already allocated
 
 
+def test_a_single_micro_batch_counts_the_gradients_its_backward_allocates():
+    """In a call of one micro-batch the gradients come as backward goes: by a layer's backward its own, the later
+    layers' and the output layer's; by the first layer's, all of them (where a fully recomputed layer runs)."""
+    layers, tokens = _layers(4), 1000
+    grad = 10.0 * tokens  # each layer's weight gradients
+    room = SLACK_BYTES + 4 * 10.0 * tokens + 5 * 100.0 * tokens + grad
+    auto = RecomputePlan("auto", room)
+    # At the last layer's backward (the peak: all four kept, its own activation gradients) only its own are there.
+    assert plan_layer_modes(auto, layers, tokens, 1, 0.0, grads_from=[4 * grad, 3 * grad, 2 * grad, grad]) == \
+        [SELECTIVE] * 4
+    # Were they all there from the start (the output layer's are): one layer less.
+    assert plan_layer_modes(auto, layers, tokens, 1, 0.0, grads_from=[4 * grad] * 4) == [FULL] + [SELECTIVE] * 3
+    with pytest.warns(UserWarning, match="cannot be met"):  # no room for a recompute beside all of them
+        tight = RecomputePlan("auto", SLACK_BYTES + 4 * 10.0 * tokens + 3 * 100.0 * tokens + grad)
+        assert plan_layer_modes(tight, layers, tokens, 1, 0.0, grads_from=[4 * grad, 3 * grad, 2 * grad, grad]) == \
+            [FULL] * 4
+    assert plan_layer_modes(tight, layers, tokens, 1, 0.0)[-2:] == [SELECTIVE] * 2  # not counting them: two kept
+
+
 def test_micro_batches_in_flight():
     assert micro_batches_in_flight(1, 0, None, 8) == 1
     assert [micro_batches_in_flight(4, rank, None, 8) for rank in range(4)] == [4, 3, 2, 1]
@@ -123,7 +142,7 @@ def test_gradients_to_come_count_what_backward_will_allocate():
     ``grad`` or a ``main_grad`` buffer, at their dtype; frozen parameters none."""
     import torch
 
-    from actorcore.mcore.run.call_plan import gradient_bytes_to_come, resident_bytes
+    from actorcore.mcore.run.call_plan import gradient_bytes_to_come, gradients_from, resident_bytes
 
     layers = [torch.nn.Linear(8, 4, dtype=torch.bfloat16), torch.nn.Linear(4, 2), torch.nn.Linear(2, 3),
               torch.nn.Linear(3, 5)]
@@ -134,3 +153,7 @@ def test_gradients_to_come_count_what_backward_will_allocate():
                             device=torch.device("cpu"))
     assert gradient_bytes_to_come(model) == (8 * 4 + 4) * 2 + 2 * 4 + 3 * 4
     assert resident_bytes(model, 2) == 0  # off CUDA: no allocator to ask, nothing counted
+    # Per decoder layer (here the middle two), from its backward on: its own and the later ones', and the rest
+    # (the first and last modules') from the start.
+    rest = (8 * 4 + 4) * 2
+    assert gradients_from(model, layers[1:3]) == [rest + 2 * 4 + 3 * 4, rest + 3 * 4]

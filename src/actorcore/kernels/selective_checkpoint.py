@@ -168,10 +168,16 @@ def _with_one_more(peak: float, layer: KeptLayer) -> float:
     return max(peak + layer.kept, layer.kept + layer.backward)
 
 
-def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: Sequence[float]) -> int:
+def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: Sequence[float],
+                   grads_from: Sequence[float] | None = None) -> int:
     """How many of the last layers may keep their activations within ``budget_bytes`` above ``base_bytes``
     (``cheapest_plan`` with kept or fully checkpointed layers only; ``kept_layer_bytes[i]``: what layer ``i`` keeps
     beyond a checkpointed layer, its gradients about as much again). With equal layers: k kept cost k + 1 layers,
-    up to two kept layers nothing over full checkpointing; where not even that fits, none."""
-    kept = [KeptLayer(b, b) for b in kept_layer_bytes]
-    return cheapest_plan(budget_bytes, base_bytes, [1.0] * len(kept), kept).count("kept")
+    up to two kept layers nothing over full checkpointing; where not even that fits, none. ``grads_from[i]``: weight
+    gradients not allocated when the call plans that exist by layer ``i``'s backward (layer ``i``'s, the later
+    layers', the head's); by the first layer's, all of them."""
+    grads_from = grads_from or [0.0] * len(kept_layer_bytes)
+    kept = [KeptLayer(b, b + g) for b, g in zip(kept_layer_bytes, grads_from)]
+    full_backward = 3 * max(kept_layer_bytes, default=0.0) + (grads_from[0] if grads_from else 0.0)
+    return cheapest_plan(budget_bytes, base_bytes, [1.0] * len(kept), kept,
+                         full_backward=full_backward).count("kept")

@@ -165,11 +165,13 @@ def layer_bytes_per_token(config: Any, element_bytes: int, moe: bool, local_expe
 
 def plan_layer_modes(plan: RecomputePlan, per_layer: list[tuple[float, float, float]], tokens: int, in_flight: int,
                      allocated_bytes: float, measured: dict[tuple[int, str], float] | None = None,
-                     kinds: list | None = None) -> list[str]:
+                     kinds: list | None = None, grads_from: list[float] | None = None) -> list[str]:
     """Each layer's mode for one call. ``per_layer``: ``layer_bytes_per_token`` of this rank's layers in order;
     ``tokens``: this rank's tokens of the largest micro-batch; ``in_flight``: micro-batches whose activations are
     alive at once (pipeline warm-up); ``measured``: bytes per token measured for ``(layer, mode)``; ``kinds``: a
-    key per layer, equal for layers built alike (``layer_kind``), whose measurements stand in for each other."""
+    key per layer, equal for layers built alike (``layer_kind``), whose measurements stand in for each other;
+    ``grads_from``: per layer, the weight gradients not yet allocated that exist by its backward
+    (``call_plan.gradients_from``; a call of one micro-batch allocates them as its backward goes)."""
     layers = len(per_layer)
     if plan.mode == FULL:
         return [FULL] * layers
@@ -180,12 +182,12 @@ def plan_layer_modes(plan: RecomputePlan, per_layer: list[tuple[float, float, fl
     none = [_layer_bytes(measured, kinds, i, NONE, b[0]) * scale for i, b in enumerate(per_layer)]
     selective = [_layer_bytes(measured, kinds, i, SELECTIVE, b[1]) * scale for i, b in enumerate(per_layer)]
     base = allocated_bytes + sum(b[2] for b in per_layer) * scale + SLACK_BYTES
-    keep = layers_to_keep(plan.budget_bytes, base, selective)
+    keep = layers_to_keep(plan.budget_bytes, base, selective, grads_from)
     if keep < layers:
         return [FULL] * (layers - keep) + [SELECTIVE] * keep
     for unrecomputed in range(layers, 0, -1):  # every layer fits selectively: keep all of the last ones that fit
-        if layers_to_keep(plan.budget_bytes, base, selective[:layers - unrecomputed] + none[layers - unrecomputed:]) \
-                == layers:
+        if layers_to_keep(plan.budget_bytes, base, selective[:layers - unrecomputed] + none[layers - unrecomputed:],
+                          grads_from) == layers:
             return [SELECTIVE] * (layers - unrecomputed) + [NONE] * unrecomputed
     return [SELECTIVE] * layers
 

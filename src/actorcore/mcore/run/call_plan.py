@@ -66,8 +66,10 @@ def plan_call(model: Any, batches: list[Any], *, forward_only: bool, trace: Coun
     in_flight = micro_batches_in_flight(context.pp_size, context.pp_rank, model.parallel.vp, len(batches))
     kinds = [(estimate, *(type(module).__name__ for module in layer.children())) for estimate, layer in
              zip(per_layer, layers)]  # layers built alike (the same estimate and submodule types) keep alike
+    # One micro-batch: its backward allocates the gradients as it goes (several: all counted before, in allocated).
+    grads_from = gradients_from(model, layers) if len(batches) == 1 and model.device.type == "cuda" else None
     modes = plan_layer_modes(model.recompute, per_layer, tokens, in_flight, allocated, model.measured_layer_bytes,
-                             kinds)
+                             kinds, grads_from)
     plan.modes = {id(layer): mode for layer, mode in zip(layers, modes)}
     return plan
 
@@ -83,11 +85,24 @@ def resident_bytes(model: Any, micro_batches: int) -> int:
     return torch.cuda.memory_allocated(device) + pending
 
 
+def gradients_from(model: Any, layers: list[torch.nn.Module]) -> list[float]:
+    """Per decoder layer of this rank, the gradient bytes not yet allocated that exist by its backward: its own, the
+    later layers' and the rest of the model's (the output layer's from the start of backward; the embedding's, made
+    last, counted with them, on the safe side)."""
+    own = [_to_come(layer.parameters()) for layer in layers]
+    rest = gradient_bytes_to_come(model) - sum(own)
+    return [float(sum(own[i:]) + rest) for i in range(len(layers))]
+
+
+def _to_come(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params
+               if p.requires_grad and p.grad is None and getattr(p, "main_grad", None) is None)
+
+
 def gradient_bytes_to_come(model: Any) -> int:
     """Bytes of the gradients this rank's backward will allocate: its trainable parameters with neither a ``grad``
     nor a ``main_grad`` buffer yet (a gradient takes its parameter's dtype)."""
-    return sum(p.numel() * p.element_size() for chunk in model.chunks for p in chunk.parameters()
-               if p.requires_grad and p.grad is None and getattr(p, "main_grad", None) is None)
+    return _to_come(p for chunk in model.chunks for p in chunk.parameters())
 
 
 def _has_local_experts(layer: torch.nn.Module) -> bool:
