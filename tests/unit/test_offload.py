@@ -175,6 +175,7 @@ def test_auto_offloads_the_layers_the_budget_fully_checkpoints():
     handle = ac.patch_model(model, checkpointing="auto", memory_budget_gib=budget / 2**30,
                             offload_activations="auto")
     assert handle.plan.value("offload_activations") == "auto"
+    assert copy.deepcopy(model)._actorcore_patch.value("offload_activations") == "auto"
     trace = Counter()
     assert_bitwise(train_step(model, batch, trace), train_step(plain, batch, Counter()))
     assert trace["checkpoint:full_layers"] == 4 and trace["checkpoint:selective_layers"] == 2
