@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 import warnings
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -108,15 +108,16 @@ class KeptLayer:
 
 def cheapest_plan(budget_bytes: float, base_bytes: float, full_cost: Sequence[float], kept: Sequence[KeptLayer],
                   partial: Sequence[KeptLayer | None] | None = None, tail_bytes: float = 0.0,
-                  full_backward: float | None = None) -> list[str]:
+                  grads_from: Sequence[float] | None = None, recompute_bytes: float | None = None) -> list[str]:
     """Each layer's way, ``"full"``, ``"partial"`` or ``"kept"``, that redoes the least work in backward while the
     backward peak stays within ``budget_bytes`` above ``base_bytes`` (weights, gradients, the checkpointed inputs,
     slack). ``full_cost[i]``: the work of layer ``i``'s forward (what full checkpointing redoes); ``kept[i]``: the layer
     keeping its activations; ``partial[i]``: a way that keeps less and redoes part of the forward (None: none).
     ``tail_bytes``: what is alive beside every kept layer after the last layer and before its backward (the LM head's
-    weight gradient), gone before it; ``full_backward``: what a fully checkpointed layer's backward needs once the
-    others are gone (default: 3 of the largest kept bytes, its recompute and gradients; more where gradients not
-    allocated when the call plans are all there by the first layer's backward).
+    weight gradient), gone before it. ``grads_from[i]``: weight gradients not allocated when the call plans that
+    exist by layer ``i``'s backward (``gradients_by_layer``: a step's first micro-batch). ``recompute_bytes``: what
+    a fully checkpointed layer's backward needs once the others are gone (default: 3 of the largest kept bytes, its
+    recompute and gradients), beside every gradient to come.
 
     The plan is full layers first, then partial ones, then kept ones: backward runs the last layer first, freeing each
     layer after it; at layer j the kept and partial layers up to j are alive with j's own backward peak on top, so
@@ -125,10 +126,14 @@ def cheapest_plan(budget_bytes: float, base_bytes: float, full_cost: Sequence[fl
     layer is fully checkpointed and a warning says the budget cannot be met (once per budget: Python's registry)."""
     layers = len(kept)
     partial = partial if partial is not None else [None] * layers
+    grads = list(grads_from) if grads_from else [0.0] * layers
+    kept = [replace(k, backward=k.backward + g) for k, g in zip(kept, grads)]
+    partial = [None if p is None else replace(p, backward=p.backward + g) for p, g in zip(partial, grads)]
     room, largest = budget_bytes - base_bytes, max((k.kept for k in kept), default=0.0)
+    recompute = 3 * largest if recompute_bytes is None else recompute_bytes
     if largest <= 0:  # keeping costs nothing
         room = max(room, 0.0)
-    elif room < (3 * largest if full_backward is None else full_backward):
+    elif room < recompute + (grads[0] if grads else 0.0):
         warnings.warn(f"a memory budget of {budget_bytes / 2**30:g} GiB cannot be met here: the weights, gradients "
                       "and the layers' checkpointed inputs leave no room for one layer's recompute, so every layer "
                       "is fully recomputed and the peak goes over the budget; raise the budget, pass fewer tokens "
@@ -172,12 +177,25 @@ def layers_to_keep(budget_bytes: float, base_bytes: float, kept_layer_bytes: Seq
                    grads_from: Sequence[float] | None = None) -> int:
     """How many of the last layers may keep their activations within ``budget_bytes`` above ``base_bytes``
     (``cheapest_plan`` with kept or fully checkpointed layers only; ``kept_layer_bytes[i]``: what layer ``i`` keeps
-    beyond a checkpointed layer, its gradients about as much again). With equal layers: k kept cost k + 1 layers,
-    up to two kept layers nothing over full checkpointing; where not even that fits, none. ``grads_from[i]``: weight
-    gradients not allocated when the call plans that exist by layer ``i``'s backward (layer ``i``'s, the later
-    layers', the head's); by the first layer's, all of them."""
-    grads_from = grads_from or [0.0] * len(kept_layer_bytes)
-    kept = [KeptLayer(b, b + g) for b, g in zip(kept_layer_bytes, grads_from)]
-    full_backward = 3 * max(kept_layer_bytes, default=0.0) + (grads_from[0] if grads_from else 0.0)
-    return cheapest_plan(budget_bytes, base_bytes, [1.0] * len(kept), kept,
-                         full_backward=full_backward).count("kept")
+    beyond a checkpointed layer, its gradients about as much again; ``grads_from``: ``cheapest_plan``'s). With equal
+    layers: k kept cost k + 1 layers, up to two kept layers nothing over full checkpointing; where not even that
+    fits, none."""
+    kept = [KeptLayer(b, b) for b in kept_layer_bytes]
+    return cheapest_plan(budget_bytes, base_bytes, [1.0] * len(kept), kept, grads_from=grads_from).count("kept")
+
+
+def unallocated_gradient_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the gradients a backward allocates anew for ``params``: trainable ones with neither a ``grad`` nor
+    a Megatron ``main_grad`` buffer yet, at their dtype; this rank's shard of an FSDP2 (DTensor) parameter."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in params
+               if p.requires_grad and p.grad is None and getattr(p, "main_grad", None) is None)
+
+
+def gradients_by_layer(own: Sequence[float], rest: float) -> list[float]:
+    """``cheapest_plan``'s ``grads_from``: at layer ``i``'s backward, its own gradients to come (``own[i]``), the later
+    layers' and ``rest`` (the head's, there from the start of backward)."""
+    after, out = float(rest), []
+    for nbytes in reversed(own):
+        after += nbytes
+        out.append(after)
+    return out[::-1]

@@ -48,8 +48,10 @@ from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.plan import FeatureOption, PlanFacts
 from actorcore.hf.features.moe_experts import is_standard_experts
 from actorcore.hf.features.swiglu_mlp import gate_up_recomputed, quack_mlps
+from actorcore.hf.features.offload import OFFLOAD_IN_FLIGHT
 from actorcore.kernels.selective_checkpoint import (GROUPED_GEMM_OPS, SELECTIVE_TRACE_KEY, KeptLayer, cheapest_plan,
-                                                    selective_checkpoint_function)
+                                                    gradients_by_layer, selective_checkpoint_function,
+                                                    unallocated_gradient_bytes)
 from actorcore.sizes import positive_size
 
 logger = logging.getLogger(__name__)
@@ -58,9 +60,6 @@ CHECKPOINT_MODES = ("full", "selective", "auto")
 FULL_LAYERS = "checkpoint:full_layers"
 SELECTIVE_LAYERS = "checkpoint:selective_layers"
 UNCHECKPOINTED_LAYERS = "checkpoint:compiled_layers_kept"
-# Offloaded inputs the planner still counts on the GPU: the one a layer's recompute reads and the one prefetched
-# ahead of it in backward (in the forward, each waits on the GPU only until its copy to the host is done).
-OFFLOAD_IN_FLIGHT = 2
 GATE_UP_LAYERS = "checkpoint:gate_up_layers"
 
 
@@ -177,19 +176,12 @@ def _head_weight(model: Any) -> torch.Tensor | None:
 
 
 def gradients_to_come(model: Any, layers: list[torch.nn.Module]) -> tuple[tuple[float, ...], float]:
-    """The weight-gradient bytes this call's backward allocates anew (parameters whose ``.grad`` is None: the
-    first micro-batch of a step): per decoder layer, each there from that layer's backward on, and the head's,
-    there from the start of backward. A later micro-batch accumulates into gradients the allocator already counts."""
-    def to_come(params: Any) -> float:
-        return float(sum(_local(p).numel() * p.element_size() for p in params if p.requires_grad and p.grad is None))
-
+    """The weight-gradient bytes this call's backward allocates anew (``unallocated_gradient_bytes``: the first
+    micro-batch of a step): per decoder layer, each there from that layer's backward on, and the head's, there from
+    the start of backward. A later micro-batch accumulates into gradients the allocator already counts."""
     head = _head_weight(model)
-    return tuple(to_come(layer.parameters()) for layer in layers), to_come([head] if head is not None else [])
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 parameter (a DTensor), else the parameter."""
-    return param.to_local() if hasattr(param, "to_local") else param
+    return (tuple(float(unallocated_gradient_bytes(layer.parameters())) for layer in layers),
+            float(unallocated_gradient_bytes([head] if head is not None else [])))
 
 
 def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, config: Any,
@@ -220,16 +212,13 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
     full_cost = layer_forward_flops(config, shape.context)
     follow = offloaded == "auto"
     moved = len(fused) if follow else min(int(offloaded), len(fused))
-    # At a layer's backward, the gradients allocated anew from there on (its own, the later layers', the head's).
-    to_come = list(shape.grads_to_come or (0.0,) * len(fused)) + [shape.head_grad_to_come]
-    grads_from = [sum(to_come[i:]) for i in range(len(fused))]
     keep_options, partial_options, whole = [], [], []
     for i, (mode, (estimate, inp)) in enumerate(zip(kept, per_layer)):
         kept_bytes = measured.get((i, mode), estimate)
         whole.append(kept_bytes * tokens)
         # Under "auto" offload a layer kept in any way keeps its input on the GPU; a full one's moves.
         stays = inp * tokens if follow else 0.0
-        keep_options.append(KeptLayer(kept_bytes * tokens + stays, kept_bytes * tokens + grads_from[i]))
+        keep_options.append(KeptLayer(kept_bytes * tokens + stays, kept_bytes * tokens))
         if not (fused[i] and widths[i]):
             partial_options.append(None)
             continue
@@ -237,7 +226,7 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
         partial_bytes = measured.get((i, "gate_up"), max(kept_bytes - preact, 0.0))
         # Its backward: its gradients (about a kept layer's bytes) and the pre-activation made again.
         partial_options.append(KeptLayer(partial_bytes * tokens + stays,
-                                         (2 * kept_bytes - partial_bytes) * tokens + grads_from[i],
+                                         (2 * kept_bytes - partial_bytes) * tokens,
                                          2.0 * config.hidden_size * 2 * widths[i]))
     fused_offloaded = [] if follow else [i for i in range(moved) if fused[i]]
     for i in range(fused_offloaded[-1] + 1 if fused_offloaded else 0):
@@ -249,10 +238,12 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
     # Beside the kept layers: the checkpointed inputs on the GPU (those moving: the few under way) and 1 GiB of slack
     # (the head's chunk workspace); the head's weight gradient beside them until the last layer's backward.
     base = shape.allocated_bytes + on_gpu + in_flight + 2**30
-    # A fully checkpointed layer's backward: its recompute and gradients, every layer's weight gradients there.
-    full_backward = 3 * max(whole, default=0.0) + (grads_from[0] if fused else 0.0)
+    # At a layer's backward, the weight gradients allocated anew from there on (its own, the later layers', the
+    # head's); a fully checkpointed layer's recompute and gradients (its input, if kept, not among them).
+    grads_from = gradients_by_layer(shape.grads_to_come or (0.0,) * len(fused), shape.head_grad_to_come)
     ways = cheapest_plan(plan.budget_bytes, base, [full_cost] * len(fused), keep_options, partial_options,
-                         tail_bytes=shape.head_bytes, full_backward=full_backward)
+                         tail_bytes=shape.head_bytes, grads_from=grads_from,
+                         recompute_bytes=3 * max(whole, default=0.0))
     return [{"full": "full", "partial": "gate_up", "kept": mode}[way] for way, mode in zip(ways, kept)]
 
 

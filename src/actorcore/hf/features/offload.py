@@ -63,6 +63,10 @@ OFFLOAD_RESTORED = "offload:restored"
 OFFLOAD_PREFETCHED = "offload:prefetched"
 OFFLOAD_HOST_ALLOCATED = "offload:host_bytes_allocated"
 
+# Offloaded inputs on the device at once in backward: the one a layer's recompute reads and the one prefetched ahead
+# of it (in the forward, each waits there only until its copy to the host is done). The budget planner counts them.
+OFFLOAD_IN_FLIGHT = 2
+
 CHUNK_BYTES = 64 << 20  # a tensor is copied in chunks of this size (and a power-of-two tail)
 _MIN_BLOCK = 512
 
@@ -370,12 +374,7 @@ def check_offload_layers(value: Any, num_layers: int, model_name: str) -> int | 
 
 def leading_full_layers(modes: list[str]) -> int:
     """How many of the first layers a call's plan fully checkpoints: what ``offload_activations="auto"`` moves."""
-    count = 0
-    for mode in modes:
-        if mode != "full":
-            break
-        count += 1
-    return count
+    return next((i for i, mode in enumerate(modes) if mode != "full"), len(modes))
 
 
 def check_checkpointed(layers: Any, model_name: str) -> None:

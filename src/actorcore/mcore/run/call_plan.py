@@ -27,7 +27,8 @@ from typing import Any, Iterator
 import torch
 
 from actorcore.errors import FastPathNotRunError
-from actorcore.kernels.selective_checkpoint import SELECTIVE_TRACE_KEY
+from actorcore.kernels.selective_checkpoint import (SELECTIVE_TRACE_KEY, gradients_by_layer,
+                                                    unallocated_gradient_bytes)
 from actorcore.mcore.build.gather_dispatch import (GATHER_DISPATCH_KEY, LOCAL_EXPERTS_KEY, GatherMoELayer,
                                                   GatherTokenDispatcher)
 from actorcore.mcore.build.grouped_experts import GROUPED_EXPERTS_KEY, QUACK, QUACK_EXPERTS_KEY, GroupedExperts
@@ -89,20 +90,14 @@ def gradients_from(model: Any, layers: list[torch.nn.Module]) -> list[float]:
     """Per decoder layer of this rank, the gradient bytes not yet allocated that exist by its backward: its own, the
     later layers' and the rest of the model's (the output layer's from the start of backward; the embedding's, made
     last, counted with them, on the safe side)."""
-    own = [_to_come(layer.parameters()) for layer in layers]
-    rest = gradient_bytes_to_come(model) - sum(own)
-    return [float(sum(own[i:]) + rest) for i in range(len(layers))]
-
-
-def _to_come(params: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in params
-               if p.requires_grad and p.grad is None and getattr(p, "main_grad", None) is None)
+    own = [unallocated_gradient_bytes(layer.parameters()) for layer in layers]
+    return gradients_by_layer(own, gradient_bytes_to_come(model) - sum(own))
 
 
 def gradient_bytes_to_come(model: Any) -> int:
     """Bytes of the gradients this rank's backward will allocate: its trainable parameters with neither a ``grad``
     nor a ``main_grad`` buffer yet (a gradient takes its parameter's dtype)."""
-    return _to_come(p for chunk in model.chunks for p in chunk.parameters())
+    return unallocated_gradient_bytes(p for chunk in model.chunks for p in chunk.parameters())
 
 
 def _has_local_experts(layer: torch.nn.Module) -> bool:
