@@ -18,7 +18,9 @@ Modes (``None`` leaves the model's own setting, the behaviour before this option
   first call stayed within 40 GiB, at 39.9); the measurement fills the budget. Beside the kept layers the plan counts the checkpointed inputs on the
   device (activation offload's moved ones off it but for two under way), the LM head's weight gradient until the
   last layer's backward, and, in a step's first micro-batch, the weight gradients backward allocates as it goes
-  (``gradients_to_come``).
+  (``gradients_to_come``). Under FSDP2 it also counts the whole parameters and gradients FSDP2 holds beside them
+  (``parallel.fsdp_memory``): the running and prefetched layers', a group's held after forward (the root's), and the
+  output layer's gradient until the root reduce-scatters it after the whole backward.
 
 The ``Checkpointing`` decoder feature sets, for each training call, the layers' ``gradient_checkpointing`` /
 ``_gradient_checkpointing_func`` and restores them afterwards (the functions travel with the autograd graph into
@@ -35,7 +37,7 @@ import contextlib
 import functools
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -52,6 +54,7 @@ from actorcore.hf.features.offload import OFFLOAD_IN_FLIGHT
 from actorcore.kernels.selective_checkpoint import (GROUPED_GEMM_OPS, SELECTIVE_TRACE_KEY, KeptLayer, cheapest_plan,
                                                     gradients_by_layer, selective_checkpoint_function,
                                                     unallocated_gradient_bytes)
+from actorcore.parallel.fsdp_memory import GatheredBytes, fsdp_gathered_bytes
 from actorcore.sizes import positive_size
 
 logger = logging.getLogger(__name__)
@@ -146,8 +149,10 @@ def mean_context(cu_seqlens: torch.Tensor) -> float:
 class CallShape:
     """What a call's plan depends on beyond the model: tokens on this rank, bytes per element, bytes the allocator
     holds, the average attention context, per layer the intermediate width of the quack MLPs whose gate/up output
-    it may drop (``"gate_up"``; 0: none), the head's weight gradient (``head_gradient_bytes``) and the gradients
-    this call's backward allocates anew (``gradients_to_come``: per layer, and the head's)."""
+    it may drop (``"gate_up"``; 0: none), the head's weight gradient (``head_gradient_bytes``), the gradients
+    this call's backward allocates anew (``gradients_to_come``: per layer, and the head's) and FSDP2's whole
+    parameters and gradients beside every layer's backward, beyond what the allocator holds (``fsdp_bytes``:
+    ``parallel.fsdp_memory``)."""
 
     tokens: int
     element_bytes: int
@@ -157,6 +162,7 @@ class CallShape:
     head_bytes: float = 0.0
     grads_to_come: tuple[float, ...] = ()
     head_grad_to_come: float = 0.0
+    fsdp_bytes: float = 0.0
 
 
 def head_gradient_bytes(model: Any) -> float:
@@ -182,6 +188,22 @@ def gradients_to_come(model: Any, layers: list[torch.nn.Module]) -> tuple[tuple[
     head = _head_weight(model)
     return (tuple(float(unallocated_gradient_bytes(layer.parameters())) for layer in layers),
             float(unallocated_gradient_bytes([head] if head is not None else [])))
+
+
+def planned_shape(model: Any, layers: list[torch.nn.Module], shape: CallShape) -> CallShape:
+    """``shape`` with what ``"auto"`` counts beyond the call's tokens: the head's weight gradient, the gradients to
+    come and, under FSDP2, its whole copies (``fsdp_gathered_bytes``). A head gradient FSDP2 holds whole to the end
+    of backward counts among those, not as the tail, and its shard comes after every layer's backward; a layer whose
+    gradients FSDP2 keeps whole (no gradient sync) has those to come instead of its shards; the layers compute in
+    FSDP2's ``param_dtype``."""
+    grads, head_grad = gradients_to_come(model, layers)
+    gathered: GatheredBytes = fsdp_gathered_bytes(model, layers, _head_weight(model))
+    if gathered.layer_gradients:  # kept whole, not reduce-scattered into shards
+        grads = tuple(g if whole is None else whole for g, whole in zip(grads, gathered.layer_gradients))
+    held = gathered.head_gradient_held
+    return replace(shape, element_bytes=gathered.compute_element_bytes or shape.element_bytes,
+                   head_bytes=(0.0 if held else head_gradient_bytes(model)) + gathered.tail, grads_to_come=grads,
+                   head_grad_to_come=0.0 if held else head_grad, fsdp_bytes=gathered.held + gathered.window)
 
 
 def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, config: Any,
@@ -235,9 +257,10 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
         partial_options[i] = None
     on_gpu = sum(inp for _, inp in per_layer[moved:]) * tokens
     in_flight = sum(sorted((inp for _, inp in per_layer[:moved]), reverse=True)[:OFFLOAD_IN_FLIGHT]) * tokens
-    # Beside the kept layers: the checkpointed inputs on the GPU (those moving: the few under way) and 1 GiB of slack
-    # (the head's chunk workspace); the head's weight gradient beside them until the last layer's backward.
-    base = shape.allocated_bytes + on_gpu + in_flight + 2**30
+    # Beside the kept layers: the checkpointed inputs on the GPU (those moving: the few under way), FSDP2's whole
+    # copies and 1 GiB of slack (the head's chunk workspace); the head's weight gradient beside them until the last
+    # layer's backward.
+    base = shape.allocated_bytes + on_gpu + in_flight + shape.fsdp_bytes + 2**30
     # At a layer's backward, the weight gradients allocated anew from there on (its own, the later layers', the
     # head's); a fully checkpointed layer's recompute and gradients (its input, if kept, not among them).
     grads_from = gradients_by_layer(shape.grads_to_come or (0.0,) * len(fused), shape.head_grad_to_come)
@@ -401,9 +424,9 @@ class Checkpointing(DecoderFeature):
         layers = call.parts.layers
         widths = tuple(sum(mlp.gate_proj.out_features for mlp in quack_mlps(layer)) if i in fused else 0
                        for i, layer in enumerate(layers)) if plan.mode == "auto" else ()
-        grads, head_grad = gradients_to_come(call.model, layers) if plan.mode == "auto" else ((), 0.0)
-        shape = CallShape(tokens, param.element_size(), allocated, mean_context(call.batch.cu_seqlens), widths,
-                          head_gradient_bytes(call.model) if plan.mode == "auto" else 0.0, grads, head_grad)
+        shape = CallShape(tokens, param.element_size(), allocated, mean_context(call.batch.cu_seqlens), widths)
+        if plan.mode == "auto":
+            shape = planned_shape(call.model, layers, shape)
         call.checkpoint_modes = plan_layer_modes(plan, [i in fused for i in range(len(layers))], shape, config,
                                                  measured, call.patch.value("offload_activations"))
         meter = None
