@@ -148,3 +148,24 @@ def test_fsdp2_copies_are_counted_and_planned_around():
         # the copies counted: KEPT layers kept; not counted, the same budget would keep more
         assert r["plans"][0] == KEPT < r["plans"][1], r["plans"]
         assert r["ran"] == (LAYERS - KEPT, KEPT), r["ran"]
+
+
+def _resharded_to_two(rank, world_size):
+    """4 ranks, the layers resharded to 2 ranks after forward: each holds half its parameters until its backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    from actorcore.testing.tiny_configs import build_tiny_model
+
+    model = build_tiny_model("llama", seed=3, num_hidden_layers=LAYERS)
+    for layer in model.model.layers:
+        fully_shard(layer, reshard_after_forward=2)
+    fully_shard(model)
+    return (_counted_in_forward(model), sum(p.numel() for p in model.model.layers[0].parameters()),
+            model.lm_head.weight.numel())
+
+
+@pytest.mark.dist
+def test_layers_resharded_to_fewer_ranks_hold_their_share():
+    for rank, (counted, layer, head) in enumerate(run_distributed(_resharded_to_two, 4)):
+        assert counted.held == LAYERS * layer * 4 / 2 + head * 4, (rank, counted)
+        assert counted.window == 4 * layer * 4, (rank, counted)

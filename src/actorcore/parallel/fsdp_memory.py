@@ -32,8 +32,9 @@ class GatheredBytes:
     """FSDP2's whole copies beside a layer's backward, in bytes.
 
     Beyond what the allocator holds when a call plans (inside the model's forward: the root's group is gathered by
-    then). ``held``: there at every decoder layer's backward: the parameters of groups not resharded after forward,
-    not gathered yet, and the output layer's gradient where its group is one of them. ``window``: the decoder layers' own, at the layer that
+    then). ``held``: there at every decoder layer's backward: the parameters of groups not resharded after forward
+    and not gathered yet (their share for groups resharded to fewer ranks), and the output layer's gradient where
+    its group is held. ``window``: the decoder layers' own, at the layer that
     runs: its parameters and the next layer's, its gradients and the reduce-scatter input (the largest layer's).
     ``tail``: the output layer's parameters where its group reshards (gathered again for its backward, before any
     layer's backward). ``head_gradient_held``: the output layer's gradient is formed whole and stays whole until the
@@ -53,12 +54,13 @@ class GatheredBytes:
 @dataclass(frozen=True)
 class _Group:
     """One FSDP2 parameter group: its parameters (one tensor each), the ids they go by (FSDP2 registers the whole
-    parameter in the module while the group is gathered, the shard otherwise), whether it is held after forward,
+    parameter in the module while the group is gathered, the shard otherwise), the share of its whole parameters it
+    holds after forward (1: not resharded; 1/k: resharded to k ranks, ``reshard_after_forward=k``; 0: resharded),
     its compute dtype's bytes and whether it is gathered now (then the allocator counts it already)."""
 
     params: tuple[torch.Tensor, ...]
     ids: frozenset[int]
-    held: bool
+    held: float
     element_bytes: int
     gathered_now: bool
     reduces: bool = True  # gradients reduce-scattered in the group's backward (else kept whole across calls)
@@ -88,8 +90,9 @@ def fsdp_gathered_bytes(model: torch.nn.Module, layers: Iterable[torch.nn.Module
     for group in groups:
         ids = group.ids
         in_head = head_weight is not None and id(head_weight) in ids
-        if group.held:
-            held += 0.0 if group.gathered_now else group.whole_bytes()
+        if not group.gathered_now:
+            held += group.held * group.whole_bytes()
+        if group.held == 1.0:
             # formed whole in this call and kept to the end of backward, unless kept whole from an earlier one
             if in_head and head_weight.requires_grad and id(head_weight) not in group.whole_grads_now:
                 head_held = True
@@ -98,7 +101,7 @@ def fsdp_gathered_bytes(model: torch.nn.Module, layers: Iterable[torch.nn.Module
             tail += group.whole_bytes()
         owners = [i for i, params in enumerate(layer_params) if ids & params]
         if len(owners) == 1:  # one decoder layer's own group
-            params = 0.0 if group.held else 2 * group.whole_bytes()
+            params = 0.0 if group.held == 1.0 else 2 * group.whole_bytes()
             if group.reduces:  # its gradients and their reduce-scatter input
                 window = max(window, params + 2 * group.whole_bytes(trainable_only=True))
             else:  # kept whole: gradients to come, then allocated
@@ -121,7 +124,7 @@ def _groups(model: torch.nn.Module) -> list[_Group]:
         if read is None:
             own = _own_params(module, modules)
             root = module is modules[0]  # planned inside its forward: gathered
-            read = [(own, {id(p) for p in own}, root, None, root)]
+            read = [(own, {id(p) for p in own}, float(root), None, root)]
         for params, ids, held, dtype, gathered, *grads in read:
             if params:
                 element = (dtype or params[0].dtype).itemsize
@@ -147,13 +150,22 @@ def _param_groups(module: Any) -> list[tuple] | None:
             reduce = next((p.reduce_dtype for p in group.fsdp_params if p.reduce_dtype is not None), None)
             kept = {id(t) for p in group.fsdp_params if _whole_gradient(p) is not None
                     for t in (p.sharded_param, getattr(p, "_unsharded_param", None)) if t is not None}
-            out.append((params, ids, group.post_forward_mesh_info is None, dtype, bool(group.is_unsharded),
+            out.append((params, ids, _held_share(group), dtype, bool(group.is_unsharded),
                         bool(getattr(group, "reduce_grads", True)), reduce.itemsize if reduce else 0,
                         frozenset(kept)))
         return out
     except AttributeError as err:
         _warn_unreadable(str(err))
         return None
+
+
+def _held_share(group: Any) -> float:
+    """The share of its whole parameters a group holds from its forward to its backward."""
+    post = group.post_forward_mesh_info
+    if post is None:
+        return 1.0
+    ranks = getattr(post, "shard_mesh_size", None)
+    return 0.0 if not ranks or ranks == getattr(group.mesh_info, "shard_mesh_size", ranks) else 1.0 / ranks
 
 
 def _whole_gradient(fsdp_param: Any) -> torch.Tensor | None:
