@@ -429,10 +429,14 @@ class Checkpointing(DecoderFeature):
             shape = planned_shape(call.model, layers, shape)
         call.checkpoint_modes = plan_layer_modes(plan, [i in fused for i in range(len(layers))], shape, config,
                                                  measured, call.patch.value("offload_activations"))
+        if plan.mode == "auto":
+            logger.debug("checkpointing='auto': %d tokens, %.2f GiB allocated, %.2f GiB of FSDP2 copies beside them, "
+                         "layer modes %s", tokens, shape.allocated_bytes / 2**30, shape.fsdp_bytes / 2**30,
+                         call.checkpoint_modes)
         meter = None
         if plan.mode == "auto" and allocated_now is not None:
             meter = LayerBytesMeter(call.parts.layers, call.checkpoint_modes, tokens,
-                                    config.hidden_size * param.element_size(), allocated_now)
+                                    config.hidden_size * shape.element_bytes, allocated_now)
         return self._planned(call, meter)
 
     @contextlib.contextmanager
