@@ -34,8 +34,8 @@ class GatheredBytes:
     Beyond what the allocator holds when a call plans (inside the model's forward: the root's group is gathered by
     then). ``held``: there at every decoder layer's backward: the parameters of groups not resharded after forward
     and not gathered yet (their share for groups resharded to fewer ranks), and the output layer's gradient where
-    its group is held. ``window``: the decoder layers' own, at the layer that
-    runs: its parameters and the next layer's, its gradients and the reduce-scatter input (the largest layer's).
+    its group is held. ``window``: the decoder layers' own, at the layer that runs: its parameters and the next
+    layer's, its gradients and the reduce-scatter input (the largest layer's).
     ``tail``: the output layer's parameters where its group reshards (gathered again for its backward, before any
     layer's backward). ``head_gradient_held``: the output layer's gradient is formed whole and stays whole until the
     end of backward (its shard comes only then). ``compute_element_bytes``: bytes per element of the dtype the layers
