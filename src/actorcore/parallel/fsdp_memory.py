@@ -6,8 +6,8 @@ backward, the layer's whole gradients and the reduce-scatter input they are copi
 resharded after forward (the root's, by default, which holds the embedding and the output layer of a model sharded
 per decoder layer) keeps its whole parameters from the forward to the end of the backward. So does the output
 layer's whole gradient, because the root's gradients are reduce-scattered only after the embedding's backward. On
-the Qwen3-8B shape over 2 ranks this is about 5 GB on top of the shards. A planner that counts only the allocator's
-count at the call's start (the shards) goes over its budget by that much.
+the Qwen3-8B shape over 2 ranks this is about 5 GB on top of the shards. The allocator's count when a call plans (inside
+the model's forward) holds the root's gathered 2.5 GB; a planner that counts only that misses the other 2.8 GB.
 
 How: each FSDP2 module's parameter group gives its whole sizes and dtype (its mixed-precision ``param_dtype``) and
 whether it reshards after forward; where this torch's FSDP2 does not expose them, FSDP2's defaults are assumed (the
