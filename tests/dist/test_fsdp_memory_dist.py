@@ -23,12 +23,15 @@ def _batch(rank):
 
 
 def _sharded(layout):
-    """A tiny llama (untied head) sharded by FSDP2 in ``layout``; its sizes in elements (a layer, the head)."""
+    """A tiny llama (untied head but in "tied head") sharded by FSDP2 in ``layout``; its sizes in elements (a layer,
+    the head)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from actorcore.testing.tiny_configs import build_tiny_model
 
-    model = build_tiny_model("llama", seed=3, num_hidden_layers=LAYERS)
+    tied = layout == "tied head"  # the head is the embedding (Qwen2.5-1.5B): one weight in the root's group
+    model = build_tiny_model("llama", seed=3, num_hidden_layers=LAYERS, tie_word_embeddings=tied)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     sizes = (sum(p.numel() for p in model.model.layers[0].parameters()), model.lm_head.weight.numel())
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if layout == "bf16" else {}
     if layout != "root only":
@@ -79,7 +82,7 @@ def _worker(rank, world_size):
     from actorcore.hf.features.checkpointing import FULL_LAYERS, SELECTIVE_LAYERS
 
     counted = {}
-    for layout in ("per layer", "head apart", "bf16", "layers held", "root only"):
+    for layout in ("per layer", "head apart", "bf16", "layers held", "root only", "tied head"):
         model, sizes = _sharded(layout)
         counted[layout] = (_counted_in_forward(model), sizes)
     counted["defaults"] = (_counted_in_forward(_sharded("per layer")[0], state_unreadable=True), sizes)
@@ -138,6 +141,8 @@ def test_fsdp2_copies_are_counted_and_planned_around():
         assert bf16.window == 4 * layer * 2 and bf16.held == head * 2 and bf16.compute_element_bytes == 2, bf16
         held = c["layers held"][0]  # not resharded after forward: every layer's parameters from its forward on
         assert held.held == LAYERS * layer * four + head * four and held.window == 2 * layer * four, held
+        tied = c["tied head"][0]  # the embedding's weight: its gradient from the head's backward on, whole
+        assert tied == per_layer, (tied, per_layer)
         assert c["defaults"][0] == per_layer  # FSDP2's defaults assumed: what this layout is
         first, later = c["no sync"]  # the layers' whole gradients to come, then there; the head's kept from the first
         assert first.layer_gradients == (layer * four,) * LAYERS and first.window == 2 * layer * four, first
