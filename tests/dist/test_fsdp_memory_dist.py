@@ -80,6 +80,7 @@ def _planned(config, tokens, budget_bytes, fsdp_bytes):
 def _worker(rank, world_size):
     import actorcore as ac
     from actorcore.hf.features.checkpointing import FULL_LAYERS, SELECTIVE_LAYERS
+    from actorcore.testing.tiny_configs import tiny_config
 
     counted = {}
     for layout in ("per layer", "head apart", "bf16", "layers held", "root only", "tied head"):
@@ -92,15 +93,16 @@ def _worker(rank, world_size):
 
     # The budget: the least that keeps KEPT layers without FSDP2's copies (the planner's own search), plus the copies:
     # two layers' parameters, the gradients of one and their reduce-scatter input, the head's gradient held whole.
-    model, (layer, head) = _sharded("per layer")
+    layer, head = counted["per layer"][1]
+    config = tiny_config("llama", num_hidden_layers=LAYERS)
     tokens = _batch(rank).num_tokens
     fsdp = 4 * layer * 4 + head * 4
     low, high = 2.0**30, 2.0**31
     while high - low > 1.0:
         mid = (low + high) / 2
-        low, high = (low, mid) if _planned(model.config, tokens, mid, 0.0) >= KEPT else (mid, high)
+        low, high = (low, mid) if _planned(config, tokens, mid, 0.0) >= KEPT else (mid, high)
     budget = high + fsdp
-    plans = (_planned(model.config, tokens, budget, fsdp), _planned(model.config, tokens, budget, 0.0))
+    plans = (_planned(config, tokens, budget, fsdp), _planned(config, tokens, budget, 0.0))
 
     model = _patched_then_sharded(budget)
     model.train()

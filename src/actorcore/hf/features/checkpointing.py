@@ -54,7 +54,7 @@ from actorcore.hf.features.offload import OFFLOAD_IN_FLIGHT
 from actorcore.kernels.selective_checkpoint import (GROUPED_GEMM_OPS, SELECTIVE_TRACE_KEY, KeptLayer, cheapest_plan,
                                                     gradients_by_layer, selective_checkpoint_function,
                                                     unallocated_gradient_bytes)
-from actorcore.parallel.fsdp_memory import GatheredBytes, fsdp_gathered_bytes
+from actorcore.parallel.fsdp_memory import fsdp_gathered_bytes
 from actorcore.sizes import positive_size
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def planned_shape(model: Any, layers: list[torch.nn.Module], shape: CallShape) -
     gradients FSDP2 keeps whole (no gradient sync) has those to come instead of its shards; the layers compute in
     FSDP2's ``param_dtype``."""
     grads, head_grad = gradients_to_come(model, layers)
-    gathered: GatheredBytes = fsdp_gathered_bytes(model, layers, _head_weight(model))
+    gathered = fsdp_gathered_bytes(model, layers, _head_weight(model))
     if gathered.layer_gradients:  # kept whole, not reduce-scattered into shards
         grads = tuple(g if whole is None else whole for g, whole in zip(grads, gathered.layer_gradients))
     held = gathered.head_gradient_held
