@@ -58,7 +58,7 @@ MODELS = {"qwen2.5-1.5b": ("qwen2", QWEN25_15B), "qwen3-8b": ("qwen3", QWEN3_8B)
 PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-experts", "actorcore fused no-ckpt",
          "actorcore fused quack-experts", "actorcore fused quack-experts no-ckpt",
          "actorcore fused quack-mlp", "actorcore fused quack-mlp no-gate-up", "actorcore fused quack-mlp no-ckpt",
-         "actorcore fused quack-mlp offload",
+         "actorcore fused quack-mlp offload", "actorcore fused quack-mlp offload ckpt-around",
          "transformers padded", "transformers packed", "transformers+liger padded", "megatron before", "megatron")
 # On MoE models "actorcore fused" and "actorcore fused no-ckpt" run actorcore's gather-only experts path
 # (``moe_experts="grouped"``, the default under the compiled decoder), "actorcore fused transformers-experts" transformers'
@@ -66,6 +66,8 @@ PATHS = ("actorcore before", "actorcore fused", "actorcore fused transformers-ex
 # The dense SwiGLU MLPs stay compiled (``swiglu_mlp=False``) except on the "... quack-mlp" paths (``swiglu_mlp="quack"``).
 # "... no-gate-up": the budget planner as it was before its "gate_up" mode (layers kept whole or fully checkpointed,
 # none kept but for their quack MLP's gate/up output): the same plan's before and after in one process.
+# "... ckpt-around": the fully checkpointed compiled layers under torch's checkpoint around the compiled forward (its
+# recompute redoes the whole forward) instead of inside their compiled graph, with the same plan.
 # "megatron": actorcore's Megatron-Core route on this one GPU (``megatron_step``) with its speed options as
 # ``--mcore-experts`` / ``--mcore-fused`` / ``--mcore-recompute`` set them (by default the route's defaults, and
 # recompute "auto" at ``--budget-gib``, the HF paths' budget) and the loss fused into the head
@@ -99,6 +101,22 @@ def whole_layers_only():
         yield
     finally:
         checkpointing.quack_mlps = offered
+
+
+@contextlib.contextmanager
+def checkpointed_around(model):
+    """The fully checkpointed compiled layers under torch's checkpoint around their compiled forward (as before the
+    checkpoint went inside the compiled graph: the recompute redoes the whole forward) while a path runs; the plan
+    stays the same."""
+    import actorcore.hf.features.compiled_decoder as compiled_decoder
+
+    variant = compiled_decoder.compiled_forward(compiled_decoder.original_forward(type(model.model.layers[0])),
+                                                checkpointed=True)
+    refusal, variant.refusal = variant.refusal, "the bench's ckpt-around path"
+    try:
+        yield
+    finally:
+        variant.refusal = refusal
 
 
 def build(model_type, shape, dtype, device, layers):
@@ -550,7 +568,8 @@ def main() -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             packed = order if name == "transformers packed" else None
             step = transformers_step(model, sequences, advs, device, args.micro_batch, packed)
-        with whole_layers_only() if "no-gate-up" in name else contextlib.nullcontext():
+        with (whole_layers_only() if "no-gate-up" in name else contextlib.nullcontext()), \
+                (checkpointed_around(model) if "ckpt-around" in name else contextlib.nullcontext()):
             row = run_path(name, runner, step, tokens, active, profile, args.repeats, args.first_timeout, args.warmup)
         if getattr(step, "packs_seen", None) and "peak_gib" in row:  # per pack of the first and the last call
             row["peak_gib"] = max(p or 0.0 for call in step.packs_seen for _, p, _ in call)

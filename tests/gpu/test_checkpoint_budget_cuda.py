@@ -66,6 +66,7 @@ def test_auto_offload_keeps_layers_the_inputs_on_the_device_would_not_fit():
     the peak stays within it and the offloaded layers are the fully checkpointed ones."""
     pytest.importorskip("triton")
     from actorcore.hf.features.checkpointing import FULL_LAYERS, UNCHECKPOINTED_LAYERS, layer_bytes_per_token
+    from actorcore.hf.features.compiled_decoder import CHECKPOINTED_IN_GRAPH_KEY
 
     # Many layers of a narrow MLP: the checkpointed inputs weigh as much as a kept layer.
     model = build_tiny_model("llama", seed=0, dtype=torch.bfloat16, hidden_size=1024, intermediate_size=1024,
@@ -93,5 +94,7 @@ def test_auto_offload_keeps_layers_the_inputs_on_the_device_would_not_fit():
         (-(out.log_probs * torch.linspace(0.5, 1.5, tokens, device="cuda")).sum()).backward()
         assert trace[UNCHECKPOINTED_LAYERS] >= 2, (call, dict(trace))
         assert trace["offload:layers"] == trace[FULL_LAYERS] == layers - trace[UNCHECKPOINTED_LAYERS], dict(trace)
+        # checkpointed inside their compiled graphs, each moving its input alone (not the weights saved beside it)
+        assert trace[CHECKPOINTED_IN_GRAPH_KEY] == trace["offload:tensors"] == trace[FULL_LAYERS], dict(trace)
         assert torch.cuda.max_memory_allocated() <= budget, call
     handle.revert()

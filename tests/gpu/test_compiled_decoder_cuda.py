@@ -2,7 +2,8 @@
 same model's eager packed path, bf16, per token and per gradient element: SwiGLU + RoPE (llama), q/k norms
 (qwen3), GeGLU, sliding windows, norm offsets and softcaps (gemma3), partial rotary + grouped MoE routing + a
 shared expert (glm4_moe), grouped-GEMM experts (qwen3_moe), a hybrid whose linear-attention layers stay eager
-(qwen3_5_text) and M-RoPE (qwen2_5_vl); with the budgeted checkpointing on; the default patch fuses. The trace
+(qwen3_5_text) and M-RoPE (qwen2_5_vl); with the budgeted checkpointing on, and with full checkpointing inside the
+compiled graphs; the default patch fuses. The trace
 proves every compiled layer ran compiled; a second pack of another length compiles nothing new; ``verify`` still
 passes; fp32 stays eager. Skipped without CUDA / triton."""
 
@@ -71,6 +72,36 @@ def test_fused_matches_eager_and_ran(model_type):
     assert report.ok, report
     handle.revert()
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "glm4_moe", "qwen3_moe"])
+def test_full_checkpoint_inside_the_compiled_graph(model_type):
+    """``checkpointing="full"`` on compiled layers: each is checkpointed inside its compiled graph (its backward graph
+    recomputes what backward needs, not the MLP's down projection), within bf16 rounding of the eager path under
+    torch's full checkpoint; a layer class whose forward does not trace whole is checkpointed around its compiled
+    forward instead, and counted so. The dense and MoE families whose attention goes into the graph stay inside."""
+    pytest.importorskip("triton")
+    from actorcore.hf.features.compiled_decoder import (CHECKPOINTED_AROUND_KEY, CHECKPOINTED_IN_GRAPH_KEY,
+                                                        COMPILED_TRACE_KEY)
+    from actorcore.hf.patch import patch_state
+
+    model = build_tiny_model(model_type, seed=1, dtype=torch.bfloat16).cuda().train()
+    batch = _batch(LENGTHS[0])
+    handle = ac.patch_model(model, compiled_decoder=False, checkpointing="full")
+    eager = step(model, batch, Counter())
+    handle.revert()
+    handle = ac.patch_model(model, compiled_decoder=True, checkpointing="full")
+    compiled_layers = len(patch_state(model).targets("compiled_decoder"))
+    trace = Counter()
+    _compare(eager, step(model, batch, trace))
+    in_graph, around = trace[CHECKPOINTED_IN_GRAPH_KEY], trace[CHECKPOINTED_AROUND_KEY]
+    print(model_type, "checkpointed in graph:", in_graph, "around:", around, "compiled calls:",
+          trace[COMPILED_TRACE_KEY])
+    assert in_graph + around == compiled_layers
+    assert trace[COMPILED_TRACE_KEY] == compiled_layers + around  # torch's recompute calls the layer again
+    if model_type in ("llama", "qwen3", "qwen3_moe"):
+        assert in_graph == compiled_layers
+    handle.revert()
 
 
 def test_mrope_vlm_fused_matches_eager():

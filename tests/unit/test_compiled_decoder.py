@@ -9,6 +9,8 @@ pack of another length compiles nothing new; the model's own forward stays eager
 from __future__ import annotations
 
 import copy
+import functools
+import logging
 from collections import Counter
 from types import SimpleNamespace
 
@@ -24,6 +26,9 @@ from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.features.compiled_decoder import COMPILED_TRACE_KEY, CompiledLayerForward
 from actorcore.testing.tiny_configs import build_tiny_model, checkpointed
 from actorcore.testing.tolerances import TOL
+
+
+TOL_FP32 = dict(rtol=0.0, atol=TOL["compiled_decoder_vs_eager_fp32"])
 
 
 def _close(eager, fused):
@@ -84,6 +89,140 @@ def test_compiled_layers_on_the_cpu(monkeypatch):
     inner = [s for s in saved if s.numel() == batch.num_tokens * model.config.intermediate_size]
     assert len(inner) == 2 * layers, inner
     handle.revert()
+
+
+def _matmul_flops(fn) -> tuple[float, object]:
+    """``(FLOPs of the aten matmuls that ran in fn(), its result)``: the compiled graphs' extern GEMMs included (and a
+    compilation's own, so compile first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        result = fn()
+    flops = 0.0
+    for event in prof.events():
+        shapes = event.input_shapes
+        if event.name in ("aten::mm", "aten::bmm"):
+            a, b = shapes[0], shapes[1]
+        elif event.name in ("aten::addmm", "aten::baddbmm"):
+            a, b = shapes[1], shapes[2]
+        else:
+            continue
+        assert a and b, f"a matmul of unknown shapes: {event.name}"
+        flops += 2.0 * a[-2] * a[-1] * b[-1] * (a[0] if len(a) == 3 else 1)
+    return flops, result
+
+
+class MLPLayer(torch.nn.Module):
+    """Stands for a dense decoder layer in the in-graph checkpoint's test: a residual around RMSNorm and a SwiGLU
+    MLP (the CPU has no attention a compiled graph can hold)."""
+
+    def __init__(self, d: int = 24, inner: int = 56):
+        super().__init__()
+        self.norm = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.gate, self.up = torch.nn.Linear(d, inner, bias=False), torch.nn.Linear(d, inner, bias=False)
+        self.down = torch.nn.Linear(inner, d, bias=False)
+        self.gradient_checkpointing = False
+
+    def forward(self, hidden, **kwargs):
+        h = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        return hidden + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.slow
+def test_full_checkpoint_runs_inside_the_compiled_graph():
+    """A compiled layer under ``InGraphCheckpoint`` compiles its forward under torch's checkpoint: its backward graph
+    recomputes what backward needs and not the MLP's down projection, whose output only feeds the residual sum.
+    Output and every gradient element against the eager layer; the trace counts one compiled call checkpointed in its
+    graph and no second call; the layer saves its input and weights, no ``[T, I]`` tensor; under activation offload
+    only the input moves. By the matmul FLOPs that ran: torch's checkpoint around the compiled layer (the fallback)
+    redoes exactly one down projection more."""
+    from actorcore.hf.call import TRACE_KWARG, TraceRef
+    from actorcore.hf.features.offload import OFFLOAD_BYTES, OFFLOAD_TENSORS, ActivationOffloader, OffloadedCheckpoint
+
+    layer = MLPLayer()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 24, generator=g, requires_grad=True)
+    grad_out = torch.randn(37, 24, generator=g)
+
+    def step(fn, profiled=True):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        saved = []
+
+        def run():
+            out = fn()
+            out.backward(grad_out)
+            return out.detach()
+
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            flops, out = _matmul_flops(run) if profiled else (None, run())
+        return out, [x.grad] + [p.grad for p in layer.parameters()], saved, flops
+
+    reference, ref_grads, _, _ = step(lambda: layer(x), profiled=False)
+    compiled_decoder.compiled_forward.cache_clear()
+
+    def checkpointed(trace, offloaded):
+        kwargs = {compiled_decoder.COMPILED_KWARG: True, TRACE_KWARG: TraceRef(trace)}
+        checkpoint = compiled_decoder.InGraphCheckpoint(layer)
+        if offloaded:  # as activation offload wraps it: the input moves, the weights it saves beside it do not
+            checkpoint = OffloadedCheckpoint(checkpoint, ActivationOffloader(trace), offload=True)
+        return checkpoint(functools.partial(CompiledLayerForward(layer), **kwargs), x)
+
+    results = {}
+    for way in ("in_graph", "offloaded", "around"):
+        trace = Counter()
+        if way == "around":  # as where the layer's forward does not trace whole
+            compiled_decoder.compiled_forward(MLPLayer.forward, checkpointed=True).refusal = "test"
+        offloaded = way == "offloaded"
+        step(lambda: checkpointed(Counter(), offloaded), profiled=False)  # compiles: the profile sees the run alone
+        out, grads, saved, flops = step(lambda: checkpointed(trace, offloaded))
+        torch.testing.assert_close(out, reference, **TOL_FP32)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, **TOL_FP32)
+        results[way] = trace, saved, flops
+    compiled_decoder.compiled_forward.cache_clear()
+
+    (trace, saved, in_graph_flops), (around, _, around_flops) = results["in_graph"], results["around"]
+    offloaded = results["offloaded"][0]
+    assert offloaded[compiled_decoder.CHECKPOINTED_IN_GRAPH_KEY] == 1
+    assert offloaded[OFFLOAD_TENSORS] == 1 and offloaded[OFFLOAD_BYTES] == x.numel() * x.element_size(), offloaded
+    assert trace[compiled_decoder.CHECKPOINTED_IN_GRAPH_KEY] == 1 and trace[COMPILED_TRACE_KEY] == 1
+    assert not trace[compiled_decoder.CHECKPOINTED_AROUND_KEY]
+    assert (37, 24) in saved and not [s for s in saved if s.numel() == 37 * 56], saved
+    assert around[compiled_decoder.CHECKPOINTED_AROUND_KEY] == 1 and around[COMPILED_TRACE_KEY] == 2  # and recompute
+    assert not around[compiled_decoder.CHECKPOINTED_IN_GRAPH_KEY]
+    assert around_flops - in_graph_flops == 2.0 * 37 * 56 * 24, (around_flops, in_graph_flops)
+
+
+@pytest.mark.slow
+def test_full_checkpoint_of_a_layer_that_does_not_trace_whole(monkeypatch, caplog):
+    """``checkpointing="full"`` on compiled layers whose forward does not trace as one graph (on the CPU the packed
+    attention leaves the graph): the first call finds it, warns once and checkpoints those layers with torch's
+    checkpoint around the compiled layer, under the call's attention switch in the recompute too; per token and
+    gradient element as the eager path; the trace counts each layer checkpointed around its graph, and the plan's
+    check holds."""
+    monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)
+    model = build_tiny_model("llama", seed=3).train()
+    layers, batch = model.config.num_hidden_layers, seeded_batch()
+    handle = ac.patch_model(model)
+    eager = train_step(model, batch, Counter())
+    handle.revert()
+    compiled_decoder.compiled_forward.cache_clear()
+    try:
+        for call in range(2):
+            model.zero_grad(set_to_none=True)
+            handle = ac.patch_model(model, compiled_decoder=True, checkpointing="full")
+            trace = Counter()
+            with caplog.at_level(logging.WARNING, logger=compiled_decoder.__name__):
+                _close(eager, train_step(model, batch, trace))
+            handle.revert()
+            assert trace[compiled_decoder.CHECKPOINTED_AROUND_KEY] == layers
+            assert not trace[compiled_decoder.CHECKPOINTED_IN_GRAPH_KEY]
+            assert trace[COMPILED_TRACE_KEY] == 2 * layers  # the forward and torch's recompute of it
+        assert caplog.text.count("cannot be checkpointed inside its graph") == 1, caplog.text
+        assert compiled_decoder.in_graph_refusal(model.model.layers[0]) is not None
+    finally:
+        compiled_decoder.compiled_forward.cache_clear()
 
 
 def test_bypassed_compiled_layers_are_an_error(monkeypatch):

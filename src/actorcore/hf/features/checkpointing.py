@@ -1,7 +1,9 @@
 """Per-call activation checkpointing of the decoder layers (``patch_model(checkpointing=..., memory_budget_gib=...)``).
 
 Modes (``None`` leaves the model's own setting, the behaviour before this option existed):
-- ``"full"``: every layer under torch's non-reentrant checkpoint (its forward runs again in backward).
+- ``"full"``: every layer under torch's non-reentrant checkpoint (its forward runs again in backward); a layer that
+  runs compiled is checkpointed inside its compiled graph (``compiled_decoder.InGraphCheckpoint``), whose backward
+  recomputes only what backward needs (not the MLP's down projection).
 - ``"selective"``: every layer keeps its matmul and attention outputs and recomputes the rest
   (``kernels.selective_checkpoint``; bitwise the gradients of ``"full"``). A compiled layer
   (``hf.features.compiled_decoder``) is not checkpointed at all instead: its compiled graph already keeps the matmul outputs and recomputes the
@@ -28,7 +30,8 @@ backward); it records the plan in ``call.checkpoint_modes`` (activation offload 
 checkpointed). Trace keys: ``checkpoint:full_layers``, ``checkpoint:selective_layers``,
 ``checkpoint:compiled_layers_kept``, ``checkpoint:gate_up_layers`` (layers per mode in the call) and
 ``checkpoint:selective`` (each selective checkpoint that ran: the self-check; a ``"gate_up"`` layer's MLP is checked
-by the swiglu_mlp feature, in whose path the mode lives).
+by the swiglu_mlp feature, in whose path the mode lives); a fully checkpointed compiled layer must count under the
+compiled decoder's ``CHECKPOINTED_IN_GRAPH_KEY`` or ``CHECKPOINTED_AROUND_KEY``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from actorcore.archs import text_config
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import UNCHECKPOINTED_MODES, DecoderCall
 from actorcore.hf.features.base import DecoderFeature
+from actorcore.hf.features.compiled_decoder import CHECKPOINTED_AROUND_KEY, CHECKPOINTED_IN_GRAPH_KEY, InGraphCheckpoint
 from actorcore.hf.features.plan import FeatureOption, PlanFacts
 from actorcore.hf.features.moe_experts import is_standard_experts
 from actorcore.hf.features.swiglu_mlp import gate_up_recomputed, quack_mlps
@@ -131,11 +135,15 @@ def layer_bytes_per_token(config: Any, element_bytes: int, fused: bool) -> tuple
     return float(widths * element_bytes + 4 * w.heads), float(w.d * element_bytes)
 
 
-def layer_forward_flops(config: Any, context: float) -> float:
+def layer_forward_flops(config: Any, context: float, down_projection: bool = True) -> float:
     """FLOPs per token of one attention layer's forward (what full checkpointing runs again): its matmuls (an MoE
-    layer's routed experts and shared expert) and its attention over ``context`` earlier tokens on average."""
+    layer's routed experts and shared expert) and its attention over ``context`` earlier tokens on average.
+    ``down_projection=False``: a dense layer's without its MLP's down projection, which a compiled layer checkpointed
+    inside its graph does not run again (``compiled_decoder.InGraphCheckpoint``; an MoE layer's experts need theirs
+    for the routing weights' gradient)."""
     w = LayerWidths.of(config)
-    return 2.0 * (w.d * (2 * w.q + 2 * w.kv) + 3 * w.d * w.inner) + 4.0 * w.q * context
+    down = 1 if down_projection or w.experts else 0
+    return 2.0 * (w.d * (2 * w.q + 2 * w.kv) + (2 + down) * w.d * w.inner) + 4.0 * w.q * context
 
 
 def mean_context(cu_seqlens: torch.Tensor) -> float:
@@ -231,7 +239,7 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
     measured, tokens, element = measured or {}, shape.tokens, shape.element_bytes
     widths = shape.gate_up_widths or (0,) * len(fused)
     per_layer = [layer_bytes_per_token(config, element, f) for f in fused]
-    full_cost = layer_forward_flops(config, shape.context)
+    full_cost = [layer_forward_flops(config, shape.context, down_projection=not f) for f in fused]
     follow = offloaded == "auto"
     moved = len(fused) if follow else min(int(offloaded), len(fused))
     keep_options, partial_options, whole = [], [], []
@@ -264,7 +272,7 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
     # At a layer's backward, the weight gradients allocated anew from there on (its own, the later layers', the
     # head's); a fully checkpointed layer's recompute and gradients (its input, if kept, not among them).
     grads_from = gradients_by_layer(shape.grads_to_come or (0.0,) * len(fused), shape.head_grad_to_come)
-    ways = cheapest_plan(plan.budget_bytes, base, [full_cost] * len(fused), keep_options, partial_options,
+    ways = cheapest_plan(plan.budget_bytes, base, full_cost, keep_options, partial_options,
                          tail_bytes=shape.head_bytes, grads_from=grads_from,
                          recompute_bytes=3 * max(whole, default=0.0))
     return [{"full": "full", "partial": "gate_up", "kept": mode}[way] for way, mode in zip(ways, kept)]
@@ -315,15 +323,19 @@ class LayerBytesMeter:
 
 
 @contextlib.contextmanager
-def checkpointing_for_call(layers: list[torch.nn.Module], modes: list[str], trace: Counter) -> Iterator[None]:
-    """Set each layer's checkpointing for one call (``modes`` from ``plan_layer_modes``) and restore it after."""
+def checkpointing_for_call(layers: list[torch.nn.Module], modes: list[str], trace: Counter,
+                           fused: frozenset[int] = frozenset()) -> Iterator[None]:
+    """Set each layer's checkpointing for one call (``modes`` from ``plan_layer_modes``; ``fused``: the layers that run
+    compiled in it, whose full checkpoint goes inside their compiled graph) and restore it after."""
     saved = [(layer, {k: layer.__dict__[k] for k in ("gradient_checkpointing", "_gradient_checkpointing_func")
                       if k in layer.__dict__}) for layer in layers]
     try:
-        for layer, mode in zip(layers, modes):
+        for i, (layer, mode) in enumerate(zip(layers, modes)):
             layer.gradient_checkpointing = mode not in UNCHECKPOINTED_MODES
             if mode == "selective":
                 layer._gradient_checkpointing_func = selective_checkpoint_function(trace, in_place_outputs(layer))
+            elif mode == "full" and i in fused:
+                layer._gradient_checkpointing_func = InGraphCheckpoint(layer)
             elif mode == "full" and not _non_reentrant(layer.__dict__.get("_gradient_checkpointing_func")):
                 layer._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
                                                                        use_reentrant=False)
@@ -356,6 +368,17 @@ def _non_reentrant(fn: Any) -> bool:
             and fn.keywords.get("use_reentrant") is False and "context_fn" not in fn.keywords)
 
 
+def check_fused_checkpointed(ran: int, full_fused: int, model_name: str) -> None:
+    """Every fully checkpointed compiled layer must have been checkpointed, inside its graph or around it (``ran``
+    of them were)."""
+    if ran < full_fused:
+        raise PatchNotAppliedError(
+            f"{full_fused - ran} of {full_fused} fully checkpointed compiled decoder layers of {model_name} ran "
+            "without a checkpoint: the installed transformers bypassed the layers' _gradient_checkpointing_func (it "
+            "checkpoints only in training mode: call model.train()); refusing to continue without the checkpointing "
+            "that was asked for")
+
+
 def check_selective_ran(ran: int, selective_layers: int, model_name: str) -> None:
     """Every selective layer must have entered its selective checkpoint in this forward (``ran`` of them did)."""
     if ran < selective_layers:
@@ -370,6 +393,13 @@ def allocated_bytes_counter(device: torch.device) -> Callable[[], int] | None:
     if device.type != "cuda":
         return None
     return functools.partial(torch.cuda.memory_allocated, device)
+
+
+def compiled_in_call(call: DecoderCall) -> frozenset[int]:
+    """The layers that run compiled in this call (none where the compiled decoder stands down)."""
+    if "compiled_decoder" in call.standing_down:
+        return frozenset()
+    return frozenset(call.patch.targets("compiled_decoder"))
 
 
 class CheckpointingOption(FeatureOption):
@@ -417,7 +447,7 @@ class Checkpointing(DecoderFeature):
         param = next(call.model.parameters())
         allocated_now = allocated_bytes_counter(param.device)
         allocated = allocated_now() if allocated_now is not None else 0
-        fused = set(call.patch.targets("compiled_decoder")) if "compiled_decoder" not in call.standing_down else set()
+        fused = compiled_in_call(call)
         tokens = call.batch.num_tokens // call.sp_size  # this rank's shard
         config = text_config(call.model.config)
         plan, measured = call.patch.value("checkpointing"), call.patch.measured_layer_bytes
@@ -437,12 +467,12 @@ class Checkpointing(DecoderFeature):
         if plan.mode == "auto" and allocated_now is not None:
             meter = LayerBytesMeter(call.parts.layers, call.checkpoint_modes, tokens,
                                     config.hidden_size * shape.element_bytes, allocated_now)
-        return self._planned(call, meter)
+        return self._planned(call, meter, fused)
 
     @contextlib.contextmanager
-    def _planned(self, call: DecoderCall, meter: LayerBytesMeter | None) -> Iterator[None]:
+    def _planned(self, call: DecoderCall, meter: LayerBytesMeter | None, fused: frozenset[int]) -> Iterator[None]:
         try:
-            with checkpointing_for_call(call.parts.layers, call.checkpoint_modes, call.trace):
+            with checkpointing_for_call(call.parts.layers, call.checkpoint_modes, call.trace, fused):
                 yield
             if meter is not None and meter.record_into(call.patch.measured_layer_bytes):
                 logger.info("checkpointing='auto' on %s: measured %s bytes per token kept per layer; the next calls "
@@ -454,3 +484,7 @@ class Checkpointing(DecoderFeature):
 
     def check(self, call: DecoderCall) -> None:
         check_selective_ran(call.ran(SELECTIVE_TRACE_KEY), call.checkpoint_modes.count("selective"), call.model_name)
+        fused = compiled_in_call(call)
+        full_fused = sum(mode == "full" and i in fused for i, mode in enumerate(call.checkpoint_modes))
+        check_fused_checkpointed(call.ran(CHECKPOINTED_IN_GRAPH_KEY) + call.ran(CHECKPOINTED_AROUND_KEY), full_fused,
+                                 call.model_name)

@@ -19,6 +19,15 @@ runs the original eager forward. Each compiled layer call counts under ``COMPILE
 one in which no compiled graph ran (Dynamo ran the layer's Python: past its recompile limit, or a skipped frame)
 counts under ``EAGER_FALLBACK_TRACE_KEY``, and the call is refused.
 
+Checkpointed inside its graph: a compiled layer that a call fully checkpoints (``InGraphCheckpoint``, set by
+``hf.features.checkpointing``) runs a second compilation, of its forward under torch's non-reentrant checkpoint,
+traced whole (``fullgraph``). AOTAutograd's partitioner then saves only the layer's inputs and recomputes in the
+backward graph exactly what backward needs, fused with it: not the MLP's down projection, whose output only feeds
+the residual sum (a quarter of a dense layer's forward FLOPs), which torch's checkpoint around the compiled layer
+runs again. Each such call counts under ``CHECKPOINTED_IN_GRAPH_KEY``. Where the layer's forward does not trace
+whole (a graph break: Ulysses, attention outside the graph), the class's layers take torch's checkpoint around the
+compiled forward instead, with one warning, and count under ``CHECKPOINTED_AROUND_KEY``.
+
 Where: CUDA, 16-bit weights, Triton present; elsewhere (CPU, fp32) nothing is installed and the path is the
 eager one, unchanged. Within bf16 rounding of the eager layer, not bitwise (Inductor reduces in another order); as
 far from the fp32 model as eager is (``bench/actor_step.py``). On by default (``"auto"``) where it was measured
@@ -34,6 +43,7 @@ import logging
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils.checkpoint
 
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import TRACE_KWARG, DecoderCall, parallel_from_kwargs
@@ -49,6 +59,9 @@ COMPILED_KWARG = "actorcore_compiled"
 COMPILED_TRACE_KEY = "compiled_decoder:layers"
 EAGER_FALLBACK_TRACE_KEY = "compiled_decoder:ran_uncompiled"  # compiled layer calls in which no compiled graph ran
 COMPILED_CHOICES = (True, False, "auto")
+CHECKPOINT_KWARG = "actorcore_checkpoint_in_graph"  # passed by InGraphCheckpoint to the layer's instance forward
+CHECKPOINTED_IN_GRAPH_KEY = "compiled_decoder:checkpointed_in_graph"  # compiled layer calls checkpointed in-graph
+CHECKPOINTED_AROUND_KEY = "compiled_decoder:checkpointed_around_graph"  # ... by torch's checkpoint around the graph
 
 
 def compile_refusal(model: torch.nn.Module) -> str | None:
@@ -170,22 +183,46 @@ class CompiledLayer:
     its graph cannot count that call itself, so the compiled layer counts it (and the backend) for the graph, from what
     ran in this call, never from what an earlier model or another backend request compiled. ``graphs`` /
     ``graphs_with_attention`` / ``attention_backends`` describe the captures (for tests and benchmarks; no check
-    reads them)."""
+    reads them).
 
-    def __init__(self, forward: Callable) -> None:
+    ``checkpointed``: the compilation of the forward under torch's non-reentrant checkpoint, traced whole
+    (``in_graph_checkpointed``); ``refusal`` says why it could not be (set by the first failure, then the class's
+    layers are checkpointed around the plain compilation: a property of the forward's code, like Dynamo's cache)."""
+
+    def __init__(self, forward: Callable, checkpointed: bool = False) -> None:
         self.graphs = 0
         self.graphs_with_attention = 0
         self.attention_backends: set[str] = set()
-        self.fn = torch.compile(forward, dynamic=True, backend=self._inductor)
+        self.refusal: str | None = None
+        fn = in_graph_checkpointed(forward) if checkpointed else forward
+        self.fn = torch.compile(fn, dynamic=True, fullgraph=checkpointed, backend=self._inductor)
 
     def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
-        backends = frozenset(graph_attention_backends(gm.graph))
+        graphs = [module.graph for module in gm.modules() if isinstance(module, torch.fx.GraphModule)]
+        backends = frozenset(backend for graph in graphs for backend in graph_attention_backends(graph))
+        checkpointed = any(holds_checkpoint(graph) for graph in graphs)
         self.graphs += 1
         self.attention_backends |= backends
         self.graphs_with_attention += bool(backends)
-        return ReportingGraph(compile_fx(gm, example_inputs), functools.partial(_graph_ran, backends))
+        return ReportingGraph(compile_fx(gm, example_inputs), functools.partial(_graph_ran, backends, checkpointed))
+
+
+def in_graph_checkpointed(forward: Callable) -> Callable:
+    """``forward`` under torch's non-reentrant checkpoint, for ``torch.compile`` to trace as one graph (the checkpoint
+    a higher-order op in it): AOTAutograd then recomputes in backward only what backward needs."""
+
+    def checkpointed(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed
+
+
+def holds_checkpoint(graph: torch.fx.Graph) -> bool:
+    """Whether a graph Dynamo captured holds a checkpointed region (torch's ``tag_activation_checkpoint``)."""
+    return any(node.op == "call_function" and "tag_activation_checkpoint" in str(node.target)
+               for node in graph.nodes)
 
 
 class GraphRuns:
@@ -193,11 +230,12 @@ class GraphRuns:
     ``CompiledLayerForward``). ``graphs`` 0 after the call: Dynamo ran the layer's Python eagerly (past its recompile
     limit, or a frame it skipped), which the call must not pass off as compiled."""
 
-    __slots__ = ("graphs", "with_attention", "backends")
+    __slots__ = ("graphs", "with_attention", "backends", "checkpointed")
 
     def __init__(self) -> None:
         self.graphs = 0
         self.with_attention = 0
+        self.checkpointed = 0  # graphs that ran the layer under a checkpoint inside them
         self.backends: set[str] = set()  # the attention backends whose ops those graphs called
 
 
@@ -207,22 +245,24 @@ _LAYER_CALL: contextvars.ContextVar[GraphRuns | None] = contextvars.ContextVar("
                                                                                default=None)
 
 
-def _graph_ran(backends: frozenset[str]) -> None:
+def _graph_ran(backends: frozenset[str], checkpointed: bool) -> None:
     """A compiled graph's run, noted in the layer call it runs in, with the packed attention's ``backends`` where
-    the graph holds that attention (empty: it does not)."""
+    the graph holds that attention (empty: it does not) and whether it checkpoints the layer inside it."""
     runs = _LAYER_CALL.get()
     if runs is not None:
         runs.graphs += 1
+        runs.checkpointed += checkpointed
         if backends:
             runs.with_attention += 1
             runs.backends |= backends
 
 
 @functools.cache
-def compiled_forward(forward: Callable) -> CompiledLayer:
-    """One compilation per layer class's forward (its graphs serve every model of the class and every attention
-    backend request, which Dynamo guards on; what they report goes to the call that runs them)."""
-    return CompiledLayer(forward)
+def compiled_forward(forward: Callable, checkpointed: bool = False) -> CompiledLayer:
+    """One compilation per layer class's forward, and one of it checkpointed inside the graph (its graphs serve every
+    model of the class and every attention backend request, which Dynamo guards on; what they report goes to the call
+    that runs them)."""
+    return CompiledLayer(forward, checkpointed)
 
 
 def recompute_pointwise() -> contextlib.AbstractContextManager:
@@ -246,11 +286,14 @@ def compile_settings() -> Iterator[None]:
     """What the compiled layers are traced and run under: the partitioner recomputing pointwise work
     (``recompute_pointwise``), floats specialised (Dynamo's ``specialize_float``): a layer's float attributes
     (norm eps, attention scale, dropout) are constants of its graph, guarded, rather than graph inputs, so the
-    attention traced into the graph hands torch's varlen op its scale as a number; and room for the graph variants
-    (``kernels.compiled_graphs.variant_room``)."""
+    attention traced into the graph hands torch's varlen op its scale as a number; Python side effects allowed in
+    a checkpointed region (``skip_fwd_side_effects_in_bwd_under_checkpoint``: made in forward, not again in backward,
+    where a compiled graph has no Python to run; the hub-kernel wrappers transformers puts on attention modules set
+    and reset a context variable); and room for the graph variants (``kernels.compiled_graphs.variant_room``)."""
     dynamo = torch._dynamo.config
-    floats = dynamo.patch(specialize_float=True) if hasattr(dynamo, "specialize_float") else contextlib.nullcontext()
-    with recompute_pointwise(), floats, variant_room():
+    settings = {name: True for name in ("specialize_float", "skip_fwd_side_effects_in_bwd_under_checkpoint")
+                if hasattr(dynamo, name)}
+    with recompute_pointwise(), dynamo.patch(**settings), variant_room():
         yield
 
 
@@ -276,13 +319,42 @@ class CompiledLayerForward:
         return self._run(fused, *args, **kwargs)
 
     def _run(self, fused: bool, *args: Any, **kwargs: Any) -> Any:
+        checkpoint = kwargs.pop(CHECKPOINT_KWARG, None)
+        if checkpoint == "around":  # InGraphCheckpoint's fallback, under torch's checkpoint: count the forward once
+            ref = kwargs.get(TRACE_KWARG)
+            if ref is not None and torch._C._current_graph_task_id() == -1:
+                ref.counts[CHECKPOINTED_AROUND_KEY] += 1
         if not fused:
+            if checkpoint == "in_graph":
+                raise _NotCheckpointedInGraph  # an eager layer in this call: InGraphCheckpoint checkpoints around it
             return self.forward(self.layer, *args, **kwargs)
+        if checkpoint != "in_graph":
+            return self._compiled(compiled_forward(self.forward), args, kwargs)
+        checkpointed = compiled_forward(self.forward, checkpointed=True)
+        try:
+            return self._compiled(checkpointed, args, kwargs)
+        except Exception as error:
+            if not isinstance(error, _trace_failures()):
+                raise
+            self._uncount(kwargs)
+            checkpointed.refusal = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            logger.warning("the compiled %s cannot be checkpointed inside its graph (%s); its fully checkpointed calls "
+                           "run torch's checkpoint around the compiled layer instead, whose recompute redoes the whole "
+                           "forward", type(self.layer).__name__, checkpointed.refusal)
+            raise _NotCheckpointedInGraph from error
+
+    def _uncount(self, kwargs: dict) -> None:
+        """Take back what ``_compiled`` counted before a compilation that raised while tracing."""
+        self.calls -= 1
+        ref = kwargs.get(TRACE_KWARG)
+        if ref is not None:
+            ref.counts[COMPILED_TRACE_KEY] -= 1
+
+    def _compiled(self, compiled: CompiledLayer, args: tuple, kwargs: dict) -> Any:
         self.calls += 1
         ref = kwargs.get(TRACE_KWARG)
         if ref is not None:  # before the call: a checkpoint's recompute may stop inside it
             ref.counts[COMPILED_TRACE_KEY] += 1
-        compiled = compiled_forward(self.forward)
         runs = GraphRuns()
         token = _LAYER_CALL.set(runs)
         try:
@@ -292,12 +364,55 @@ class CompiledLayerForward:
             _LAYER_CALL.reset(token)
         if ref is not None and not runs.graphs:
             ref.counts[EAGER_FALLBACK_TRACE_KEY] += 1
+        if ref is not None and runs.checkpointed:
+            ref.counts[CHECKPOINTED_IN_GRAPH_KEY] += 1
         parallel = parallel_from_kwargs(kwargs)
         if ref is not None and runs.with_attention and (parallel is None or parallel.sp_size == 1):
             ref.counts[trace_key(PACKED_ATTENTION)] += 1  # its graph ran the attention; Ulysses counts itself
             for backend in runs.backends:
                 ref.counts[f"varlen_attention:{backend}"] += 1
         return out
+
+
+def _trace_failures() -> tuple[type, ...]:
+    """What torch.compile raises, while tracing and before the graph runs anything, where a forward does not trace
+    as one graph: a graph break under ``fullgraph``, a failed backend, the recompile limit reached."""
+    exc = torch._dynamo.exc
+    return (exc.TorchDynamoException, getattr(exc, "FailOnRecompileLimitHit", exc.TorchDynamoException))
+
+
+class _NotCheckpointedInGraph(Exception):
+    """Raised by a compiled layer asked to checkpoint inside its graph where it cannot (before it ran anything)."""
+
+
+def in_graph_refusal(layer: torch.nn.Module) -> str | None:
+    """Why ``layer``'s class cannot be checkpointed inside its compiled graph, as far as known (None: not known)."""
+    return compiled_forward(original_forward(type(layer)), checkpointed=True).refusal
+
+
+class InGraphCheckpoint:
+    """A compiled layer's ``_gradient_checkpointing_func`` for a call that fully checkpoints it. Called as torch's
+    checkpoint is (``func(fn, *args)``, ``fn`` the layer's call with its keyword arguments bound, maybe wrapped by
+    ``base.switched_for_call``), it runs the layer asking its instance forward (``CompiledLayerForward``) to checkpoint
+    inside its compiled graph; where the layer's class cannot (``in_graph_refusal``, or found on this call), torch's
+    non-reentrant checkpoint around ``fn``, whose recompute runs ``fn`` again. Without gradients, the plain call."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        if in_graph_refusal(self.layer) is None:
+            try:
+                return fn(*args, **kwargs, **{CHECKPOINT_KWARG: "in_graph"})
+            except _NotCheckpointedInGraph:
+                pass  # logged where it was found; nothing ran
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs,
+                                                 **{CHECKPOINT_KWARG: "around"})
+
+    def __repr__(self) -> str:
+        return f"InGraphCheckpoint({type(self.layer).__name__})"
 
 
 def install_compiled_layers(layers: list[torch.nn.Module]) -> tuple[list[CompiledLayerForward], Callable[[], None]]:

@@ -8,10 +8,12 @@ the last layers' inputs, which backward needs first, stay on the GPU.
 
 How, for one decoder call (``offloaded_layers``): each decoder layer's ``_gradient_checkpointing_func`` (the
 per-layer checkpoint function transformers calls as ``func(partial(forward, **kwargs), *args)``: torch's
-non-reentrant ``checkpoint``) is wrapped by an ``OffloadedCheckpoint`` that runs it inside the
-``saved_tensors_hooks`` of the call's ``ActivationOffloader``. Non-reentrant checkpoint saves its positional
-inputs through the hooks in force (ours) and only then installs its own hooks for the layer's body, so exactly
-the checkpointed inputs (the hidden states) move; whatever the layer saves inside is the checkpoint's business.
+non-reentrant ``checkpoint``, or the compiled decoder's ``InGraphCheckpoint``) is wrapped by an
+``OffloadedCheckpoint`` that runs it inside the ``saved_tensors_hooks`` of the call's ``ActivationOffloader``.
+Non-reentrant checkpoint saves its positional inputs through the hooks in force (ours) and only then installs its
+own hooks for the layer's body; a compiled layer checkpointed inside its graph saves its inputs, parameters and the
+rotary tables through them. Exactly the positional inputs (the hidden states) move, by their storage; the rest stays
+where it is.
 
 - pack (forward), offloaded layer: the side stream waits for the compute stream and copies the tensor's bytes
   into host chunks from the ``PinnedPool`` without blocking; ``record_stream`` keeps its device block from reuse
@@ -48,6 +50,7 @@ import torch.utils.checkpoint
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall
 from actorcore.hf.features.base import DecoderFeature
+from actorcore.hf.features.compiled_decoder import InGraphCheckpoint
 from actorcore.hf.features.plan import FeatureOption, PlanFacts
 
 logger = logging.getLogger(__name__)
@@ -217,6 +220,11 @@ class _Kept:
         self.tensor = tensor
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    """The address of the storage a tensor views (a parameter's or a view's of the hidden states alike)."""
+    return tensor.untyped_storage().data_ptr()
+
+
 def _spans(nbytes: int, chunks: list[HostChunk]) -> Iterator[tuple[int, int, HostChunk]]:
     offset = 0
     for chunk in chunks:
@@ -236,13 +244,16 @@ class ActivationOffloader:
         self.pool = pool
         self.layers: list[list[weakref.ref]] = []
         self.offloading: list[bool] = []
+        self.inputs: list[set[int]] = []  # per layer: the storages of its positional inputs
         self.streams: dict[torch.device, Any] = {}
 
     @contextlib.contextmanager
-    def layer(self, offload: bool) -> Iterator[None]:
-        """One checkpointed layer's call: what its checkpoint saves goes through ``pack`` / ``unpack``."""
+    def layer(self, offload: bool, inputs: tuple = ()) -> Iterator[None]:
+        """One checkpointed layer's call: what its checkpoint saves goes through ``pack`` / ``unpack``; of it, what
+        views the storage of a tensor among ``inputs`` (the layer's positional inputs) moves if ``offload``."""
         self.layers.append([])
         self.offloading.append(offload)
+        self.inputs.append({_storage(t) for t in inputs if isinstance(t, torch.Tensor)})
         self.trace[OFFLOAD_LAYERS if offload else OFFLOAD_KEPT] += 1
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield
@@ -256,7 +267,7 @@ class ActivationOffloader:
         if tensor.numel() == 0 or not self.layers:
             return tensor  # torch's placeholder input (an empty tensor) stays as it is
         position = len(self.layers) - 1
-        if not self.offloading[position]:
+        if not self.offloading[position] or _storage(tensor) not in self.inputs[position]:
             kept = _Kept(position, tensor)
             self.layers[position].append(weakref.ref(kept))
             return kept
@@ -290,7 +301,8 @@ class ActivationOffloader:
         return entry
 
     def _entries(self, position: int) -> list[Any]:
-        return [e for e in (ref() for ref in self.layers[position]) if e is not None]
+        """The moved tensors of the layer at ``position`` still alive (not what stayed on the device beside them)."""
+        return [e for e in (ref() for ref in self.layers[position]) if isinstance(e, _Offloaded)]
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -351,7 +363,7 @@ class OffloadedCheckpoint:
     def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.checkpoint_fn(fn, *args, **kwargs)
-        with self.offloader.layer(self.offload):
+        with self.offloader.layer(self.offload, args):
             return self.checkpoint_fn(fn, *args, **kwargs)
 
 
@@ -385,7 +397,7 @@ def check_checkpointed(layers: Any, model_name: str) -> None:
             raise ValueError(
                 f"offload_activations moves the layer inputs that gradient checkpointing keeps, but decoder layer "
                 f"{i} of {model_name} is not checkpointed; enable it on every layer first: {_ENABLE_HINT}")
-        if isinstance(fn, OffloadedCheckpoint):
+        if isinstance(fn, (OffloadedCheckpoint, InGraphCheckpoint)):
             continue
         if not (isinstance(fn, functools.partial) and fn.func is torch.utils.checkpoint.checkpoint
                 and fn.keywords.get("use_reentrant") is False):
