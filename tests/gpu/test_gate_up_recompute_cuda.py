@@ -103,6 +103,39 @@ def test_compiled_layers_keep_no_preactivation(monkeypatch):
     handle.revert()
 
 
+def test_full_checkpoint_inside_the_graph_keeps_only_the_inputs():
+    """``checkpointing="full"`` on compiled layers with quack's gated MLP: each layer checkpointed inside its compiled
+    graph saves for backward its inputs and weights only (no ``[T, I]`` or ``[T, 2I]`` tensor: torch 2.11 kept the
+    pre-activation of the autograd.Function under a plain checkpoint), quack's kernels run, and the step is within
+    bf16 rounding of the fp32 model as the layers kept whole are."""
+    pytest.importorskip("triton")
+    from actorcore.hf.features.compiled_decoder import CHECKPOINTED_IN_GRAPH_KEY
+
+    layers = 3
+    model, batch = _model(layers), _batch()
+    tokens = batch.num_tokens
+    reference = copy.deepcopy(model).float()
+    plain = ac.patch_model(reference, compiled_decoder=False, swiglu_mlp=False)
+    want = step(reference, batch, Counter())
+    plain.revert()
+    del reference
+    kept = ac.patch_model(model)
+    whole = step(model, batch, Counter())
+    kept.revert()
+    handle = ac.patch_model(model, checkpointing="full")
+    assert handle.state.targets("swiglu_mlp") and handle.state.targets("compiled_decoder")
+    trace, saved = Counter(), []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        full, ran = quack_kernels_ran(lambda: step(model, batch, trace))
+    assert ran, "no quack kernel ran"
+    assert trace[CHECKPOINTED_IN_GRAPH_KEY] == layers, dict(trace)
+    assert not [n for n in saved if n >= tokens * INTERMEDIATE], sorted(saved)[-8:]
+    tol = TOL["compiled_decoder_vs_eager_bf16"]
+    assert (whole[0] - full[0]).abs().max().item() < tol and (whole[1] - full[1]).abs().max().item() < tol
+    assert_no_further_from_fp32(grad_distance(full, want), grad_distance(whole, want), "the in-graph checkpoint")
+    handle.revert()
+
+
 def test_auto_mixes_gate_up_layers_within_the_budget():
     """A budget the planner fills with gate/up-recomputed layers beside kept and fully checkpointed ones, from the
     estimate, then from what the first call measured (fewer fully checkpointed): the peak stays within it."""
