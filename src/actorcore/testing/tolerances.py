@@ -11,8 +11,9 @@ from actorcore.hf.verify import VERIFY_TOLERANCE
 TOL: dict[str, float] = {
     # Packed path vs unpatched HF padded forward, fp32 model.
     "packed_vs_hf_fp32": VERIFY_TOLERANCE[torch.float32],
-    # Parameter gradients, packed vs padded, fp32 (relative to the gradient's max magnitude).
-    "grad_packed_vs_hf_fp32_rel": 1e-5,
+    # Parameter gradients, packed vs padded, fp32 (relative to the gradient's max magnitude): up to 1.4e-5 measured
+    # on a CPU with AMX (the GRPO twin loop's fourth step; a hybrid's dt_bias 1.1e-5), under 1e-5 on the others.
+    "grad_packed_vs_hf_fp32_rel": 2e-5,
     # bf16 model: fused head vs fp32-logit reference from the same bf16 hidden states.
     "fused_head_bf16_vs_fp32_logits": 1e-4,
     # Chunked kernel vs reference, fp32 inputs; gradients relative to their max magnitude.
