@@ -7,6 +7,7 @@ through ``head_dim`` where the config has it and through a hidden size of 128 wh
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -71,8 +72,17 @@ def start_engine(directory: str, dtype: str = "float32", **kwargs: Any) -> Any:
 
     options = dict(dtype=dtype, enforce_eager=True, max_model_len=256, skip_tokenizer_init=True, seed=0,
                    logprobs_mode="processed_logprobs", kv_cache_memory_bytes=KV_CACHE_BYTES)
+    if dtype == "float32" and _uses_mla(directory):
+        # On a CPU with AMX vLLM prefers its AMX MLA kernel, which takes 16-bit weights only: the reference one
+        options["attention_backend"] = "CPU_MLA"
     options.update(kwargs)
     return LLM(model=directory, **options)
+
+
+def _uses_mla(directory: str) -> bool:
+    """Whether the saved model's attention is multi-head latent attention (a ``kv_lora_rank`` in its config)."""
+    with open(os.path.join(directory, "config.json")) as f:
+        return bool(json.load(f).get("kv_lora_rank"))
 
 
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int, vocab: int = 131) -> float:
