@@ -20,13 +20,14 @@ one in which no compiled graph ran (Dynamo ran the layer's Python: past its reco
 counts under ``EAGER_FALLBACK_TRACE_KEY``, and the call is refused.
 
 Checkpointed inside its graph: a compiled layer that a call fully checkpoints (``InGraphCheckpoint``, set by
-``hf.features.checkpointing``) runs a second compilation, of its forward under torch's non-reentrant checkpoint,
-traced whole (``fullgraph``). AOTAutograd's partitioner then saves only the layer's inputs and recomputes in the
-backward graph exactly what backward needs, fused with it: not the MLP's down projection, whose output only feeds
-the residual sum (a quarter of a dense layer's forward FLOPs), which torch's checkpoint around the compiled layer
-runs again. Each such call counts under ``CHECKPOINTED_IN_GRAPH_KEY``. Where the layer's forward does not trace
-whole (a graph break: Ulysses, attention outside the graph), the class's layers take torch's checkpoint around the
-compiled forward instead, with one warning, and count under ``CHECKPOINTED_AROUND_KEY``.
+``hf.features.checkpointing``) runs a second compilation, of its forward under torch's non-reentrant checkpoint with
+every op marked to be recomputed, traced whole (``fullgraph``). AOTAutograd's partitioner then saves only the
+layer's inputs and recomputes in the backward graph exactly what backward needs, fused with it: not the MLP's down
+projection, whose output only feeds the residual sum (a quarter of a dense layer's forward FLOPs), which torch's
+checkpoint around the compiled layer runs again. Each such call counts under ``CHECKPOINTED_IN_GRAPH_KEY``. Where the
+layer's forward does not trace whole (a graph break: Ulysses, attention outside the graph), the class's layers take
+torch's checkpoint around the compiled forward instead, with one warning, and count under
+``CHECKPOINTED_AROUND_KEY``.
 
 Where: CUDA, 16-bit weights, Triton present; elsewhere (CPU, fp32) nothing is installed and the path is the
 eager one, unchanged. Within bf16 rounding of the eager layer, not bitwise (Inductor reduces in another order); as
