@@ -7,6 +7,7 @@ activation offload; ``"auto"`` fits a budget per layer; the self-check proves th
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -323,6 +324,35 @@ def test_auto_offers_gate_up_on_compiled_layers_with_quack_mlps():
     small = {(i, "none"): float(preact + 8) for i in range(8)}
     assert plan_layer_modes(CheckpointPlan("auto", base + 3 * (preact + 8) * tokens), [True] * 8, shape, config,
                             small).count("full") == 0
+
+
+def test_a_compiled_full_layer_costs_its_forward_without_the_down_projection(monkeypatch):
+    """A compiled dense layer fully checkpointed inside its graph redoes its forward but the MLP's down projection
+    (``2 d I`` FLOPs per token); an MoE layer's experts need their outputs (the routing weights' gradient), so it
+    redoes all. The planner prices a compiled layer's full recompute that way, so it trades gate/up layers for full
+    and kept ones where that redoes less; priced as a whole forward (as torch's checkpoint around the compiled layer
+    redoes) the same budget plans more gate/up layers."""
+    import actorcore.hf.features.checkpointing as checkpointing
+
+    dense = build_tiny_model("llama", num_hidden_layers=8).config
+    d, inner = dense.hidden_size, dense.intermediate_size
+    assert layer_forward_flops(dense, 100.0) - layer_forward_flops(dense, 100.0, down_projection=False) == 2 * d * inner
+    moe = build_tiny_model("qwen3_moe").config
+    assert layer_forward_flops(moe, 100.0, down_projection=False) == layer_forward_flops(moe, 100.0)
+    # The Qwen2.5-1.5B shape's widths and measured bytes per token (kept whole, kept but for gate/up), 31K tokens.
+    shape_15b = SimpleNamespace(hidden_size=1536, num_attention_heads=12, head_dim=128, num_key_value_heads=2,
+                                intermediate_size=8960)
+    layers, tokens = 28, 31000
+    measured = {(i, mode): kb * 1e3 for i in range(layers) for mode, kb in (("none", 51.8), ("gate_up", 14.2))}
+    shape = CallShape(tokens, 2, 6.16e9, 1500.0, (8960,) * layers, 151936 * 1536 * 2)
+    plan = CheckpointPlan("auto", 40 * 2**30)
+    priced = plan_layer_modes(plan, [True] * layers, shape, shape_15b, measured)
+    whole = checkpointing.layer_forward_flops
+    monkeypatch.setattr(checkpointing, "layer_forward_flops", lambda config, context, down_projection=True:
+                        whole(config, context))
+    as_whole_forwards = plan_layer_modes(plan, [True] * layers, shape, shape_15b, measured)
+    assert priced.count("gate_up") < as_whole_forwards.count("gate_up"), (priced, as_whole_forwards)
+    assert priced.count("none") > as_whole_forwards.count("none"), (priced, as_whole_forwards)
 
 
 def test_gate_up_layers_run_uncheckpointed_and_bitwise(monkeypatch):
