@@ -195,6 +195,43 @@ def test_full_checkpoint_runs_inside_the_compiled_graph():
 
 
 @pytest.mark.slow
+def test_a_transformers_layer_checkpoints_inside_its_graph():
+    """A transformers decoder layer (Qwen3, q/k norms, its own SDPA attention) under ``InGraphCheckpoint`` traces
+    whole: the hub-kernel wrappers newer transformers put on attention modules set and reset a context variable in
+    forward, a side effect the compiled checkpoint is told to make once. Output and gradients as the eager layer's."""
+    from actorcore.hf.call import TRACE_KWARG, TraceRef
+
+    model = build_tiny_model("qwen3", seed=2, attn_implementation="sdpa").train()
+    layer = model.model.layers[0]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 21, model.config.hidden_size, generator=g, requires_grad=True)
+    position_ids = torch.arange(21)[None]
+    plain = dict(position_embeddings=model.model.rotary_emb(x, position_ids), attention_mask=None,
+                 position_ids=position_ids)
+
+    def grads(out):
+        out = out[0] if isinstance(out, tuple) else out
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        out.backward(torch.ones_like(out))
+        return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+    want = grads(layer(x, **plain))
+    trace = Counter()
+    compiled_decoder.compiled_forward.cache_clear()
+    try:
+        kwargs = dict(plain, **{compiled_decoder.COMPILED_KWARG: True, TRACE_KWARG: TraceRef(trace)})
+        got = grads(compiled_decoder.InGraphCheckpoint(layer)(functools.partial(CompiledLayerForward(layer), **kwargs),
+                                                              x))
+        assert compiled_decoder.in_graph_refusal(layer) is None
+    finally:
+        compiled_decoder.compiled_forward.cache_clear()
+    assert trace[compiled_decoder.CHECKPOINTED_IN_GRAPH_KEY] == 1, dict(trace)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL_FP32)
+
+
+@pytest.mark.slow
 def test_full_checkpoint_of_a_layer_that_does_not_trace_whole(monkeypatch, caplog):
     """``checkpointing="full"`` on compiled layers whose forward does not trace as one graph (on the CPU the packed
     attention leaves the graph): the first call finds it, warns once and checkpoints those layers with torch's
