@@ -237,7 +237,7 @@ def test_full_checkpoint_of_a_layer_that_does_not_trace_whole(monkeypatch, caplo
     attention leaves the graph): the first call finds it, warns once and checkpoints those layers with torch's
     checkpoint around the compiled layer, under the call's attention switch in the recompute too; per token and
     gradient element as the eager path; the trace counts each layer checkpointed around its graph, and the plan's
-    check holds."""
+    check holds; bypassed, the call raises."""
     monkeypatch.setattr(compiled_decoder, "compile_refusal", lambda model: None)
     model = build_tiny_model("llama", seed=3).train()
     layers, batch = model.config.num_hidden_layers, seeded_batch()
@@ -258,6 +258,14 @@ def test_full_checkpoint_of_a_layer_that_does_not_trace_whole(monkeypatch, caplo
             assert trace[COMPILED_TRACE_KEY] == 2 * layers  # the forward and torch's recompute of it
         assert caplog.text.count("cannot be checkpointed inside its graph") == 1, caplog.text
         assert compiled_decoder.in_graph_refusal(model.model.layers[0]) is not None
+        # Negative control: layers whose checkpoint function is bypassed (run plainly) make the call raise.
+        monkeypatch.setattr(compiled_decoder.InGraphCheckpoint, "__call__", lambda self, fn, *args, **kwargs:
+                            fn(*args, **kwargs))
+        handle = ac.patch_model(model, compiled_decoder=True, checkpointing="full")
+        with pytest.raises(PatchNotAppliedError, match="fully checkpointed compiled decoder layers .* ran without a "
+                                                       "checkpoint"):
+            ac.compute_logprobs(model, batch)
+        handle.revert()
     finally:
         compiled_decoder.compiled_forward.cache_clear()
 
