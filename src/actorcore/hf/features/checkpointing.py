@@ -224,11 +224,12 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
     Under ``"auto"`` the plan redoing the least forward work within the budget (``cheapest_plan``): a ``"gate_up"``
     layer redoes its gate/up GEMM, a ``"full"`` one its forward (a compiled dense layer, checkpointed inside its graph,
     all but its down projection). ``measured``: bytes per token that layer ``i`` was measured to keep in mode ``m``
-    beyond a checkpointed layer (``LayerBytesMeter``, earlier calls), used in place of the estimate from the config. ``offloaded`` (activation offload): K, the leading layers whose checkpointed
-    input moves to the host, or ``"auto"``, every layer this plan fully checkpoints (the leading ones). Their inputs
-    are not counted on the GPU but for ``OFFLOAD_IN_FLIGHT`` of them; under K ``"auto"`` keeps no fused layer among
-    the K (a compiled layer kept whole has no checkpointed input to move; a selective one has), under ``"auto"`` a
-    layer's input counts with what it keeps, since only a full layer's moves."""
+    beyond a checkpointed layer (``LayerBytesMeter``, earlier calls), used in place of the estimate from the config.
+    ``offloaded`` (activation offload): K, the leading layers whose checkpointed input moves to the host, or
+    ``"auto"``, every layer this plan fully checkpoints (the leading ones). Their inputs are not counted on the GPU but
+    for ``OFFLOAD_IN_FLIGHT`` of them; under K ``"auto"`` keeps no fused layer among the K (a compiled layer kept whole
+    has no checkpointed input to move; a selective one has), under ``"auto"`` a layer's input counts with what it
+    keeps, since only a full layer's moves."""
     kept = ["none" if f else "selective" for f in fused]
     if plan.mode == "full":
         return ["full"] * len(fused)

@@ -220,9 +220,13 @@ class _Kept:
         self.tensor = tensor
 
 
-def _storage(tensor: torch.Tensor) -> int:
-    """The address of the storage a tensor views (a parameter's or a view's of the hidden states alike)."""
-    return tensor.untyped_storage().data_ptr()
+def _storage(tensor: torch.Tensor) -> int | None:
+    """The address of the storage a tensor views (a parameter's or a view's of the hidden states alike); None for a
+    tensor subclass without one of its own (a DTensor: never moved)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _spans(nbytes: int, chunks: list[HostChunk]) -> Iterator[tuple[int, int, HostChunk]]:
@@ -244,7 +248,7 @@ class ActivationOffloader:
         self.pool = pool
         self.layers: list[list[weakref.ref]] = []
         self.offloading: list[bool] = []
-        self.inputs: list[set[int]] = []  # per layer: the storages of its positional inputs
+        self.inputs: list[set[int | None]] = []  # per layer: the storages of its positional inputs
         self.streams: dict[torch.device, Any] = {}
 
     @contextlib.contextmanager
@@ -253,7 +257,7 @@ class ActivationOffloader:
         views the storage of a tensor among ``inputs`` (the layer's positional inputs) moves if ``offload``."""
         self.layers.append([])
         self.offloading.append(offload)
-        self.inputs.append({_storage(t) for t in inputs if isinstance(t, torch.Tensor)})
+        self.inputs.append({_storage(t) for t in inputs if isinstance(t, torch.Tensor)} - {None})
         self.trace[OFFLOAD_LAYERS if offload else OFFLOAD_KEPT] += 1
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield
