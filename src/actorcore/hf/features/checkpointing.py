@@ -50,7 +50,8 @@ from actorcore.archs import text_config
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import UNCHECKPOINTED_MODES, DecoderCall
 from actorcore.hf.features.base import DecoderFeature
-from actorcore.hf.features.compiled_decoder import CHECKPOINTED_AROUND_KEY, CHECKPOINTED_IN_GRAPH_KEY, InGraphCheckpoint
+from actorcore.hf.features.compiled_decoder import (CHECKPOINTED_AROUND_KEY, CHECKPOINTED_IN_GRAPH_KEY,
+                                                     InGraphCheckpoint, compiled_layers)
 from actorcore.hf.features.plan import FeatureOption, PlanFacts
 from actorcore.hf.features.moe_experts import is_standard_experts
 from actorcore.hf.features.swiglu_mlp import gate_up_recomputed, quack_mlps
@@ -396,13 +397,6 @@ def allocated_bytes_counter(device: torch.device) -> Callable[[], int] | None:
     return functools.partial(torch.cuda.memory_allocated, device)
 
 
-def compiled_in_call(call: DecoderCall) -> frozenset[int]:
-    """The layers that run compiled in this call (none where the compiled decoder stands down)."""
-    if "compiled_decoder" in call.standing_down:
-        return frozenset()
-    return frozenset(call.patch.targets("compiled_decoder"))
-
-
 class CheckpointingOption(FeatureOption):
     """``checkpointing`` and its budget ``memory_budget_gib``: a ``CheckpointPlan`` or None."""
 
@@ -448,7 +442,7 @@ class Checkpointing(DecoderFeature):
         param = next(call.model.parameters())
         allocated_now = allocated_bytes_counter(param.device)
         allocated = allocated_now() if allocated_now is not None else 0
-        fused = compiled_in_call(call)
+        fused = compiled_layers(call)
         tokens = call.batch.num_tokens // call.sp_size  # this rank's shard
         config = text_config(call.model.config)
         plan, measured = call.patch.value("checkpointing"), call.patch.measured_layer_bytes
@@ -485,7 +479,7 @@ class Checkpointing(DecoderFeature):
 
     def check(self, call: DecoderCall) -> None:
         check_selective_ran(call.ran(SELECTIVE_TRACE_KEY), call.checkpoint_modes.count("selective"), call.model_name)
-        fused = compiled_in_call(call)
+        fused = compiled_layers(call)
         full_fused = sum(mode == "full" and i in fused for i, mode in enumerate(call.checkpoint_modes))
         check_fused_checkpointed(call.ran(CHECKPOINTED_IN_GRAPH_KEY) + call.ran(CHECKPOINTED_AROUND_KEY), full_fused,
                                  call.model_name)

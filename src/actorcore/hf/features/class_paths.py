@@ -20,7 +20,7 @@ import torch
 from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import DecoderCall, TraceRef
 from actorcore.hf.features.base import DecoderFeature, patch_trace_bound
-from actorcore.hf.features.compiled_decoder import CompiledDecoder
+from actorcore.hf.features.compiled_decoder import compiled_layers
 from actorcore.hf.features.plan import STANDS_DOWN
 
 TRACE_ATTR = "_actorcore_path_trace"  # the patch's trace slot, on each installed module
@@ -92,9 +92,8 @@ def modules_that_ran(call: DecoderCall, names: tuple[str, ...], key: str,
     """``(how many of the installed modules ran the path, {name: why} of those no longer on it)``: counted by their
     eager runs under ``key``, or lying inside a layer the compiled decoder ran compiled; ``bypassed(module)`` says
     why a module no longer takes the path (None: it does)."""
-    decoder, in_fused = call.parts.decoder, set()
-    if CompiledDecoder().active(call):
-        in_fused = names_inside(decoder, [call.parts.layers[i] for i in call.patch.targets("compiled_decoder")], names)
+    decoder, fused = call.parts.decoder, compiled_layers(call)
+    in_fused = names_inside(decoder, [call.parts.layers[i] for i in sorted(fused)], names) if fused else set()
     reasons = {name: bypassed(decoder.get_submodule(name)) for name in names}
     return call.ran(key) + len(in_fused), {name: why for name, why in reasons.items() if why is not None}
 

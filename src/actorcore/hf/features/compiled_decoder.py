@@ -475,3 +475,10 @@ class CompiledDecoder(DecoderFeature):
                 "ran them uncompiled (past torch._dynamo.config.recompile_limit, here at least "
                 f"{VARIANTS_LIMIT} variants of one layer class, or a frame Dynamo skipped; its log says "
                 "which); refusing to continue unfused. Raise the limit, or pass compiled_decoder=False")
+
+
+def compiled_layers(call: DecoderCall) -> frozenset[int]:
+    """The decoder layers that run compiled in this call (none where the compiled decoder is off or stands down)."""
+    if not CompiledDecoder().active(call):
+        return frozenset()
+    return frozenset(call.patch.targets("compiled_decoder"))
