@@ -82,7 +82,7 @@ def test_full_checkpoint_inside_the_compiled_graph(model_type):
     forward instead, and counted so. The dense and MoE families whose attention goes into the graph stay inside."""
     pytest.importorskip("triton")
     from actorcore.hf.features.compiled_decoder import (CHECKPOINTED_AROUND_KEY, CHECKPOINTED_IN_GRAPH_KEY,
-                                                        COMPILED_TRACE_KEY)
+                                                        COMPILED_TRACE_KEY, in_graph_refusal)
     from actorcore.hf.patch import patch_state
 
     model = build_tiny_model(model_type, seed=1, dtype=torch.bfloat16).cuda().train()
@@ -96,7 +96,7 @@ def test_full_checkpoint_inside_the_compiled_graph(model_type):
     _compare(eager, step(model, batch, trace))
     in_graph, around = trace[CHECKPOINTED_IN_GRAPH_KEY], trace[CHECKPOINTED_AROUND_KEY]
     print(model_type, "checkpointed in graph:", in_graph, "around:", around, "compiled calls:",
-          trace[COMPILED_TRACE_KEY])
+          trace[COMPILED_TRACE_KEY], "why around:", {in_graph_refusal(layer) for layer in model.model.layers} - {None})
     assert in_graph + around == compiled_layers
     assert trace[COMPILED_TRACE_KEY] == compiled_layers + around  # torch's recompute calls the layer again
     if model_type in ("llama", "qwen3", "qwen3_moe"):

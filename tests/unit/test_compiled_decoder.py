@@ -195,14 +195,19 @@ def test_full_checkpoint_runs_inside_the_compiled_graph():
 
 
 @pytest.mark.slow
-def test_a_transformers_layer_checkpoints_inside_its_graph():
-    """A transformers decoder layer (Qwen3, q/k norms, its own SDPA attention) under ``InGraphCheckpoint`` traces
-    whole: the hub-kernel wrappers newer transformers put on attention modules set and reset a context variable in
-    forward, a side effect the compiled checkpoint is told to make once. Output and gradients as the eager layer's."""
+@pytest.mark.parametrize("model_type", ["qwen3", "glm4_moe", "qwen3_moe"])
+def test_a_transformers_layer_checkpoints_inside_its_graph(model_type):
+    """A transformers decoder layer (Qwen3, q/k norms, its own SDPA attention; the MoE layer of glm4_moe, with its
+    grouped routing and shared expert, and of qwen3_moe, on the model's own grouped experts) under
+    ``InGraphCheckpoint`` traces whole: the hub-kernel wrappers newer transformers put on attention modules set and
+    reset a context variable in forward, a side effect the compiled checkpoint is told to make once. Output and
+    gradients as the eager layer's."""
     from actorcore.hf.call import TRACE_KWARG, TraceRef
 
-    model = build_tiny_model("qwen3", seed=2, attn_implementation="sdpa").train()
-    layer = model.model.layers[0]
+    model = build_tiny_model(model_type, seed=2, attn_implementation="sdpa").train()
+    moe = [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert bool(moe) == (model_type != "qwen3")
+    layer = (moe or model.model.layers)[0]
     g = torch.Generator().manual_seed(4)
     x = torch.randn(1, 21, model.config.hidden_size, generator=g, requires_grad=True)
     position_ids = torch.arange(21)[None]
