@@ -331,7 +331,7 @@ def test_a_compiled_full_layer_costs_its_forward_without_the_down_projection(mon
     (``2 d I`` FLOPs per token); an MoE layer's experts need their outputs (the routing weights' gradient), so it
     redoes all. The planner prices a compiled layer's full recompute that way, so it trades gate/up layers for full
     and kept ones where that redoes less; priced as a whole forward (as torch's checkpoint around the compiled layer
-    redoes) the same budget plans more gate/up layers."""
+    redoes, and as a layer whose class falls back to that is priced) the same budget plans more gate/up layers."""
     import actorcore.hf.features.checkpointing as checkpointing
 
     dense = build_tiny_model("llama", num_hidden_layers=8).config
@@ -353,6 +353,10 @@ def test_a_compiled_full_layer_costs_its_forward_without_the_down_projection(mon
     as_whole_forwards = plan_layer_modes(plan, [True] * layers, shape, shape_15b, measured)
     assert priced.count("gate_up") < as_whole_forwards.count("gate_up"), (priced, as_whole_forwards)
     assert priced.count("none") > as_whole_forwards.count("none"), (priced, as_whole_forwards)
+    # Layers whose class falls back to torch's checkpoint around the graph are priced as whole forwards.
+    monkeypatch.undo()
+    around = plan_layer_modes(plan, [True] * layers, shape, shape_15b, measured, in_graph=[False] * layers)
+    assert around == as_whole_forwards
 
 
 def test_gate_up_layers_run_uncheckpointed_and_bitwise(monkeypatch):

@@ -51,7 +51,7 @@ from actorcore.errors import PatchNotAppliedError
 from actorcore.hf.call import UNCHECKPOINTED_MODES, DecoderCall
 from actorcore.hf.features.base import DecoderFeature
 from actorcore.hf.features.compiled_decoder import (CHECKPOINTED_AROUND_KEY, CHECKPOINTED_IN_GRAPH_KEY,
-                                                     InGraphCheckpoint, compiled_layers)
+                                                     InGraphCheckpoint, compiled_layers, in_graph_refusal)
 from actorcore.hf.features.plan import FeatureOption, PlanFacts
 from actorcore.hf.features.moe_experts import is_standard_experts
 from actorcore.hf.features.swiglu_mlp import gate_up_recomputed, quack_mlps
@@ -216,17 +216,19 @@ def planned_shape(model: Any, layers: list[torch.nn.Module], shape: CallShape) -
 
 
 def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, config: Any,
-                     measured: dict[tuple[int, str], float] | None = None, offloaded: int | str = 0) -> list[str]:
+                     measured: dict[tuple[int, str], float] | None = None, offloaded: int | str = 0,
+                     in_graph: list[bool] | None = None) -> list[str]:
     """Each layer's mode for one call: ``"full"``, ``"selective"``, ``"none"`` (a compiled layer under ``"auto"``,
     kept whole: its compiled graph keeps the matmul outputs and recomputes its pointwise work) or ``"gate_up"`` (a
     compiled layer with quack's gated MLP kept whole but for the MLP's ``[T, 2I]`` gate/up output, which its backward
     makes again: ``swiglu_mlp.gate_up_recomputed``).
 
     Under ``"auto"`` the plan redoing the least forward work within the budget (``cheapest_plan``): a ``"gate_up"``
-    layer redoes its gate/up GEMM, a ``"full"`` one its forward (a compiled dense layer, checkpointed inside its graph,
-    all but its down projection). ``measured``: bytes per token that layer ``i`` was measured to keep in mode ``m``
-    beyond a checkpointed layer (``LayerBytesMeter``, earlier calls), used in place of the estimate from the config.
-    ``offloaded`` (activation offload): K, the leading layers whose checkpointed input moves to the host, or
+    layer redoes its gate/up GEMM, a ``"full"`` one its forward (a compiled dense layer checkpointed inside its graph,
+    all but its down projection; ``in_graph``: the layers that are, by default the compiled ones; a class that fell
+    back to torch's checkpoint around its graph redoes it whole). ``measured``: bytes per token that layer ``i`` was
+    measured to keep in mode ``m`` beyond a checkpointed layer (``LayerBytesMeter``, earlier calls), used in place of
+    the estimate from the config. ``offloaded`` (activation offload): K, the leading layers whose checkpointed input moves to the host, or
     ``"auto"``, every layer this plan fully checkpoints (the leading ones). Their inputs are not counted on the GPU but
     for ``OFFLOAD_IN_FLIGHT`` of them; under K ``"auto"`` keeps no fused layer among the K (a compiled layer kept whole
     has no checkpointed input to move; a selective one has), under ``"auto"`` a layer's input counts with what it
@@ -241,7 +243,7 @@ def plan_layer_modes(plan: CheckpointPlan, fused: list[bool], shape: CallShape, 
     measured, tokens, element = measured or {}, shape.tokens, shape.element_bytes
     widths = shape.gate_up_widths or (0,) * len(fused)
     per_layer = [layer_bytes_per_token(config, element, f) for f in fused]
-    full_cost = [layer_forward_flops(config, shape.context, down_projection=not f) for f in fused]
+    full_cost = [layer_forward_flops(config, shape.context, down_projection=not g) for g in in_graph or fused]
     follow = offloaded == "auto"
     moved = len(fused) if follow else min(int(offloaded), len(fused))
     keep_options, partial_options, whole = [], [], []
@@ -450,10 +452,12 @@ class Checkpointing(DecoderFeature):
         widths = tuple(sum(mlp.gate_proj.out_features for mlp in quack_mlps(layer)) if i in fused else 0
                        for i, layer in enumerate(layers)) if plan.mode == "auto" else ()
         shape = CallShape(tokens, param.element_size(), allocated, mean_context(call.batch.cu_seqlens), widths)
+        in_graph = None  # which compiled layers a full checkpoint goes inside of: priced under "auto" only
         if plan.mode == "auto":
             shape = planned_shape(call.model, layers, shape)
+            in_graph = [i in fused and in_graph_refusal(layer) is None for i, layer in enumerate(layers)]
         call.checkpoint_modes = plan_layer_modes(plan, [i in fused for i in range(len(layers))], shape, config,
-                                                 measured, call.patch.value("offload_activations"))
+                                                 measured, call.patch.value("offload_activations"), in_graph)
         if plan.mode == "auto":
             logger.debug("checkpointing='auto': %d tokens, %.2f GiB allocated, %.2f GiB of FSDP2 copies beside them, "
                          "layer modes %s", tokens, shape.allocated_bytes / 2**30, shape.fsdp_bytes / 2**30,
